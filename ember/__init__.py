@@ -1,0 +1,50 @@
+"""ember: a compiler backend for PyTorch programs.
+
+    model = torch.compile(model, backend="ember")          # or ember.compile(model)
+    report = ember.explain(fn, *args)                        # what ember made of fn
+
+Settings live in `ember.config` (env EMBER_<NAME>, `options={...}`, `config.override`).
+Importing ember is cheap: the compiler loads its stages on first compile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ember import config
+from ember.config import ConfigError
+
+__all__ = ["compile", "explain", "config", "ConfigError"]
+__version__ = "0.1.0"
+
+
+def compile(
+    model: Callable | None = None,
+    *,
+    mode: str | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    options: dict[str, Any] | None = None,
+) -> Callable:
+    """`torch.compile(model, backend="ember", ...)`; ember settings go in `options`."""
+    import torch
+
+    from ember.frontend.backend import ember_backend
+
+    if options:
+        config.validate(dict(options), "ember.compile options")
+
+    def backend(gm, example_inputs):
+        return ember_backend(gm, example_inputs, mode=mode, options=options)
+
+    def wrap(fn):
+        return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+
+    return wrap if model is None else wrap(model)
+
+
+def explain(fn: Callable, *args: Any, **kwargs: Any):
+    """Compile and run `fn(*args, **kwargs)` once (and its backward, if it has one); report what ember did."""
+    from ember.tools.explain import explain as _explain
+
+    return _explain(fn, *args, **kwargs)

@@ -1,0 +1,1 @@
+"""Backends: per device, the toolchain stages from generated source to something callable."""

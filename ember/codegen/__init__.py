@@ -1,0 +1,1 @@
+"""Code generation: kernel source per target language, and the host program."""

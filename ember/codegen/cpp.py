@@ -1,0 +1,193 @@
+"""Render kernels as C++ with OpenMP: one translation unit per graph.
+
+Outer loop dims become nested loops; the outermost ones are shared among threads with
+`omp parallel for` (collapsed), the innermost of a pointwise kernel is an `omp simd` loop
+over contiguous memory when dimension merging left it so. Each reduction phase is a loop
+nest over the reduce dims inside the row. bfloat16 is stored as uint16_t and converted with
+round-to-nearest-even; float16 uses the compiler's _Float16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ember.codegen.render import Renderer, print_index
+from ember.ir import dtypes, ops
+from ember.ir.sizes import product
+from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore
+
+CPP_DTYPE = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.bfloat16: "uint16_t",
+    torch.float16: "_Float16",
+    torch.int64: "int64_t",
+    torch.int32: "int32_t",
+    torch.int16: "int16_t",
+    torch.int8: "int8_t",
+    torch.uint8: "uint8_t",
+    torch.bool: "bool",
+}
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float ember_bf16_to_f32(uint16_t h) {
+    uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+static inline uint16_t ember_f32_to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    return static_cast<uint16_t>(bits >> 16);
+}
+template <class T> static inline T ember_maximum(T a, T b) { return (a > b || a != a) ? a : b; }
+template <class T> static inline T ember_minimum(T a, T b) { return (a < b || a != a) ? a : b; }
+"""
+
+_UPDATE = {
+    "sum": "{acc} = {acc} + {v};",
+    "prod": "{acc} = {acc} * {v};",
+    "max": "{acc} = ember_maximum({acc}, {v});",
+    "min": "{acc} = ember_minimum({acc}, {v});",
+}
+# Work below which a kernel runs on one thread (thread start-up costs more than it saves).
+PARALLEL_THRESHOLD = 32768
+
+
+class CppRenderer(Renderer):
+    persistent = False
+
+    def const(self, node: KConst) -> str:
+        v, dt = node.value, node.dtype
+        if dt == torch.bool:
+            return "true" if v else "false"
+        if dt == torch.bfloat16:
+            return f"ember_f32_to_bf16({self._float_literal(float(v), torch.float32)})"
+        if dt.is_floating_point:
+            return self._float_literal(float(v), dt)
+        return f"static_cast<{CPP_DTYPE[dt]}>({int(v)}LL)"
+
+    @staticmethod
+    def _float_literal(v: float, dt: torch.dtype) -> str:
+        t = CPP_DTYPE[dt] if dt != torch.bfloat16 else "float"
+        if math.isnan(v):
+            return f"static_cast<{t}>(NAN)"
+        if math.isinf(v):
+            return f"static_cast<{t}>({'' if v > 0 else '-'}INFINITY)"
+        return f"static_cast<{t}>({v!r})"
+
+    def index_of(self, expr) -> str:
+        return print_index(self.kernel.index(expr), "/")
+
+    def define(self, name: str, node: KNode) -> None:
+        t = CPP_DTYPE[node.dtype]
+        if isinstance(node, KLoad):
+            self.emit(f"{t} {name} = {self.buffer_name(node.buffer)}[{self.index_of(node.index)}];")
+        elif isinstance(node, KIndex):
+            self.emit(f"{t} {name} = {print_index(node.expr, '/')};")
+        elif isinstance(node, KConvert):
+            self.emit(f"{t} {name} = {self._convert(self.ref(node.arg), node.arg.dtype, node.dtype)};")
+        elif isinstance(node, KOp):
+            expr = ops.POINTWISE[node.fn].cpp.format(*[self.ref(a) for a in node.operands])
+            self.emit(f"{t} {name} = static_cast<{t}>({expr});")
+        else:
+            raise NotImplementedError(type(node).__name__)
+
+    @staticmethod
+    def _convert(x: str, src: torch.dtype, dst: torch.dtype) -> str:
+        if src == torch.bfloat16:
+            x, src = f"ember_bf16_to_f32({x})", torch.float32
+            if dst == torch.float32:
+                return x
+        if dst == torch.bfloat16:
+            return f"ember_f32_to_bf16(static_cast<float>({x}))"
+        if dst == torch.bool:
+            return f"({x} != 0)"
+        return f"static_cast<{CPP_DTYPE[dst]}>({x})"
+
+    def emit_store(self, store: KStore) -> None:
+        self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
+
+    # -- loops -------------------------------------------------------------------------------
+    def _dims(self, reduce: bool):
+        k = self.kernel
+        return [(v, s) for v, s, r in zip(k.index_vars, k.loop_sizes, k.loop_reduce) if r == reduce]
+
+    def open_phase(self, phase: int) -> None:
+        dims = self._dims(reduce=True)
+        self._reduce_simd = len(dims) == 1 and all(r.kind == "sum" for r in self._phase_reduces(phase))
+        for pos, (v, s) in enumerate(dims):
+            if pos == len(dims) - 1 and self._reduce_simd:
+                accs = [self._acc_names[id(r)] for r in self._phase_reduces(phase)]
+                clause = f" reduction(+:{', '.join(accs)})" if accs else ""
+                self.emit(f"#pragma omp simd{clause}")
+            self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
+            self.indent += 1
+        self._open = len(dims)
+
+    def _phase_reduces(self, phase):
+        return [r for r in self.kernel.reduces if r.phase == phase]
+
+    def close_phase(self) -> None:
+        for _ in range(self._open):
+            self.indent -= 1
+            self.emit("}")
+
+    def reduce_init(self, acc: str, r: KReduce) -> None:
+        self._acc_names[id(r)] = acc
+        ident = dtypes.reduction_identity(r.kind, r.dtype)
+        self.emit(f"{CPP_DTYPE[r.dtype]} {acc} = {self.const(KConst(r.dtype, False, 0, ident))};")
+
+    def reduce_update(self, acc: str, r: KReduce) -> None:
+        self.emit(_UPDATE[r.kind].format(acc=acc, v=self.ref(r.arg)))
+
+    def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
+        self.emit(f"{CPP_DTYPE[r.dtype]} {name} = {acc};")
+
+    def render(self) -> str:
+        self._acc_names: dict[int, str] = {}
+        k = self.kernel
+        args = []
+        for p in self.params:
+            if p.kind == "buffer":
+                const = "" if p.written else "const "
+                args.append(f"{const}{CPP_DTYPE[p.value.dtype]}* __restrict__ {p.name}")
+            else:
+                args.append(f"int64_t {p.name}")
+        self.emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
+        self.indent += 1
+        outer = self._dims(reduce=False)
+        work = print_index(product(k.loop_sizes), "/")
+        is_pointwise = not any(k.loop_reduce)
+        if outer:
+            collapse = len(outer) - 1 if is_pointwise and len(outer) > 1 else len(outer)
+            simd = " simd" if is_pointwise and len(outer) == 1 else ""
+            collapse_clause = f" collapse({collapse})" if collapse > 1 else ""
+            if collapse >= 1:
+                self.emit(f"#pragma omp parallel for{simd}{collapse_clause} if({work} > {PARALLEL_THRESHOLD})")
+            for pos, (v, s) in enumerate(outer):
+                if is_pointwise and pos == len(outer) - 1 and len(outer) > 1:
+                    self.emit("#pragma omp simd")
+                self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
+                self.indent += 1
+        self.body()
+        for _ in outer:
+            self.indent -= 1
+            self.emit("}")
+        self.indent -= 1
+        self.emit("}")
+        return "\n".join(self.lines)
+
+
+def render_cpp(kernel: Kernel) -> tuple[str, list]:
+    r = CppRenderer(kernel)
+    return r.render(), r.params

@@ -1,0 +1,233 @@
+"""The host program: Python source that runs one compiled graph.
+
+It binds symbolic sizes from the inputs, allocates each buffer (reusing a dead buffer of the
+same size, dtype and layout), launches kernels, calls externs, makes aliases, frees buffers
+after their last use and returns the outputs. Generating source rather than interpreting a
+step list keeps the per-call overhead to plain Python statements, and the program can be
+printed (EMBER_DEBUG=2) and read.
+
+How a kernel is launched is the backend's business: it passes `launch_line(kernel, args)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import sympy
+import torch
+
+from ember.codegen.render import print_index
+from ember.ir.graph import Value, layout_of
+from ember.ir.sizes import Expr
+from ember.schedule.fusion import AliasStep, ExternStep, KernelStep, Schedule
+
+
+class HostProgram:
+    def __init__(self, source: str, namespace: dict[str, Any]):
+        self.source = source
+        self.namespace = namespace
+        code = compile(source, "<ember host program>", "exec")
+        exec(code, namespace)
+        self.call: Callable = namespace["call"]
+
+
+def _fix_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
+    """Kernels index extern results with the strides the compile-time meta promised; enforce them."""
+    if all(st == want or sz <= 1 for sz, st, want in zip(t.shape, t.stride(), stride)):
+        return t
+    out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+class HostWriter:
+    def __init__(self, schedule: Schedule, launch_line: Callable[[Any, dict], str]):
+        self.schedule = schedule
+        self.graph = schedule.graph
+        self.launch_line = launch_line
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}  # Value.id -> Python variable
+        self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
+        self.device = self.graph.device
+        self.free_lines: dict[str, int] = {}
+        self.reused: set[str] = set()
+
+    def py(self, expr: Expr) -> str:
+        return print_index(sympy.sympify(expr), "//")
+
+    def constant(self, obj: Any) -> str:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return repr(obj) if not (isinstance(obj, float) and (obj != obj or obj in (float("inf"), -float("inf")))) else (
+                f"float('{obj}')"
+            )
+        name = f"c{len(self.ns)}"
+        self.ns[name] = obj
+        return name
+
+    def arg(self, x: Any) -> str:
+        if isinstance(x, Value):
+            return self.names[x.id]
+        if isinstance(x, sympy.Expr):
+            return self.py(x)
+        if isinstance(x, (list, tuple)):
+            inner = ", ".join(self.arg(a) for a in x)
+            return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
+        if isinstance(x, dict):
+            return "{" + ", ".join(f"{k!r}: {self.arg(v)}" for k, v in x.items()) + "}"
+        return self.constant(x)
+
+    def write(self) -> HostProgram:
+        g = self.graph
+        steps = self.schedule.steps
+        self.ns["device"] = self.device
+        self.lines.append("def call(args):")
+        params = []
+        for k, inp in enumerate(g.inputs):
+            name = f"a{k}"
+            params.append(name)
+            if isinstance(inp, Value):
+                self.names[inp.id] = name
+        if params:
+            self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
+        self._bind_symbols()
+        last_use = self._last_uses()
+        pinned = self._pinned()
+        pool: dict[tuple, list[str]] = {}
+        for pos, step in enumerate(steps):
+            if isinstance(step, KernelStep):
+                for v in step.kernel.writes:
+                    self._allocate(v, pool)
+                args = {"buffers": [self.names[v.id] for v in _kernel_buffers(step.kernel)]}
+                self.lines.append(f"    {self.launch_line(step.kernel, args)}")
+            elif isinstance(step, ExternStep):
+                self._extern(step)
+            elif isinstance(step, AliasStep):
+                name = f"v{step.value.id}"
+                self.names[step.value.id] = name
+                size = self.arg(list(step.value.shape))
+                self.lines.append(
+                    f"    {name} = torch.as_strided({self.names[step.base.id]}, {size}, "
+                    f"{self.arg(list(step.stride))}, {self.names[step.base.id]}.storage_offset() + {self.py(step.offset)})"
+                )
+            for v in [v for v, p in last_use.items() if p == pos]:
+                if v.id in self.names and v.node.op != "input" and v not in pinned:
+                    # Freed here; the line becomes `del` unless a later allocation takes the buffer.
+                    self.free_lines[self.names[v.id]] = len(self.lines)
+                    self.lines.append("")
+                    pool.setdefault(_layout_key(v), []).append(self.names[v.id])
+        for name, line in self.free_lines.items():
+            self.lines[line] = "" if name in self.reused else f"    del {name}"
+        self.lines = [ln for ln in self.lines if ln]
+        outs = ", ".join(self._output(o) for o in g.outputs)
+        self.lines.append(f"    return [{outs}]")
+        return HostProgram("\n".join(self.lines) + "\n", self.ns)
+
+    def _output(self, o: Any) -> str:
+        if isinstance(o, Value):
+            return self.names[o.id]
+        if isinstance(o, sympy.Expr):
+            return self.py(o)
+        return self.constant(o)
+
+    def _bind_symbols(self) -> None:
+        """Every size symbol, read off the first input that carries it."""
+        bound: set = set()
+        for k, inp in enumerate(self.graph.inputs):
+            if isinstance(inp, sympy.Symbol) and inp not in bound:
+                self.lines.append(f"    {inp.name} = a{k}")
+                bound.add(inp)
+        for k, inp in enumerate(self.graph.inputs):
+            if not isinstance(inp, Value):
+                continue
+            for d, size in enumerate(inp.shape):
+                if isinstance(size, sympy.Symbol) and size not in bound:
+                    self.lines.append(f"    {size.name} = a{k}.size({d})")
+                    bound.add(size)
+            for d, stride in enumerate(inp.stride or ()):
+                if isinstance(stride, sympy.Symbol) and stride not in bound:
+                    self.lines.append(f"    {stride.name} = a{k}.stride({d})")
+                    bound.add(stride)
+        needed = set()
+        for v in self.graph.values():
+            for e in list(v.shape) + list(v.stride or ()):
+                needed |= sympy.sympify(e).free_symbols
+        missing = needed - bound
+        if missing:
+            raise NotImplementedError(f"cannot bind sizes {sorted(map(str, missing))} from the graph inputs")
+
+    def _last_uses(self) -> dict[Value, int]:
+        last: dict[Value, int] = {}
+        for pos, step in enumerate(self.schedule.steps):
+            if isinstance(step, KernelStep):
+                used = list(step.kernel.reads) + step.kernel.writes
+            elif isinstance(step, ExternStep):
+                used = step.node.value_inputs() + step.node.outputs
+            else:
+                used = [step.base, step.value]
+            for v in used:
+                last[v] = pos
+        return last
+
+    def _pinned(self) -> set[Value]:
+        """Buffers never freed or reused: outputs, alias bases, and anything an extern may alias."""
+        pinned = {o for o in self.graph.outputs if isinstance(o, Value)}
+        for step in self.schedule.steps:
+            if isinstance(step, AliasStep):
+                pinned |= {step.base, step.value}
+            elif isinstance(step, ExternStep) and _may_alias(step.node):
+                pinned |= set(step.node.value_inputs()) | set(step.node.outputs)
+        return pinned
+
+    def _allocate(self, v: Value, pool: dict) -> None:
+        name = f"buf{v.id}"
+        self.names[v.id] = name
+        free = pool.get(_layout_key(v))
+        if free:
+            old = free.pop()
+            self.reused.add(old)
+            self.lines.append(f"    {name} = {old}; del {old}  # reuse")
+            return
+        self.lines.append(
+            f"    {name} = empty_strided({self.arg(list(v.shape))}, {self.arg(list(layout_of(v)))}, "
+            f"dtype={self.constant(v.dtype)}, device=device)"
+        )
+
+    def _extern(self, step: ExternStep) -> None:
+        node = step.node
+        target = self.constant(node.attrs["target"])
+        args, kwargs = self.arg(tuple(node.attrs["args"])), self.arg(node.attrs["kwargs"])
+        result = f"r{node.outputs[0].id}" if node.outputs else "_"
+        self.lines.append(f"    {result} = {target}(*{args}, **{kwargs})")
+        if node.attrs["tuple_result"]:
+            for pos, v in zip(node.attrs["output_positions"], node.outputs):
+                self._bind_extern_output(v, f"{result}[{pos}]")
+        elif node.outputs:
+            self._bind_extern_output(node.outputs[0], result)
+
+    def _bind_extern_output(self, v: Value, src: str) -> None:
+        name = f"buf{v.id}"
+        self.names[v.id] = name
+        self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
+
+
+def _may_alias(node) -> bool:
+    schema = getattr(node.attrs["target"], "_schema", None)
+    if schema is None:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def _layout_key(v: Value):
+    """Buffers are interchangeable when shape, layout and dtype are the same expressions."""
+    return (tuple(v.shape), tuple(layout_of(v)), v.dtype)
+
+
+def _kernel_buffers(kernel) -> list[Value]:
+    seen: dict[int, Value] = {}
+    for v in list(kernel.reads) + kernel.writes:
+        seen.setdefault(v.id, v)
+    return list(seen.values())
+
+
+def write_host(schedule: Schedule, launch_line) -> HostProgram:
+    return HostWriter(schedule, launch_line).write()

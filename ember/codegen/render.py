@@ -1,0 +1,184 @@
+"""What every kernel renderer shares: emission order over phases, naming, index printing.
+
+A kernel is emitted as:
+
+    for each row (outer loop dims; spread over threads / programs):
+        row-level values ready at phase 0, row-level stores
+        phase 0: loop over reduce dims: full values, reduction updates, full stores
+        finalize phase-0 reductions; row-level values that needed them; ...
+        phase 1: ...
+
+A language subclass renders single nodes and loop scaffolding. With `persistent=True` (Triton
+holding a whole row in registers) phases share one scope, so values computed in an early
+phase are reused, not recomputed, in later ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from ember.ir.sizes import IndexDiv, IndexMod
+from ember.schedule.kernel import KConst, KIndex, Kernel, KNode, KReduce, KStore, walk
+
+
+@dataclass
+class Param:
+    name: str
+    kind: str  # "buffer" | "size"
+    value: object  # the ember Value for buffers, the sympy symbol/expr for sizes
+    written: bool = False
+
+
+def print_index(expr, floordiv: str) -> str:
+    """Print an integer index expression; floordiv is '//' (Python/Triton) or '/' (C++)."""
+    expr = sympy.expand(expr) if not isinstance(expr, (IndexDiv, IndexMod)) else expr
+    if expr.is_Integer:
+        return str(int(expr))
+    if expr.is_Symbol:
+        return expr.name
+    if isinstance(expr, IndexDiv):
+        return f"({print_index(expr.args[0], floordiv)} {floordiv} {print_index(expr.args[1], floordiv)})"
+    if isinstance(expr, IndexMod):
+        return f"({print_index(expr.args[0], floordiv)} % {print_index(expr.args[1], floordiv)})"
+    if expr.is_Add:
+        terms = sorted(expr.args, key=sympy.default_sort_key)
+        return "(" + " + ".join(print_index(t, floordiv) for t in terms) + ")"
+    if expr.is_Mul:
+        return "(" + " * ".join(print_index(f, floordiv) for f in expr.args) + ")"
+    if expr.is_Pow and expr.exp.is_Integer and expr.exp > 0:
+        return "(" + " * ".join([print_index(expr.base, floordiv)] * int(expr.exp)) + ")"
+    raise NotImplementedError(f"index expression {expr}")
+
+
+class Renderer:
+    """Walks a kernel in emission order; subclasses render the pieces."""
+
+    persistent = False
+
+    def __init__(self, kernel: Kernel):
+        self.kernel = kernel
+        self.lines: list[str] = []
+        self.indent = 0
+        self.names: dict[int, str] = {}
+        self.counter = 0
+        self.nodes = walk(kernel)
+        self.params = self._params()
+
+    # -- parameters -----------------------------------------------------------------------
+    def _params(self) -> list[Param]:
+        params: list[Param] = []
+        seen: dict[int, Param] = {}
+        for v in self.kernel.reads:
+            seen[v.id] = Param(f"in_{v.name}", "buffer", v)
+            params.append(seen[v.id])
+        for v in self.kernel.writes:
+            if v.id in seen:
+                seen[v.id].written = True
+            else:
+                seen[v.id] = Param(f"out_{v.name}", "buffer", v, written=True)
+                params.append(seen[v.id])
+        for sym in self.kernel.size_symbols():
+            params.append(Param(sym.name, "size", sym))
+        return params
+
+    def buffer_name(self, value) -> str:
+        return next(p.name for p in self.params if p.kind == "buffer" and p.value is value)
+
+    # -- emission -------------------------------------------------------------------------
+    def emit(self, line: str = "") -> None:
+        self.lines.append("    " * self.indent + line if line else "")
+
+    def fresh(self, prefix: str = "tmp") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def ref(self, node: KNode) -> str:
+        if isinstance(node, KConst):
+            return self.const(node)
+        return self.names[id(node)]
+
+    def emit_node(self, node: KNode) -> None:
+        """Emit node (and any operands not yet emitted in this scope)."""
+        if id(node) in self.names or isinstance(node, KConst):
+            return
+        for a in node.args():
+            self.emit_node(a)
+        if isinstance(node, KReduce):
+            raise AssertionError("reductions are finalized by their phase, not emitted on demand")
+        name = self.fresh()
+        self.names[id(node)] = name
+        self.define(name, node)
+
+    def body(self) -> None:
+        """The per-row part of the kernel (inside the outer loops / program)."""
+        k = self.kernel
+        row_nodes = [n for n in self.nodes if not n.full and not isinstance(n, KReduce)]
+        for phase in range(k.num_phases + 1):
+            for n in row_nodes:
+                if n.ready == phase:
+                    self.emit_node(n)
+            for s in k.stores:
+                if not s.full and s.phase == phase:
+                    self.emit_store(s)
+            if phase == k.num_phases:
+                break
+            reduces = [r for r in k.reduces if r.phase == phase]
+            full_stores = [s for s in k.stores if s.full and s.phase == phase]
+            if not reduces and not full_stores:
+                continue
+            accs = {id(r): self.fresh("acc") for r in reduces}
+            for r in reduces:
+                self.reduce_init(accs[id(r)], r)
+            saved = dict(self.names)
+            self.open_phase(phase)
+            for r in reduces:
+                self.emit_node(r.arg)
+                self.reduce_update(accs[id(r)], r)
+            for s in full_stores:
+                self.emit_node(s.value)
+                self.emit_store(s)
+            self.close_phase()
+            if not self.persistent:
+                self.names = saved
+            for r in reduces:
+                name = self.fresh("red")
+                self.names[id(r)] = name
+                self.reduce_finalize(name, accs[id(r)], r)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def const(self, node: KConst) -> str:
+        raise NotImplementedError
+
+    def define(self, name: str, node: KNode) -> None:
+        raise NotImplementedError
+
+    def emit_store(self, store: KStore) -> None:
+        raise NotImplementedError
+
+    def open_phase(self, phase: int) -> None:
+        raise NotImplementedError
+
+    def close_phase(self) -> None:
+        raise NotImplementedError
+
+    def reduce_init(self, acc: str, r: KReduce) -> None:
+        raise NotImplementedError
+
+    def reduce_update(self, acc: str, r: KReduce) -> None:
+        raise NotImplementedError
+
+    def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
+        raise NotImplementedError
+
+    def index_of(self, node) -> str:
+        raise NotImplementedError
+
+
+def is_scalar(node: KNode) -> bool:
+    """Whether a node holds one value for the whole kernel (constants and size arithmetic)."""
+    if isinstance(node, (KConst, KIndex)):
+        return True
+    args = node.args()
+    return bool(args) and all(is_scalar(a) for a in args) and not isinstance(node, KReduce)

@@ -1,0 +1,290 @@
+"""Render a kernel as Triton source.
+
+Outer loop dims are flattened into `xindex` (XBLOCK per program); reduce dims into
+`rindex`, either held whole in registers (persistent: RBLOCK >= the row) or looped over in
+RBLOCK chunks. Loop variables are recovered from the flat indices with // and %, only
+where some index needs them. Block sizes come from a size-based heuristic (launch_config).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from ember import config
+from ember.codegen.render import Param, Renderer, is_scalar, print_index
+from ember.ir import dtypes, ops
+from ember.ir.sizes import product
+from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore
+
+TRITON_DTYPE = {
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float16: "tl.float16",
+    torch.int64: "tl.int64",
+    torch.int32: "tl.int32",
+    torch.int16: "tl.int16",
+    torch.int8: "tl.int8",
+    torch.uint8: "tl.uint8",
+    torch.bool: "tl.int1",
+}
+
+PRELUDE = '''\
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def ember_maximum(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def ember_minimum(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _prod_combine(a, b):
+    return a * b
+
+
+@triton.jit
+def ember_reduce_max(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, ember_maximum, keep_dims=True)
+
+
+@triton.jit
+def ember_reduce_min(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, ember_minimum, keep_dims=True)
+
+
+@triton.jit
+def ember_reduce_sum(x, axis: tl.constexpr):
+    return tl.sum(x, axis, keep_dims=True)
+
+
+@triton.jit
+def ember_reduce_prod(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _prod_combine, keep_dims=True)
+'''
+
+_COMBINE = {"sum": "({a} + {b})", "max": "ember_maximum({a}, {b})", "min": "ember_minimum({a}, {b})", "prod": "({a} * {b})"}
+
+
+@dataclass
+class LaunchConfig:
+    xblock: int
+    rblock: int  # 0 for pointwise kernels
+    num_warps: int
+    persistent: bool
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_config(kernel: Kernel) -> LaunchConfig:
+    """Block sizes from sizes alone (no autotuning yet): big enough to fill the machine."""
+    outer = [s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r]
+    red = [s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r]
+    xnumel = product(outer)
+    xhint = int(xnumel) if xnumel.is_Integer else 8192
+    if not red:
+        xblock = min(1024, _next_pow2(max(xhint, 1)))
+        return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
+    rnumel = product(red)
+    limit = config.get("persistent_reduction_max")
+    if rnumel.is_Integer and _next_pow2(int(rnumel)) <= limit:
+        rblock = _next_pow2(int(rnumel))
+        # Several short rows per program; keep about 4K elements per program in flight.
+        xblock = max(1, min(4096 // rblock, _next_pow2(max(1, xhint // 264))))
+        elems = xblock * rblock
+        num_warps = max(2, min(16, elems // 512))
+        return LaunchConfig(xblock, rblock, _pow2_floor(num_warps), True)
+    rblock = 2048 if not rnumel.is_Integer else min(2048, _next_pow2(int(rnumel)))
+    return LaunchConfig(1, rblock, 8, False)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+class TritonRenderer(Renderer):
+    def __init__(self, kernel: Kernel, launch: LaunchConfig):
+        super().__init__(kernel)
+        self.launch = launch
+        self.persistent = launch.persistent
+        self.reduction = any(kernel.loop_reduce)
+        self.wide_index = self._needs_int64()
+
+    def _needs_int64(self) -> bool:
+        for p in self.params:
+            if p.kind == "size":
+                return True
+        for v in self.kernel.reads + self.kernel.writes:
+            if product(v.shape) * 1 >= 2**31 - 1:
+                return True
+        return False
+
+    # -- shapes and masks ----------------------------------------------------------------
+    def mask(self, full: bool) -> str:
+        return "xmask & rmask" if full else "xmask"
+
+    def shape(self, full: bool) -> str:
+        if not self.reduction:
+            return "[XBLOCK]"
+        return "[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]"
+
+    # -- node rendering ------------------------------------------------------------------
+    def const(self, node: KConst) -> str:
+        v = node.value
+        if isinstance(v, bool):
+            return "1" if v else "0"
+        if isinstance(v, float):
+            if math.isnan(v):
+                return 'float("nan")'
+            if math.isinf(v):
+                return 'float("inf")' if v > 0 else 'float("-inf")'
+            return repr(v)
+        return str(v)
+
+    def index_of(self, expr) -> str:
+        return print_index(self.kernel.index(expr), "//")
+
+    def define(self, name: str, node: KNode) -> None:
+        if isinstance(node, KLoad):
+            ptr = self.buffer_name(node.buffer)
+            self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)}, {self.mask(node.full)}, other=0)")
+        elif isinstance(node, KIndex):
+            self.emit(f"{name} = {print_index(node.expr, '//')}")
+        elif isinstance(node, KConvert):
+            arg = self.ref(node.arg)
+            if node.dtype == torch.bool:
+                self.emit(f"{name} = {arg} != 0")
+            else:
+                self.emit(f"{name} = {arg}.to({TRITON_DTYPE[node.dtype]})")
+        elif isinstance(node, KOp):
+            self.emit(f"{name} = {ops.POINTWISE[node.fn].triton.format(*[self.ref(a) for a in node.operands])}")
+        else:
+            raise NotImplementedError(type(node).__name__)
+
+    def _tensor(self, node: KNode, full: bool) -> str:
+        """A reference usable where a block-shaped tensor is required."""
+        if is_scalar(node):
+            return f"tl.full({self.shape(full)}, {self.ref(node)}, {TRITON_DTYPE[node.dtype]})"
+        return self.ref(node)
+
+    def emit_store(self, store: KStore) -> None:
+        ptr = self.buffer_name(store.buffer)
+        value = self._tensor(store.value, store.full)
+        self.emit(f"tl.store({ptr} + {self.index_of(store.index)}, {value}, {self.mask(store.full)})")
+
+    # -- phases ----------------------------------------------------------------------------
+    def open_phase(self, phase: int) -> None:
+        if self.persistent:
+            return
+        self.emit("for roffset in range(0, rnumel, RBLOCK):")
+        self.indent += 1
+        self.emit("rindex = roffset + rbase")
+        self.emit("rmask = rindex < rnumel")
+        self._emit_loop_vars(reduce=True)
+
+    def close_phase(self) -> None:
+        if not self.persistent:
+            self.indent -= 1
+
+    def _identity(self, r: KReduce) -> str:
+        ident = dtypes.reduction_identity(r.kind, r.dtype)
+        return self.const(KConst(r.dtype, False, 0, ident))
+
+    def reduce_init(self, acc: str, r: KReduce) -> None:
+        if not self.persistent:
+            self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {self._identity(r)}, {TRITON_DTYPE[r.dtype]})")
+
+    def reduce_update(self, acc: str, r: KReduce) -> None:
+        masked = f"tl.where(xmask & rmask, {self.ref(r.arg)}, {self._identity(r)})"
+        if self.persistent:
+            self.emit(f"{acc} = {masked}")
+        else:
+            self.emit(f"{acc} = {_COMBINE[r.kind].format(a=acc, b=masked)}")
+
+    def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
+        self.emit(f"{name} = ember_reduce_{r.kind}({acc}, 1)")
+
+    # -- whole kernel ------------------------------------------------------------------------
+    def _emit_loop_vars(self, reduce: bool) -> None:
+        k = self.kernel
+        dims = [(v, s) for v, s, r in zip(k.index_vars, k.loop_sizes, k.loop_reduce) if r == reduce]
+        flat = "rindex" if reduce else "xindex"
+        used = set()
+        for e in k.rewritten.values():
+            used |= e.free_symbols
+        inner = sympy.Integer(1)
+        for pos in range(len(dims) - 1, -1, -1):
+            var, size = dims[pos]
+            if var in used:
+                expr = f"{flat} // {print_index(inner, '//')}" if inner != 1 else flat
+                expr = f"({expr}) % {print_index(size, '//')}" if pos > 0 else expr
+                self.emit(f"{var.name} = {expr}")
+            inner = inner * size
+
+    def render(self) -> str:
+        k = self.kernel
+        args = [p.name for p in self.params] + ["xnumel"]
+        if self.reduction:
+            args.append("rnumel")
+        args += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
+        self.emit("@triton.jit")
+        self.emit(f"def {k.name}({', '.join(args)}):")
+        self.indent += 1
+        pid = "tl.program_id(0).to(tl.int64)" if self.wide_index else "tl.program_id(0)"
+        self.emit(f"xoffset = {pid} * XBLOCK")
+        if self.reduction:
+            self.emit("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
+        else:
+            self.emit("xindex = xoffset + tl.arange(0, XBLOCK)")
+        self.emit("xmask = xindex < xnumel")
+        self._emit_loop_vars(reduce=False)
+        if self.reduction:
+            cast = ".to(tl.int64)" if self.wide_index else ""
+            self.emit(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+            if self.persistent:
+                self.emit("rindex = rbase")
+                self.emit("rmask = rindex < rnumel")
+                self._emit_loop_vars(reduce=True)
+        self.body()
+        self.emit("return")
+        return "\n".join(self.lines)
+
+
+@dataclass
+class TritonKernelSource:
+    kernel: Kernel
+    source: str
+    params: list[Param]
+    launch: LaunchConfig
+
+    @property
+    def xnumel(self):
+        return product(s for s, r in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if not r)
+
+    @property
+    def rnumel(self):
+        return product(s for s, r in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if r)
+
+
+def render_triton(kernel: Kernel) -> TritonKernelSource:
+    launch = launch_config(kernel)
+    r = TritonRenderer(kernel, launch)
+    return TritonKernelSource(kernel, r.render(), r.params, launch)

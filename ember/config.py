@@ -1,0 +1,201 @@
+"""ember's one settings registry.
+
+Every setting has a name, a type, a default, a help string and an environment variable
+(`EMBER_<NAME>`). Values come, in increasing priority, from the default, the environment,
+and scoped overrides (`with config.override(debug=2): ...`, or `options={...}` given to
+`torch.compile`). Unknown names and bad values are errors that list what is valid.
+
+Settings marked `codegen=True` change generated code, so they enter cache keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+class ConfigError(ValueError):
+    """A setting name or value that ember does not accept."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    codegen: bool = False
+    check: Callable[[Any], bool] | None = None
+
+    @property
+    def env_var(self) -> str:
+        return f"EMBER_{self.name.upper()}"
+
+    def parse(self, raw: Any, source: str) -> Any:
+        """Convert `raw` (a string from the environment, or a Python value) to this setting's type."""
+        try:
+            if self.type is bool:
+                value = _parse_bool(raw)
+            elif isinstance(raw, str) or not isinstance(raw, self.type):
+                value = self.type(raw)
+            else:
+                value = raw
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{source}: {self.name}={raw!r} is not a valid {self.type.__name__}{self._valid_hint()}"
+            ) from None
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{source}: {self.name}={raw!r} is not one of {list(self.choices)}")
+        if self.check is not None and not self.check(value):
+            raise ConfigError(f"{source}: {self.name}={raw!r} is out of range{self._valid_hint()}")
+        return value
+
+    def _valid_hint(self) -> str:
+        return f" ({self.help})"
+
+
+def _parse_bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "ember")
+
+
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in [
+        Setting("strict", bool, False, "raise instead of falling back to eager when ember fails on a graph"),
+        Setting(
+            "debug",
+            int,
+            0,
+            "0 quiet; 1 one line per graph; 2 also generated source; 3 also IR after each pass",
+            check=lambda v: 0 <= v <= 4,
+        ),
+        Setting("logs", str, "", "comma-separated artifacts to log: graph,fusion,schedule,code,cache"),
+        Setting("check", bool, False, "run the IR verifier after each pass"),
+        Setting(
+            "backend",
+            str,
+            "auto",
+            "code generator: auto (triton on cuda, cpp on cpu), triton, cpp",
+            choices=("auto", "triton", "cpp"),
+            codegen=True,
+        ),
+        Setting("cache", bool, True, "use the on-disk cache of generated source and binaries"),
+        Setting("cache_dir", str, _default_cache_dir(), "where the disk cache lives"),
+        Setting("cxx", str, "g++", "C++ compiler for the cpp backend", codegen=True),
+        Setting(
+            "persistent_reduction_max",
+            int,
+            16384,
+            "largest reduction (elements per row) that one Triton program holds in registers at once",
+            check=lambda v: v >= 1,
+            codegen=True,
+        ),
+        Setting(
+            "fuse",
+            bool,
+            True,
+            "merge kernels (off: one kernel per realized value, for debugging)",
+            codegen=True,
+        ),
+        Setting(
+            "compile_threads",
+            int,
+            min(8, os.cpu_count() or 1),
+            "threads used to compile a graph's Triton kernels in parallel",
+            check=lambda v: v >= 1,
+        ),
+    ]
+}
+
+_local = threading.local()
+
+
+def _overrides() -> list[dict[str, Any]]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _lookup(name: str) -> Setting:
+    setting = SETTINGS.get(name)
+    if setting is None:
+        raise ConfigError(f"unknown ember setting {name!r}; valid settings: {', '.join(sorted(SETTINGS))}")
+    return setting
+
+
+def get(name: str) -> Any:
+    """The current value of setting `name`: innermost override, else environment, else default."""
+    setting = _lookup(name)
+    for layer in reversed(_overrides()):
+        if name in layer:
+            return layer[name]
+    raw = os.environ.get(setting.env_var)
+    if raw is not None:
+        return setting.parse(raw, f"environment variable {setting.env_var}")
+    return setting.default
+
+
+def validate(options: dict[str, Any], source: str = "options") -> dict[str, Any]:
+    """Check names and convert values; returns a new dict of parsed values."""
+    return {name: _lookup(name).parse(value, source) for name, value in options.items()}
+
+
+@contextlib.contextmanager
+def override(**options: Any) -> Iterator[None]:
+    """Scoped settings: `with ember.config.override(strict=True): ...`."""
+    stack = _overrides()
+    stack.append(validate(options, "override"))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def snapshot() -> dict[str, Any]:
+    """All settings' current values (for reports and for carrying into worker threads)."""
+    return {name: get(name) for name in SETTINGS}
+
+
+def codegen_key() -> dict[str, Any]:
+    """The settings that change generated code; they enter cache keys."""
+    return {name: get(name) for name, s in SETTINGS.items() if s.codegen}
+
+
+def check_environment() -> None:
+    """Parse every EMBER_* variable so a bad value fails at compile start, not mid-way."""
+    for name, value in os.environ.items():
+        if name.startswith("EMBER_"):
+            key = name[len("EMBER_") :].lower()
+            if key not in SETTINGS:
+                raise ConfigError(
+                    f"unknown environment variable {name}; valid: "
+                    + ", ".join(s.env_var for s in SETTINGS.values())
+                )
+            SETTINGS[key].parse(value, f"environment variable {name}")
+
+
+def describe() -> str:
+    """A table of every setting, for `ember config`."""
+    lines = []
+    for s in SETTINGS.values():
+        lines.append(f"{s.env_var:<32} {get(s.name)!r:<12} {s.help}")
+    return "\n".join(lines)

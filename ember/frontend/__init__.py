@@ -1,0 +1,1 @@
+"""Frontend: the torch.compile backend entry, AOTAutograd wiring, decompositions, ATen import."""

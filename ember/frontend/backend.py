@@ -1,0 +1,48 @@
+"""The torch.compile backend: `torch.compile(model, backend="ember")`.
+
+Registered through the `torch_dynamo_backends` entry point (pyproject.toml), so Dynamo finds
+it without `import ember`. Dynamo hands us a Torch-level FX graph; AOTAutograd, with ember's
+decomposition table, turns it into functional ATen graphs (inference, or forward and
+backward), and each one goes through ember's pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ember import config
+
+# torch.compile's modes are accepted so code written for Inductor runs unchanged; ember has
+# no autotuning or CUDA graphs yet, so they all compile the same way.
+KNOWN_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _compiler(kind: str, options: dict[str, Any]):
+    def compile_one(gm: torch.fx.GraphModule, example_inputs):
+        from ember.pipeline import compile_graph
+
+        # The backward graph is compiled lazily, after torch.compile returned: re-enter the
+        # caller's options here so they apply to it too.
+        with config.override(**options):
+            return compile_graph(gm, example_inputs, kind)
+
+    return compile_one
+
+
+def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    if mode not in KNOWN_MODES:
+        raise config.ConfigError(f"unknown mode {mode!r}; valid: {', '.join(m for m in KNOWN_MODES if m)}")
+    options = config.validate(dict(options or {}), "torch.compile options")
+    config.check_environment()
+    from torch._dynamo.backends.common import aot_autograd
+
+    from ember.frontend.decompositions import decomposition_table
+
+    return aot_autograd(
+        fw_compiler=_compiler("forward", options),
+        bw_compiler=_compiler("backward", options),
+        inference_compiler=_compiler("inference", options),
+        decompositions=decomposition_table(),
+    )(gm, example_inputs)

@@ -1,0 +1,69 @@
+"""The decomposition table ember hands to AOTAutograd.
+
+Composite ops that ember fuses well (softmax, layer_norm, gelu and their backward
+formulas) are broken into pointwise ops and reductions that the importer lowers, so that
+the scheduler can fuse them. Ops that are better served by a library (matmul, convolution,
+SDPA, embedding) are *not* decomposed: they reach the importer intact and run as externs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._decomp import get_decompositions
+
+aten = torch.ops.aten
+
+_DECOMPOSE = [
+    aten._softmax,
+    aten._log_softmax,
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+    aten.native_layer_norm,
+    aten.native_layer_norm_backward,
+    aten.gelu,
+    aten.gelu_backward,
+    aten.silu,
+    aten.silu_backward,
+    aten.sigmoid_backward,
+    aten.tanh_backward,
+    aten.threshold_backward,
+    aten.hardtanh,
+    aten.hardtanh_backward,
+    aten.leaky_relu,
+    aten.leaky_relu_backward,
+    aten.elu,
+    aten.elu_backward,
+    aten.mse_loss,
+    aten.mse_loss_backward,
+    aten.addcmul,
+    aten.addcdiv,
+    aten.lerp,
+    aten.rsub,
+    aten.masked_fill,
+    aten.clamp_min,
+    aten.clamp_max,
+    aten.full_like,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
+    aten.zeros,
+    aten.ones,
+    aten.square,
+    aten.std,
+    aten.std_mean,
+    aten.linalg_vector_norm,
+    aten.native_dropout_backward,
+    aten.expand_as,
+    aten.mv,
+    aten.dot,
+    aten.transpose,
+]
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table() -> dict:
+    return get_decompositions(_DECOMPOSE)

@@ -1,0 +1,300 @@
+"""Import an ATen FX graph (from AOTAutograd) into ember's graph IR.
+
+Each FX node goes through the op registry (lowerings.py). A node whose op has no lowering,
+or whose lowering declines (`Unsupported`: an integer input to a float-only op, a tensor on
+another device, ...), becomes an `extern` node: an ATen call at run time. So an
+unsupported op never fails a compile; it only runs unfused.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from ember.ir import dtypes, ops
+from ember.ir.graph import Graph, Value
+from ember.ir.sizes import Expr, as_expr, product
+from ember.ir.views import VIEW_KINDS
+
+
+class Unsupported(Exception):
+    """A lowering declines this node; the importer makes it an extern instead."""
+
+
+class GraphUnsupported(Exception):
+    """The whole graph cannot be compiled (the backend falls back to eager)."""
+
+
+LOWERINGS: dict[Any, Callable[["Importer", torch.fx.Node], Any]] = {}
+
+
+def lowering(*targets):
+    """Register a lowering for ATen op packets or overloads (one function per op family)."""
+
+    def register(fn):
+        for t in targets:
+            LOWERINGS[t] = fn
+        return fn
+
+    return register
+
+
+def _meta(node: torch.fx.Node) -> Any:
+    if "val" not in node.meta:
+        raise GraphUnsupported(f"FX node {node.name} has no meta['val']")
+    return node.meta["val"]
+
+
+class Importer:
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
+        self.gm = gm
+        self.graph = Graph(device)
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.current: torch.fx.Node | None = None
+
+    # -- entry ---------------------------------------------------------------------------
+    def run(self) -> Graph:
+        for node in self.gm.graph.nodes:
+            self.current = node
+            if node.op == "placeholder":
+                self.env[node] = self._placeholder(node)
+            elif node.op == "call_function":
+                self.env[node] = self._call(node)
+            elif node.op == "get_attr":
+                self.env[node] = self._constant_tensor(node)
+            elif node.op == "output":
+                self.graph.outputs = [self._output(a) for a in node.args[0]]
+            else:
+                raise GraphUnsupported(f"FX op {node.op} ({node.target})")
+        return self.graph
+
+    def _placeholder(self, node):
+        val = _meta(node)
+        if isinstance(val, torch.Tensor):
+            return self.graph.add_input(
+                [as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()]
+            )
+        if isinstance(val, (torch.SymInt, int)):
+            expr = as_expr(val)
+            self.graph.add_symbolic_input(expr)
+            return expr
+        raise GraphUnsupported(f"input {node.name} of type {type(val).__name__}")
+
+    def _constant_tensor(self, node):
+        tensor = getattr(self.gm, node.target)
+        return self.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
+
+    def _output(self, arg):
+        if isinstance(arg, torch.fx.Node):
+            return self.env[arg]
+        return arg
+
+    def _call(self, node):
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymBool)) or (
+            isinstance(val, int) and not isinstance(val, bool) and node.target is not operator.getitem
+        ):
+            # Size arithmetic (sym_size, operator.mul on SymInts): its value is an expression.
+            return as_expr(val) if not isinstance(val, torch.SymBool) else _reject_symbool(node)
+        if node.target is operator.getitem:
+            return self.env[node.args[0]][node.args[1]]
+        lower = LOWERINGS.get(node.target) or LOWERINGS.get(getattr(node.target, "overloadpacket", None))
+        if lower is not None:
+            try:
+                return lower(self, node)
+            except Unsupported:
+                pass
+        return self.extern(node)
+
+    # -- helpers for lowerings ------------------------------------------------------------
+    @property
+    def origin(self) -> str:
+        return _op_name(self.current.target) if self.current is not None else ""
+
+    def arg(self, x) -> Any:
+        """An FX argument as an IR operand: Value, sympy expression, or Python scalar."""
+        if isinstance(x, torch.fx.Node):
+            return self.env[x]
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.arg(a) for a in x)
+        return x
+
+    def out_meta(self) -> torch.Tensor:
+        val = _meta(self.current)
+        if not isinstance(val, torch.Tensor):
+            raise Unsupported("non-tensor output")
+        self.check_kernel_tensor(val)
+        return val
+
+    def check_kernel_tensor(self, t) -> None:
+        if t.dtype not in dtypes.KERNEL_DTYPES:
+            raise Unsupported(f"dtype {t.dtype}")
+        if t.device != self.graph.device:
+            raise Unsupported(f"device {t.device}")
+
+    def operand(self, x) -> Any:
+        """A kernel operand: a Value on the graph's device with a kernel dtype, or a scalar."""
+        if isinstance(x, Value):
+            self.check_kernel_tensor(x)
+            return x
+        if isinstance(x, (bool, int, float, Expr)):
+            return x
+        raise Unsupported(f"operand {type(x).__name__}")
+
+    def pointwise(self, fn: str, operands, out: torch.Tensor | None = None, **attrs) -> Value:
+        out = self.out_meta() if out is None else out
+        operands = [self.operand(x) for x in operands]
+        values = [x for x in operands if isinstance(x, Value)]
+        if fn in ops.FLOAT_ONLY and not out.dtype.is_floating_point:
+            raise Unsupported(f"{fn} on {out.dtype}")
+        if ops.POINTWISE[fn].kind == "compare":
+            attrs["operand_dtype"] = _promoted(operands)
+        shape = tuple(as_expr(s) for s in out.shape)
+        for v in values:
+            if len(v.shape) > len(shape):
+                raise Unsupported("operand rank above output rank")
+        node = self.graph.add("pointwise", operands, {"fn": fn, **attrs}, [(shape, out.dtype, None)], self.origin)
+        return node.out
+
+    def cast(self, x: Value, dtype: torch.dtype) -> Value:
+        if dtype not in dtypes.KERNEL_DTYPES:
+            raise Unsupported(f"cast to {dtype}")
+        if x.dtype == dtype:
+            return x
+        return self.graph.add("cast", [self.operand(x)], {"dtype": dtype}, [(x.shape, dtype, None)], self.origin).out
+
+    def reduce(self, kind: str, x: Value, dims, keepdim: bool, dtype: torch.dtype) -> Value:
+        x = self.operand(x)
+        rank = len(x.shape)
+        dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
+        if rank == 0:
+            return self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], _ShapeDtype(x.shape, dtype))
+        if any(x.shape[d] == 0 for d in dims):
+            raise Unsupported("reduction over an empty dimension")
+        shape = tuple(
+            (1 if keepdim else None) if k in dims else s for k, s in enumerate(x.shape)
+        )
+        shape = tuple(as_expr(s) for s in shape if s is not None)
+        node = self.graph.add(
+            "reduce", [x], {"kind": kind, "dims": dims, "keepdim": keepdim}, [(shape, dtype, None)], self.origin
+        )
+        return node.out
+
+    def view(self, kind: str, base: Value, **attrs) -> Value:
+        base = self.operand(base)
+        shape = tuple(as_expr(s) for s in VIEW_KINDS[kind].shape(base.shape, attrs))
+        return self.graph.add("view", [base], {"kind": kind, **attrs}, [(shape, base.dtype, None)], self.origin).out
+
+    def reshape(self, base: Value, shape) -> Value:
+        shape = tuple(as_expr(s) for s in shape)
+        if shape == base.shape:
+            return base
+        if -1 in [int(s) if s.is_Integer else 0 for s in shape]:
+            known = product(s for s in shape if s != -1)
+            shape = tuple(product(base.shape) / known if s == -1 else s for s in shape)
+        return self.view("reshape", base, shape=shape)
+
+    def numel(self, x: Value, dims) -> Expr:
+        return product(x.shape[d] for d in dims) if dims else product(x.shape)
+
+    def extern(self, node: torch.fx.Node) -> Any:
+        args = self.arg(node.args)
+        kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
+        return self.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=_op_name(node.target))
+
+    def extern_call(self, target, args, kwargs, meta, origin: str) -> Any:
+        metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
+        out_types = []
+        for m in metas:
+            if isinstance(m, torch.Tensor):
+                out_types.append(([as_expr(s) for s in m.shape], m.dtype, [as_expr(s) for s in m.stride()]))
+            elif m is None:
+                out_types.append(None)
+            else:
+                raise GraphUnsupported(f"extern {origin} returns {type(m).__name__}")
+        real = [t for t in out_types if t is not None]
+        attrs = {
+            "target": target,
+            "args": args,
+            "kwargs": kwargs,
+            "tuple_result": isinstance(meta, (list, tuple)),
+            "output_positions": [k for k, t in enumerate(out_types) if t is not None],
+        }
+        node = self.graph.add("extern", [], attrs, real, origin)
+        node.inputs = _values_in((args, kwargs))
+        outs = iter(node.outputs)
+        results = [next(outs) if t is not None else None for t in out_types]
+        if isinstance(meta, (list, tuple)):
+            return tuple(results)
+        return results[0]
+
+
+class _ConstantTensor:
+    """An extern target that returns a constant captured at compile time (FX get_attr)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.__name__ = "constant"
+
+    def __call__(self) -> torch.Tensor:
+        return self.tensor
+
+
+class _ShapeDtype:
+    """Stand-in for an output meta when a lowering makes a value of its own shape and dtype."""
+
+    def __init__(self, shape, dtype):
+        self.shape = shape
+        self.dtype = dtype
+
+
+def _reject_symbool(node):
+    raise GraphUnsupported(f"symbolic boolean {node.name}")
+
+
+def _values_in(tree) -> list[Value]:
+    found: list[Value] = []
+
+    def walk(x):
+        if isinstance(x, Value):
+            found.append(x)
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(tree)
+    return found
+
+
+def _promoted(operands) -> torch.dtype:
+    """The dtype a comparison computes in, by PyTorch's promotion rules (0-dim tensors rank low)."""
+    samples = []
+    for x in operands:
+        if isinstance(x, Value):
+            samples.append(torch.empty((1,) * max(1, len(x.shape)) if x.shape else (), dtype=x.dtype))
+        elif isinstance(x, Expr):
+            samples.append(1)
+        else:
+            samples.append(x)
+    result = samples[0]
+    dtype = torch.result_type(samples[0], samples[1]) if len(samples) > 1 else (
+        result.dtype if isinstance(result, torch.Tensor) else torch.float32
+    )
+    return dtype
+
+
+def _op_name(target) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    return getattr(packet or target, "__name__", None) or str(target)
+
+
+def import_graph(gm: torch.fx.GraphModule, device: torch.device) -> Graph:
+    from ember.frontend import lowerings  # noqa: F401  (fills LOWERINGS)
+
+    return Importer(gm, device).run()

@@ -1,0 +1,364 @@
+"""ATen -> ember IR, one function per op or op family.
+
+Ops absent here run as externs. A lowering raises `Unsupported` to decline a particular
+call (e.g. a rounding mode ember does not generate); that call then runs as an extern too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.frontend.importer import Importer, Unsupported, lowering
+from ember.ir.sizes import as_expr
+
+aten = torch.ops.aten
+
+_BINARY = {
+    aten.mul: "mul",
+    aten.maximum: "maximum",
+    aten.minimum: "minimum",
+    aten.eq: "eq",
+    aten.ne: "ne",
+    aten.lt: "lt",
+    aten.le: "le",
+    aten.gt: "gt",
+    aten.ge: "ge",
+    aten.logical_and: "logical_and",
+    aten.logical_or: "logical_or",
+    aten.bitwise_and: "bitwise_and",
+    aten.bitwise_or: "bitwise_or",
+}
+_UNARY = {
+    aten.neg: "neg",
+    aten.abs: "abs",
+    aten.exp: "exp",
+    aten.exp2: "exp2",
+    aten.expm1: "expm1",
+    aten.log: "log",
+    aten.log1p: "log1p",
+    aten.log2: "log2",
+    aten.sqrt: "sqrt",
+    aten.rsqrt: "rsqrt",
+    aten.tanh: "tanh",
+    aten.sigmoid: "sigmoid",
+    aten.erf: "erf",
+    aten.sin: "sin",
+    aten.cos: "cos",
+    aten.reciprocal: "reciprocal",
+    aten.floor: "floor",
+    aten.ceil: "ceil",
+    aten.logical_not: "logical_not",
+    aten.isnan: "isnan",
+}
+
+
+def _scalar_or_value(ctx: Importer, x):
+    x = ctx.arg(x)
+    if isinstance(x, torch.Tensor):
+        raise Unsupported("eager tensor operand")
+    return x
+
+
+@lowering(*_BINARY)
+def _binary(ctx: Importer, node):
+    fn = _BINARY[node.target.overloadpacket]
+    return ctx.pointwise(fn, [_scalar_or_value(ctx, a) for a in node.args[:2]])
+
+
+@lowering(*_UNARY)
+def _unary(ctx: Importer, node):
+    return ctx.pointwise(_UNARY[node.target.overloadpacket], [ctx.arg(node.args[0])])
+
+
+@lowering(aten.add, aten.sub)
+def _add_sub(ctx: Importer, node):
+    a, b = (_scalar_or_value(ctx, x) for x in node.args[:2])
+    alpha = node.kwargs.get("alpha", 1)
+    if alpha != 1:
+        b = ctx.pointwise("mul", [b, alpha])
+    return ctx.pointwise("add" if node.target.overloadpacket is aten.add else "sub", [a, b])
+
+
+@lowering(aten.rsub)
+def _rsub(ctx: Importer, node):
+    a, b = (_scalar_or_value(ctx, x) for x in node.args[:2])
+    if node.kwargs.get("alpha", 1) != 1:
+        raise Unsupported("rsub alpha")
+    return ctx.pointwise("sub", [b, a])
+
+
+@lowering(aten.div)
+def _div(ctx: Importer, node):
+    if node.kwargs.get("rounding_mode") is not None:
+        raise Unsupported("div rounding_mode")
+    return ctx.pointwise("truediv", [_scalar_or_value(ctx, a) for a in node.args[:2]])
+
+
+@lowering(aten.relu)
+def _relu(ctx: Importer, node):
+    return ctx.pointwise("maximum", [ctx.arg(node.args[0]), 0])
+
+
+@lowering(aten.pow)
+def _pow(ctx: Importer, node):
+    base, exponent = (_scalar_or_value(ctx, x) for x in node.args[:2])
+    if exponent == 2:
+        return ctx.pointwise("mul", [base, base])
+    if exponent == 0.5:
+        return ctx.pointwise("sqrt", [base])
+    if exponent == 1:
+        return ctx.pointwise("mul", [base, 1])
+    return ctx.pointwise("pow", [base, exponent])
+
+
+@lowering(aten.where)
+def _where(ctx: Importer, node):
+    if len(node.args) != 3:
+        raise Unsupported("where(cond) form")
+    return ctx.pointwise("where", [_scalar_or_value(ctx, a) for a in node.args])
+
+
+@lowering(aten.clamp, aten.clamp_min, aten.clamp_max)
+def _clamp(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    packet = node.target.overloadpacket
+    lo = node.args[1] if packet is not aten.clamp_max and len(node.args) > 1 else node.kwargs.get("min")
+    hi = (node.args[1] if packet is aten.clamp_max else (node.args[2] if len(node.args) > 2 else None)) or node.kwargs.get(
+        "max"
+    )
+    out = ctx.out_meta()
+    if lo is not None:
+        x = ctx.pointwise("maximum", [x, _scalar_or_value(ctx, lo)], out)
+    if hi is not None:
+        x = ctx.pointwise("minimum", [x, _scalar_or_value(ctx, hi)], out)
+    return x
+
+
+# -- dtype conversion and copies -----------------------------------------------------------
+
+
+@lowering(aten._to_copy, torch.ops.prims.convert_element_type)
+def _to_copy(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    out = ctx.out_meta()
+    allowed = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"}
+    if set(node.kwargs) - allowed or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        raise Unsupported("_to_copy options")
+    if x.device != out.device:
+        raise Unsupported("device copy")
+    if x.dtype == out.dtype:
+        return ctx.pointwise("mul", [x, 1]) if x.dtype != torch.bool else ctx.pointwise("logical_or", [x, False])
+    return ctx.cast(x, out.dtype)
+
+
+@lowering(aten.clone)
+def _clone(ctx: Importer, node):
+    if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+        raise Unsupported("clone memory_format")
+    x = ctx.arg(node.args[0])
+    # A clone must be a new tensor (it may be returned next to its source); copy through mul by 1.
+    return ctx.pointwise("mul", [x, 1]) if x.dtype != torch.bool else ctx.pointwise("logical_or", [x, False])
+
+
+# -- reductions ----------------------------------------------------------------------------
+
+
+def _dims_keepdim(node, dim_index=1):
+    dims = node.args[dim_index] if len(node.args) > dim_index else node.kwargs.get("dim")
+    keepdim = node.args[dim_index + 1] if len(node.args) > dim_index + 1 else node.kwargs.get("keepdim", False)
+    if isinstance(dims, int):
+        dims = [dims]
+    return list(dims) if dims else [], bool(keepdim)
+
+
+@lowering(aten.sum)
+def _sum(ctx: Importer, node):
+    if node.kwargs.get("dtype") is not None:
+        raise Unsupported("sum dtype")
+    x = ctx.arg(node.args[0])
+    dims, keepdim = _dims_keepdim(node)
+    return ctx.reduce("sum", x, dims, keepdim, ctx.out_meta().dtype)
+
+
+@lowering(aten.amax, aten.amin)
+def _amax(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    dims, keepdim = _dims_keepdim(node)
+    kind = "max" if node.target.overloadpacket is aten.amax else "min"
+    return ctx.reduce(kind, x, dims, keepdim, ctx.out_meta().dtype)
+
+
+def _mean(ctx: Importer, x, dims, keepdim, out_dtype):
+    """sum in float32 (or float64), divided by the count, cast once at the end as eager does."""
+    if not out_dtype.is_floating_point:
+        raise Unsupported("integer mean")
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    total = ctx.reduce("sum", ctx.cast(x, acc) if x.dtype != acc else x, dims, keepdim, acc)
+    count = ctx.numel(x, [d % len(x.shape) for d in dims]) if x.shape else 1
+    mean = ctx.pointwise("truediv", [total, count], _like(total, acc))
+    return mean
+
+
+@lowering(aten.mean)
+def _mean_lowering(ctx: Importer, node):
+    if node.kwargs.get("dtype") is not None:
+        raise Unsupported("mean dtype")
+    x = ctx.arg(node.args[0])
+    dims, keepdim = _dims_keepdim(node)
+    out = ctx.out_meta()
+    return ctx.cast(_mean(ctx, x, dims, keepdim, out.dtype), out.dtype)
+
+
+def _var_mean(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    dims, _ = _dims_keepdim(node)
+    dims = dims or list(range(len(x.shape)))
+    correction = node.kwargs.get("correction", 1)
+    correction = 1 if correction is None else correction
+    keepdim = node.kwargs.get("keepdim", False)
+    out_dtype = x.dtype
+    mean_keep = _mean(ctx, x, dims, True, out_dtype)
+    acc = mean_keep.dtype
+    diff = ctx.pointwise("sub", [x, mean_keep], _like_shape(x, acc))
+    sq = ctx.pointwise("mul", [diff, diff], _like_shape(x, acc))
+    total = ctx.reduce("sum", sq, dims, keepdim, acc)
+    count = ctx.numel(x, [d % len(x.shape) for d in dims])
+    var = ctx.pointwise("truediv", [total, count - correction], _like(total, acc))
+    mean = mean_keep if keepdim else ctx.view("squeeze", mean_keep, dims=tuple(sorted(d % len(x.shape) for d in dims)))
+    return ctx.cast(var, out_dtype), ctx.cast(mean, out_dtype)
+
+
+@lowering(aten.var)
+def _var(ctx: Importer, node):
+    if node.target != aten.var.correction:
+        raise Unsupported("var overload")
+    return _var_mean(ctx, node)[0]
+
+
+@lowering(aten.var_mean)
+def _var_mean_lowering(ctx: Importer, node):
+    if node.target != aten.var_mean.correction:
+        raise Unsupported("var_mean overload")
+    return _var_mean(ctx, node)
+
+
+class _Meta:
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def _like(v, dtype):
+    return _Meta(v.shape, dtype)
+
+
+def _like_shape(v, dtype):
+    return _Meta(v.shape, dtype)
+
+
+# -- views ---------------------------------------------------------------------------------
+
+
+@lowering(aten.view, aten._unsafe_view, aten.reshape)
+def _view(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    if not hasattr(x, "shape") or not isinstance(node.args[1], (list, tuple)):
+        raise Unsupported("view(dtype)")
+    return ctx.reshape(x, [as_expr(s) for s in ctx.out_meta().shape])
+
+
+@lowering(aten.permute)
+def _permute(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    rank = len(x.shape)
+    return ctx.view("permute", x, dims=tuple(d % rank for d in node.args[1]))
+
+
+@lowering(aten.t, aten.transpose)
+def _transpose(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    rank = len(x.shape)
+    if rank < 2:
+        return x
+    a, b = (node.args[1] % rank, node.args[2] % rank) if len(node.args) > 2 else (0, 1)
+    dims = list(range(rank))
+    dims[a], dims[b] = dims[b], dims[a]
+    return ctx.view("permute", x, dims=tuple(dims))
+
+
+@lowering(aten.expand)
+def _expand(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    return ctx.view("expand", x, shape=tuple(as_expr(s) for s in ctx.out_meta().shape))
+
+
+@lowering(aten.slice)
+def _slice(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim = (args[1] if args[1] is not None else node.kwargs.get("dim", 0)) % len(x.shape)
+    step = args[4] if args[4] is not None else node.kwargs.get("step", 1)
+    start = args[2] if args[2] is not None else node.kwargs.get("start")
+    out_len = as_expr(ctx.out_meta().shape[dim])
+    size = x.shape[dim]
+    start = _clamp_index(ctx.arg(start) if start is not None else 0, size)
+    end = start + out_len * step
+    return ctx.view("slice", x, dim=dim, start=start, end=end, step=as_expr(step))
+
+
+def _clamp_index(i, size):
+    i = as_expr(i)
+    if i.is_Integer and size.is_Integer:
+        v = int(i)
+        v = v + int(size) if v < 0 else v
+        return as_expr(min(max(v, 0), int(size)))
+    if i.is_Integer and int(i) < 0:
+        raise Unsupported("negative symbolic slice start")
+    return i
+
+
+@lowering(aten.select)
+def _select(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    dim = node.args[1] % len(x.shape)
+    index = as_expr(ctx.arg(node.args[2]))
+    if index.is_Integer and int(index) < 0:
+        index = x.shape[dim] + index
+    return ctx.view("select", x, dim=dim, index=index)
+
+
+@lowering(aten.unsqueeze)
+def _unsqueeze(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    return ctx.view("unsqueeze", x, dim=node.args[1] % (len(x.shape) + 1))
+
+
+@lowering(aten.squeeze)
+def _squeeze(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    rank = len(x.shape)
+    dims = node.args[1] if len(node.args) > 1 else list(range(rank))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    dims = tuple(sorted(d % rank for d in dims if x.shape[d % rank] == 1)) if rank else ()
+    return ctx.view("squeeze", x, dims=dims) if dims else x
+
+
+@lowering(aten.alias, aten.lift_fresh_copy, aten.detach)
+def _alias(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    if node.target.overloadpacket is aten.lift_fresh_copy:
+        return ctx.pointwise("mul", [x, 1])
+    return x
+
+
+# -- sources -------------------------------------------------------------------------------
+
+
+@lowering(aten.full, aten.scalar_tensor)
+def _full(ctx: Importer, node):
+    out = ctx.out_meta()
+    value = node.args[1] if node.target.overloadpacket is aten.full else node.args[0]
+    value = ctx.arg(value)
+    if not isinstance(value, (int, float, bool)):
+        raise Unsupported("symbolic fill value")
+    shape = tuple(as_expr(s) for s in out.shape)
+    return ctx.graph.add("full", [], {"value": value}, [(shape, out.dtype, None)], ctx.origin).out

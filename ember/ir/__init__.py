@@ -1,0 +1,1 @@
+"""ember's graph IR: op set, graph, symbolic sizes, views as index maps."""

@@ -1,0 +1,113 @@
+"""Symbolic sizes and index arithmetic.
+
+Sizes are sympy expressions: integers for static shapes, symbols (`s0`, `s1`, ...) for the
+sizes Dynamo marks dynamic. Index math uses two functions of our own, `IndexDiv` and
+`IndexMod`, which are floor division and modulo on non-negative integers; unlike sympy's
+`floor`/`Mod` they print directly as `//` and `%` and simplify only where that is exact.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Iterable
+
+import sympy
+
+Expr = sympy.Expr
+
+
+class IndexDiv(sympy.Function):
+    """floor(a / b) for non-negative integers a and positive integer b."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1:
+            return a
+        if a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) // int(b))
+        # (c*b*x + ...)//b where every term is a multiple of b: exact division.
+        terms = sympy.Add.make_args(sympy.expand(a))
+        if all(_divides(b, t) for t in terms):
+            return sympy.expand(a / b)
+        return None
+
+
+class IndexMod(sympy.Function):
+    """a mod b for non-negative integers a and positive integer b."""
+
+    is_integer = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if b == 1 or a == 0:
+            return sympy.Integer(0)
+        if a.is_Integer and b.is_Integer:
+            return sympy.Integer(int(a) % int(b))
+        terms = sympy.Add.make_args(sympy.expand(a))
+        kept = [t for t in terms if not _divides(b, t)]
+        if len(kept) < len(terms):
+            return IndexMod(sympy.Add(*kept), b)
+        return None
+
+
+def _divides(b: Expr, term: Expr) -> bool:
+    """Whether term/b is a monomial with an integer coefficient (so the division is exact)."""
+    coeff, rest = (term / b).as_coeff_Mul()
+    if not coeff.is_Integer:
+        return False
+    return all(
+        f == 1 or f.is_Symbol or isinstance(f, (IndexDiv, IndexMod)) or (f.is_Pow and f.exp.is_Integer and f.exp > 0)
+        for f in sympy.Mul.make_args(rest)
+    )
+
+
+def index_symbol(name: str) -> sympy.Symbol:
+    """A symbol for a loop index or a size: integer and non-negative, so sympy simplifies safely."""
+    return sympy.Symbol(name, integer=True, nonnegative=True)
+
+
+def as_expr(x: Any) -> Expr:
+    """An int, SymInt or sympy expression as a sympy expression."""
+    if isinstance(x, sympy.Expr):
+        return x
+    if isinstance(x, (bool,)):
+        raise TypeError(f"bool is not a size: {x!r}")
+    if isinstance(x, int):
+        return sympy.Integer(x)
+    node = getattr(x, "node", None)  # torch.SymInt
+    if node is not None and hasattr(node, "expr"):
+        return sympy.expand(node.expr)
+    raise TypeError(f"not a size: {x!r} ({type(x).__name__})")
+
+
+def product(sizes: Iterable[Expr]) -> Expr:
+    return functools.reduce(lambda a, b: a * b, sizes, sympy.Integer(1))
+
+
+def contiguous_strides(shape: tuple[Expr, ...]) -> tuple[Expr, ...]:
+    strides = []
+    running: Expr = sympy.Integer(1)
+    for size in reversed(shape):
+        strides.append(running)
+        running = running * size
+    return tuple(reversed(strides))
+
+
+def is_static(e: Expr) -> bool:
+    return not e.free_symbols
+
+
+def affine_split(expr: Expr, var: sympy.Symbol) -> tuple[Expr, Expr] | None:
+    """(c, rest) with expr == c*var + rest and neither c nor rest using var; None if not affine in var."""
+    expr = sympy.expand(expr)
+    if not expr.has(var):
+        return sympy.Integer(0), expr
+    coeff = expr.coeff(var, 1)
+    rest = expr.coeff(var, 0)
+    if coeff.has(var) or rest.has(var) or sympy.expand(coeff * var + rest - expr) != 0:
+        return None
+    return coeff, rest

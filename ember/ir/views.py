@@ -1,0 +1,191 @@
+"""View ops as index maps.
+
+A view never copies: reading view V at index `i` reads its base at `index_map(i)`. Chains of
+views compose by composing these maps, so permute/expand/reshape/slice/select/unsqueeze all
+end up as index arithmetic inside the kernel that reads them (tinygrad's and Inductor's
+approach). Each view kind is one entry: its output shape and its index map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+
+from ember.ir.sizes import Expr, IndexDiv, IndexMod, affine_split, contiguous_strides, product
+
+Index = list[Expr]
+
+
+@dataclass(frozen=True)
+class ViewKind:
+    shape: Callable[[tuple, dict], tuple]  # (input shape, attrs) -> output shape
+    index: Callable[[Index, tuple, tuple, dict], Index]  # (out index, in shape, out shape, attrs) -> in index
+
+
+def _permute_shape(s, a):
+    return tuple(s[d] for d in a["dims"])
+
+
+def _permute_index(i, s_in, s_out, a):
+    result: list = [None] * len(s_in)
+    for out_pos, in_dim in enumerate(a["dims"]):
+        result[in_dim] = i[out_pos]
+    return result
+
+
+def _expand_index(i, s_in, s_out, a):
+    lead = len(s_out) - len(s_in)
+    return [sympy.Integer(0) if (s_in[k] == 1 and s_out[k + lead] != 1) else i[k + lead] for k in range(len(s_in))]
+
+
+def _reshape_index(i, s_in, s_out, a):
+    linear = sum((x * st for x, st in zip(i, contiguous_strides(s_out))), sympy.Integer(0))
+    strides = contiguous_strides(s_in)
+    out = []
+    for k, (size, stride) in enumerate(zip(s_in, strides)):
+        q = IndexDiv(linear, stride)
+        out.append(q if k == 0 else IndexMod(q, size))
+    return out
+
+
+def _slice_shape(s, a):
+    d, start, end, step = a["dim"], a["start"], a["end"], a["step"]
+    length = IndexDiv(end - start + step - 1, step) if step != 1 else end - start
+    return s[:d] + (length,) + s[d + 1 :]
+
+
+def _slice_index(i, s_in, s_out, a):
+    d = a["dim"]
+    return i[:d] + [a["start"] + i[d] * a["step"]] + i[d + 1 :]
+
+
+def _select_shape(s, a):
+    return s[: a["dim"]] + s[a["dim"] + 1 :]
+
+
+def _select_index(i, s_in, s_out, a):
+    d = a["dim"]
+    return i[:d] + [a["index"]] + i[d:]
+
+
+def _unsqueeze_shape(s, a):
+    return s[: a["dim"]] + (sympy.Integer(1),) + s[a["dim"] :]
+
+
+def _unsqueeze_index(i, s_in, s_out, a):
+    return i[: a["dim"]] + i[a["dim"] + 1 :]
+
+
+def _squeeze_shape(s, a):
+    return tuple(x for k, x in enumerate(s) if k not in a["dims"])
+
+
+def _squeeze_index(i, s_in, s_out, a):
+    it = iter(i)
+    return [sympy.Integer(0) if k in a["dims"] else next(it) for k in range(len(s_in))]
+
+
+VIEW_KINDS: dict[str, ViewKind] = {
+    "permute": ViewKind(_permute_shape, _permute_index),
+    "expand": ViewKind(lambda s, a: tuple(a["shape"]), _expand_index),
+    "reshape": ViewKind(lambda s, a: tuple(a["shape"]), _reshape_index),
+    "slice": ViewKind(_slice_shape, _slice_index),
+    "select": ViewKind(_select_shape, _select_index),
+    "unsqueeze": ViewKind(_unsqueeze_shape, _unsqueeze_index),
+    "squeeze": ViewKind(_squeeze_shape, _squeeze_index),
+}
+
+
+def broadcast_index(index: Index, in_shape: tuple, out_shape: tuple) -> Index:
+    """Index into a pointwise operand that broadcasts (numpy rules) to out_shape."""
+    return _expand_index(index, in_shape, out_shape, {})
+
+
+# -- simplification with known index ranges ------------------------------------------------
+
+
+def upper_bound(expr: Expr, ranges: dict) -> Expr | None:
+    """An upper bound (inclusive) of a non-negative index expression; ranges maps var -> size."""
+    expr = sympy.expand(expr)
+    if expr.is_Integer:
+        return expr
+    if expr.is_Symbol:
+        return ranges[expr] - 1 if expr in ranges else None
+    if isinstance(expr, IndexMod):
+        return expr.args[1] - 1
+    if isinstance(expr, IndexDiv):
+        inner = upper_bound(expr.args[0], ranges)
+        return None if inner is None else IndexDiv(inner, expr.args[1])
+    if expr.is_Add:
+        parts = [upper_bound(t, ranges) for t in expr.args]
+        return None if any(p is None for p in parts) else sympy.Add(*parts)
+    if expr.is_Mul:
+        coeff, rest = expr.as_coeff_Mul()
+        factors = sympy.Mul.make_args(rest)
+        bounded = [f for f in factors if f in ranges or isinstance(f, (IndexDiv, IndexMod))]
+        if coeff < 0 or len(bounded) != 1:
+            return None
+        inner = upper_bound(bounded[0], ranges)
+        others = sympy.Mul(*[f for f in factors if f is not bounded[0]])
+        return None if inner is None else coeff * others * inner
+    return None
+
+
+def provably_less(a: Expr, b: Expr, ranges: dict) -> bool:
+    """Whether a < b for every value in range (sizes are non-negative integers)."""
+    ub = upper_bound(a, ranges)
+    if ub is None:
+        return False
+    gap = sympy.expand(b - ub - 1)
+    if gap.is_number:
+        return gap >= 0
+    return all(c >= 0 for c in sympy.Poly(gap, *gap.free_symbols).coeffs()) if gap.is_polynomial() else False
+
+
+def simplify_index(expr: Expr, ranges: dict) -> Expr:
+    """Drop divisions and modulos that range facts make redundant (bottom-up)."""
+    if not expr.args:
+        return expr
+    args = [simplify_index(a, ranges) for a in expr.args]
+    if isinstance(expr, (IndexDiv, IndexMod)):
+        a, b = args
+        terms = sympy.Add.make_args(sympy.expand(a))
+        multiples = [t for t in terms if affine_free_multiple(t, b)]
+        rest = sympy.Add(*[t for t in terms if t not in multiples])
+        if provably_less(rest, b, ranges):
+            if isinstance(expr, IndexMod):
+                return rest
+            return sympy.expand(sympy.Add(*multiples) / b)
+        return type(expr)(a, b)
+    return expr.func(*args)
+
+
+def affine_free_multiple(term: Expr, b: Expr) -> bool:
+    """Whether term is an exact integer multiple of b."""
+    coeff, rest = sympy.expand(term / b).as_coeff_Mul()
+    return coeff.is_Integer and rest.is_polynomial() and not any(
+        p.is_Pow and p.exp < 0 for p in sympy.Mul.make_args(rest)
+    )
+
+
+def strides_of(index_fn: Callable[[Index], Index], out_shape: tuple, base_strides: tuple, ranges_syms) -> tuple | None:
+    """Strides and offset of a view of a strided buffer, if the view is affine; None otherwise."""
+    syms = ranges_syms
+    in_index = index_fn(list(syms))
+    ranges = dict(zip(syms, out_shape))
+    offset_expr = sympy.expand(sum((simplify_index(x, ranges) * s for x, s in zip(in_index, base_strides)), sympy.Integer(0)))
+    strides = []
+    for sym in syms:
+        split = affine_split(offset_expr, sym)
+        if split is None:
+            return None
+        coeff, offset_expr = split
+        strides.append(coeff)
+    if offset_expr.free_symbols & set(syms):
+        return None
+    return tuple(strides), offset_expr
+
+
+__all__ = ["VIEW_KINDS", "broadcast_index", "simplify_index", "strides_of", "product"]

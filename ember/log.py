@@ -1,0 +1,49 @@
+"""ember's logging: `EMBER_DEBUG` levels and named artifacts (`EMBER_LOGS=fusion,code`).
+
+Levels: 1 prints one summary line per compiled graph; 2 adds the generated source;
+3 adds the IR after each pass. Artifacts select one kind of output regardless of level.
+Output goes to stderr through the `ember` logger so users can redirect it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from ember import config
+
+ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache")
+# The debug level at which each artifact turns on without being named in EMBER_LOGS.
+_ARTIFACT_LEVEL = {"code": 2, "graph": 3, "fusion": 3, "schedule": 3, "cache": 3}
+
+logger = logging.getLogger("ember")
+if not logger.handlers:
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("[ember] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _named_artifacts() -> set[str]:
+    names = {n.strip() for n in config.get("logs").split(",") if n.strip()}
+    unknown = names - set(ARTIFACTS)
+    if unknown:
+        raise config.ConfigError(f"EMBER_LOGS: unknown artifact(s) {sorted(unknown)}; valid: {', '.join(ARTIFACTS)}")
+    return names
+
+
+def enabled(artifact: str) -> bool:
+    """Whether `artifact` should be printed now."""
+    return artifact in _named_artifacts() or config.get("debug") >= _ARTIFACT_LEVEL[artifact]
+
+
+def summary(message: str) -> None:
+    """A one-line per-graph summary (EMBER_DEBUG>=1)."""
+    if config.get("debug") >= 1:
+        logger.info(message)
+
+
+def artifact(name: str, title: str, body: str) -> None:
+    if enabled(name):
+        logger.info("=== %s: %s ===\n%s", name, title, body)

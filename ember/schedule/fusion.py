@@ -1,0 +1,320 @@
+"""From a graph to an ordered schedule of kernels, externs and aliases.
+
+1. Realize: decide which values live in memory. Graph outputs, extern inputs and reduction
+   results do; pointwise values and views do not (they are recomputed / re-indexed inside
+   each kernel that reads them).
+2. Group: one kernel per realized value, over its domain.
+3. Fuse: merge a group into a producer or sibling whose domain it fits (a pointwise group over
+   a reduction's full or row shape; reductions over the same rows), when the merged kernel can
+   be built (see kernel.py) and the merge makes no cycle. Producers first, largest saved
+   buffer first.
+4. Store only what someone outside the kernel reads; order the steps topologically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember import config
+from ember.ir.graph import Graph, Node, Value
+from ember.ir.sizes import index_symbol, product
+from ember.ir.views import VIEW_KINDS, strides_of
+from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
+
+
+@dataclass
+class Group:
+    id: int
+    domain: Domain
+    roots: list[Value]
+    first: int  # position of its first node in the graph, for stable ordering
+    kernel: Kernel | None = None
+
+
+@dataclass
+class KernelStep:
+    kernel: Kernel
+
+
+@dataclass
+class ExternStep:
+    node: Node
+
+
+@dataclass
+class AliasStep:
+    """A view of a buffer that must exist as a tensor (an output or an extern input)."""
+
+    value: Value
+    base: Value
+    stride: tuple
+    offset: object
+
+
+Step = KernelStep | ExternStep | AliasStep
+
+
+@dataclass
+class FusionDecision:
+    """One considered merge, for `EMBER_LOGS=fusion` and reports."""
+
+    consumer: str
+    producer: str
+    accepted: bool
+    reason: str
+
+
+@dataclass
+class Schedule:
+    graph: Graph
+    steps: list[Step]
+    decisions: list[FusionDecision] = field(default_factory=list)
+
+    @property
+    def kernels(self) -> list[Kernel]:
+        return [s.kernel for s in self.steps if isinstance(s, KernelStep)]
+
+    @property
+    def externs(self) -> list[Node]:
+        return [s.node for s in self.steps if isinstance(s, ExternStep)]
+
+
+def view_chain(value: Value) -> tuple[Value, list[Node]]:
+    """The non-view root of a value and the view nodes from root to value."""
+    chain = []
+    while value.node.op == "view":
+        chain.append(value.node)
+        value = value.node.inputs[0]
+    return value, list(reversed(chain))
+
+
+def _alias_layout(value: Value, root: Value, root_stride) -> tuple | None:
+    """Strides and offset of `value` as a strided view of root's buffer, if it is one."""
+    _, chain = view_chain(value)
+
+    def index_fn(index):
+        for node in reversed(chain):
+            base = node.inputs[0]
+            index = VIEW_KINDS[node.attrs["kind"]].index(index, base.shape, node.out.shape, node.attrs)
+        return index
+
+    syms = [index_symbol(f"a{k}") for k in range(len(value.shape))]
+    return strides_of(index_fn, value.shape, root_stride, syms)
+
+
+class Scheduler:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.position = {id(n): k for k, n in enumerate(graph.nodes)}
+        self.aliases: dict[Value, AliasStep] = {}
+        self.must_store: set[Value] = set()
+        self.groups: dict[int, Group] = {}
+        self.owner: dict[Value, int] = {}
+        self.decisions: list[FusionDecision] = []
+
+    def run(self) -> Schedule:
+        self._realize()
+        self._group()
+        if config.get("fuse"):
+            self._fuse()
+        return Schedule(self.graph, self._order(), self.decisions)
+
+    # 1. ---------------------------------------------------------------------------------
+    def _realize(self) -> None:
+        from ember.ir.graph import layout_of
+
+        needed = [o for o in self.graph.outputs if isinstance(o, Value)]
+        for node in self.graph.nodes:
+            if node.op == "extern":
+                needed += node.value_inputs()
+        realized: list[Value] = []
+        for v in needed:
+            if v.node.op in ("input", "extern"):
+                continue
+            if v.node.op == "view":
+                root, _ = view_chain(v)
+                layout = _alias_layout(v, root, layout_of(root))
+                if layout is not None:
+                    self.aliases[v] = AliasStep(v, root, *layout)
+                    if root.node.op not in ("input", "extern"):
+                        realized.append(root)
+                    continue
+            realized.append(v)
+        self.must_store = set(realized)
+        for node in self.graph.nodes:
+            if node.op == "reduce":
+                realized.append(node.out)
+        for v in dict.fromkeys(realized):
+            self._new_group(v)
+
+    # 2. ---------------------------------------------------------------------------------
+    def _new_group(self, v: Value) -> None:
+        if v.node.op == "reduce":
+            domain = Domain(v.node.inputs[0].shape, tuple(v.node.attrs["dims"]))
+        else:
+            domain = Domain(v.shape)
+        gid = len(self.groups)
+        self.groups[gid] = Group(gid, domain, [v], self.position[id(v.node)])
+        self.owner[v] = gid
+
+    def _group(self) -> None:
+        for g in self.groups.values():
+            g.kernel = self._build(g.domain, g.id, g.roots)
+
+    def _build(self, domain: Domain, gid: int, roots: list[Value]) -> Kernel:
+        return build_kernel(f"k{gid}", domain, gid, roots, list(roots), self.owner)
+
+    # 3. ---------------------------------------------------------------------------------
+    def _producers(self, g: Group) -> set[int]:
+        """Groups whose outputs g loads; externs are folded in through their inputs."""
+        deps: set[int] = set()
+        for v in g.kernel.reads:
+            deps |= self._value_deps(v)
+        return deps
+
+    def _value_deps(self, v: Value) -> set[int]:
+        if v in self.owner:
+            return {self.owner[v]}
+        if v.node.op == "extern":
+            out: set[int] = set()
+            for x in v.node.value_inputs():
+                out |= self._value_deps(x)
+            return out
+        return set()
+
+    def _reaches(self, src: int, dst: int, skip_direct: bool) -> bool:
+        """Whether dst depends on src through a path of at least one other group."""
+        deps = {gid: self._producers(g) for gid, g in self.groups.items()}
+        stack = [d for d in deps[dst] if not (skip_direct and d == src)]
+        seen: set[int] = set()
+        while stack:
+            cur = stack.pop()
+            if cur == src:
+                return True
+            if cur in seen:
+                continue
+            seen.add(cur)
+            stack.extend(deps[cur])
+        return False
+
+    def _merged_domain(self, a: Group, b: Group) -> Domain | None:
+        if a.domain == b.domain:
+            return a.domain
+        red, pw = (a, b) if a.domain.reduce_dims else (b, a)
+        if not red.domain.reduce_dims or pw.domain.reduce_dims:
+            return None
+        if all(red.domain.index_for(v.shape) is not None for v in pw.roots):
+            return red.domain
+        return None
+
+    def _fuse(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for b in sorted(self.groups.values(), key=lambda g: g.first):
+                for a in self._candidates(b):
+                    if self._try_merge(a, b):
+                        changed = True
+                        break
+                if changed:
+                    break
+
+    def _candidates(self, b: Group) -> list[Group]:
+        producers = [self.groups[p] for p in self._producers(b) if p != b.id]
+        reads = set(b.kernel.reads)
+        siblings = [
+            g
+            for g in self.groups.values()
+            if g.id != b.id and g not in producers and g.domain == b.domain and reads & set(g.kernel.reads)
+        ]
+        producers.sort(key=lambda g: -_numel_hint(g))
+        return producers + sorted(siblings, key=lambda g: g.first)
+
+    def _try_merge(self, a: Group, b: Group) -> bool:
+        names = (f"k{b.id}", f"k{a.id}")
+        domain = self._merged_domain(a, b)
+        if domain is None:
+            self._decide(names, False, f"domains differ: {a.domain} vs {b.domain}")
+            return False
+        if self._reaches(a.id, b.id, skip_direct=True) or self._reaches(b.id, a.id, skip_direct=True):
+            self._decide(names, False, "would form a cycle")
+            return False
+        first, second = (a, b) if a.first <= b.first else (b, a)
+        roots = first.roots + second.roots
+        saved_owner = dict(self.owner)
+        for v in second.roots:
+            self.owner[v] = first.id
+        try:
+            kernel = self._build(domain, first.id, roots)
+        except NotFusable as e:
+            self.owner = saved_owner
+            self._decide(names, False, str(e))
+            return False
+        first.roots, first.domain, first.kernel = roots, domain, kernel
+        del self.groups[second.id]
+        self._decide(names, True, f"merged over {domain}")
+        return True
+
+    def _decide(self, names, accepted, reason) -> None:
+        self.decisions.append(FusionDecision(names[0], names[1], accepted, reason))
+
+    # 4. ---------------------------------------------------------------------------------
+    def _order(self) -> list[Step]:
+        # Which group values does anyone outside their own group read?
+        read_outside: set[Value] = set(self.must_store)
+        for g in self.groups.values():
+            read_outside |= {v for v in g.kernel.reads if self.owner.get(v) not in (None, g.id)}
+        for node in self.graph.nodes:
+            if node.op == "extern":
+                read_outside |= {v for v in node.value_inputs() if v in self.owner}
+        for alias in self.aliases.values():
+            read_outside.add(alias.base)
+
+        items: list[tuple[int, Step, set]] = []  # (position, step, the values it needs)
+        for g in self.groups.values():
+            stored = [v for v in g.roots if v in read_outside]
+            g.kernel = build_kernel(f"k{g.id}", g.domain, g.id, g.roots, stored, self.owner)
+            items.append((g.first, KernelStep(g.kernel), set(g.kernel.reads)))
+        for node in self.graph.nodes:
+            if node.op == "extern":
+                needs = {self.aliases[v].base if v in self.aliases else v for v in node.value_inputs()}
+                items.append((self.position[id(node)], ExternStep(node), needs))
+        produced_by: dict[Value, int] = {}
+        for k, (_, step, _) in enumerate(items):
+            for v in _step_outputs(step):
+                produced_by[v] = k
+        # Topological order, ties broken by graph position (Kahn's algorithm).
+        deps = [{produced_by[v] for v in needs if v in produced_by} - {k} for k, (_, _, needs) in enumerate(items)]
+        done: set[int] = set()
+        order: list[Step] = []
+        while len(done) < len(items):
+            ready = [k for k in range(len(items)) if k not in done and deps[k] <= done]
+            if not ready:
+                raise RuntimeError("schedule has a cycle")
+            k = min(ready, key=lambda k: items[k][0])
+            done.add(k)
+            order.append(items[k][1])
+            order.extend(self._aliases_after(items[k][1]))
+        order[:0] = [a for a in self.aliases.values() if a.base.node.op == "input"]
+        return order
+
+    def _aliases_after(self, step: Step) -> list[AliasStep]:
+        outs = set(_step_outputs(step))
+        return [a for a in self.aliases.values() if a.base in outs]
+
+
+def _step_outputs(step: Step) -> list[Value]:
+    if isinstance(step, KernelStep):
+        return step.kernel.writes
+    if isinstance(step, ExternStep):
+        return step.node.outputs
+    return [step.value]
+
+
+def _numel_hint(g: Group) -> int:
+    n = product(g.domain.shape)
+    return int(n) if n.is_Integer else 1 << 40
+
+
+def schedule(graph: Graph) -> Schedule:
+    return Scheduler(graph).run()

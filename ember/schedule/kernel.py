@@ -1,0 +1,449 @@
+"""The loop-level kernel IR, and building it from a group of graph values.
+
+A kernel iterates over a *domain*: a shape, some of whose dims are reduced. Outer dims are
+spread over programs/threads; reduce dims are looped over (or held whole in registers, if
+the target can). Every value the kernel computes is a small expression DAG (`KNode`s) over
+loads of buffers. A value is *row-level* if it does not vary along the reduce dims
+(reduction results, per-row loads) and *full* otherwise.
+
+Building a kernel is also how the scheduler checks that a fusion is legal: a group whose
+reduction result would be read at an index other than its own row cannot be built, and
+raises `NotFusable`. Loop IR lives in schedule/ (not codegen/) for that reason.
+
+Views are never materialized here: reading a view at an index reads its base at the view's
+index map. Pointwise values that are not realized are recomputed at each index they are
+read (inlining); CSE keeps the DAG linear in size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+
+from ember.ir import dtypes, ops
+from ember.ir.graph import Value, layout_of
+from ember.ir.sizes import Expr, affine_split, index_symbol, product
+from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
+
+
+class NotFusable(Exception):
+    """The group cannot be one kernel (e.g. a reduction read off its own row)."""
+
+
+@dataclass(frozen=True)
+class Domain:
+    shape: tuple[Expr, ...]
+    reduce_dims: tuple[int, ...] = ()
+
+    @property
+    def outer_dims(self) -> tuple[int, ...]:
+        return tuple(d for d in range(len(self.shape)) if d not in self.reduce_dims)
+
+    @property
+    def outer_shape(self) -> tuple[Expr, ...]:
+        return tuple(self.shape[d] for d in self.outer_dims)
+
+    @property
+    def keepdim_shape(self) -> tuple[Expr, ...]:
+        return tuple(sympy.Integer(1) if d in self.reduce_dims else s for d, s in enumerate(self.shape))
+
+    def vars(self) -> list[sympy.Symbol]:
+        return [index_symbol(f"d{k}") for k in range(len(self.shape))]
+
+    def index_for(self, shape: tuple[Expr, ...]) -> list[Expr] | None:
+        """The domain index at which a value of `shape` is produced, or None if it does not fit."""
+        v = self.vars()
+        if tuple(shape) == self.shape:
+            return v
+        if not self.reduce_dims:
+            return None
+        if tuple(shape) == self.outer_shape:
+            return [v[d] for d in self.outer_dims]
+        if tuple(shape) == self.keepdim_shape:
+            return [sympy.Integer(0) if d in self.reduce_dims else v[d] for d in range(len(self.shape))]
+        return None
+
+    def row_index_of(self, reduce_value: Value) -> list[Expr]:
+        index = self.index_for(reduce_value.shape)
+        assert index is not None
+        return index
+
+    def __str__(self) -> str:
+        dims = ", ".join(f"{'r' if k in self.reduce_dims else ''}{s}" for k, s in enumerate(self.shape))
+        return f"[{dims}]"
+
+
+# -- kernel expression nodes --------------------------------------------------------------
+# `dtype` is the dtype of the value as the kernel holds it; `full` is whether it varies along
+# reduce dims; `ready` is the first phase after which it can be computed (0: at row start).
+
+
+@dataclass(eq=False)
+class KNode:
+    dtype: torch.dtype
+    full: bool
+    ready: int
+
+    def args(self) -> tuple["KNode", ...]:
+        return ()
+
+
+@dataclass(eq=False)
+class KLoad(KNode):
+    buffer: Value
+    index: Expr
+
+    def __repr__(self):
+        return f"load({self.buffer.name}[{self.index}])"
+
+
+@dataclass(eq=False)
+class KConst(KNode):
+    value: Any
+
+
+@dataclass(eq=False)
+class KIndex(KNode):
+    """An integer computed from sizes (a symbolic scalar in the graph)."""
+
+    expr: Expr
+
+
+@dataclass(eq=False)
+class KConvert(KNode):
+    arg: KNode
+
+    def args(self):
+        return (self.arg,)
+
+
+@dataclass(eq=False)
+class KOp(KNode):
+    fn: str
+    operands: tuple[KNode, ...]
+
+    def args(self):
+        return self.operands
+
+
+@dataclass(eq=False)
+class KReduce(KNode):
+    kind: str
+    arg: KNode
+    phase: int = 0  # the loop over reduce dims that computes it
+
+    def args(self):
+        return (self.arg,)
+
+
+@dataclass(eq=False)
+class KStore:
+    buffer: Value
+    index: Expr
+    value: KNode
+    phase: int
+    full: bool
+
+
+@dataclass
+class Kernel:
+    """One generated kernel: its domain, what it stores, and what it reads."""
+
+    name: str
+    domain: Domain
+    stores: list[KStore]
+    reduces: list[KReduce]
+    reads: list[Value]  # buffers loaded, in first-use order
+    origins: list[str]  # ATen ops fused into it (for reports)
+    num_phases: int
+    index_vars: list[sympy.Symbol] = field(default_factory=list)
+    # After dimension merging: the loop dims the target iterates over.
+    loop_sizes: list[Expr] = field(default_factory=list)
+    loop_reduce: list[bool] = field(default_factory=list)
+    # Original index expression -> expression over the merged loop variables.
+    rewritten: dict = field(default_factory=dict)
+
+    @property
+    def writes(self) -> list[Value]:
+        return [s.buffer for s in self.stores]
+
+    def index(self, expr: Expr) -> Expr:
+        return self.rewritten.get(expr, expr)
+
+    def size_symbols(self) -> list[sympy.Symbol]:
+        exprs = list(self.loop_sizes) + list(self.rewritten.values())
+        exprs += [n.expr for n in walk(self) if isinstance(n, KIndex)]
+        syms: set = set()
+        for e in exprs:
+            syms |= {s for s in e.free_symbols if not s.name.startswith("d") and not s.name.startswith("l")}
+        return sorted(syms, key=lambda s: s.name)
+
+
+def walk(kernel: Kernel) -> list[KNode]:
+    """Every KNode reachable from the kernel's stores, each once, operands before users."""
+    seen: dict[int, KNode] = {}
+
+    def visit(n: KNode):
+        if id(n) in seen:
+            return
+        for a in n.args():
+            visit(a)
+        seen[id(n)] = n
+
+    for s in kernel.stores:
+        visit(s.value)
+    for r in kernel.reduces:
+        visit(r)
+    return list(seen.values())
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+class KernelBuilder:
+    """Expands a group's values into a Kernel.
+
+    owner:   realized Value -> id of the group that computes it (loads come from its buffer)
+    members: values this group computes (its realized roots)
+    """
+
+    def __init__(self, domain: Domain, group_id: int, owner: dict[Value, int]):
+        self.domain = domain
+        self.group_id = group_id
+        self.owner = owner
+        self.ranges = dict(zip(domain.vars(), domain.shape))
+        self.reduce_vars = {domain.vars()[d] for d in domain.reduce_dims}
+        self.cse: dict[tuple, KNode] = {}
+        self.memo: dict[tuple, KNode] = {}
+        self.reduces: list[KReduce] = []
+        self.reads: dict[Value, None] = {}
+        self.origins: dict[str, None] = {}
+
+    # Interning: identical expressions are one node.
+    def _intern(self, key: tuple, make) -> KNode:
+        node = self.cse.get(key)
+        if node is None:
+            node = self.cse[key] = make()
+        return node
+
+    def const(self, value, dtype) -> KNode:
+        if isinstance(value, Expr):
+            if value.is_Integer:
+                value = int(value)
+            else:
+                node = self._intern(("index", value), lambda: KIndex(torch.int64, False, 0, value))
+                return self.convert(node, dtype)
+        if dtype == torch.bool:
+            value = bool(value)
+        elif dtype.is_floating_point:
+            # Round to the dtype now, as a conversion at run time would.
+            value = float(torch.tensor(float(value), dtype=dtype).item()) if dtype != torch.float64 else float(value)
+        else:
+            value = int(value)
+        return self._intern(("const", value, dtype), lambda: KConst(dtype, False, 0, value))
+
+    def convert(self, node: KNode, dtype: torch.dtype) -> KNode:
+        if node.dtype == dtype:
+            return node
+        if isinstance(node, KConst):
+            return self.const(node.value, dtype)
+        return self._intern(("convert", id(node), dtype), lambda: KConvert(dtype, node.full, node.ready, node))
+
+    def op(self, fn: str, operands: list[KNode], dtype: torch.dtype) -> KNode:
+        key = ("op", fn, tuple(id(o) for o in operands))
+        full = any(o.full for o in operands)
+        ready = max((o.ready for o in operands), default=0)
+        return self._intern(key, lambda: KOp(dtype, full, ready, fn, tuple(operands)))
+
+    def load(self, value: Value, index: list[Expr]) -> KNode:
+        offset = sum(
+            (simplify_index(i, self.ranges) * s for i, s in zip(index, layout_of(value))), sympy.Integer(0)
+        )
+        offset = sympy.expand(offset)
+        self.reads.setdefault(value, None)
+        full = bool(offset.free_symbols & self.reduce_vars)
+        raw = self._intern(("load", value.id, offset), lambda: KLoad(value.dtype, full, 0, value, offset))
+        return self.convert(raw, dtypes.compute_dtype(value.dtype))
+
+    # The core: the expression for `value` at `index` (a list of index expressions).
+    def expr(self, value: Value, index: list[Expr]) -> KNode:
+        key = (value.id, tuple(index))
+        cached = self.memo.get(key)
+        if cached is None:
+            cached = self.memo[key] = self._expr(value, index)
+            if value.node.origin and value.node.op != "input":
+                self.origins.setdefault(value.node.origin, None)  # post-order: producers first
+        return cached
+
+    def _expr(self, value: Value, index: list[Expr]) -> KNode:
+        node = value.node
+        owner = self.owner.get(value)
+        if node.op in ("input", "extern") or (owner is not None and owner != self.group_id):
+            return self.load(value, index)
+        if node.op == "view":
+            (base,) = node.inputs
+            kind = VIEW_KINDS[node.attrs["kind"]]
+            return self.expr(base, kind.index(list(index), base.shape, value.shape, node.attrs))
+        if node.op == "reduce":
+            return self._reduce_ref(value, index)
+        if node.op == "full":
+            return self.const(node.attrs["value"], dtypes.compute_dtype(value.dtype))
+        if node.op == "cast":
+            (x,) = node.inputs
+            arg = self.expr(x, broadcast_index(index, x.shape, value.shape))
+            rounded = self.convert(arg, value.dtype)
+            return self.convert(rounded, dtypes.compute_dtype(value.dtype))
+        if node.op == "pointwise":
+            return self._pointwise(value, index)
+        raise NotFusable(f"cannot generate {node.op}")
+
+    def _pointwise(self, value: Value, index: list[Expr]) -> KNode:
+        node = value.node
+        spec = ops.POINTWISE[node.attrs["fn"]]
+        out_dtype = dtypes.compute_dtype(value.dtype)
+        if spec.kind == "compare":
+            operand_dtypes = [dtypes.compute_dtype(node.attrs["operand_dtype"])] * spec.arity
+        elif spec.kind == "select":
+            operand_dtypes = [torch.bool, out_dtype, out_dtype]
+        else:
+            operand_dtypes = [out_dtype] * spec.arity
+        operands = []
+        for x, dt in zip(node.inputs, operand_dtypes):
+            if isinstance(x, Value):
+                operands.append(self.convert(self.expr(x, broadcast_index(index, x.shape, value.shape)), dt))
+            else:
+                operands.append(self.const(x, dt))
+        return self.op(spec.name, operands, out_dtype)
+
+    def _reduce_ref(self, value: Value, index: list[Expr]) -> KNode:
+        """A reduction computed in this kernel may be read only at its own row."""
+        row = self.domain.index_for(value.shape) if self.domain.reduce_dims else None
+        if row is None or [sympy.expand(i) for i in index] != row:
+            raise NotFusable(f"%{value.name} is read at {index}, not at its row")
+        return self.reduction(value)
+
+    def reduction(self, value: Value) -> KReduce:
+        key = ("reduce", value.id)
+        if key in self.cse:
+            return self.cse[key]
+        node = value.node
+        (x,) = node.inputs
+        if x.shape != self.domain.shape or tuple(node.attrs["dims"]) != self.domain.reduce_dims:
+            raise NotFusable(f"reduction %{value.name} has another domain than {self.domain}")
+        acc = dtypes.compute_dtype(value.dtype)
+        arg = self.convert(self.expr(x, self.domain.vars()), acc)
+        phase = arg.ready
+        red = KReduce(acc, False, phase + 1, node.attrs["kind"], arg, phase)
+        self.cse[key] = red
+        self.reduces.append(red)
+        return red
+
+    def store(self, value: Value) -> KStore:
+        index = self.domain.index_for(value.shape)
+        if index is None:
+            raise NotFusable(f"%{value.name} {value.type_str} does not fit domain {self.domain}")
+        node = value.node
+        if node.op == "reduce":
+            result: KNode = self.reduction(value)
+        else:
+            result = self.expr(value, index)
+        stored = self.convert(result, value.dtype)
+        offset = sympy.expand(sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0)))
+        return KStore(value, offset, stored, result.ready, result.full)
+
+
+def build_kernel(name: str, domain: Domain, group_id: int, roots: list[Value], stored: list[Value], owner) -> Kernel:
+    """Build the kernel computing `roots` (reductions included) and storing `stored`."""
+    b = KernelBuilder(domain, group_id, owner)
+    stores = [b.store(v) for v in stored]
+    for v in roots:
+        if v.node.op == "reduce":
+            b.reduction(v)
+        elif v not in stored:
+            b.expr(v, domain.index_for(v.shape) or _no_fit(v, domain))
+    num_phases = max([r.phase + 1 for r in b.reduces] + [s.phase + 1 for s in stores if s.full] + [1])
+    kernel = Kernel(
+        name=name,
+        domain=domain,
+        stores=stores,
+        reduces=b.reduces,
+        reads=list(b.reads),
+        origins=list(b.origins),
+        num_phases=num_phases,
+    )
+    merge_dims(kernel)
+    return kernel
+
+
+def _no_fit(v, domain):
+    raise NotFusable(f"%{v.name} does not fit domain {domain}")
+
+
+def merge_dims(kernel: Kernel) -> None:
+    """Collapse adjacent loop dims that every index expression walks contiguously.
+
+    A row-major [N, C] pointwise kernel becomes one loop over N*C; a bias add over [N, C]
+    stays two loops. Fewer dims mean less index arithmetic (div/mod in Triton, loop nests in
+    C++). Dims of size 1 vanish.
+    """
+    dom = kernel.domain
+    dims = [(v, s, d in dom.reduce_dims) for d, (v, s) in enumerate(zip(dom.vars(), dom.shape))]
+    exprs = {s.index for s in kernel.stores} | {n.index for n in walk(kernel) if isinstance(n, KLoad)}
+    current = {e: e for e in exprs}
+    # Drop size-1 dims.
+    for v, s, _ in dims:
+        if s == 1:
+            current = {k: e.subs(v, 0) for k, e in current.items()}
+    dims = [d for d in dims if d[1] != 1]
+    # Outer dims first, then reduce dims, each in order; merge neighbours within a class.
+    merged: list[tuple] = []
+    for cls in (False, True):
+        group = [d for d in dims if d[2] == cls]
+        k = 0
+        while k < len(group):
+            v, s, _ = group[k]
+            while k + 1 < len(group):
+                v2, s2, _ = group[k + 1]
+                new = _try_merge(current, v, v2, s2)
+                if new is None:
+                    break
+                current, v, s = new, v, s * s2
+                k += 1
+            merged.append((v, s, cls))
+            k += 1
+    names = {}
+    for idx, (v, s, cls) in enumerate(merged):
+        names[v] = index_symbol(f"l{idx}")
+    kernel.rewritten = {k: sympy.expand(e.xreplace(names)) for k, e in current.items()}
+    kernel.index_vars = [names[v] for v, _, _ in merged]
+    kernel.loop_sizes = [s for _, s, _ in merged]
+    kernel.loop_reduce = [cls for _, _, cls in merged]
+
+
+def _try_merge(current: dict, outer, inner, inner_size) -> dict | None:
+    """Rewrite c*outer + c_in*inner as c_in*(outer*inner_size + inner) if c == c_in*inner_size everywhere."""
+    out = {}
+    for k, e in current.items():
+        a = affine_split(e, outer)
+        if a is None:
+            return None
+        c_outer, rest = a
+        b = affine_split(rest, inner)
+        if b is None:
+            return None
+        c_inner, rest2 = b
+        if sympy.expand(c_outer - c_inner * inner_size) != 0:
+            return None
+        out[k] = rest2 + c_inner * outer  # `outer` now names the merged var
+    return out
+
+
+def estimate_bytes(kernel: Kernel) -> Expr:
+    """Bytes this kernel moves if each buffer is touched once (the floor the cost model reports)."""
+    total = sympy.Integer(0)
+    for v in list(kernel.reads) + kernel.writes:
+        total += product(v.shape) * v.dtype.itemsize
+    return total

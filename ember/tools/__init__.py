@@ -1,0 +1,1 @@
+"""User-facing tools: explain, the demo, the CLI."""
