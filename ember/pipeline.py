@@ -25,9 +25,10 @@ from ember.report import FusionReport, GraphReport, KernelReport, publish
 class CompiledGraph:
     """A compiled graph, called by AOTAutograd with a list of inputs (the boxed convention)."""
 
-    _boxed_call = True
-
     def __init__(self, call: Callable, report: GraphReport):
+        # An instance attribute, not a class one: AOTAutograd wraps the backward function with
+        # functools.wraps, which copies __dict__ and would drop a class attribute.
+        self._boxed_call = True
         self._call = call
         self.report = report
 
@@ -38,9 +39,8 @@ class CompiledGraph:
 class EagerGraph:
     """The fallback: run the ATen graph op by op."""
 
-    _boxed_call = True
-
     def __init__(self, gm: torch.fx.GraphModule, report: GraphReport):
+        self._boxed_call = True
         self.gm = gm
         self.report = report
 

@@ -41,10 +41,50 @@ def _expand_index(i, s_in, s_out, a):
 
 
 def _reshape_index(i, s_in, s_out, a):
+    """Split both shapes into groups of equal size; index math stays inside each group.
+
+    [2, 16, 64] -> [32, 64] maps the first input pair from one output dim (div/mod) and the
+    last dim straight through, instead of flattening everything.
+    """
+    result: list = []
+    k_in = k_out = 0
+    while k_in < len(s_in) or k_out < len(s_out):
+        g_in, g_out = [k_in], [k_out]
+        p_in = s_in[k_in] if k_in < len(s_in) else sympy.Integer(1)
+        p_out = s_out[k_out] if k_out < len(s_out) else sympy.Integer(1)
+        k_in, k_out = k_in + 1, k_out + 1
+        while sympy.expand(p_in - p_out) != 0:
+            if k_in >= len(s_in) and k_out >= len(s_out):
+                return _flat_reshape_index(i, s_in, s_out)
+            grow_in = k_out >= len(s_out) or (k_in < len(s_in) and _smaller(p_in, p_out))
+            if grow_in:
+                g_in.append(k_in)
+                p_in = p_in * s_in[k_in]
+                k_in += 1
+            else:
+                g_out.append(k_out)
+                p_out = p_out * s_out[k_out]
+                k_out += 1
+        g_in = [d for d in g_in if d < len(s_in)]
+        g_out = [d for d in g_out if d < len(s_out)]
+        sub_out = [s_out[d] for d in g_out]
+        sub_in = [s_in[d] for d in g_in]
+        result += _flat_reshape_index([i[d] for d in g_out], sub_in, sub_out)
+    return result
+
+
+def _smaller(a: Expr, b: Expr) -> bool:
+    """a < b for sizes; symbolic sizes compare by their value at a large hint."""
+    diff = sympy.expand(b - a)
+    if diff.is_number:
+        return diff > 0
+    return diff.subs({s: 1024 for s in diff.free_symbols}) > 0
+
+
+def _flat_reshape_index(i, s_in, s_out):
     linear = sum((x * st for x, st in zip(i, contiguous_strides(s_out))), sympy.Integer(0))
-    strides = contiguous_strides(s_in)
     out = []
-    for k, (size, stride) in enumerate(zip(s_in, strides)):
+    for k, (size, stride) in enumerate(zip(s_in, contiguous_strides(s_in))):
         q = IndexDiv(linear, stride)
         out.append(q if k == 0 else IndexMod(q, size))
     return out
@@ -159,7 +199,36 @@ def simplify_index(expr: Expr, ranges: dict) -> Expr:
                 return rest
             return sympy.expand(sympy.Add(*multiples) / b)
         return type(expr)(a, b)
+    if expr.is_Add:
+        return _recombine(sympy.Add(*args))
     return expr.func(*args)
+
+
+def _recombine(expr: Expr) -> Expr:
+    """c*k*IndexDiv(x, k) + c*IndexMod(x, k) -> c*x (what a merge-then-split of dims leaves)."""
+    changed = True
+    while changed and expr.is_Add:
+        changed = False
+        terms = list(expr.args)
+        for t in terms:
+            coeff, mod = _split_coeff(t, IndexMod)
+            if mod is None:
+                continue
+            x, k = mod.args
+            partner = coeff * k * IndexDiv(x, k)
+            if any(sympy.expand(u - partner) == 0 for u in terms):
+                expr = sympy.expand(expr - t - partner + coeff * x)
+                changed = True
+                break
+    return expr
+
+
+def _split_coeff(term: Expr, cls):
+    factors = sympy.Mul.make_args(term)
+    found = [f for f in factors if isinstance(f, cls)]
+    if len(found) != 1:
+        return None, None
+    return sympy.Mul(*[f for f in factors if f is not found[0]]), found[0]
 
 
 def affine_free_multiple(term: Expr, b: Expr) -> bool:
@@ -175,7 +244,8 @@ def strides_of(index_fn: Callable[[Index], Index], out_shape: tuple, base_stride
     syms = ranges_syms
     in_index = index_fn(list(syms))
     ranges = dict(zip(syms, out_shape))
-    offset_expr = sympy.expand(sum((simplify_index(x, ranges) * s for x, s in zip(in_index, base_strides)), sympy.Integer(0)))
+    offset_expr = sum((x * s for x, s in zip(in_index, base_strides)), sympy.Integer(0))
+    offset_expr = simplify_index(sympy.expand(offset_expr), ranges)
     strides = []
     for sym in syms:
         split = affine_split(offset_expr, sym)

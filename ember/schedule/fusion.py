@@ -166,35 +166,44 @@ class Scheduler:
 
     # 3. ---------------------------------------------------------------------------------
     def _producers(self, g: Group) -> set[int]:
-        """Groups whose outputs g loads; externs are folded in through their inputs."""
-        deps: set[int] = set()
-        for v in g.kernel.reads:
-            deps |= self._value_deps(v)
+        """Groups whose buffers g loads directly."""
+        return {self.owner[v] for v in g.kernel.reads if v in self.owner}
+
+    def _step_deps(self) -> dict:
+        """The dependency graph over steps: ("g", group id) and ("e", extern node id) -> what it needs."""
+        deps: dict = {}
+
+        def needs(values) -> set:
+            out = set()
+            for v in values:
+                if v not in self.owner:
+                    v = view_chain(v)[0]
+                if v in self.owner:
+                    out.add(("g", self.owner[v]))
+                elif v.node.op == "extern":
+                    out.add(("e", id(v.node)))
+            return out
+
+        for gid, g in self.groups.items():
+            deps[("g", gid)] = needs(g.kernel.reads)
+        for node in self.graph.nodes:
+            if node.op == "extern":
+                deps[("e", id(node))] = needs(node.value_inputs())
         return deps
 
-    def _value_deps(self, v: Value) -> set[int]:
-        if v in self.owner:
-            return {self.owner[v]}
-        if v.node.op == "extern":
-            out: set[int] = set()
-            for x in v.node.value_inputs():
-                out |= self._value_deps(x)
-            return out
-        return set()
-
     def _reaches(self, src: int, dst: int, skip_direct: bool) -> bool:
-        """Whether dst depends on src through a path of at least one other group."""
-        deps = {gid: self._producers(g) for gid, g in self.groups.items()}
-        stack = [d for d in deps[dst] if not (skip_direct and d == src)]
-        seen: set[int] = set()
+        """Whether dst depends on src through a path of at least one other step."""
+        deps = self._step_deps()
+        stack = [d for d in deps[("g", dst)] if not (skip_direct and d == ("g", src))]
+        seen: set = set()
         while stack:
             cur = stack.pop()
-            if cur == src:
+            if cur == ("g", src):
                 return True
             if cur in seen:
                 continue
             seen.add(cur)
-            stack.extend(deps[cur])
+            stack.extend(deps.get(cur, ()))
         return False
 
     def _merged_domain(self, a: Group, b: Group) -> Domain | None:
@@ -290,7 +299,9 @@ class Scheduler:
         while len(done) < len(items):
             ready = [k for k in range(len(items)) if k not in done and deps[k] <= done]
             if not ready:
-                raise RuntimeError("schedule has a cycle")
+                stuck = [(_describe(items[k][1]), sorted(_describe(items[d][1]) for d in deps[k] - done))
+                         for k in range(len(items)) if k not in done]
+                raise RuntimeError(f"schedule has a cycle among {stuck}")
             k = min(ready, key=lambda k: items[k][0])
             done.add(k)
             order.append(items[k][1])
@@ -309,6 +320,14 @@ def _step_outputs(step: Step) -> list[Value]:
     if isinstance(step, ExternStep):
         return step.node.outputs
     return [step.value]
+
+
+def _describe(step: Step) -> str:
+    if isinstance(step, KernelStep):
+        return step.kernel.name
+    if isinstance(step, ExternStep):
+        return f"extern {step.node.origin} -> {[v.name for v in step.node.outputs]}"
+    return f"alias {step.value.name}"
 
 
 def _numel_hint(g: Group) -> int:

@@ -259,10 +259,8 @@ class KernelBuilder:
         return self._intern(key, lambda: KOp(dtype, full, ready, fn, tuple(operands)))
 
     def load(self, value: Value, index: list[Expr]) -> KNode:
-        offset = sum(
-            (simplify_index(i, self.ranges) * s for i, s in zip(index, layout_of(value))), sympy.Integer(0)
-        )
-        offset = sympy.expand(offset)
+        offset = sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0))
+        offset = simplify_index(sympy.expand(offset), self.ranges)
         self.reads.setdefault(value, None)
         full = bool(offset.free_symbols & self.reduce_vars)
         raw = self._intern(("load", value.id, offset), lambda: KLoad(value.dtype, full, 0, value, offset))
@@ -274,7 +272,7 @@ class KernelBuilder:
         cached = self.memo.get(key)
         if cached is None:
             cached = self.memo[key] = self._expr(value, index)
-            if value.node.origin and value.node.op != "input":
+            if not isinstance(cached, (KLoad, KConvert)) or value.node.op == "cast":
                 self.origins.setdefault(value.node.origin, None)  # post-order: producers first
         return cached
 
@@ -337,6 +335,7 @@ class KernelBuilder:
         arg = self.convert(self.expr(x, self.domain.vars()), acc)
         phase = arg.ready
         red = KReduce(acc, False, phase + 1, node.attrs["kind"], arg, phase)
+        self.origins.setdefault(node.origin, None)
         self.cse[key] = red
         self.reduces.append(red)
         return red
