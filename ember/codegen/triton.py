@@ -9,6 +9,7 @@ where some index needs them. Block sizes come from a size-based heuristic (launc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import sympy
@@ -127,6 +128,7 @@ class TritonRenderer(Renderer):
         self.persistent = launch.persistent
         self.reduction = any(kernel.loop_reduce)
         self.wide_index = self._needs_int64()
+        self.interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
     def _needs_int64(self) -> bool:
         for p in self.params:
@@ -175,7 +177,13 @@ class TritonRenderer(Renderer):
             else:
                 self.emit(f"{name} = {arg}.to({TRITON_DTYPE[node.dtype]})")
         elif isinstance(node, KOp):
-            self.emit(f"{name} = {ops.POINTWISE[node.fn].triton.format(*[self.ref(a) for a in node.operands])}")
+            spec = ops.POINTWISE[node.fn]
+            template = spec.triton
+            if self.interpreted and spec.triton_interpreted is not None:
+                template = spec.triton_interpreted
+                if not template:
+                    raise NotImplementedError(f"{node.fn} has no form for Triton's interpreter")
+            self.emit(f"{name} = {template.format(*[self.ref(a) for a in node.operands])}")
         else:
             raise NotImplementedError(type(node).__name__)
 
