@@ -144,8 +144,39 @@ class Scheduler:
         for node in self.graph.nodes:
             if node.op == "reduce":
                 realized.append(node.out)
+        realized += self._shared_pointwise(set(realized))
         for v in dict.fromkeys(realized):
             self._new_group(v)
+
+    def _shared_pointwise(self, realized: set[Value]) -> list[Value]:
+        """Pointwise values worth computing once: read by several consumers, and built from
+        several buffers. Inlining those into every consumer would re-read all their inputs
+        each time (a residual stream inlined into each layer's norm grows with depth).
+        A realized value costs nothing when its consumers fuse with it: it is stored only if
+        a kernel outside its own reads it.
+        """
+        users: dict[Value, int] = {}
+        for node in self.graph.nodes:
+            for v in node.value_inputs():
+                root, _ = view_chain(v)
+                users[root] = users.get(root, 0) + 1
+        reads: dict[Value, frozenset] = {}
+        chosen: list[Value] = []
+        for node in self.graph.nodes:
+            if node.op not in ("pointwise", "cast"):
+                continue
+            v = node.out
+            touched: set = set()
+            for x in node.value_inputs():
+                root, _ = view_chain(x)
+                touched |= reads.get(root, {root})
+            if v in realized or (users.get(v, 0) >= 2 and len(touched) >= 2):
+                if v not in realized:
+                    chosen.append(v)
+                reads[v] = frozenset({v})
+            else:
+                reads[v] = frozenset(touched)
+        return chosen
 
     # 2. ---------------------------------------------------------------------------------
     def _new_group(self, v: Value) -> None:

@@ -1,0 +1,147 @@
+"""The programs ember is checked and measured on, shared by the demo, the tests and GPU runs.
+
+Each workload is a function (or module) plus a maker of inputs at a named scale: "tiny" for
+Triton's CPU interpreter, "small" for CPU tests and the CPU demo, "gpu" for the GPU machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def pointwise3(x):
+    return torch.relu(x) * 0.5 + 1
+
+
+def gelu_tanh(x):
+    """GELU's tanh approximation written out: 7 pointwise ops."""
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def softmax_manual(x):
+    m = x.amax(-1, keepdim=True)
+    e = torch.exp(x - m)
+    return e / e.sum(-1, keepdim=True)
+
+
+class LayerNormGelu(nn.Module):
+    """gelu(layer_norm(x + r)); also returns h = x + r (a residual stream keeps it)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x, r):
+        h = x + r
+        return F.gelu(self.norm(h)), h
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, hidden: int, depth: int = 3):
+        super().__init__()
+        dims = [d] + [hidden] * (depth - 1) + [d]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for k, layer in enumerate(self.layers):
+            x = layer(x)
+            if k < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.out = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT2Stack(nn.Module):
+    def __init__(self, d: int, heads: int, layers: int = 4):
+        super().__init__()
+        self.blocks = nn.Sequential(*[GPT2Block(d, heads) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.ln_f(self.blocks(x))
+
+
+@dataclass
+class Workload:
+    name: str
+    make: Callable[[str, torch.dtype, str], tuple[Callable, tuple]]  # (scale, dtype, device) -> (fn, inputs)
+    expected_kernels: int | None = None  # inference kernels ember must make (None: not pinned)
+
+
+_SIZES = {
+    # name: {scale: shape}
+    "pointwise3": {"tiny": (8, 32), "small": (256, 512), "gpu": (4096, 4096)},
+    "gelu_tanh": {"tiny": (8, 32), "small": (256, 512), "gpu": (8192, 8192)},
+    "softmax": {"tiny": (8, 32), "small": (256, 1024), "gpu": (8192, 8192)},
+    "layernorm_gelu": {"tiny": (8, 32), "small": (512, 1024), "gpu": (8192, 4096)},
+    "mlp": {"tiny": (4, 16, 32), "small": (64, 256, 512), "gpu": (8192, 1024, 4096)},
+    "gpt2_block": {"tiny": (2, 8, 32, 2), "small": (4, 64, 128, 4), "gpu": (16, 1024, 768, 12)},
+}
+
+
+def _rand(shape, dtype, device, requires_grad=False):
+    return torch.randn(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def _fn_workload(name, fn):
+    def make(scale, dtype, device):
+        return fn, (_rand(_SIZES[name][scale], dtype, device),)
+
+    return make
+
+
+def _make_layernorm_gelu(scale, dtype, device):
+    rows, d = _SIZES["layernorm_gelu"][scale]
+    m = LayerNormGelu(d).to(device=device, dtype=dtype)
+    with torch.no_grad():  # non-trivial affine parameters
+        m.norm.weight.normal_()
+        m.norm.bias.normal_()
+    return m, (_rand((rows, d), dtype, device), _rand((rows, d), dtype, device))
+
+
+def _make_mlp(scale, dtype, device):
+    rows, d, hidden = _SIZES["mlp"][scale]
+    return MLP(d, hidden).to(device=device, dtype=dtype), (_rand((rows, d), dtype, device),)
+
+
+def _make_gpt2(scale, dtype, device):
+    b, t, d, h = _SIZES["gpt2_block"][scale]
+    return GPT2Stack(d, h).to(device=device, dtype=dtype), (_rand((b, t, d), dtype, device),)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("pointwise3", _fn_workload("pointwise3", pointwise3), expected_kernels=1),
+        Workload("gelu_tanh", _fn_workload("gelu_tanh", gelu_tanh), expected_kernels=1),
+        Workload("softmax", _fn_workload("softmax", softmax_manual), expected_kernels=1),
+        Workload("layernorm_gelu", _make_layernorm_gelu, expected_kernels=1),
+        Workload("mlp", _make_mlp),
+        Workload("gpt2_block", _make_gpt2),
+    ]
+}
