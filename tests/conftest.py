@@ -1,0 +1,39 @@
+"""Test-session setup shared by every ember test.
+
+* Triton runs through its CPU interpreter: TRITON_INTERPRET must be set before triton is
+  imported anywhere, so it is set here, at conftest import time.
+* ember's disk cache lives in a temporary directory for the whole session, never in
+  ~/.cache (tests that need a fresh cache override `cache_dir` themselves).
+* Every test starts from a fresh Dynamo state and the same random seed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+_SESSION_CACHE = tempfile.mkdtemp(prefix="ember-test-cache-")
+os.environ["EMBER_CACHE_DIR"] = _SESSION_CACHE
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def session_cache_dir() -> str:
+    return _SESSION_CACHE

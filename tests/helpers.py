@@ -1,0 +1,126 @@
+"""Shared helpers: compile with ember, compare with eager PyTorch, and print one-line repros."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+import ember
+from ember.report import ExplainReport, collecting
+
+# Which workload scale each code generator is tested at: Triton runs in its (slow) CPU
+# interpreter, so it gets the tiny shapes.
+SCALE = {"cpp": "small", "triton": "tiny"}
+BACKENDS = ("cpp", "triton")
+
+
+def ember_compile(fn: Callable, backend: str, dynamic: bool | None = False, **options: Any) -> Callable:
+    """torch.compile with ember in strict mode: a silent eager fallback would raise instead."""
+    return torch.compile(fn, backend="ember", dynamic=dynamic, options={"strict": True, "backend": backend, **options})
+
+
+def repro(test: str, **fields: Any) -> str:
+    """A one-line description of a failing case that is enough to rerun it."""
+    parts = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+    return f"repro: {test} [{parts}]"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, torch.Tensor):
+        return f"{_short(v.dtype)}{list(v.shape)}"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        return "(" + ", ".join(_short(x) for x in v) + ")"
+    return str(v)
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors in a function's result (a tensor, or a tuple/list of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [o for o in out if isinstance(o, torch.Tensor)]
+
+
+def assert_close(actual, expected, *, rtol: float, atol: float, what: str, line: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}\n{line}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}\n{line}"
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}\n{line}")
+
+
+def max_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.detach().double() - ref.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def assert_not_worse(compiled, eager, ref, *, what: str, line: str, factor: float = 2.0, atol: float = 2**-8) -> None:
+    """Low-precision check: compiled's error against an fp32 reference is not much above eager's.
+
+    atol is relative to the reference's magnitude (bf16 keeps 8 significant bits).
+    """
+    assert compiled.shape == ref.shape, f"{what}: shape {tuple(compiled.shape)} != {tuple(ref.shape)}\n{line}"
+    assert compiled.dtype == eager.dtype, f"{what}: dtype {compiled.dtype} != eager's {eager.dtype}\n{line}"
+    assert torch.isfinite(compiled).all() == torch.isfinite(ref).all(), f"{what}: non-finite values\n{line}"
+    c_err, e_err = max_error(compiled, ref), max_error(eager, ref)
+    scale = max(1.0, ref.detach().abs().max().item()) if ref.numel() else 1.0
+    bound = factor * e_err + atol * scale
+    assert c_err <= bound, (
+        f"{what}: compiled max error {c_err:.3g} vs fp32 reference exceeds {factor}x eager's {e_err:.3g} "
+        f"+ {atol * scale:.3g}\n{line}"
+    )
+
+
+def forward_backward(
+    fn: Callable, params: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], grad_seed: int, train: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Outputs of fn(*inputs), and gradients w.r.t. float inputs then params, for fixed random cotangents."""
+    leaves = [x for x in inputs if x.requires_grad] + list(params)
+    outs = tensors(fn(*inputs))
+    if not train or not leaves:
+        return [o.detach() for o in outs], []
+    diff_outs = [o for o in outs if o.requires_grad]
+    gen = torch.Generator().manual_seed(grad_seed)
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.dtype) for o in diff_outs]
+    grads = torch.autograd.grad(diff_outs, leaves, cotangents, allow_unused=True)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+    return [o.detach() for o in outs], list(grads)
+
+
+def fresh_inputs(inputs: Sequence[torch.Tensor], dtype: torch.dtype | None = None, grad: bool = True) -> list:
+    out = []
+    for x in inputs:
+        y = x.detach().clone()
+        if dtype is not None and y.is_floating_point():
+            y = y.to(dtype)
+        if grad and y.is_floating_point():
+            y.requires_grad_(True)
+        out.append(y)
+    return out
+
+
+def params_of(fn: Callable) -> list[torch.Tensor]:
+    return [p for p in fn.parameters() if p.requires_grad] if isinstance(fn, torch.nn.Module) else []
+
+
+def upcast_copy(fn: Callable) -> Callable:
+    """An fp32 copy of a module with the same (rounded) weights, for the low-precision reference."""
+    return copy.deepcopy(fn).float() if isinstance(fn, torch.nn.Module) else fn
+
+
+@contextlib.contextmanager
+def reports() -> Iterator[ExplainReport]:
+    """Collect every graph ember compiles inside the block."""
+    with collecting() as report:
+        yield report
+
+
+def assert_no_fallback(report: ExplainReport, line: str) -> None:
+    bad = [(g.kind, g.fallback) for g in report.graphs if g.fallback]
+    assert not bad, f"ember fell back to eager: {bad}\n{line}"
+
+
+def explain_strict(fn: Callable, *args, backend: str = "cpp", **options) -> ExplainReport:
+    with ember.config.override(strict=True, backend=backend, **options):
+        return ember.explain(fn, *args)
