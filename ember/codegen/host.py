@@ -33,6 +33,10 @@ class HostProgram:
 
 def _fix_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
     """Kernels index extern results with the strides the compile-time meta promised; enforce them."""
+    if t is None or tuple(t.shape) != tuple(size):
+        raise RuntimeError(
+            f"an extern returned {None if t is None else tuple(t.shape)} where its meta promised {tuple(size)}"
+        )
     if all(st == want or sz <= 1 for sz, st, want in zip(t.shape, t.stride(), stride)):
         return t
     out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
@@ -50,6 +54,7 @@ class HostWriter:
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
         self.device = self.graph.device
         self.free_lines: dict[str, int] = {}
+        self.kernel_inputs: set[Value] = {v for k in schedule.kernels for v in k.reads}
         self.reused: set[str] = set()
 
     def py(self, expr: Expr) -> str:
@@ -207,7 +212,10 @@ class HostWriter:
     def _bind_extern_output(self, v: Value, src: str) -> None:
         name = f"buf{v.id}"
         self.names[v.id] = name
-        self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
+        if v in self.kernel_inputs:
+            self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
+        else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
+            self.lines.append(f"    {name} = {src}")
 
 
 def _may_alias(node) -> bool:

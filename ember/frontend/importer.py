@@ -100,6 +100,8 @@ class Importer:
             # Size arithmetic (sym_size, operator.mul on SymInts): its value is an expression.
             return as_expr(val) if not isinstance(val, torch.SymBool) else _reject_symbool(node)
         if node.target is operator.getitem:
+            if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
+                return as_expr(val)  # an extern's integer result (e.g. cuDNN attention's max_q)
             return self.env[node.args[0]][node.args[1]]
         lower = LOWERINGS.get(node.target) or LOWERINGS.get(getattr(node.target, "overloadpacket", None))
         if lower is not None:
@@ -211,8 +213,8 @@ class Importer:
         for m in metas:
             if isinstance(m, torch.Tensor):
                 out_types.append(([as_expr(s) for s in m.shape], m.dtype, [as_expr(s) for s in m.stride()]))
-            elif m is None:
-                out_types.append(None)
+            elif m is None or (isinstance(m, (int, float, torch.SymInt)) and isinstance(meta, (list, tuple))):
+                out_types.append(None)  # non-tensor parts of a tuple result are read through getitem
             else:
                 raise GraphUnsupported(f"extern {origin} returns {type(m).__name__}")
         real = [t for t in out_types if t is not None]
