@@ -54,6 +54,7 @@ class HostWriter:
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
         self.device = self.graph.device
         self.free_lines: dict[str, int] = {}
+        self.allocated: set[Value] = set()
         self.kernel_inputs: set[Value] = {v for k in schedule.kernels for v in k.reads}
         self.reused: set[str] = set()
 
@@ -115,11 +116,15 @@ class HostWriter:
                     f"{self.arg(list(step.stride))}, {self.names[step.base.id]}.storage_offset() + {self.py(step.offset)})"
                 )
             for v in [v for v, p in last_use.items() if p == pos]:
-                if v.id in self.names and v.node.op != "input" and v not in pinned:
+                if v.id not in self.names or v.node.op == "input" or v in pinned:
+                    continue
+                if v in self.allocated:
                     # Freed here; the line becomes `del` unless a later allocation takes the buffer.
                     self.free_lines[self.names[v.id]] = len(self.lines)
                     self.lines.append("")
                     pool.setdefault(_layout_key(v), []).append(self.names[v.id])
+                else:  # an extern's result: its layout is ATen's, so it is dropped, not recycled
+                    self.lines.append(f"    del {self.names[v.id]}")
         for name, line in self.free_lines.items():
             self.lines[line] = "" if name in self.reused else f"    del {name}"
         self.lines = [ln for ln in self.lines if ln]
@@ -186,6 +191,7 @@ class HostWriter:
     def _allocate(self, v: Value, pool: dict) -> None:
         name = f"buf{v.id}"
         self.names[v.id] = name
+        self.allocated.add(v)
         free = pool.get(_layout_key(v))
         if free:
             old = free.pop()
@@ -199,15 +205,16 @@ class HostWriter:
 
     def _extern(self, step: ExternStep) -> None:
         node = step.node
-        target = self.constant(node.attrs["target"])
-        args, kwargs = self.arg(tuple(node.attrs["args"])), self.arg(node.attrs["kwargs"])
+        call = f"{self.constant(node.attrs['target'])}(*{self.arg(tuple(node.attrs['args']))}, **{self.arg(node.attrs['kwargs'])})"
+        if not node.attrs["tuple_result"]:
+            self._bind_extern_output(node.outputs[0], call)
+            return
         result = f"r{node.outputs[0].id}" if node.outputs else "_"
-        self.lines.append(f"    {result} = {target}(*{args}, **{kwargs})")
-        if node.attrs["tuple_result"]:
-            for pos, v in zip(node.attrs["output_positions"], node.outputs):
-                self._bind_extern_output(v, f"{result}[{pos}]")
-        elif node.outputs:
-            self._bind_extern_output(node.outputs[0], result)
+        self.lines.append(f"    {result} = {call}")
+        for pos, v in zip(node.attrs["output_positions"], node.outputs):
+            self._bind_extern_output(v, f"{result}[{pos}]")
+        if node.outputs:
+            self.lines.append(f"    del {result}")  # the tuple would keep every result alive
 
     def _bind_extern_output(self, v: Value, src: str) -> None:
         name = f"buf{v.id}"
