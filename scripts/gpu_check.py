@@ -70,7 +70,7 @@ def bench(fn) -> float:
     return median_ms(fn, "cpu", 5)
 
 
-def run_one(name, dtype, train, use_inductor, scale="gpu", device="cuda"):
+def run_one(name, dtype, train, use_inductor, scale="gpu", device="cuda", profile=False):
     torch.manual_seed(0)
     fn, inputs = WORKLOADS[name].make(scale, dtype, device)
     if train:
@@ -111,8 +111,26 @@ def run_one(name, dtype, train, use_inductor, scale="gpu", device="cuda"):
         row["inductor_compile_s"] = time.perf_counter() - t0
         row["inductor_err_vs_fp32"] = max(rel_err(o, r) for o, r in zip(ind_out, ref))
         row["inductor_ms"] = bench(lambda: step(ind_fn, inputs, train))
+    if profile:
+        row["profile"] = {"ember": top_kernels(lambda: step(ember_fn, inputs, train))}
+        if use_inductor:
+            row["profile"]["inductor"] = top_kernels(lambda: step(ind_fn, inputs, train))
     torch._dynamo.reset()
     return row
+
+
+def top_kernels(fn, n=12):
+    """The n GPU kernels taking the most time over 5 calls (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=n)
+    print(table)
+    return table
 
 
 def markdown(rows, header):
@@ -140,6 +158,7 @@ def main():
     p.add_argument("--no-inductor", action="store_true")
     p.add_argument("--train", default="mlp,gpt2_block,layernorm_gelu")
     p.add_argument("--scale", default="gpu", help="small: a CPU dry run of this script")
+    p.add_argument("--profile", action="store_true", help="print each compiler's top GPU kernels")
     args = p.parse_args()
     out_dir = os.environ.get("OUT", "gpu_check_out")
     os.makedirs(out_dir, exist_ok=True)
@@ -151,12 +170,12 @@ def main():
                     continue
                 try:
                     row = run_one(name, getattr(torch, dt), train, not args.no_inductor, args.scale,
-                                  "cuda" if torch.cuda.is_available() else "cpu")
+                                  "cuda" if torch.cuda.is_available() else "cpu", args.profile)
                 except Exception as e:  # noqa: BLE001
                     row = {"workload": name, "dtype": dt, "mode": "train" if train else "inference",
                            "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "profile")}), flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)"
     header = (f"GPU: {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
               f"date {time.strftime('%Y-%m-%d')}")

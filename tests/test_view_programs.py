@@ -21,7 +21,7 @@ PROGRAMS = {
     "select": (lambda x: x.select(1, 3) * 2, [(5, 6, 7)], 1),
     "select_negative": (lambda x: x[:, -1] + x[:, 0], [(5, 6)], 1),
     "unsqueeze_outer_sum": (lambda x, y: x.unsqueeze(1) + y.unsqueeze(0), [(6,), (7,)], 1),
-    "expand_mul": (lambda x, z: x.unsqueeze(-1).expand(-1, -1, 4) * z, [(3, 5), (3, 5, 4)], 1),
+    "expand_mul": (lambda x, z: x.unsqueeze(-1).expand(-1, -1, z.shape[-1]) * z, [(3, 5), (3, 5, 4)], 1),
     "bias_broadcast": (lambda x, b: x + b, [(8, 16), (16,)], 1),
     "squeeze": (lambda x: x.squeeze(1) + 1, [(4, 1, 6)], 1),
     "reshape_input_sum": (lambda x: x.reshape(4, 6, 8).sum(1), [(24, 8)], 1),
@@ -36,6 +36,7 @@ PROGRAMS = {
     # A materializing copy is one kernel, not two.
     "contiguous_copy": (lambda x: x.t().contiguous(), [(4, 6)], 1),
 }
+
 
 # Inputs of a second size for the dynamic-shape runs.
 def _grow(shape):

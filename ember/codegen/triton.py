@@ -19,7 +19,7 @@ from ember import config
 from ember.codegen.render import Param, Renderer, is_scalar, print_index
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore
+from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore, walk
 
 TRITON_DTYPE = {
     torch.float32: "tl.float32",
@@ -105,6 +105,11 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         xblock = min(1024, _next_pow2(max(xhint, 1)))
         return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
     rnumel = product(red)
+    if _reduces_across_rows(kernel):
+        # Column sums (e.g. a bias gradient): memory is contiguous along x, so tile [XBLOCK, RBLOCK]
+        # with a wide x for coalesced loads, and loop over r. Enough x-blocks to fill the SMs.
+        xblock = 64 if xhint >= 64 * 132 else 32
+        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 32, 8, False)
     limit = config.get("persistent_reduction_max")
     if rnumel.is_Integer and _next_pow2(int(rnumel)) <= limit:
         rblock = _next_pow2(int(rnumel))
@@ -115,6 +120,25 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         return LaunchConfig(xblock, rblock, _pow2_floor(num_warps), True)
     rblock = 2048 if not rnumel.is_Integer else min(2048, _next_pow2(int(rnumel)))
     return LaunchConfig(1, rblock, 8, False)
+
+
+def _reduces_across_rows(kernel: Kernel) -> bool:
+    """Whether the kernel's full-size loads are contiguous along x rather than along r."""
+    xs = [v for v, r in zip(kernel.index_vars, kernel.loop_reduce) if not r]
+    rs = [v for v, r in zip(kernel.index_vars, kernel.loop_reduce) if r]
+    if not xs or not rs:
+        return False
+    inner_x, inner_r = xs[-1], rs[-1]
+    votes = 0
+    for node in walk(kernel):
+        if isinstance(node, KLoad) and node.full:
+            expr = sympy.expand(kernel.index(node.index))
+            cx, cr = expr.coeff(inner_x), expr.coeff(inner_r)
+            if cx == 1 and cr != 1:
+                votes += 1
+            elif cr == 1:
+                votes -= 1
+    return votes > 0
 
 
 def _pow2_floor(n: int) -> int:
