@@ -107,9 +107,10 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
     rnumel = product(red)
     if _reduces_across_rows(kernel):
         # Column sums (e.g. a bias gradient): memory is contiguous along x, so tile [XBLOCK, RBLOCK]
-        # with a wide x for coalesced loads, and loop over r. Enough x-blocks to fill the SMs.
+        # with a wide x for coalesced loads, and loop over r in chunks deep enough to keep many
+        # loads in flight. Enough x-blocks to fill the SMs. (Split reductions: a later issue.)
         xblock = 64 if xhint >= 64 * 132 else 32
-        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 32, 8, False)
+        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
     limit = config.get("persistent_reduction_max")
     if rnumel.is_Integer and _next_pow2(int(rnumel)) <= limit:
         rblock = _next_pow2(int(rnumel))
