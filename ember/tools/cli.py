@@ -1,0 +1,35 @@
+"""`ember` command line: `ember demo`, `ember config`, `ember cache clear`."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ember")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="compile models, check against eager, print speed-ups")
+    sub.add_parser("config", help="list every setting with its current value")
+    cache = sub.add_parser("cache", help="the disk cache")
+    cache.add_argument("action", choices=["path", "clear"])
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from ember.tools.demo import main as demo
+
+        return demo(rest)
+    from ember import config
+
+    if args.command == "config":
+        print(config.describe())
+    elif args.action == "path":
+        print(config.get("cache_dir"))
+    else:
+        shutil.rmtree(config.get("cache_dir"), ignore_errors=True)
+        print(f"removed {config.get('cache_dir')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

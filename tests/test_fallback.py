@@ -1,0 +1,135 @@
+"""Fail safe, loudly: ops ember cannot lower run as externs; a failing toolchain falls back to
+eager for that graph with exactly one warning naming the cause; strict mode raises instead."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import ember
+from ember.tools.workloads import LayerNormGelu
+from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, repro, reports
+
+BAD_CXX = "/nonexistent/g++"
+
+
+def _cumsum_program(x):
+    return torch.cumsum(torch.relu(x) * 2, dim=1) + 1
+
+
+def _sort_values_program(x):
+    return torch.sort(x * 2, dim=-1).values.exp() - 1
+
+
+def _sort_both_program(x):
+    values, indices = torch.sort(x.abs() + 1, dim=0)
+    return values * 2, indices
+
+
+EXTERN_PROGRAMS = {
+    "cumsum": (_cumsum_program, "cumsum"),
+    "sort_values": (_sort_values_program, "sort"),
+    "sort_values_and_indices": (_sort_both_program, "sort"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(EXTERN_PROGRAMS))
+def test_unlowered_op_runs_as_extern(name, backend):
+    """The op ember has no lowering for runs as an ATen call between ember's kernels (strict mode)."""
+    fn, extern = EXTERN_PROGRAMS[name]
+    x = torch.randn(6, 10)
+    line = repro("tests/test_fallback.py::test_unlowered_op_runs_as_extern", program=name, backend=backend,
+                 dtype=torch.float32, dynamic=False, input=x)
+    with reports() as report:
+        out = ember_compile(fn, backend)(x)
+    expected = fn(x)
+    out, expected = (out, expected) if isinstance(out, tuple) else ((out,), (expected,))
+    for k, (got, want) in enumerate(zip(out, expected)):
+        assert_close(got, want, rtol=1e-5, atol=1e-6, what=f"output {k}", line=line)
+    assert_no_fallback(report, line)
+    (graph,) = report.graphs
+    assert extern in graph.externs, f"expected an extern {extern}:\n{graph}\n{line}"
+    assert graph.kernels, f"the ops around the extern should still be compiled:\n{graph}\n{line}"
+
+
+def _ember_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if str(w.message).startswith("ember")]
+
+
+def test_toolchain_failure_falls_back_with_one_warning(tmp_path):
+    fn = _cumsum_program
+    x = torch.randn(6, 10)
+    line = repro("tests/test_fallback.py::test_toolchain_failure_falls_back_with_one_warning", cxx=BAD_CXX,
+                 backend="cpp", strict=False, input=x)
+    compiled = torch.compile(fn, backend="ember")
+    with warnings.catch_warnings(record=True) as caught, reports() as report:
+        warnings.simplefilter("always")
+        with ember.config.override(cxx=BAD_CXX, strict=False, backend="cpp", cache_dir=str(tmp_path)):
+            outs = [compiled(x) for _ in range(3)]  # compiled once, called three times
+    for out in outs:
+        assert_close(out, fn(x), rtol=1e-6, atol=1e-6, what="fallback result", line=line)
+    ember_msgs = _ember_warnings(caught)
+    assert len(ember_msgs) == 1, f"expected exactly one ember warning, got {ember_msgs}\n{line}"
+    assert BAD_CXX in ember_msgs[0], f"the warning does not name the cause: {ember_msgs[0]!r}\n{line}"
+    (graph,) = report.graphs
+    assert graph.fallback and BAD_CXX in graph.fallback, f"report.fallback = {graph.fallback!r}\n{line}"
+    assert not list(tmp_path.glob("cpp/*/*/graph.so")), f"a failed build left a cache entry\n{line}"
+
+
+def test_toolchain_failure_in_training_falls_back_per_graph(tmp_path):
+    """Forward and backward graphs each fall back (one warning each); gradients stay correct."""
+    model = LayerNormGelu(16)
+    x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+    line = repro("tests/test_fallback.py::test_toolchain_failure_in_training_falls_back_per_graph", cxx=BAD_CXX,
+                 backend="cpp", strict=False)
+    compiled_model = copy.deepcopy(model)
+    compiled = torch.compile(
+        compiled_model, backend="ember", options={"cxx": BAD_CXX, "strict": False, "cache_dir": str(tmp_path)}
+    )
+    with warnings.catch_warnings(record=True) as caught, reports() as report:
+        warnings.simplefilter("always")
+        y, h = compiled(x, r)
+        grads = torch.autograd.grad((y.sum() + h.sum()), [x, r, *compiled_model.parameters()])
+    ye, he = model(x, r)
+    expected = torch.autograd.grad((ye.sum() + he.sum()), [x, r, *model.parameters()])
+    assert_close(y, ye, rtol=1e-6, atol=1e-6, what="output", line=line)
+    for k, (g, e) in enumerate(zip(grads, expected)):
+        assert_close(g, e, rtol=1e-5, atol=1e-6, what=f"grad {k}", line=line)
+    assert sorted(g.kind for g in report.graphs) == ["backward", "forward"], f"{report}\n{line}"
+    assert all(g.fallback and BAD_CXX in g.fallback for g in report.graphs), f"{report}\n{line}"
+    msgs = _ember_warnings(caught)
+    assert len(msgs) == 2 and all(BAD_CXX in m for m in msgs), f"expected one warning per graph: {msgs}\n{line}"
+
+
+def _causes(e: BaseException) -> list[BaseException]:
+    """e and what it wraps (Dynamo wraps backend errors in BackendCompilerFailed)."""
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return chain
+
+
+def test_toolchain_failure_raises_in_strict_mode(tmp_path):
+    x = torch.randn(6, 10)
+    with ember.config.override(cxx=BAD_CXX, strict=True, backend="cpp", cache_dir=str(tmp_path)):
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(Exception) as info:
+            warnings.simplefilter("always")
+            torch.compile(_cumsum_program, backend="ember")(x)
+    assert BAD_CXX in str(info.value), str(info.value)
+    assert any(type(c).__name__ == "ToolchainError" for c in _causes(info.value)), repr(info.value)
+    assert not _ember_warnings(caught), "strict mode raised, it should not also warn"
+
+
+def test_strict_from_environment(tmp_path, monkeypatch):
+    """EMBER_STRICT=1 in the environment has the same effect as config.override(strict=True)."""
+    monkeypatch.setenv("EMBER_STRICT", "1")
+    monkeypatch.setenv("EMBER_CXX", BAD_CXX)
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    with pytest.raises(Exception) as info:
+        torch.compile(_cumsum_program, backend="ember", options={"backend": "cpp"})(torch.randn(6, 10))
+    assert BAD_CXX in str(info.value), str(info.value)

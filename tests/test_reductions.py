@@ -1,0 +1,118 @@
+"""Reductions against eager: sum/mean/amax/amin/var over single dims, several dims, and all dims.
+
+Each reduction reads a pointwise expression of its input (x * 1.5 + 0.25), which must fuse
+into the reduction's kernel: every row of the table is one kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import (
+    BACKENDS,
+    assert_close,
+    assert_no_fallback,
+    assert_not_worse,
+    ember_compile,
+    repro,
+    reports,
+)
+
+SHAPE = (6, 10, 12)
+DIMS = [0, 1, -1, (0, 2), None]  # None: every dim (a full reduction)
+
+
+def _reduce(op: str, x: torch.Tensor, dim, keepdim: bool) -> torch.Tensor:
+    if dim is None and not keepdim:
+        dim_args: dict = {}  # x.sum(): a 0-dim result
+    else:
+        dim_args = {"dim": tuple(range(x.dim())) if dim is None else dim, "keepdim": keepdim}
+    if op == "var":
+        return x.var(**dim_args)
+    if op == "var_unbiased0":
+        return x.var(correction=0, **dim_args)
+    return getattr(x, op)(**dim_args)
+
+
+OPS = ["sum", "mean", "amax", "amin", "var", "var_unbiased0"]
+
+
+def program(op, dim, keepdim):
+    def fn(x):
+        return _reduce(op, x * 1.5 + 0.25, dim, keepdim)
+
+    return fn
+
+
+def _cases():
+    for backend in BACKENDS:
+        for op in OPS:
+            for dim in DIMS:
+                for keepdim in (False, True):
+                    yield pytest.param(backend, op, dim, keepdim, id=f"{backend}-{op}-dim{dim}-keep{keepdim}")
+
+
+def _run(backend, op, dim, keepdim, dynamic, dtype=torch.float32, shapes=(SHAPE,)):
+    fn = program(op, dim, keepdim)
+    compiled = ember_compile(fn, backend, dynamic=dynamic)
+    with reports() as report:
+        for shape in shapes:
+            x = torch.randn(shape, dtype=dtype)
+            line = repro("tests/test_reductions.py", op=op, dim=dim, keepdim=keepdim, backend=backend,
+                         dynamic=dynamic, dtype=dtype, input=x)
+            out, expected = compiled(x), fn(x)
+            if dtype == torch.float32:
+                assert_close(out, expected, rtol=1e-5, atol=1e-5, what=op, line=line)
+            else:
+                assert out.shape == expected.shape, f"{tuple(out.shape)} != {tuple(expected.shape)}\n{line}"
+                assert_not_worse(out, expected, fn(x.float()), what=op, line=line)
+    assert_no_fallback(report, line)
+    for g in report.graphs:
+        assert len(g.kernels) == 1 and not g.externs, f"expected one kernel:\n{g}\n{line}"
+
+
+@pytest.mark.parametrize("backend,op,dim,keepdim", list(_cases()))
+def test_reduction_static(backend, op, dim, keepdim):
+    _run(backend, op, dim, keepdim, dynamic=False)
+
+
+# Dynamic shapes: the whole table on cpp; under Triton's interpreter (slow with symbolic
+# sizes) one row per op, covering each kind of dims once.
+_TRITON_DYNAMIC = [("sum", -1, False), ("mean", (0, 2), True), ("amax", 0, False), ("amin", None, False),
+                   ("var", 1, True), ("var_unbiased0", None, True)]
+
+
+def _dynamic_cases():
+    for param in _cases():
+        backend, op, dim, keepdim = param.values
+        if backend == "cpp" or (op, dim, keepdim) in _TRITON_DYNAMIC:
+            yield param
+
+
+@pytest.mark.parametrize("backend,op,dim,keepdim", list(_dynamic_cases()))
+def test_reduction_dynamic(backend, op, dim, keepdim):
+    _run(backend, op, dim, keepdim, dynamic=True, shapes=(SHAPE, (7, 9, 13)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,dim,keepdim", [("sum", -1, False), ("mean", (0, 2), True), ("var", 1, False),
+                                            ("amax", None, False)])
+def test_reduction_bfloat16(backend, op, dim, keepdim):
+    _run(backend, op, dim, keepdim, dynamic=False, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_row_reduction(backend):
+    """A row longer than one Triton block (and the C++ vector width): sum and amax of 3 x 20000."""
+    def fn(x):
+        return x.sum(-1), x.amax(-1)
+
+    x = torch.randn(3, 20000)
+    line = repro("tests/test_reductions.py::test_long_row_reduction", backend=backend, input=x)
+    with reports() as report:
+        out = ember_compile(fn, backend)(x)
+    for got, want in zip(out, fn(x)):
+        assert_close(got, want, rtol=1e-5, atol=1e-4, what="long row", line=line)
+    assert_no_fallback(report, line)
+    assert len(report.kernels) == 1, f"sum and amax of the same rows should share a kernel:\n{report}\n{line}"
