@@ -203,6 +203,11 @@ class Importer:
         return product(x.shape[d] for d in dims) if dims else product(x.shape)
 
     def extern(self, node: torch.fx.Node) -> Any:
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            # Fused kernels may be ordered around it; until the scheduler orders around
+            # mutations, a graph that mutates runs eagerly.
+            raise GraphUnsupported(f"mutating op {_op_name(node.target)}")
         args = self.arg(node.args)
         kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
         return self.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=_op_name(node.target))
