@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import sympy
+
+from ember import config
 
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
@@ -39,7 +44,38 @@ class TritonBackend:
         if not kernels:
             return {}
         module = self._load(source)
-        return {"triton": triton, **{k.name: getattr(module, k.name) for k in kernels}}
+        fns = {k.name: getattr(module, k.name) for k in kernels}
+        self._precompile(fns)
+        return {"triton": triton, **fns}
+
+    def _precompile(self, fns: dict) -> None:
+        """Compile every kernel now, in parallel threads, instead of one by one at first launch.
+
+        Triton's `warmup` compiles for given argument types without launching: buffers are
+        passed as dtypes (aligned mock pointers, as fresh allocations are) and sizes as their
+        static values, so the specialization matches the real launch. Kernels with symbolic
+        sizes compile at first launch instead. Triton spends most of a compile in MLIR passes
+        and ptxas, which do not hold the GIL.
+        """
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        jobs = []
+        for name, fn in fns.items():
+            r = self.rendered[name]
+            sizes = [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
+            if any(not sympy.sympify(x).is_Integer for x in sizes):
+                continue
+            args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [int(x) for x in sizes]
+            consts = {"XBLOCK": r.launch.xblock, **({"RBLOCK": r.launch.rblock} if r.launch.rblock else {})}
+            jobs.append((fn, args, consts, r.launch.num_warps))
+        if not jobs:
+            return
+        threads = min(config.get("compile_threads"), len(jobs))
+        with ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(_warmup, *job) for job in jobs]:
+                future.result()
 
     def _load(self, source: str):
         import triton
@@ -69,3 +105,7 @@ class TritonBackend:
             consts.append(f"RBLOCK={r.launch.rblock}")
         grid = f"(triton.cdiv({xnumel}, {r.launch.xblock}),)"
         return f"{kernel.name}[{grid}]({', '.join(parts + consts)}, num_warps={r.launch.num_warps})"
+
+
+def _warmup(fn, args, consts, num_warps) -> None:
+    fn.warmup(*args, grid=(1,), num_warps=num_warps, **consts)
