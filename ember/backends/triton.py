@@ -72,10 +72,12 @@ class TritonBackend:
             jobs.append((fn, args, consts, r.launch.num_warps))
         if not jobs:
             return
-        threads = min(config.get("compile_threads"), len(jobs))
-        with ThreadPoolExecutor(threads) as pool:
-            for future in [pool.submit(_warmup, *job) for job in jobs]:
-                future.result()
+        _warmup(*jobs[0])  # first alone: Triton sets up its per-device state once, unraced
+        threads = min(config.get("compile_threads"), len(jobs) - 1)
+        if threads:
+            with ThreadPoolExecutor(threads) as pool:
+                for future in [pool.submit(_warmup, *job) for job in jobs[1:]]:
+                    future.result()
 
     def _load(self, source: str):
         import triton
