@@ -1,0 +1,62 @@
+"""Symbolic sizes: IndexDiv/IndexMod evaluation rules, strides, affine splitting."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+
+from ember.ir.sizes import IndexDiv, IndexMod, affine_split, as_expr, contiguous_strides, index_symbol, is_static
+
+I = sympy.Integer
+x, y = index_symbol("x"), index_symbol("y")
+s = sympy.Symbol("s", integer=True, positive=True)
+
+
+@pytest.mark.parametrize(
+    "expr,expected",
+    [
+        (IndexDiv(I(7), I(2)), I(3)),
+        (IndexMod(I(7), I(2)), I(1)),
+        (IndexDiv(x, 1), x),
+        (IndexMod(x, 1), I(0)),
+        (IndexDiv(I(0), s), I(0)),
+        (IndexDiv(4 * x + 8, 4), x + 2),  # exact division
+        (IndexMod(4 * x + y, 4), IndexMod(y, 4)),  # multiples of 4 drop out
+        (IndexMod(4 * x + 8, 4), I(0)),
+        (IndexDiv(s * x, s), x),
+        (IndexMod(s * x + y, s), IndexMod(y, s)),
+    ],
+)
+def test_index_div_mod_rules(expr, expected):
+    assert sympy.expand(expr - expected) == 0, f"{expr} != {expected}"
+
+
+def test_index_div_mod_stay_symbolic_when_inexact():
+    assert isinstance(IndexDiv(x + 1, 4), IndexDiv)
+    assert isinstance(IndexMod(x, 4), IndexMod)
+    assert IndexDiv(x, 4).is_integer and IndexMod(x, 4).is_integer
+
+
+def test_contiguous_strides():
+    assert contiguous_strides((I(2), I(3), I(4))) == (12, 4, 1)
+    assert contiguous_strides((s, I(3))) == (3, 1)
+    assert contiguous_strides((I(3), s)) == (s, 1)
+    assert contiguous_strides(()) == ()
+
+
+def test_affine_split():
+    assert affine_split(3 * x + 2 * y + 5, x) == (3, 2 * y + 5)
+    assert affine_split(2 * y, x) == (0, 2 * y)
+    assert affine_split(s * x + y, x) == (s, y)
+    assert affine_split(x * x, x) is None
+    assert affine_split(IndexDiv(x, 2), x) is None
+
+
+def test_as_expr():
+    assert as_expr(3) == I(3)
+    assert as_expr(s) is s
+    assert is_static(as_expr(3)) and not is_static(s + 1)
+    with pytest.raises(TypeError):
+        as_expr(True)
+    with pytest.raises(TypeError):
+        as_expr("3")

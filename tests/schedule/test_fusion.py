@@ -1,0 +1,224 @@
+"""The scheduler on hand-built ember Graphs (no torch.compile, no device): how many kernels,
+what each stores, and which merges it refuses."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+from ember import config
+from ember.codegen.cpp import render_cpp
+from ember.codegen.triton import render_triton
+from ember.ir.graph import Graph, verify
+from ember.ir.sizes import contiguous_strides
+from ember.ir.views import VIEW_KINDS
+from ember.schedule.fusion import AliasStep, ExternStep, KernelStep, schedule
+
+I = sympy.Integer
+F32 = torch.float32
+
+
+class G:
+    """A tiny builder over ember.ir.graph.Graph."""
+
+    def __init__(self):
+        self.g = Graph(torch.device("cpu"))
+
+    def input(self, *shape, dtype=F32):
+        shape = tuple(I(s) if isinstance(s, int) else s for s in shape)
+        return self.g.add_input(shape, dtype, contiguous_strides(shape))
+
+    def pw(self, fn, *inputs, shape=None, dtype=F32, **attrs):
+        shape = shape or max((v.shape for v in inputs if hasattr(v, "shape")), key=len)
+        return self.g.add("pointwise", inputs, {"fn": fn, **attrs}, [(shape, dtype, None)], origin=fn).out
+
+    def reduce(self, kind, x, dims, keepdim=False):
+        shape = tuple((I(1) if keepdim else None) if d in dims else s for d, s in enumerate(x.shape))
+        shape = tuple(s for s in shape if s is not None)
+        attrs = {"kind": kind, "dims": tuple(dims), "keepdim": keepdim}
+        return self.g.add("reduce", [x], attrs, [(shape, x.dtype, None)], origin=kind).out
+
+    def view(self, kind, base, **attrs):
+        shape = VIEW_KINDS[kind].shape(base.shape, attrs)
+        return self.g.add("view", [base], {"kind": kind, **attrs}, [(shape, base.dtype, None)], origin=kind).out
+
+    def extern(self, *inputs, shape):
+        node = self.g.add("extern", list(inputs), {"target": None, "args": inputs, "kwargs": {}},
+                          [(shape, F32, contiguous_strides(shape))], origin="mm")
+        return node.out
+
+    def schedule(self, *outputs, **options):
+        self.g.outputs = list(outputs)
+        verify(self.g)
+        with config.override(**options):
+            sched = schedule(self.g)
+        for k in sched.kernels:  # every scheduled kernel must also render, for both languages
+            assert k.name in render_cpp(k)[0]
+            assert k.name in render_triton(k).source
+        return sched
+
+
+def _softmax(b: G, x):
+    m = b.reduce("max", x, (1,), keepdim=True)
+    e = b.pw("exp", b.pw("sub", x, m))
+    return b.pw("truediv", e, b.reduce("sum", e, (1,), keepdim=True))
+
+
+def test_pointwise_chain_is_one_kernel():
+    b = G()
+    x = b.input(8, 32)
+    y = b.pw("add", b.pw("mul", b.pw("maximum", x, 0.0), 0.5), 1.0)
+    sched = b.schedule(y)
+    (k,) = sched.kernels
+    assert k.writes == [y] and k.reads == [x]  # intermediates are never stored
+
+
+def test_softmax_is_one_kernel():
+    b = G()
+    x = b.input(8, 32)
+    y = _softmax(b, x)
+    (k,) = b.schedule(y).kernels
+    assert k.writes == [y] and k.reads == [x]
+    assert sorted(r.kind for r in k.reduces) == ["max", "sum"]
+
+
+def test_softmax_unfused_is_one_kernel_per_realized_value():
+    b = G()
+    y = _softmax(b, b.input(8, 32))
+    kernels = b.schedule(y, fuse=False).kernels
+    # max; exp(x - max) (read by two consumers, built from two buffers: realized); sum; the output.
+    assert len(kernels) == 4, [k.writes for k in kernels]
+    assert all(len(k.writes) == 1 for k in kernels)
+
+
+def test_siblings_reading_one_input_share_a_kernel():
+    b = G()
+    x = b.input(8, 32)
+    y1, y2 = b.pw("exp", x), b.pw("mul", x, 2.0)
+    (k,) = b.schedule(y1, y2).kernels
+    assert set(k.writes) == {y1, y2}
+
+
+def test_stored_pointwise_and_its_reduction_share_a_kernel():
+    b = G()
+    x = b.input(8, 32)
+    y = b.pw("mul", x, 2.0)
+    s = b.reduce("sum", y, (1,))
+    (k,) = b.schedule(y, s).kernels
+    assert set(k.writes) == {y, s}
+
+
+def test_layernorm_statistics_share_a_kernel():
+    """mean, then the sum of squared deviations from it, then normalize: one kernel, three phases."""
+    b = G()
+    x = b.input(8, 32)
+    mean = b.pw("truediv", b.reduce("sum", x, (1,), keepdim=True), 32)
+    d = b.pw("sub", x, mean)
+    var = b.pw("truediv", b.reduce("sum", b.pw("mul", d, d), (1,), keepdim=True), 32)
+    y = b.pw("mul", d, b.pw("rsqrt", b.pw("add", var, 1e-5)))
+    (k,) = b.schedule(y).kernels
+    assert k.num_phases == 3
+
+
+def test_full_reduction_then_normalize_is_one_kernel():
+    b = G()
+    x = b.input(8, 32)
+    total = b.reduce("sum", x, (0, 1))
+    y = b.pw("truediv", x, total)
+    assert len(b.schedule(y).kernels) == 1
+
+
+def test_reduction_read_off_its_row_is_not_fused():
+    """s[i] = sum_j x[i, j] read as s[j] by x[i, j] + s[j]: a kernel per row cannot see other rows' sums."""
+    b = G()
+    x = b.input(8, 8)
+    s = b.reduce("sum", x, (1,))
+    y = b.pw("add", x, s)  # s broadcasts along the rows: indexed by the column
+    sched = b.schedule(y)
+    assert len(sched.kernels) == 2
+    assert any(not d.accepted and "row" in d.reason for d in sched.decisions), sched.decisions
+
+
+def test_reductions_over_different_dims_are_separate_kernels():
+    b = G()
+    x = b.input(8, 16)
+    assert len(b.schedule(b.reduce("sum", x, (0,)), b.reduce("sum", x, (1,))).kernels) == 2
+
+
+def test_extern_splits_the_program():
+    b = G()
+    x = b.input(8, 16)
+    w = b.input(16, 4)
+    h = b.pw("maximum", b.pw("mul", x, 2.0), 0.0)
+    mm = b.extern(h, w, shape=(I(8), I(4)))
+    y = b.pw("add", mm, 1.0)
+    steps = b.schedule(y).steps
+    kinds = [type(st).__name__ for st in steps]
+    assert kinds == ["KernelStep", "ExternStep", "KernelStep"], kinds
+    assert steps[0].kernel.writes == [h]  # the extern's input is materialized
+    assert isinstance(steps[1], ExternStep)
+
+
+def test_permuted_input_is_read_in_place():
+    b = G()
+    x = b.input(8, 32)
+    y = b.pw("add", b.view("permute", x, dims=(1, 0)), 1.0)
+    (k,) = b.schedule(y).kernels
+    assert k.reads == [x]
+
+
+def test_view_chain_into_reduction_is_one_kernel():
+    """(x.t() + 1).sum(0) without a transpose copy."""
+    b = G()
+    x = b.input(16, 24)
+    t = b.view("permute", x, dims=(1, 0))
+    s = b.reduce("sum", b.pw("add", t, 1.0), (0,))
+    (k,) = b.schedule(s).kernels
+    assert k.reads == [x]
+
+
+def test_view_of_a_computed_output_is_an_alias():
+    b = G()
+    x = b.input(4, 6)
+    y = b.pw("mul", x, 2.0)
+    t = b.view("permute", y, dims=(1, 0))
+    sched = b.schedule(t)
+    assert len(sched.kernels) == 1
+    aliases = [st for st in sched.steps if isinstance(st, AliasStep)]
+    assert len(aliases) == 1 and aliases[0].base is y and tuple(aliases[0].stride) == (1, 6)
+
+
+def test_symbolic_sizes_pointwise_is_one_kernel():
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    b = G()
+    x = b.input(s0, 32)
+    y = b.pw("tanh", b.pw("mul", x, 3.0))
+    (k,) = b.schedule(y).kernels
+    assert s0 in k.size_symbols()
+
+
+def test_symbolic_softmax_is_one_kernel():
+    s0, s1 = (sympy.Symbol(n, integer=True, positive=True) for n in ("s0", "s1"))
+    b = G()
+    x = b.input(s0, s1)
+    assert len(b.schedule(_softmax(b, x)).kernels) == 1
+
+
+@pytest.mark.parametrize("shape,dims", [((8, 32), (1,)), ((8, 32), (0,)), ((4, 6, 8), (0, 2)), ((4, 6, 8), (0, 1, 2))])
+def test_reduction_domains(shape, dims):
+    b = G()
+    x = b.input(*shape)
+    r = b.reduce("sum", b.pw("exp", x), dims)
+    (k,) = b.schedule(r).kernels
+    assert k.domain.reduce_dims == tuple(dims)
+    assert all(kind == "KernelStep" for kind in (type(st).__name__ for st in b.schedule(r).steps))
+
+
+def test_schedule_orders_producers_first():
+    b = G()
+    x = b.input(8, 8)
+    s = b.reduce("sum", x, (1,))
+    y = b.pw("add", x, s)  # not fusable (see above): the sum's kernel must come first
+    steps = [st for st in b.schedule(y).steps if isinstance(st, KernelStep)]
+    assert s in steps[0].kernel.writes and y in steps[1].kernel.writes
