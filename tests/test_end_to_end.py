@@ -111,5 +111,6 @@ def test_workload(backend, name, dtype, dynamic, train):
     assert report.graphs, f"ember compiled no graph\n{line}"
     assert_no_fallback(report, line)
     assert {g.backend for g in report.graphs} == {backend}, f"graphs built by {[g.backend for g in report.graphs]}\n{line}"
-    kinds = sorted({g.kind for g in report.graphs})
-    assert kinds == (["backward", "forward"] if train else ["inference"]), f"graph kinds {kinds}\n{line}"
+    kinds = sorted(g.kind for g in report.graphs)
+    # One graph per kind: a dynamic-shape compile serves the second size without recompiling.
+    assert kinds == (["backward", "forward"] if train else ["inference"]), f"graphs compiled: {kinds}\n{line}"
