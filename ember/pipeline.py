@@ -2,6 +2,7 @@
 
     import_graph  ATen FX graph -> ember Graph          (frontend/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
+    split         long reductions with few outputs -> two stages  (schedule/split.py)
     schedule      realize, group, fuse, order            (schedule/)
     build         render kernels, run the toolchain      (codegen/ + backends/)
     write_host    the host program that runs it all      (codegen/host.py)
@@ -89,6 +90,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     from ember.frontend.importer import import_graph
     from ember.schedule.fusion import schedule
     from ember.schedule.kernel import estimate_bytes
+    from ember.schedule.split import split_reductions
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
@@ -96,6 +98,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         device = graph_device(gm, example_inputs)
         graph = import_graph(gm, device)
         _check(graph, "import")
+        split_reductions(graph)
+        _check(graph, "split_reductions")
         sched = schedule(graph)
         log.artifact("fusion", kind, "\n".join(f"{d.consumer} <- {d.producer}: {'yes' if d.accepted else 'no'}, {d.reason}" for d in sched.decisions))
         backend = select_backend(device)

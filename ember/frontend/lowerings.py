@@ -137,12 +137,17 @@ def _clamp(ctx: Importer, node):
 # -- dtype conversion and copies -----------------------------------------------------------
 
 
+# Memory formats under which a copy is a pure value conversion for ember: the result's layout
+# is chosen by the scheduler (row-major, or the graph output's own strides).
+_VALUE_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
 @lowering(aten._to_copy, torch.ops.prims.convert_element_type)
 def _to_copy(ctx: Importer, node):
     x = ctx.arg(node.args[0])
     out = ctx.out_meta()
     allowed = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"}
-    if set(node.kwargs) - allowed or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+    if set(node.kwargs) - allowed or node.kwargs.get("memory_format") not in _VALUE_FORMATS:
         raise Unsupported("_to_copy options")
     if x.device != out.device:
         raise Unsupported("device copy")
@@ -153,7 +158,7 @@ def _to_copy(ctx: Importer, node):
 
 @lowering(aten.clone)
 def _clone(ctx: Importer, node):
-    if node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format):
+    if node.kwargs.get("memory_format") not in _VALUE_FORMATS:
         raise Unsupported("clone memory_format")
     x = ctx.arg(node.args[0])
     # A clone must be a new tensor (it may be returned next to its source); copy through mul by 1.

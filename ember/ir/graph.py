@@ -113,6 +113,25 @@ class Graph:
     def add_symbolic_input(self, expr: Expr) -> None:
         self.inputs.append(expr)
 
+    def replace_uses(self, old: Value, new: Value) -> None:
+        """Point every use of `old` (node inputs, extern argument trees, outputs) at `new`."""
+
+        def swap(x):
+            if x is old:
+                return new
+            if isinstance(x, (list, tuple)):
+                return type(x)(swap(y) for y in x)
+            if isinstance(x, dict):
+                return {k: swap(v) for k, v in x.items()}
+            return x
+
+        for node in self.nodes:
+            node.inputs = [swap(x) for x in node.inputs]
+            if node.op == "extern":
+                node.attrs["args"] = swap(node.attrs["args"])
+                node.attrs["kwargs"] = swap(node.attrs["kwargs"])
+        self.outputs = [swap(o) for o in self.outputs]
+
     # -- queries --------------------------------------------------------------------------
     def users(self) -> dict[Value, list[Node]]:
         users: dict[Value, list[Node]] = {}
