@@ -17,9 +17,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 _SESSION_CACHE = tempfile.mkdtemp(prefix="ember-test-cache-")
 os.environ["EMBER_CACHE_DIR"] = _SESSION_CACHE
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch._dynamo  # noqa: E402
+import pytest
+import torch
+import torch._dynamo
 
 
 def pytest_sessionfinish(session, exitstatus):

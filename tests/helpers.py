@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -22,10 +24,11 @@ def ember_compile(fn: Callable, backend: str, dynamic: bool | None = False, **op
     return torch.compile(fn, backend="ember", dynamic=dynamic, options={"strict": True, "backend": backend, **options})
 
 
-def repro(test: str, **fields: Any) -> str:
-    """A one-line description of a failing case that is enough to rerun it."""
+def repro(**fields: Any) -> str:
+    """A one-line description of a failing case: the pytest command that reruns it, and its parameters."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
     parts = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
-    return f"repro: {test} [{parts}]"
+    return f"repro: pytest '{test}'  # {parts}"
 
 
 def _short(v: Any) -> str:

@@ -62,10 +62,21 @@ def _run(backend: str, cache_dir: Path, cxx: Path, tmp_path: Path) -> str:
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
-    env.update(EMBER_CACHE_DIR=str(cache_dir), EMBER_CXX=str(cxx), TRITON_INTERPRET="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), backend], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
+    env.update(
+        EMBER_CACHE_DIR=str(cache_dir),
+        EMBER_CXX=str(cxx),
+        TRITON_INTERPRET="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), backend],
+        check=False,
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "RESULT-OK" in proc.stdout, (
         f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n"
         f"repro: EMBER_CACHE_DIR={cache_dir} EMBER_CXX={cxx} python {script} {backend}"
@@ -158,8 +169,9 @@ def test_cache_setting(tmp_path, use_cache, expected_builds):
     x = torch.randn(8, 8)
     for _ in range(2):
         torch._dynamo.reset()
-        with ember.config.override(cxx=str(cxx), cache=use_cache, cache_dir=str(tmp_path / "cache"), strict=True,
-                                   backend="cpp"):
+        with ember.config.override(
+            cxx=str(cxx), cache=use_cache, cache_dir=str(tmp_path / "cache"), strict=True, backend="cpp"
+        ):
             out = torch.compile(fn, backend="ember")(x)
         torch.testing.assert_close(out, fn(x))
     assert _compiles(log) == expected_builds, log.read_text()

@@ -54,9 +54,8 @@ def test_unknown_option_in_ember_compile_fails_at_once():
 
 
 def test_unknown_name_in_override():
-    with pytest.raises(ConfigError, match="nope") as info:
-        with config.override(nope=1):
-            pass
+    with pytest.raises(ConfigError, match="nope") as info, config.override(nope=1):
+        pass
     assert all(name in str(info.value) for name in VALID_NAMES), str(info.value)
 
 
@@ -87,9 +86,8 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("name,value,hint", BAD_VALUES, ids=[f"{n}={v}" for n, v, _ in BAD_VALUES])
 def test_bad_value_in_override(name, value, hint):
-    with pytest.raises(ConfigError) as info:
-        with config.override(**{name: value}):
-            pass
+    with pytest.raises(ConfigError) as info, config.override(**{name: value}):
+        pass
     assert name in str(info.value) and hint in str(info.value), str(info.value)
 
 
@@ -152,9 +150,8 @@ def test_override_nests_and_restores():
 
 def test_override_restores_after_an_exception():
     base = config.get("fuse")
-    with pytest.raises(RuntimeError):
-        with config.override(fuse=not base):
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), config.override(fuse=not base):
+        raise RuntimeError("boom")
     assert config.get("fuse") == base
 
 
@@ -168,8 +165,19 @@ def test_priority_default_environment_override(monkeypatch):
     assert config.get("debug") == 1
 
 
-@pytest.mark.parametrize("raw,value", [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False),
-                                       ("false", False), ("off", False), ("", False)])
+@pytest.mark.parametrize(
+    "raw,value",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("off", False),
+        ("", False),
+    ],
+)
 def test_bool_environment_values(monkeypatch, raw, value):
     monkeypatch.setenv("EMBER_STRICT", raw)
     assert config.get("strict") is value
@@ -205,7 +213,9 @@ def test_snapshot_lists_every_setting():
 def test_options_select_the_backend_for_forward_and_backward():
     """options={...} given to torch.compile apply to the lazily compiled backward graph too."""
     x = torch.randn(4, 8, requires_grad=True)
-    compiled = torch.compile(lambda t: torch.tanh(t) * 3, backend="ember", options={"backend": "triton", "strict": True})
+    compiled = torch.compile(
+        lambda t: torch.tanh(t) * 3, backend="ember", options={"backend": "triton", "strict": True}
+    )
     with reports() as report:
         y = compiled(x)
         (g,) = torch.autograd.grad(y.sum(), [x])

@@ -24,8 +24,8 @@ from tests.helpers import (
     forward_backward,
     fresh_inputs,
     params_of,
-    repro,
     reports,
+    repro,
     upcast_copy,
 )
 
@@ -56,9 +56,7 @@ def _cases():
             for dtype in (torch.float32, torch.bfloat16):
                 for dynamic in (False, True):
                     # The GPT-2 stack under Triton's interpreter is slow: train it in one case only.
-                    train = not (
-                        backend == "triton" and name == "gpt2_block" and (dtype != torch.float32 or dynamic)
-                    )
+                    train = not (backend == "triton" and name == "gpt2_block" and (dtype != torch.float32 or dynamic))
                     dt = "fp32" if dtype == torch.float32 else "bf16"
                     case_id = f"{backend}-{name}-{dt}-{'dynamic' if dynamic else 'static'}{'' if train else '-infer'}"
                     yield pytest.param(backend, name, dtype, dynamic, train, id=case_id)
@@ -79,8 +77,12 @@ def test_workload(backend, name, dtype, dynamic, train):
     with reports() as report:
         for inputs in sizes:
             line = repro(
-                f"tests/test_end_to_end.py::test_workload[{backend}-{name}-...]",
-                workload=name, scale=scale, dtype=dtype, backend=backend, dynamic=dynamic, train=train,
+                workload=name,
+                scale=scale,
+                dtype=dtype,
+                backend=backend,
+                dynamic=dynamic,
+                train=train,
                 inputs=inputs,
             )
             seed = hash(tuple(inputs[0].shape)) % 1000
@@ -110,7 +112,9 @@ def test_workload(backend, name, dtype, dynamic, train):
                     assert_not_worse(c, e, r, what=what, line=line)
     assert report.graphs, f"ember compiled no graph\n{line}"
     assert_no_fallback(report, line)
-    assert {g.backend for g in report.graphs} == {backend}, f"graphs built by {[g.backend for g in report.graphs]}\n{line}"
+    assert {g.backend for g in report.graphs} == {backend}, (
+        f"graphs built by {[g.backend for g in report.graphs]}\n{line}"
+    )
     kinds = sorted(g.kind for g in report.graphs)
     # One graph per kind: a dynamic-shape compile serves the second size without recompiling.
     assert kinds == (["backward", "forward"] if train else ["inference"]), f"graphs compiled: {kinds}\n{line}"

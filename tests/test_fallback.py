@@ -11,7 +11,7 @@ import torch
 
 import ember
 from ember.tools.workloads import LayerNormGelu
-from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, repro, reports
+from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, reports, repro
 
 BAD_CXX = "/nonexistent/g++"
 
@@ -42,8 +42,7 @@ def test_unlowered_op_runs_as_extern(name, backend):
     """The op ember has no lowering for runs as an ATen call between ember's kernels (strict mode)."""
     fn, extern = EXTERN_PROGRAMS[name]
     x = torch.randn(6, 10)
-    line = repro("tests/test_fallback.py::test_unlowered_op_runs_as_extern", program=name, backend=backend,
-                 dtype=torch.float32, dynamic=False, input=x)
+    line = repro(program=name, backend=backend, dtype=torch.float32, dynamic=False, input=x)
     with reports() as report:
         out = ember_compile(fn, backend)(x)
     expected = fn(x)
@@ -63,8 +62,7 @@ def _ember_warnings(caught) -> list[str]:
 def test_toolchain_failure_falls_back_with_one_warning(tmp_path):
     fn = _cumsum_program
     x = torch.randn(6, 10)
-    line = repro("tests/test_fallback.py::test_toolchain_failure_falls_back_with_one_warning", cxx=BAD_CXX,
-                 backend="cpp", strict=False, input=x)
+    line = repro(cxx=BAD_CXX, backend="cpp", strict=False, input=x)
     compiled = torch.compile(fn, backend="ember")
     with warnings.catch_warnings(record=True) as caught, reports() as report:
         warnings.simplefilter("always")
@@ -84,8 +82,7 @@ def test_toolchain_failure_in_training_falls_back_per_graph(tmp_path):
     """Forward and backward graphs each fall back (one warning each); gradients stay correct."""
     model = LayerNormGelu(16)
     x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
-    line = repro("tests/test_fallback.py::test_toolchain_failure_in_training_falls_back_per_graph", cxx=BAD_CXX,
-                 backend="cpp", strict=False)
+    line = repro(cxx=BAD_CXX, backend="cpp", strict=False)
     compiled_model = copy.deepcopy(model)
     compiled = torch.compile(
         compiled_model, backend="ember", options={"cxx": BAD_CXX, "strict": False, "cache_dir": str(tmp_path)}
@@ -116,10 +113,10 @@ def _causes(e: BaseException) -> list[BaseException]:
 
 def test_toolchain_failure_raises_in_strict_mode(tmp_path):
     x = torch.randn(6, 10)
-    with ember.config.override(cxx=BAD_CXX, strict=True, backend="cpp", cache_dir=str(tmp_path)):
-        with warnings.catch_warnings(record=True) as caught, pytest.raises(Exception) as info:
-            warnings.simplefilter("always")
-            torch.compile(_cumsum_program, backend="ember")(x)
+    settings = ember.config.override(cxx=BAD_CXX, strict=True, backend="cpp", cache_dir=str(tmp_path))
+    with settings, warnings.catch_warnings(record=True) as caught, pytest.raises(Exception) as info:
+        warnings.simplefilter("always")
+        torch.compile(_cumsum_program, backend="ember")(x)
     assert BAD_CXX in str(info.value), str(info.value)
     assert any(type(c).__name__ == "ToolchainError" for c in _causes(info.value)), repr(info.value)
     assert not _ember_warnings(caught), "strict mode raised, it should not also warn"

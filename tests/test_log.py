@@ -51,7 +51,7 @@ def test_debug_1_prints_one_summary_line_per_graph(ember_log):
 def test_debug_2_prints_generated_source(ember_log):
     _run(debug=2)
     err = ember_log.getvalue()
-    assert "=== code:" in err and "extern \"C\"" in err and "def call(args):" in err, err[:2000]
+    assert "=== code:" in err and 'extern "C"' in err and "def call(args):" in err, err[:2000]
 
 
 def test_logs_fusion_artifact_only(ember_log):

@@ -15,8 +15,8 @@ from tests.helpers import (
     assert_no_fallback,
     assert_not_worse,
     ember_compile,
-    repro,
     reports,
+    repro,
 )
 
 SHAPE = (6, 10, 12)
@@ -59,8 +59,7 @@ def _run(backend, op, dim, keepdim, dynamic, dtype=torch.float32, shapes=(SHAPE,
     with reports() as report:
         for shape in shapes:
             x = torch.randn(shape, dtype=dtype)
-            line = repro("tests/test_reductions.py", op=op, dim=dim, keepdim=keepdim, backend=backend,
-                         dynamic=dynamic, dtype=dtype, input=x)
+            line = repro(op=op, dim=dim, keepdim=keepdim, backend=backend, dynamic=dynamic, dtype=dtype, input=x)
             out, expected = compiled(x), fn(x)
             if dtype == torch.float32:
                 assert_close(out, expected, rtol=1e-5, atol=1e-5, what=op, line=line)
@@ -80,8 +79,14 @@ def test_reduction_static(backend, op, dim, keepdim):
 
 # Dynamic shapes: the whole table on cpp; under Triton's interpreter (slow with symbolic
 # sizes) one row per op, covering each kind of dims once.
-_TRITON_DYNAMIC = [("sum", -1, False), ("mean", (0, 2), True), ("amax", 0, False), ("amin", None, False),
-                   ("var", 1, True), ("var_unbiased0", None, True)]
+_TRITON_DYNAMIC = [
+    ("sum", -1, False),
+    ("mean", (0, 2), True),
+    ("amax", 0, False),
+    ("amin", None, False),
+    ("var", 1, True),
+    ("var_unbiased0", None, True),
+]
 
 
 def _dynamic_cases():
@@ -97,8 +102,9 @@ def test_reduction_dynamic(backend, op, dim, keepdim):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op,dim,keepdim", [("sum", -1, False), ("mean", (0, 2), True), ("var", 1, False),
-                                            ("amax", None, False)])
+@pytest.mark.parametrize(
+    "op,dim,keepdim", [("sum", -1, False), ("mean", (0, 2), True), ("var", 1, False), ("amax", None, False)]
+)
 def test_reduction_bfloat16(backend, op, dim, keepdim):
     _run(backend, op, dim, keepdim, dynamic=False, dtype=torch.bfloat16)
 
@@ -106,11 +112,12 @@ def test_reduction_bfloat16(backend, op, dim, keepdim):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_row_reduction(backend):
     """A row longer than one Triton block (and the C++ vector width): sum and amax of 3 x 20000."""
+
     def fn(x):
         return x.sum(-1), x.amax(-1)
 
     x = torch.randn(3, 20000)
-    line = repro("tests/test_reductions.py::test_long_row_reduction", backend=backend, input=x)
+    line = repro(backend=backend, input=x)
     with reports() as report:
         out = ember_compile(fn, backend)(x)
     for got, want in zip(out, fn(x)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, repro, reports
+from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, reports, repro
 
 # name: (fn, input shapes, kernels)
 PROGRAMS = {
@@ -64,8 +64,7 @@ def test_view_program(backend, dynamic, name):
     with reports() as report:
         for sizes in size_sets:
             inputs = [torch.randn(s) for s in sizes]
-            line = repro(f"tests/test_view_programs.py::test_view_program[{backend}-...-{name}]", program=name,
-                         backend=backend, dynamic=dynamic, dtype=torch.float32, inputs=inputs)
+            line = repro(program=name, backend=backend, dynamic=dynamic, dtype=torch.float32, inputs=inputs)
             assert_close(compiled(*inputs), fn(*inputs), rtol=1e-5, atol=1e-6, what=name, line=line)
     assert_no_fallback(report, line)
     assert len(report.graphs) == 1, f"{len(report.graphs)} graphs compiled (a recompile for the second size?)\n{line}"

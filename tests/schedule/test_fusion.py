@@ -44,8 +44,13 @@ class G:
         return self.g.add("view", [base], {"kind": kind, **attrs}, [(shape, base.dtype, None)], origin=kind).out
 
     def extern(self, *inputs, shape):
-        node = self.g.add("extern", list(inputs), {"target": None, "args": inputs, "kwargs": {}},
-                          [(shape, F32, contiguous_strides(shape))], origin="mm")
+        node = self.g.add(
+            "extern",
+            list(inputs),
+            {"target": None, "args": inputs, "kwargs": {}},
+            [(shape, F32, contiguous_strides(shape))],
+            origin="mm",
+        )
         return node.out
 
     def schedule(self, *outputs, **options):

@@ -26,8 +26,7 @@ def test_pinned_workloads_are_the_documented_ones():
 def test_inference_kernel_count(name, backend):
     scale = SCALE[backend]
     fn, inputs = WORKLOADS[name].make(scale, torch.float32, "cpu")
-    line = repro("tests/tools/test_explain.py::test_inference_kernel_count", workload=name, backend=backend,
-                 scale=scale, dtype=torch.float32, dynamic=False)
+    line = repro(workload=name, backend=backend, scale=scale, dtype=torch.float32, dynamic=False)
     with torch.no_grad():
         report = explain_strict(fn, *inputs, backend=backend)
     assert [g.kind for g in report.graphs] == ["inference"], f"{report}\n{line}"
@@ -58,8 +57,9 @@ def test_kernel_reports_name_the_fused_ops():
 def test_wide_softmax_is_one_kernel(backend, options):
     """Rows 8192 wide: one kernel whether the row is held whole or looped over in chunks."""
     x = torch.randn(2, 8192)
-    line = repro("tests/tools/test_explain.py::test_wide_softmax_is_one_kernel", workload="softmax", shape=(2, 8192),
-                 backend=backend, options=options, dtype=torch.float32, dynamic=False)
+    line = repro(
+        workload="softmax", shape=(2, 8192), backend=backend, options=options, dtype=torch.float32, dynamic=False
+    )
     with torch.no_grad():
         report = explain_strict(softmax_manual, x, backend=backend, **options)
         torch._dynamo.reset()
@@ -86,8 +86,7 @@ def test_no_fallbacks(backend, name, train):
     fn, inputs = WORKLOADS[name].make(scale, torch.float32, "cpu")
     if train:
         inputs = tuple(x.requires_grad_(True) for x in inputs)
-    line = repro("tests/tools/test_explain.py::test_no_fallbacks", workload=name, backend=backend, scale=scale,
-                 train=train, dtype=torch.float32, dynamic=False)
+    line = repro(workload=name, backend=backend, scale=scale, train=train, dtype=torch.float32, dynamic=False)
     with torch.set_grad_enabled(train), ember.config.override(backend=backend, strict=False):
         report = ember.explain(fn, *inputs)
     kinds = sorted(g.kind for g in report.graphs)
