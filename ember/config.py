@@ -52,7 +52,7 @@ class Setting:
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{source}: {self.name}={raw!r} is not one of {list(self.choices)}")
         if self.check is not None and not self.check(value):
-            raise ConfigError(f"{source}: {self.name}={raw!r} is out of range{self._valid_hint()}")
+            raise ConfigError(f"{source}: {self.name}={raw!r} is not valid{self._valid_hint()}")
         return value
 
     def _valid_hint(self) -> str:
@@ -77,6 +77,14 @@ def _default_cache_dir() -> str:
     return str(Path(base) / "ember")
 
 
+# Named log artifacts (log.py prints them); validated when EMBER_LOGS is parsed.
+LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache")
+
+
+def _valid_artifacts(value: str) -> bool:
+    return all(name.strip() in LOG_ARTIFACTS for name in value.split(",") if name.strip())
+
+
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in [
@@ -88,7 +96,13 @@ SETTINGS: dict[str, Setting] = {
             "0 quiet; 1 one line per graph; 2 also generated source; 3 also IR after each pass",
             check=lambda v: 0 <= v <= 4,
         ),
-        Setting("logs", str, "", "comma-separated artifacts to log: graph,fusion,schedule,code,cache"),
+        Setting(
+            "logs",
+            str,
+            "",
+            f"comma-separated artifacts to log, from: {', '.join(LOG_ARTIFACTS)}",
+            check=_valid_artifacts,
+        ),
         Setting("check", bool, False, "run the IR verifier after each pass"),
         Setting(
             "backend",

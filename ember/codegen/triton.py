@@ -51,6 +51,14 @@ def ember_minimum(a, b):
 
 
 @triton.jit
+def ember_round_bf16(x):
+    # Only for Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
 def _sum_combine(a, b):
     return a + b
 
@@ -192,13 +200,20 @@ class TritonRenderer(Renderer):
     def define(self, name: str, node: KNode) -> None:
         if isinstance(node, KLoad):
             ptr = self.buffer_name(node.buffer)
-            self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)}, {self.mask(node.full)}, other=0)")
+            if not self._varies(node.index):
+                # One element for the whole kernel (a 0-d input): a scalar load needs no mask.
+                self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)})")
+            else:
+                self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)}, {self.mask(node.full)}, other=0)")
         elif isinstance(node, KIndex):
             self.emit(f"{name} = {print_index(node.expr, '//')}")
         elif isinstance(node, KConvert):
             arg = self.ref(node.arg)
             if node.dtype == torch.bool:
                 self.emit(f"{name} = {arg} != 0")
+            elif self.interpreted and node.dtype == torch.bfloat16 and node.arg.dtype == torch.float32:
+                # The interpreter truncates fp32 -> bf16; round to nearest even as the GPU does.
+                self.emit(f"{name} = ember_round_bf16({arg})")
             else:
                 self.emit(f"{name} = {arg}.to({TRITON_DTYPE[node.dtype]})")
         elif isinstance(node, KOp):
@@ -218,10 +233,17 @@ class TritonRenderer(Renderer):
             return f"tl.full({self.shape(full)}, {self.ref(node)}, {TRITON_DTYPE[node.dtype]})"
         return self.ref(node)
 
+    def _varies(self, index) -> bool:
+        """Whether an index expression depends on a loop variable (else it names one element)."""
+        return bool(self.kernel.index(index).free_symbols & set(self.kernel.index_vars))
+
     def emit_store(self, store: KStore) -> None:
         ptr = self.buffer_name(store.buffer)
         value = self._tensor(store.value, store.full)
-        self.emit(f"tl.store({ptr} + {self.index_of(store.index)}, {value}, {self.mask(store.full)})")
+        offset = self.index_of(store.index)
+        if not self._varies(store.index):
+            offset += " + tl.zeros_like(xindex)"  # a block of pointers, so the mask applies
+        self.emit(f"tl.store({ptr} + {offset}, {value}, {self.mask(store.full)})")
 
     # -- phases ----------------------------------------------------------------------------
     def open_phase(self, phase: int) -> None:

@@ -80,8 +80,33 @@ def as_expr(x: Any) -> Expr:
         return sympy.Integer(x)
     node = getattr(x, "node", None)  # torch.SymInt
     if node is not None and hasattr(node, "expr"):
-        return sympy.expand(node.expr)
+        return sympy.expand(from_torch_sympy(node.expr))
     raise TypeError(f"not a size: {x!r} ({type(x).__name__})")
+
+
+def from_torch_sympy(expr: Expr) -> Expr:
+    """Rewrite torch's own index functions (FloorDiv, ModularIndexing, CeilDiv, ...) into ours.
+
+    Symbols are re-made integer and non-negative (sizes), which our simplifications assume.
+    """
+    if not expr.args:
+        return index_symbol(expr.name) if expr.is_Symbol else expr
+    args = [from_torch_sympy(a) for a in expr.args]
+    rule = _TORCH_INDEX_FUNCTIONS.get(type(expr).__name__)
+    if rule is not None:
+        return rule(*args)
+    if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow)):
+        return expr.func(*args)
+    raise TypeError(f"size expression {expr} uses {type(expr).__name__}, which ember does not generate code for")
+
+
+_TORCH_INDEX_FUNCTIONS = {
+    "FloorDiv": lambda a, b: IndexDiv(a, b),
+    "CeilDiv": lambda a, b: IndexDiv(a + b - 1, b),
+    "ModularIndexing": lambda base, div, mod: IndexMod(IndexDiv(base, div), mod),
+    "PythonMod": lambda a, b: IndexMod(a, b),
+    "Mod": lambda a, b: IndexMod(a, b),
+}
 
 
 def product(sizes: Iterable[Expr]) -> Expr:

@@ -32,6 +32,28 @@ def _split_factor(outputs: int, reduce: int) -> int:
     return s
 
 
+def _normalizes(graph: Graph, node: Node) -> bool:
+    """Whether the reduction's result is read back over the rows it reduced (softmax, layer_norm).
+
+    Such a reduction fuses with its input and its epilogue into one kernel over the rows;
+    splitting it would break that kernel in three.
+    """
+    (x,) = node.inputs
+    frontier = [node.out]
+    while frontier:
+        v = frontier.pop()
+        for user in graph.nodes:
+            if v not in user.inputs:
+                continue
+            if user.op == "view":
+                frontier.append(user.out)
+            elif user.op in ("pointwise", "cast") and tuple(user.out.shape) == tuple(x.shape):
+                return True
+            elif user.op in ("pointwise", "cast"):
+                frontier.append(user.out)  # e.g. rsqrt(var + eps) before the normalizing multiply
+    return False
+
+
 def split_reductions(graph: Graph) -> int:
     """Rewrite qualifying reductions in place; returns how many were split."""
     count = 0
@@ -49,7 +71,7 @@ def split_reductions(graph: Graph) -> int:
         if int(outputs) >= MAX_OUTPUTS or int(reduce) < MIN_REDUCE:
             continue
         s = _split_factor(int(outputs), int(reduce))
-        if s < 2:
+        if s < 2 or _normalizes(graph, node):
             continue
         _rewrite(graph, node, s)
         count += 1
