@@ -9,12 +9,13 @@ Importing ember is cheap: the compiler loads its stages on first compile.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ember import config
 from ember.config import ConfigError
 
-__all__ = ["compile", "explain", "config", "ConfigError"]
+__all__ = ["ConfigError", "compile", "config", "explain"]
 __version__ = "0.1.0"
 
 

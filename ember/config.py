@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -201,8 +202,7 @@ def check_environment() -> None:
             key = name[len("EMBER_") :].lower()
             if key not in SETTINGS:
                 raise ConfigError(
-                    f"unknown environment variable {name}; valid: "
-                    + ", ".join(s.env_var for s in SETTINGS.values())
+                    f"unknown environment variable {name}; valid: " + ", ".join(s.env_var for s in SETTINGS.values())
                 )
             SETTINGS[key].parse(value, f"environment variable {name}")
 

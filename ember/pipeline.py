@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -101,7 +102,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         split_reductions(graph)
         _check(graph, "split_reductions")
         sched = schedule(graph)
-        log.artifact("fusion", kind, "\n".join(f"{d.consumer} <- {d.producer}: {'yes' if d.accepted else 'no'}, {d.reason}" for d in sched.decisions))
+        log.artifact(
+            "fusion",
+            kind,
+            "\n".join(
+                f"{d.consumer} <- {d.producer}: {'yes' if d.accepted else 'no'}, {d.reason}" for d in sched.decisions
+            ),
+        )
         backend = select_backend(device)
         report.backend = backend.name
         namespace = backend.build(sched.kernels)
@@ -113,13 +120,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         for k in sched.kernels:
             moved = estimate_bytes(k)
             report.kernels.append(
-                KernelReport(k.name, k.origins, str(k.domain), backend.sources[k.name], int(moved) if moved.is_Integer else None)
+                KernelReport(
+                    k.name, k.origins, str(k.domain), backend.sources[k.name], int(moved) if moved.is_Integer else None
+                )
             )
         report.externs = [n.origin for n in sched.externs]
         report.fusion = [FusionReport(d.consumer, d.producer, d.accepted, d.reason) for d in sched.decisions]
         report.host_source = host.source
         result: Callable = CompiledGraph(host.call, report)
-    except Exception as e:  # noqa: BLE001  (any failure must fall back, never escape)
+    except Exception as e:
         if config.get("strict"):
             raise
         report.fallback = f"{type(e).__name__}: {e}".strip()[:500]

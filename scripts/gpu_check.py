@@ -135,10 +135,18 @@ def top_kernels(fn, n=12):
 
 def markdown(rows, header):
     cols = [
-        ("workload", "{}"), ("dtype", "{}"), ("mode", "{}"), ("correct", "{}"),
-        ("ember_err_vs_fp32", "{:.1e}"), ("eager_err_vs_fp32", "{:.1e}"),
-        ("eager_ms", "{:.3f}"), ("ember_ms", "{:.3f}"), ("inductor_ms", "{:.3f}"),
-        ("ember_compile_s", "{:.2f}"), ("inductor_compile_s", "{:.2f}"), ("ember_kernels", "{}"),
+        ("workload", "{}"),
+        ("dtype", "{}"),
+        ("mode", "{}"),
+        ("correct", "{}"),
+        ("ember_err_vs_fp32", "{:.1e}"),
+        ("eager_err_vs_fp32", "{:.1e}"),
+        ("eager_ms", "{:.3f}"),
+        ("ember_ms", "{:.3f}"),
+        ("inductor_ms", "{:.3f}"),
+        ("ember_compile_s", "{:.2f}"),
+        ("inductor_compile_s", "{:.2f}"),
+        ("ember_kernels", "{}"),
     ]
     lines = [header, "", "| " + " | ".join(c for c, _ in cols) + " | ember/inductor |", "|" + "---|" * (len(cols) + 1)]
     for r in rows:
@@ -169,16 +177,27 @@ def main():
                 if train and name not in args.train.split(","):
                     continue
                 try:
-                    row = run_one(name, getattr(torch, dt), train, not args.no_inductor, args.scale,
-                                  "cuda" if torch.cuda.is_available() else "cpu", args.profile)
+                    row = run_one(
+                        name,
+                        getattr(torch, dt),
+                        train,
+                        not args.no_inductor,
+                        args.scale,
+                        "cuda" if torch.cuda.is_available() else "cpu",
+                        args.profile,
+                    )
                 except Exception as e:  # noqa: BLE001
-                    row = {"workload": name, "dtype": dt, "mode": "train" if train else "inference",
-                           "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+                    row = {
+                        "workload": name,
+                        "dtype": dt,
+                        "mode": "train" if train else "inference",
+                        "error": f"{type(e).__name__}: {e}",
+                        "trace": traceback.format_exc(),
+                    }
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k not in ("trace", "profile")}), flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)"
-    header = (f"GPU: {gpu}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"date {time.strftime('%Y-%m-%d')}")
+    header = f"GPU: {gpu}, torch {torch.__version__}, triton {triton.__version__}, date {time.strftime('%Y-%m-%d')}"
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     md = markdown(rows, header)

@@ -91,7 +91,7 @@ class CppBackend:
             src.write_text(source)
             cmd = [self.cxx, *FLAGS, str(src), "-o", str(out)]
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             except (OSError, subprocess.SubprocessError) as e:
                 raise ToolchainError(f"{self.cxx} failed to run: {e}") from None
             if proc.returncode != 0:

@@ -16,7 +16,6 @@ from pathlib import Path
 import sympy
 
 from ember import config
-
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.runtime.cache import DiskCache, content_key
@@ -31,7 +30,7 @@ class TritonBackend:
         self.sources: dict[str, str] = {}
 
     def build(self, kernels: list[Kernel]) -> dict[str, object]:
-        import triton  # noqa: F401  (fail here, inside the fallback guard, if Triton is missing)
+        import triton
 
         parts = [PRELUDE]
         for k in kernels:
@@ -64,7 +63,9 @@ class TritonBackend:
         jobs = []
         for name, fn in fns.items():
             r = self.rendered[name]
-            sizes = [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
+            sizes = (
+                [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
+            )
             if any(not sympy.sympify(x).is_Integer for x in sizes):
                 continue
             args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [int(x) for x in sizes]

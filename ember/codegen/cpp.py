@@ -16,7 +16,7 @@ import torch
 from ember.codegen.render import Renderer, print_index
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore
+from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore
 
 CPP_DTYPE = {
     torch.float32: "float",

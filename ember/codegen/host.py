@@ -11,7 +11,9 @@ How a kernel is launched is the backend's business: it passes `launch_line(kerne
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import math
+from collections.abc import Callable
+from typing import Any
 
 import sympy
 import torch
@@ -27,7 +29,7 @@ class HostProgram:
         self.source = source
         self.namespace = namespace
         code = compile(source, "<ember host program>", "exec")
-        exec(code, namespace)
+        exec(code, namespace)  # noqa: S102  (our own generated source; printed by EMBER_DEBUG=2)
         self.call: Callable = namespace["call"]
 
 
@@ -62,10 +64,10 @@ class HostWriter:
         return print_index(sympy.sympify(expr), "//")
 
     def constant(self, obj: Any) -> str:
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return f"float('{obj}')"
         if obj is None or isinstance(obj, (bool, int, float, str)):
-            return repr(obj) if not (isinstance(obj, float) and (obj != obj or obj in (float("inf"), -float("inf")))) else (
-                f"float('{obj}')"
-            )
+            return repr(obj)
         name = f"c{len(self.ns)}"
         self.ns[name] = obj
         return name

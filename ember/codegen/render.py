@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 
 from ember.ir.sizes import IndexDiv, IndexMod
-from ember.schedule.kernel import KConst, KIndex, Kernel, KNode, KReduce, KStore, walk
+from ember.schedule.kernel import KConst, Kernel, KIndex, KNode, KReduce, KStore, walk
 
 
 @dataclass
@@ -106,7 +106,7 @@ class Renderer:
         for a in node.args():
             self.emit_node(a)
         if isinstance(node, KReduce):
-            raise AssertionError("reductions are finalized by their phase, not emitted on demand")
+            raise TypeError("reductions are finalized by their phase, not emitted on demand")
         name = self.fresh()
         self.names[id(node)] = name
         self.define(name, node)

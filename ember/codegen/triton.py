@@ -19,7 +19,7 @@ from ember import config
 from ember.codegen.render import Param, Renderer, is_scalar, print_index
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, KIndex, Kernel, KLoad, KNode, KOp, KReduce, KStore, walk
+from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore, walk
 
 TRITON_DTYPE = {
     torch.float32: "tl.float32",
@@ -34,7 +34,7 @@ TRITON_DTYPE = {
     torch.bool: "tl.int1",
 }
 
-PRELUDE = '''\
+PRELUDE = """\
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -86,9 +86,14 @@ def ember_reduce_sum(x, axis: tl.constexpr):
 @triton.jit
 def ember_reduce_prod(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _prod_combine, keep_dims=True)
-'''
+"""
 
-_COMBINE = {"sum": "({a} + {b})", "max": "ember_maximum({a}, {b})", "min": "ember_minimum({a}, {b})", "prod": "({a} * {b})"}
+_COMBINE = {
+    "sum": "({a} + {b})",
+    "max": "ember_maximum({a}, {b})",
+    "min": "ember_minimum({a}, {b})",
+    "prod": "({a} * {b})",
+}
 
 
 @dataclass

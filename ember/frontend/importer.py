@@ -9,7 +9,8 @@ unsupported op never fails a compile; it only runs unfused.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -28,7 +29,7 @@ class GraphUnsupported(Exception):
     """The whole graph cannot be compiled (the backend falls back to eager)."""
 
 
-LOWERINGS: dict[Any, Callable[["Importer", torch.fx.Node], Any]] = {}
+LOWERINGS: dict[Any, Callable[[Importer, torch.fx.Node], Any]] = {}
 
 
 def lowering(*targets):
@@ -74,9 +75,7 @@ class Importer:
     def _placeholder(self, node):
         val = _meta(node)
         if isinstance(val, torch.Tensor):
-            return self.graph.add_input(
-                [as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()]
-            )
+            return self.graph.add_input([as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()])
         if isinstance(val, (torch.SymInt, int)):
             expr = as_expr(val)
             self.graph.add_symbolic_input(expr)
@@ -173,12 +172,12 @@ class Importer:
         rank = len(x.shape)
         dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
         if rank == 0:
-            return self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], _ShapeDtype(x.shape, dtype))
+            return (
+                self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], _ShapeDtype(x.shape, dtype))
+            )
         if any(x.shape[d] == 0 for d in dims):
             raise Unsupported("reduction over an empty dimension")
-        shape = tuple(
-            (1 if keepdim else None) if k in dims else s for k, s in enumerate(x.shape)
-        )
+        shape = tuple((1 if keepdim else None) if k in dims else s for k, s in enumerate(x.shape))
         shape = tuple(as_expr(s) for s in shape if s is not None)
         node = self.graph.add(
             "reduce", [x], {"kind": kind, "dims": dims, "keepdim": keepdim}, [(shape, dtype, None)], self.origin
@@ -290,8 +289,10 @@ def _promoted(operands) -> torch.dtype:
         else:
             samples.append(x)
     result = samples[0]
-    dtype = torch.result_type(samples[0], samples[1]) if len(samples) > 1 else (
-        result.dtype if isinstance(result, torch.Tensor) else torch.float32
+    dtype = (
+        torch.result_type(samples[0], samples[1])
+        if len(samples) > 1
+        else (result.dtype if isinstance(result, torch.Tensor) else torch.float32)
     )
     return dtype
 

@@ -123,9 +123,9 @@ def _clamp(ctx: Importer, node):
     x = ctx.arg(node.args[0])
     packet = node.target.overloadpacket
     lo = node.args[1] if packet is not aten.clamp_max and len(node.args) > 1 else node.kwargs.get("min")
-    hi = (node.args[1] if packet is aten.clamp_max else (node.args[2] if len(node.args) > 2 else None)) or node.kwargs.get(
-        "max"
-    )
+    hi = (
+        node.args[1] if packet is aten.clamp_max else (node.args[2] if len(node.args) > 2 else None)
+    ) or node.kwargs.get("max")
     out = ctx.out_meta()
     if lo is not None:
         x = ctx.pointwise("maximum", [x, _scalar_or_value(ctx, lo)], out)

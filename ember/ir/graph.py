@@ -18,8 +18,9 @@ Scalars (Python numbers) may appear directly as pointwise inputs.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import sympy
 import torch
@@ -47,7 +48,7 @@ def dtype_abbrev(dtype: torch.dtype) -> str:
 class Value:
     """A tensor value. `stride` is known for inputs and extern outputs (their layout is not ours)."""
 
-    __slots__ = ("id", "shape", "dtype", "node", "stride", "device")
+    __slots__ = ("device", "dtype", "id", "node", "shape", "stride")
 
     def __init__(self, id: int, shape, dtype, node, device, stride=None):
         self.id = id
@@ -201,4 +202,4 @@ def layout_of(value: Value) -> tuple[Expr, ...]:
     return value.stride if value.stride is not None else contiguous_strides(value.shape)
 
 
-__all__ = ["Graph", "Node", "Value", "verify", "layout_of", "dtype_abbrev", "sympy"]
+__all__ = ["Graph", "Node", "Value", "dtype_abbrev", "layout_of", "sympy", "verify"]

@@ -11,8 +11,8 @@ The other op families (reductions, views, sources, externs) have their own small
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -59,7 +59,15 @@ _op("log1p", 1, torch.log1p, "libdevice.log1p({0})", "std::log1p({0})", flops=4,
 _op("log2", 1, torch.log2, "tl.log2({0})", "std::log2({0})", flops=4)
 _op("sqrt", 1, torch.sqrt, "tl.sqrt({0})", "std::sqrt({0})", flops=4)
 _op("rsqrt", 1, torch.rsqrt, "tl.rsqrt({0})", "(1 / std::sqrt({0}))", flops=4)
-_op("tanh", 1, torch.tanh, "libdevice.tanh({0})", "std::tanh({0})", flops=8, interpreted="(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)")
+_op(
+    "tanh",
+    1,
+    torch.tanh,
+    "libdevice.tanh({0})",
+    "std::tanh({0})",
+    flops=8,
+    interpreted="(2.0 * tl.sigmoid(2.0 * {0}) - 1.0)",
+)
 _op("sigmoid", 1, torch.sigmoid, "tl.sigmoid({0})", "(1 / (1 + std::exp(-{0})))", flops=8)
 _op("erf", 1, torch.erf, "tl.erf({0})", "std::erf({0})", flops=8)
 _op("sin", 1, torch.sin, "tl.sin({0})", "std::sin({0})", flops=8)
@@ -87,8 +95,24 @@ FLOAT_ONLY = frozenset(
     for n in POINTWISE
     if n
     in {
-        "truediv", "reciprocal", "exp", "exp2", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt",
-        "tanh", "sigmoid", "erf", "sin", "cos", "pow", "floor", "ceil",
+        "truediv",
+        "reciprocal",
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "log2",
+        "sqrt",
+        "rsqrt",
+        "tanh",
+        "sigmoid",
+        "erf",
+        "sin",
+        "cos",
+        "pow",
+        "floor",
+        "ceil",
     }
 )
 

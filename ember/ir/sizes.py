@@ -9,7 +9,8 @@ sizes Dynamo marks dynamic. Index math uses two functions of our own, `IndexDiv`
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import sympy
 

@@ -8,8 +8,8 @@ approach). Each view kind is one entry: its output shape and its index map.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import sympy
 
@@ -234,8 +234,8 @@ def _split_coeff(term: Expr, cls):
 def affine_free_multiple(term: Expr, b: Expr) -> bool:
     """Whether term is an exact integer multiple of b."""
     coeff, rest = sympy.expand(term / b).as_coeff_Mul()
-    return coeff.is_Integer and rest.is_polynomial() and not any(
-        p.is_Pow and p.exp < 0 for p in sympy.Mul.make_args(rest)
+    return (
+        coeff.is_Integer and rest.is_polynomial() and not any(p.is_Pow and p.exp < 0 for p in sympy.Mul.make_args(rest))
     )
 
 
@@ -258,4 +258,4 @@ def strides_of(index_fn: Callable[[Index], Index], out_shape: tuple, base_stride
     return tuple(strides), offset_expr
 
 
-__all__ = ["VIEW_KINDS", "broadcast_index", "simplify_index", "strides_of", "product"]
+__all__ = ["VIEW_KINDS", "broadcast_index", "product", "simplify_index", "strides_of"]

@@ -330,8 +330,11 @@ class Scheduler:
         while len(done) < len(items):
             ready = [k for k in range(len(items)) if k not in done and deps[k] <= done]
             if not ready:
-                stuck = [(_describe(items[k][1]), sorted(_describe(items[d][1]) for d in deps[k] - done))
-                         for k in range(len(items)) if k not in done]
+                stuck = [
+                    (_describe(items[k][1]), sorted(_describe(items[d][1]) for d in deps[k] - done))
+                    for k in range(len(items))
+                    if k not in done
+                ]
                 raise RuntimeError(f"schedule has a cycle among {stuck}")
             k = min(ready, key=lambda k: items[k][0])
             done.add(k)

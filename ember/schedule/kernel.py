@@ -87,7 +87,7 @@ class KNode:
     full: bool
     ready: int
 
-    def args(self) -> tuple["KNode", ...]:
+    def args(self) -> tuple[KNode, ...]:
         return ()
 
 
@@ -409,7 +409,7 @@ def merge_dims(kernel: Kernel) -> None:
                 new = _try_merge(current, v, v2, s2)
                 if new is None:
                     break
-                current, v, s = new, v, s * s2
+                current, s = new, s * s2  # v now names the merged dim
                 k += 1
             merged.append((v, s, cls))
             k += 1

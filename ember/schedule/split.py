@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sympy
 
-from ember.ir.graph import Graph, Node, Value
-from ember.ir.sizes import product
 from ember.ir import dtypes
+from ember.ir.graph import Graph, Node
+from ember.ir.sizes import product
 
 # Split when the reduction has fewer outputs than this ...
 MAX_OUTPUTS = 8192
@@ -25,9 +25,7 @@ TARGET_PARTIALS = 32768
 
 def _split_factor(outputs: int, reduce: int) -> int:
     s = 1
-    while (
-        reduce % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= TARGET_PARTIALS
-    ):
+    while reduce % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= TARGET_PARTIALS:
         s *= 2
     return s
 
@@ -98,8 +96,13 @@ def _rewrite(graph: Graph, node: Node, s: int) -> None:
     kind = node.attrs["kind"]
     partial_shape = chunked[: d0 + 1] + chunked[d0 + 2 :]
     # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
-    partial = add("reduce", [view], {"kind": kind, "dims": (d0 + 1,), "keepdim": False}, partial_shape,
-                  dtypes.compute_dtype(out.dtype))
+    partial = add(
+        "reduce",
+        [view],
+        {"kind": kind, "dims": (d0 + 1,), "keepdim": False},
+        partial_shape,
+        dtypes.compute_dtype(out.dtype),
+    )
     final_shape = partial_shape[:d0] + partial_shape[d0 + 1 :]
     final = add("reduce", [partial], {"kind": kind, "dims": (d0,), "keepdim": False}, final_shape, out.dtype)
     if node.attrs["keepdim"]:

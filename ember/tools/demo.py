@@ -39,13 +39,16 @@ def _outputs(x):
 
 
 def run(names: list[str], dtype: torch.dtype, device: str) -> bool:
-    import ember
     import torch._dynamo
 
     scale = "gpu" if device == "cuda" else "small"
     repeats = 50 if device == "cuda" else 10
-    print(f"ember demo on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {dtype}, torch {torch.__version__}")
-    print(f"{'workload':<16}{'compile s':>10}{'eager ms':>10}{'ember ms':>10}{'speed-up':>10}{'kernels':>9}{'max err':>10}  ok")
+    print(
+        f"ember demo on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {dtype}, torch {torch.__version__}"
+    )
+    print(
+        f"{'workload':<16}{'compile s':>10}{'eager ms':>10}{'ember ms':>10}{'speed-up':>10}{'kernels':>9}{'max err':>10}  ok"
+    )
     all_ok = True
     last_report = None
     for name in names:
@@ -67,8 +70,8 @@ def run(names: list[str], dtype: torch.dtype, device: str) -> bool:
             tol = (2e-2 if dtype != torch.float32 else 1e-4) * max(1.0, scale_ref)
             ok = all(e <= tol for e in errs) and not any(g.fallback for g in report.graphs)
             all_ok &= ok
-            eager_ms = median_ms(lambda: fn(*inputs), device, repeats)
-            ember_ms = median_ms(lambda: compiled(*inputs), device, repeats)
+            eager_ms = median_ms(lambda f=fn, x=inputs: f(*x), device, repeats)
+            ember_ms = median_ms(lambda f=compiled, x=inputs: f(*x), device, repeats)
         kernels = sum(len(g.kernels) for g in report.graphs)
         print(
             f"{name:<16}{compile_s:>10.2f}{eager_ms:>10.3f}{ember_ms:>10.3f}{eager_ms / ember_ms:>9.2f}x"

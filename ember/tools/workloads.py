@@ -6,13 +6,14 @@ Triton's CPU interpreter, "small" for CPU tests and the CPU demo, "gpu" for the 
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def pointwise3(x):
@@ -46,7 +47,7 @@ class MLP(nn.Module):
     def __init__(self, d: int, hidden: int, depth: int = 3):
         super().__init__()
         dims = [d] + [hidden] * (depth - 1) + [d]
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
 
     def forward(self, x):
         for k, layer in enumerate(self.layers):
