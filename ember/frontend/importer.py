@@ -93,11 +93,13 @@ class Importer:
 
     def _call(self, node):
         val = node.meta.get("val")
-        if isinstance(val, (torch.SymInt, torch.SymBool)) or (
+        if isinstance(val, torch.SymBool):
+            raise GraphUnsupported(f"symbolic boolean {node.name}")
+        if isinstance(val, torch.SymInt) or (
             isinstance(val, int) and not isinstance(val, bool) and node.target is not operator.getitem
         ):
             # Size arithmetic (sym_size, operator.mul on SymInts): its value is an expression.
-            return as_expr(val) if not isinstance(val, torch.SymBool) else _reject_symbool(node)
+            return as_expr(val)
         if node.target is operator.getitem:
             if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
                 return as_expr(val)  # an extern's integer result (e.g. cuDNN attention's max_q)
@@ -173,7 +175,7 @@ class Importer:
         dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
         if rank == 0:
             return (
-                self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], _ShapeDtype(x.shape, dtype))
+                self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], ShapeDtype(x.shape, dtype))
             )
         if any(x.shape[d] == 0 for d in dims):
             raise Unsupported("reduction over an empty dimension")
@@ -249,16 +251,12 @@ class _ConstantTensor:
         return self.tensor
 
 
-class _ShapeDtype:
-    """Stand-in for an output meta when a lowering makes a value of its own shape and dtype."""
+class ShapeDtype:
+    """The output meta of a value a lowering makes itself (not read off an FX node)."""
 
     def __init__(self, shape, dtype):
         self.shape = shape
         self.dtype = dtype
-
-
-def _reject_symbool(node):
-    raise GraphUnsupported(f"symbolic boolean {node.name}")
 
 
 def _values_in(tree) -> list[Value]:

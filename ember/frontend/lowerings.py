@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.frontend.importer import Importer, Unsupported, lowering
+from ember.frontend.importer import Importer, ShapeDtype, Unsupported, lowering
 from ember.ir.sizes import as_expr
 
 aten = torch.ops.aten
@@ -200,7 +200,7 @@ def _mean(ctx: Importer, x, dims, keepdim, out_dtype):
     acc = torch.float64 if out_dtype == torch.float64 else torch.float32
     total = ctx.reduce("sum", ctx.cast(x, acc) if x.dtype != acc else x, dims, keepdim, acc)
     count = ctx.numel(x, [d % len(x.shape) for d in dims]) if x.shape else 1
-    mean = ctx.pointwise("truediv", [total, count], _like(total, acc))
+    mean = ctx.pointwise("truediv", [total, count], ShapeDtype(total.shape, acc))
     return mean
 
 
@@ -224,11 +224,11 @@ def _var_mean(ctx: Importer, node):
     out_dtype = x.dtype
     mean_keep = _mean(ctx, x, dims, True, out_dtype)
     acc = mean_keep.dtype
-    diff = ctx.pointwise("sub", [x, mean_keep], _like_shape(x, acc))
-    sq = ctx.pointwise("mul", [diff, diff], _like_shape(x, acc))
+    diff = ctx.pointwise("sub", [x, mean_keep], ShapeDtype(x.shape, acc))
+    sq = ctx.pointwise("mul", [diff, diff], ShapeDtype(x.shape, acc))
     total = ctx.reduce("sum", sq, dims, keepdim, acc)
     count = ctx.numel(x, [d % len(x.shape) for d in dims])
-    var = ctx.pointwise("truediv", [total, count - correction], _like(total, acc))
+    var = ctx.pointwise("truediv", [total, count - correction], ShapeDtype(total.shape, acc))
     mean = mean_keep if keepdim else ctx.view("squeeze", mean_keep, dims=tuple(sorted(d % len(x.shape) for d in dims)))
     return ctx.cast(var, out_dtype), ctx.cast(mean, out_dtype)
 
@@ -245,19 +245,6 @@ def _var_mean_lowering(ctx: Importer, node):
     if node.target != aten.var_mean.correction:
         raise Unsupported("var_mean overload")
     return _var_mean(ctx, node)
-
-
-class _Meta:
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = shape, dtype
-
-
-def _like(v, dtype):
-    return _Meta(v.shape, dtype)
-
-
-def _like_shape(v, dtype):
-    return _Meta(v.shape, dtype)
 
 
 # -- views ---------------------------------------------------------------------------------
