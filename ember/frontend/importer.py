@@ -87,9 +87,18 @@ class Importer:
         return self.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
 
     def _output(self, arg):
-        if isinstance(arg, torch.fx.Node):
-            return self.env[arg]
-        return arg
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        value = self.env[arg]
+        meta = arg.meta.get("val")
+        if isinstance(value, Value) and value.node.op in _COMPUTED and isinstance(meta, torch.Tensor):
+            # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
+            # Inductor does: code after the graph may depend on strides. Static layouts only.
+            if all(isinstance(s, int) for s in meta.stride()):
+                stride = tuple(as_expr(s) for s in meta.stride())
+                if value.stride is None and _is_dense(value.shape, stride):
+                    value.stride = stride
+        return value
 
     def _call(self, node):
         val = node.meta.get("val")
@@ -249,6 +258,22 @@ class _ConstantTensor:
 
     def __call__(self) -> torch.Tensor:
         return self.tensor
+
+
+_COMPUTED = ("pointwise", "cast", "reduce", "full")
+
+
+def _is_dense(shape, stride) -> bool:
+    """Whether static strides lay the shape out densely (a permutation of row-major)."""
+    if not all(e.is_Integer for e in tuple(shape) + tuple(stride)):
+        return False
+    dims = sorted((int(st), int(sz)) for sz, st in zip(shape, stride) if int(sz) != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 class ShapeDtype:
