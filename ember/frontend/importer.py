@@ -91,13 +91,18 @@ class Importer:
             return arg
         value = self.env[arg]
         meta = arg.meta.get("val")
-        if isinstance(value, Value) and value.node.op in _COMPUTED and isinstance(meta, torch.Tensor):
-            # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
-            # Inductor does: code after the graph may depend on strides. Static layouts only.
-            if all(isinstance(s, int) for s in meta.stride()):
-                stride = tuple(as_expr(s) for s in meta.stride())
-                if value.stride is None and _is_dense(value.shape, stride):
-                    value.stride = stride
+        # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
+        # Inductor does: code after the graph may depend on strides. Static layouts only.
+        if (
+            isinstance(value, Value)
+            and value.node.op in _COMPUTED
+            and value.stride is None
+            and isinstance(meta, torch.Tensor)
+            and all(isinstance(s, int) for s in meta.stride())
+        ):
+            stride = tuple(as_expr(s) for s in meta.stride())
+            if _is_dense(value.shape, stride):
+                value.stride = stride
         return value
 
     def _call(self, node):
