@@ -8,6 +8,7 @@ Output goes to stderr through the `ember` logger so users can redirect it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 import sys
 
 from ember import config
@@ -40,6 +41,7 @@ def summary(message: str) -> None:
         logger.info(message)
 
 
-def artifact(name: str, title: str, body: str) -> None:
+def artifact(name: str, title: str, body: str | Callable[[], str]) -> None:
+    """Print an artifact if enabled; pass a callable for bodies that cost something to build."""
     if enabled(name):
-        logger.info("=== %s: %s ===\n%s", name, title, body)
+        logger.info("=== %s: %s ===\n%s", name, title, body() if callable(body) else body)

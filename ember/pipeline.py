@@ -83,7 +83,7 @@ def _check(graph, name: str) -> None:
 
     if config.get("check"):
         verify(graph)
-    log.artifact("graph", f"after {name}", str(graph))
+    log.artifact("graph", f"after {name}", lambda: str(graph))
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
+import torch
+
 from ember import config
 from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import index_symbol, product
@@ -91,6 +94,9 @@ def view_chain(value: Value) -> tuple[Value, list[Node]]:
 def _alias_layout(value: Value, root: Value, root_stride) -> tuple | None:
     """Strides and offset of `value` as a strided view of root's buffer, if it is one."""
     _, chain = view_chain(value)
+    static = all(e.is_Integer for e in tuple(root.shape) + tuple(root_stride))
+    if static and all(e.is_Integer for node in chain for e in node.out.shape):
+        return _static_alias_layout(chain, root, root_stride)
 
     def index_fn(index):
         for node in reversed(chain):
@@ -102,6 +108,29 @@ def _alias_layout(value: Value, root: Value, root_stride) -> tuple | None:
     return strides_of(index_fn, value.shape, root_stride, syms)
 
 
+_META_VIEWS = {
+    "permute": lambda t, a: t.permute(a["dims"]),
+    "expand": lambda t, a: t.expand(*(int(s) for s in a["shape"])),
+    "reshape": lambda t, a: t.view(*(int(s) for s in a["shape"])),
+    "slice": lambda t, a: torch.ops.aten.slice(t, a["dim"], int(a["start"]), int(a["end"]), int(a["step"])),
+    "select": lambda t, a: t.select(a["dim"], int(a["index"])),
+    "unsqueeze": lambda t, a: t.unsqueeze(a["dim"]),
+    "squeeze": lambda t, a: t.squeeze(a["dims"]) if a["dims"] else t,
+}
+
+
+def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple | None:
+    """The same question for static shapes, answered by torch's own view rules on a meta tensor
+    (much faster than the symbolic route; `view` raises where a reshape would need a copy)."""
+    t = torch.empty_strided([int(s) for s in root.shape], [int(s) for s in root_stride], device="meta")
+    try:
+        for node in chain:
+            t = _META_VIEWS[node.attrs["kind"]](t, node.attrs)
+    except RuntimeError:
+        return None
+    return tuple(sympy.Integer(s) for s in t.stride()), sympy.Integer(t.storage_offset())
+
+
 class Scheduler:
     def __init__(self, graph: Graph):
         self.graph = graph
@@ -111,6 +140,10 @@ class Scheduler:
         self.groups: dict[int, Group] = {}
         self.owner: dict[Value, int] = {}
         self.decisions: list[FusionDecision] = []
+        self._deps: dict | None = None
+        # Merges that failed, keyed by both groups' ids and sizes: a group that has not grown
+        # since cannot merge now either, and retrying would rebuild the same kernel.
+        self._failed: set[tuple] = set()
 
     def run(self) -> Schedule:
         self._realize()
@@ -224,7 +257,9 @@ class Scheduler:
 
     def _reaches(self, src: int, dst: int, skip_direct: bool) -> bool:
         """Whether dst depends on src through a path of at least one other step."""
-        deps = self._step_deps()
+        if self._deps is None:  # rebuilt only after a merge changes the groups
+            self._deps = self._step_deps()
+        deps = self._deps
         stack = [d for d in deps[("g", dst)] if not (skip_direct and d == ("g", src))]
         seen: set = set()
         while stack:
@@ -271,6 +306,16 @@ class Scheduler:
         return producers + sorted(siblings, key=lambda g: g.first)
 
     def _try_merge(self, a: Group, b: Group) -> bool:
+        attempt = (a.id, len(a.roots), b.id, len(b.roots))
+        if attempt in self._failed:
+            return False
+        if not self._merge(a, b):
+            self._failed.add(attempt)
+            return False
+        self._deps = None
+        return True
+
+    def _merge(self, a: Group, b: Group) -> bool:
         names = (f"k{b.id}", f"k{a.id}")
         domain = self._merged_domain(a, b)
         if domain is None:

@@ -17,6 +17,7 @@ read (inlining); CSE keeps the DAG linear in size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,12 @@ from ember.ir import dtypes, ops
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr, affine_split, index_symbol, product
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
+
+
+@functools.lru_cache(maxsize=4096)
+def _round_to(value: float, dtype: torch.dtype) -> float:
+    """A Python float rounded to dtype, as a conversion at run time would round it."""
+    return value if dtype == torch.float64 else float(torch.tensor(value, dtype=dtype).item())
 
 
 class NotFusable(Exception):
@@ -239,8 +246,7 @@ class KernelBuilder:
         if dtype == torch.bool:
             value = bool(value)
         elif dtype.is_floating_point:
-            # Round to the dtype now, as a conversion at run time would.
-            value = float(torch.tensor(float(value), dtype=dtype).item()) if dtype != torch.float64 else float(value)
+            value = _round_to(float(value), dtype)
         else:
             value = int(value)
         return self._intern(("const", value, dtype), lambda: KConst(dtype, False, 0, value))
