@@ -1,4 +1,4 @@
-"""`ember` command line: `ember demo`, `ember config`, `ember cache clear`."""
+"""`ember` command line: `ember demo`, `ember bench`, `ember config`, `ember cache clear`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ember")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="compile models, check against eager, print speed-ups")
+    sub.add_parser(
+        "bench", help="eager vs Inductor vs ember against the measured limit (ember bench --help)", add_help=False
+    )
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser("cache", help="the disk cache")
     cache.add_argument("action", choices=["path", "clear"])
@@ -19,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.tools.demo import main as demo
 
         return demo(rest)
+    if args.command == "bench":
+        from ember.tools.bench.__main__ import main as bench
+
+        return bench(rest)
     from ember import config
 
     if args.command == "config":

@@ -146,3 +146,94 @@ WORKLOADS: dict[str, Workload] = {
         Workload("gpt2_block", _make_gpt2),
     ]
 }
+
+
+# Programs used by the benchmark harness (ember/tools/bench); not entries of WORKLOADS, whose
+# members the tests iterate over.
+
+
+class RMSNorm(nn.Module):
+    """LLaMA's RMSNorm: normalize in float32, cast back, scale by a weight."""
+
+    def __init__(self, d: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class LinearBiasGelu(nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.linear = nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return F.gelu(self.linear(x))
+
+
+def attention_manual(q, k, v):
+    """Attention as matmul, scale, softmax, matmul (no fused kernel)."""
+    scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits, targets)
+
+
+class TinyMLP(nn.Module):
+    """depth × (Linear(d, d) + GELU): at batch 1 every kernel is tiny, so launches dominate."""
+
+    def __init__(self, d: int, depth: int):
+        super().__init__()
+        self.net = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(d, d), nn.GELU())])
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """A LLaMA-style decoder block: RMSNorm, rotary embeddings, causal SDPA, SwiGLU MLP."""
+
+    def __init__(self, d: int, heads: int, hidden: int, max_seq: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = RMSNorm(d)
+        self.wq = nn.Linear(d, d, bias=False)
+        self.wk = nn.Linear(d, d, bias=False)
+        self.wv = nn.Linear(d, d, bias=False)
+        self.wo = nn.Linear(d, d, bias=False)
+        self.mlp_norm = RMSNorm(d)
+        self.w_gate = nn.Linear(d, hidden, bias=False)
+        self.w_up = nn.Linear(d, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d, bias=False)
+        head_dim = d // heads
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        angles = torch.outer(torch.arange(max_seq).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x):
+        B, S, C = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(B, S, self.heads, C // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        cos, sin = self.cos[:S], self.sin[:S]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, S, C))
+        h = self.mlp_norm(x)
+        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))

@@ -1,0 +1,209 @@
+"""`ember bench` / `python -m ember.tools.bench`: eager vs Inductor vs ember, against the measured limit.
+
+    python -m ember.tools.bench                              # every workload, this machine's sizes
+    python -m ember.tools.bench --workloads micro --modes inference
+    python -m ember.tools.bench --workloads softmax,gpt2_blocks --compile-time none
+    python -m ember.tools.bench --max-autotune               # adds Inductor max-autotune (minutes)
+    python -m ember.tools.bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
+
+Writes results.jsonl, table.md, table.txt and bench.png to --out (default results/bench-DATE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from ember.tools.bench import report
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ember bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workloads", default="all", help="all, micro, model, or names (comma-separated)")
+    p.add_argument("--modes", default="inference,train", help="inference, train, or both")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    p.add_argument(
+        "--scale", default="auto", choices=["auto", "gpu", "cpu", "tiny"], help="auto: gpu on cuda, else cpu"
+    )
+    p.add_argument("--ember-modes", default="default", help="torch.compile modes to run ember in (comma-separated)")
+    p.add_argument("--max-autotune", action="store_true", help="also Inductor with mode=max-autotune (slow)")
+    p.add_argument("--no-inductor", action="store_true", help="skip Inductor (its ratio columns then stay empty)")
+    p.add_argument(
+        "--compile-time",
+        default="all",
+        help="cases to time compiling in fresh processes: all, none, or names (workload or workload/mode)",
+    )
+    p.add_argument("--compile-timeout-s", type=float, default=600.0)
+    p.add_argument("--no-timing", action="store_true", help="only compile times (e.g. to merge with another run)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many seconds")
+    p.add_argument("--cpu-budget-s", type=float, default=1.0, help="CPU: seconds of timed calls per variant")
+    p.add_argument("--out", default=None, help="results folder (default results/bench-DATE-TIME)")
+    p.add_argument("--from-jsonl", nargs="+", default=None, help="re-render (and merge) these JSON-lines files")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    return p
+
+
+def _compilers(args) -> list[str]:
+    out = [] if args.no_inductor else ["inductor"]
+    if args.max_autotune:
+        out.append("inductor:max-autotune")
+    for mode in args.ember_modes.split(","):
+        mode = mode.strip()
+        out.append("ember" if mode in ("", "default") else f"ember:{mode}")
+    return out
+
+
+def _compile_keys(spec: str, cases) -> list[str] | None:
+    """The cases to time compiling for, in the order named (so a time budget spends itself on the first)."""
+    if spec == "none":
+        return None
+    if spec == "all":
+        return [c.key for c in cases]
+    keys: list[str] = []
+    for name in (n.strip() for n in spec.split(",")):
+        keys += [c.key for c in cases if (c.key == name or c.workload.name == name) and c.key not in keys]
+    return keys
+
+
+def write_outputs(records: list[dict], out: str) -> list[str]:
+    """table.md, table.txt and bench.png from the records; prints the table; returns notes."""
+    run = report.Run.of(records)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(report.markdown(run))
+    with open(os.path.join(out, "table.txt"), "w") as f:
+        f.write(report.plain(run))
+    report.print_table(run)
+    note = report.plot(run, os.path.join(out, "bench.png"))
+    return [note] if note else []
+
+
+class _Progress:
+    """A rich progress bar on a terminal; otherwise one line per step."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.bar = total, 0, None
+        try:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            if Console().is_terminal:
+                self.bar = Progress(transient=True)
+                self.task = self.bar.add_task("ember bench", total=total)
+        except ImportError:
+            pass
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=text)
+        else:
+            print(f"[{self.done}/{self.total}] {text}", flush=True)
+
+    def finished(self, record: dict) -> None:
+        if record.get("type") not in ("case", "compile"):
+            return
+        self.done += 1
+        summary = _one_line(record)
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1)
+            self.bar.console.print(summary, highlight=False, markup=False)
+        else:
+            print(summary, flush=True)
+
+
+def _one_line(r: dict) -> str:
+    if r.get("skipped") or r.get("error"):
+        return f"{r['case']}: {r.get('skipped') or 'error: ' + r['error']}"
+    if r["type"] == "compile":
+        parts = []
+        for comp, m in r["compilers"].items():
+            cold = m.get("cold", {}).get("seconds")
+            warm = (m.get("warm") or {}).get("seconds")
+            parts.append(f"{comp} {cold:.1f}s" if cold else f"{comp} err")
+            if warm:
+                parts[-1] += f"/{warm:.1f}s"
+        return f"{r['case']} compile (cold/warm, to first result): " + ", ".join(parts)
+    cells = []
+    for comp, c in r["compilers"].items():
+        cells.append(f"{comp} {c['ms']:.3f} ms" if c.get("ms") else f"{comp} {c.get('status')}")
+    return f"{r['case']}: " + ", ".join(cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from ember.tools.bench.workloads import WORKLOADS, select
+
+    if args.list:
+        for w in WORKLOADS.values():
+            print(f"{w.name:<20}{w.group:<7}{w.dtype:<15}{'+'.join(w.modes):<18}{w.describe(w.sizes['gpu'])}")
+        return 0
+    out = args.out or os.path.join("results", time.strftime("bench-%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    if args.from_jsonl:
+        records = report.load_jsonl(args.from_jsonl)
+        with open(os.path.join(out, "results.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        for note in write_outputs(records, out):
+            print(f"note: {note}")
+        return 0
+
+    import torch
+
+    from ember.tools.bench import harness, measure
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    scale = args.scale if args.scale != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+    cases = select(args.workloads, args.modes)
+    jsonl = os.path.join(out, "results.jsonl")
+    open(jsonl, "w").close()
+    compile_keys = _compile_keys(args.compile_time, cases)
+    total = (0 if args.no_timing else len(cases)) + len(compile_keys or ())
+    with _Progress(total) as progress:
+
+        def emit(record: dict) -> None:
+            report.append_jsonl(jsonl, record)
+            progress.finished(record)
+
+        settings = harness.Settings(
+            device=device,
+            scale=scale,
+            compilers=_compilers(args),
+            timer=measure.Timer(device, cpu_budget_s=args.cpu_budget_s),
+            compile_time=compile_keys,
+            compile_timeout_s=args.compile_timeout_s,
+            deadline=time.time() + args.budget_s if args.budget_s else None,
+            emit=emit,
+            progress=progress.line,
+        )
+        records = harness.run(cases, settings, timing=not args.no_timing)
+    notes = write_outputs(records, out)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"results in {out}/ (results.jsonl, table.md, table.txt{'' if notes else ', bench.png'})")
+    bad = [
+        r["case"]
+        for r in records
+        if r.get("type") == "case" and any(c.get("status") == "mismatch" for c in r["compilers"].values())
+    ]
+    if bad:
+        print(f"MISMATCH in: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""Compile time as a user meets it: a fresh process, from its start to the first result.
+
+For each case and compiler, two fresh subprocesses run one step and report when its result was
+ready: *cold* with empty cache directories for ember (EMBER_CACHE_DIR), Inductor
+(TORCHINDUCTOR_CACHE_DIR) and Triton (TRITON_CACHE_DIR), then *warm* with the directories the cold
+run filled. The time is taken from the parent's clock before it starts the process to the child's
+clock after the first step synchronized, so Python start-up and imports count. The child also
+reports the parts: start-up (interpreter and imports), set-up (building the model and inputs)
+and the first step (capture, compile, run), which is what compiling adds over eager.
+
+    python -m ember.tools.bench.compile_time WORKLOAD MODE COMPILER SCALE DEVICE   (the child)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_EMBER_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def compile_fn(fn, compiler: str):
+    """`compiler` is "eager", "inductor", "inductor:MODE", "ember" or "ember:MODE"."""
+    import torch
+
+    name, _, mode = compiler.partition(":")
+    if name == "eager":
+        return fn
+    if name == "inductor":
+        return torch.compile(fn, mode=mode or None)
+    if name == "ember":
+        from ember.frontend.backend import ember_backend
+
+        return torch.compile(fn, backend=ember_backend, mode=mode or None)
+    raise ValueError(f"unknown compiler {compiler!r}")
+
+
+def _child(workload: str, mode: str, compiler: str, scale: str, device_name: str) -> None:
+    t_start = time.time()
+    import torch
+
+    from ember.report import collecting
+    from ember.tools.bench.measure import Step, prepare_inputs, sync
+    from ember.tools.bench.workloads import WORKLOADS
+
+    t_import = time.time()
+    device = torch.device(device_name)
+    w = WORKLOADS[workload]
+    torch.manual_seed(0)
+    built = w.build(w.sizes[scale], device)
+    inputs = prepare_inputs(built.inputs, mode == "train")
+    sync(device)
+    t_ready = time.time()
+    step = Step(compile_fn(built.fn, compiler), mode == "train", built.autocast, device)
+    with collecting() as report:
+        step(*inputs)
+        sync(device)
+    t_first = time.time()
+    print(
+        "BENCH_RESULT "
+        + json.dumps(
+            {
+                "child_start": t_start,
+                "imported": t_import,
+                "ready": t_ready,
+                "first_result": t_first,
+                "graphs": len(report.graphs),
+                "fallbacks": [g.fallback for g in report.graphs if g.fallback],
+            }
+        ),
+        flush=True,
+    )
+
+
+def _spawn(args: list[str], env: dict, timeout: float) -> dict:
+    t0 = time.time()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ember.tools.bench.compile_time", *args],
+            env=env,
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_RESULT "):
+            r = json.loads(line[len("BENCH_RESULT ") :])
+            return {
+                "seconds": r["first_result"] - t0,
+                "startup_s": r["imported"] - t0,
+                "setup_s": r["ready"] - r["imported"],
+                "first_step_s": r["first_result"] - r["ready"],
+                "fallbacks": r["fallbacks"],
+            }
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-300:]}"}
+
+
+def measure(
+    workload: str, mode: str, compilers: list[str], scale: str, device: str, timeout: float = 600.0
+) -> dict[str, dict]:
+    """{compiler: {"cold": {...}, "warm": {...}}} for one case."""
+    results: dict[str, dict] = {}
+    base_env = dict(os.environ)
+    base_env["PYTHONPATH"] = _EMBER_ROOT + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
+    base_env["PYTHONUNBUFFERED"] = "1"
+    for compiler in compilers:
+        with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as root:
+            env = dict(base_env)
+            for var in ("EMBER_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+                env[var] = os.path.join(root, var.lower())
+            args = [workload, mode, compiler, scale, device]
+            cold = _spawn(args, env, timeout)
+            results[compiler] = {"cold": cold, "warm": _spawn(args, env, timeout) if "seconds" in cold else cold}
+    return results
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:6])

@@ -1,0 +1,220 @@
+"""The benchmark run: for each case, eager and each compiler in one process, then compile times.
+
+Per case: build the workload (seeded), compute a float32 reference and eager's output, count the
+limit (bytes, FLOPs), time eager; then for each compiler: compile and run once (its first call),
+check its outputs against the reference (a mismatch is recorded and not timed), time it, take its
+peak memory. ember's reports say how many kernels and externs it made and which graphs fell back
+to eager; a case where ember fell back is still timed, and says so. One JSON record per case.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch._dynamo
+
+from ember.tools.bench import compile_time, measure
+from ember.tools.bench.workloads import Case, missing_requirement
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    scale: str
+    compilers: list[str]  # e.g. ["inductor", "ember"], "inductor:max-autotune", "ember:MODE"
+    timer: measure.Timer
+    compile_time: list[str] | None = None  # case keys to measure compile time for, in this order
+    compile_timeout_s: float = 600.0
+    deadline: float | None = None  # time.time() after which no new measurement starts
+    emit: Callable[[dict], None] = print
+    progress: Callable[[str], None] = lambda line: None
+    notes: list[str] = field(default_factory=list)
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
+
+def environment(settings: Settings) -> dict:
+    import triton
+
+    dev = settings.device
+    return {
+        "type": "run",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU: {_cpu_name()}",
+        "cpus": _cpu_count(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "scale": settings.scale,
+        "compilers": settings.compilers,
+        "cache": measure.cache_bytes(dev),
+        # other processes on a small CPU machine change CPU times: the load says whether there were any
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _free(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _ember_summary(report) -> dict:
+    graphs = report.graphs
+    return {
+        "graphs": len(graphs),
+        "kernels": sum(len(g.kernels) for g in graphs),
+        "externs": sum(len(g.externs) for g in graphs),
+        "fallbacks": [f"{g.kind}: {g.fallback}" for g in graphs if g.fallback],
+        "pipeline_s": sum(g.compile_seconds for g in graphs),
+    }
+
+
+def _run_compiler(case: Case, compiler: str, built, inputs, input_sets, ref, tol, s: Settings) -> dict:
+    from ember.report import collecting
+
+    train = case.mode == "train"
+    torch._dynamo.reset()
+    step = measure.Step(compile_time.compile_fn(built.fn, compiler), train, built.autocast, s.device)
+    result: dict = {}
+    try:
+        with collecting() as report:
+            t0 = time.perf_counter()
+            out = step(*inputs)
+            measure.sync(s.device)
+            result["first_call_s"] = time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - a compiler that crashes is a result, not the end of the run
+        result.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}", trace=traceback.format_exc()[-2000:])
+        return result
+    if compiler.startswith("ember"):
+        result.update(_ember_summary(report))
+    err = measure.max_err(out, ref)
+    del out
+    result["err"], result["tol"] = err, tol
+    if not err <= tol:  # NaN fails too
+        result.update(status="mismatch", note=f"max rel err {err:.2e} > tol {tol:.2e}")
+        return result
+    result["status"] = "fell back" if result.get("fallbacks") else "ok"
+    result["ms"] = s.timer.time_step(step, input_sets)
+    result["peak_mb"] = measure.peak_memory_mb(step, inputs, s.device)
+    return result
+
+
+def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
+    w = case.workload
+    size = w.sizes[s.scale]
+    record = {
+        "type": "case",
+        "case": case.key,
+        "workload": w.name,
+        "mode": case.mode,
+        "group": w.group,
+        "dtype": w.dtype,
+        "shape": w.describe(size),
+        "compilers": {},
+    }
+    reason = missing_requirement(w)
+    if reason:
+        record["skipped"] = reason
+        return record
+    if s.out_of_time():
+        record["skipped"] = "not run: the run's time budget was spent"
+        return record
+    train = case.mode == "train"
+    try:
+        torch.manual_seed(0)
+        built = w.build(size, s.device)
+        inputs = measure.prepare_inputs(built.inputs, train)
+        ref = measure.fp32_reference(built, inputs, train, s.device)
+        eager = measure.Step(built.fn, train, built.autocast, s.device)
+        eager_out = eager(*inputs)
+        eager_err = measure.max_err(eager_out, ref)
+        flops = measure.count_flops(eager, inputs)
+        limit = {"bytes": measure.min_bytes(built.fn, inputs, eager_out, eager.cotangents), "flops": flops}
+        del eager_out
+        limit["floor_ms"] = measure.floor_ms(limit, ceilings, w.compute_dtype)
+        record["limit"] = limit
+        record["eager_err_vs_fp32"] = eager_err
+        n = measure.rotations(inputs, measure.cache_bytes(s.device)[0])
+        record["rotations"] = n
+        input_sets = measure.copies_of(inputs, n)
+        record["compilers"]["eager"] = {
+            "status": "ok",
+            "ms": s.timer.time_step(eager, input_sets),
+            "peak_mb": measure.peak_memory_mb(eager, inputs, s.device),
+        }
+    except Exception as e:  # noqa: BLE001 - reported in the case's row
+        record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record["trace"] = traceback.format_exc()[-2000:]
+        _free(s.device)
+        return record
+    tol = measure.tolerance(w.compute_dtype, eager_err)
+    for compiler in s.compilers:
+        s.progress(f"{case.key}: {compiler}")
+        record["compilers"][compiler] = _run_compiler(case, compiler, built, inputs, input_sets, ref, tol, s)
+        _free(s.device)
+    del built, inputs, input_sets, ref
+    _free(s.device)
+    return record
+
+
+def run_compile_times(case: Case, s: Settings) -> dict:
+    record = {"type": "compile", "case": case.key, "workload": case.workload.name, "mode": case.mode}
+    reason = missing_requirement(case.workload)
+    if reason:
+        record["skipped"] = reason
+    elif s.out_of_time():
+        record["skipped"] = "not measured: the run's time budget was spent"
+    else:
+        record["compilers"] = compile_time.measure(
+            case.workload.name, case.mode, s.compilers, s.scale, str(s.device), s.compile_timeout_s
+        )
+    return record
+
+
+def run(cases: list[Case], s: Settings, timing: bool = True) -> list[dict]:
+    """Run every case (timing, then compile times); emit and return the records."""
+    records = [environment(s)]
+    s.emit(records[0])
+    dtypes = sorted({c.workload.compute_dtype for c in cases}, key=str) or [torch.float32]
+    s.progress("measuring the device's ceilings")
+    ceilings = {"type": "ceilings", **measure.measure_ceilings(s.device, dtypes, s.scale)}
+    records.append(ceilings)
+    s.emit(ceilings)
+    if timing:
+        for case in cases:
+            s.progress(f"{case.key}: eager")
+            rec = run_case(case, ceilings, s)
+            records.append(rec)
+            s.emit(rec)
+    by_key = {c.key: c for c in cases}
+    for key in s.compile_time or []:
+        s.progress(f"{key}: compile time in fresh processes")
+        rec = run_compile_times(by_key[key], s)
+        records.append(rec)
+        s.emit(rec)
+    return records

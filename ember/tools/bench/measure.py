@@ -1,0 +1,315 @@
+"""Measuring: one step of a workload, timing, device ceilings, input rotation, peak memory, limits.
+
+GPU times are device-event medians (`triton.testing.do_bench`, which also flushes L2 before each
+call); CPU times are `time.perf_counter` medians over enough calls to fill a time budget. When a
+workload's inputs fit in the last-level cache (L2 on a GPU), calls rotate among several copies of
+them, so a call does not find its inputs already in cache. Ceilings are measured at the start of
+a run, never taken from datasheets: a large copy for bandwidth, a large matmul per dtype for FLOP/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import glob
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ember.tools.bench.workloads import Built
+
+# ---------------------------------------------------------------------------------------------
+# One step: inference under no_grad, or forward + backward with fixed cotangents.
+
+
+def tensors(x) -> list[torch.Tensor]:
+    return [t for t in (x if isinstance(x, (tuple, list)) else [x]) if isinstance(t, torch.Tensor)]
+
+
+class Step:
+    """Runs `fn` once in the case's mode and returns every output (and, training, every gradient).
+
+    Training differentiates with respect to the floating inputs and all parameters, with seeded
+    random cotangents made once (ones would hide errors: a final norm of unit weight passes exactly
+    zero gradient upstream), via `torch.autograd.grad`, so no `.grad` accumulates between calls.
+    """
+
+    def __init__(self, fn: Callable, train: bool, autocast: torch.dtype | None, device: torch.device):
+        self.fn, self.train, self.autocast, self.device = fn, train, autocast, device
+        self.cotangents: list[torch.Tensor] | None = None
+        # torch's FLOP counter tracks modules with hooks that autograd.grad does not support:
+        # counting runs .backward(inputs=...) instead, and clears the .grad it leaves.
+        self.via_backward = False
+
+    def _ctx(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def __call__(self, *inputs) -> list[torch.Tensor]:
+        if not self.train:
+            with torch.no_grad(), self._ctx():
+                return tensors(self.fn(*inputs))
+        with self._ctx():
+            outs = [o for o in tensors(self.fn(*inputs)) if o.requires_grad]
+        leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        if isinstance(self.fn, nn.Module):
+            leaves += [p for p in self.fn.parameters() if p.requires_grad]
+        if self.cotangents is None:
+            gen = torch.Generator(device=outs[0].device).manual_seed(1)
+            self.cotangents = [torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) for o in outs]
+        if self.via_backward:
+            torch.autograd.backward(outs, self.cotangents, inputs=leaves)
+            grads = [leaf.grad for leaf in leaves]
+            for leaf in leaves:
+                leaf.grad = None
+        else:
+            grads = torch.autograd.grad(outs, leaves, self.cotangents, allow_unused=True)
+        return [o.detach() for o in outs] + [g for g in grads if g is not None]
+
+
+def prepare_inputs(inputs: tuple, train: bool) -> tuple:
+    """Floating inputs require grad in training (so their gradients are checked too)."""
+    if not train:
+        return inputs
+    return tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def fp32_reference(built: Built, inputs: tuple, train: bool, device: torch.device) -> list[torch.Tensor]:
+    """The same step in float32, from the same weights and inputs, without autocast."""
+    fn = copy.deepcopy(built.fn).float() if isinstance(built.fn, nn.Module) else built.fn
+    ref_inputs = tuple(
+        x.detach().float().requires_grad_(x.requires_grad)
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+        else x
+        for x in inputs
+    )
+    step = Step(fn, train, None, device)
+    out = step(*ref_inputs)
+    del fn
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a − b| / max |b| (NaN if either has a NaN the other lacks)."""
+    a, b = a.detach().float(), b.detach().float()
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def max_err(outs: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    if len(outs) != len(ref):
+        return math.inf
+    errs = [rel_err(o, r) for o, r in zip(outs, ref)]
+    return max(errs) if errs else 0.0
+
+
+def tolerance(dtype: torch.dtype, eager_err: float) -> float:
+    """A compiled output may be as far from the float32 reference as eager is, twice, plus rounding slack."""
+    slack = 1e-4 if dtype == torch.float32 else 2e-2
+    return 2 * eager_err + slack
+
+
+# ---------------------------------------------------------------------------------------------
+# The device: sync, cache size, timing, ceilings.
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_bytes(device: torch.device) -> tuple[int, str]:
+    """The last-level cache a workload's inputs could stay in between calls: (bytes, name)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).L2_cache_size, "L2"
+    best = (0, "none")
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(index, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        n = int(size.rstrip("KMG")) * scale
+        if n > best[0]:
+            best = (n, f"L{level}")
+    return best
+
+
+def tensor_bytes(xs) -> int:
+    return sum(x.numel() * x.element_size() for x in xs if isinstance(x, torch.Tensor))
+
+
+def rotations(inputs: tuple, cache: int, limit: int = 32) -> int:
+    """How many copies of the inputs to rotate among: enough to overflow the cache twice over."""
+    size = tensor_bytes(inputs)
+    if size == 0 or size > cache:
+        return 1
+    return min(limit, math.ceil(2 * cache / size) + 1)
+
+
+def copies_of(inputs: tuple, n: int) -> list[tuple]:
+    out = [inputs]
+    for _ in range(n - 1):
+        out.append(
+            tuple(
+                x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs
+            )
+        )
+    return out
+
+
+@dataclass
+class Timer:
+    device: torch.device
+    cpu_budget_s: float = 1.0  # CPU: time each variant for about this long
+    gpu_rep_ms: int = 200
+
+    def median_ms(self, fn: Callable[[], object], best: bool = False) -> float:
+        """Median ms of fn() (the fastest call instead, with best=True: for ceilings)."""
+        if self.device.type == "cuda":
+            import triton.testing
+
+            mode = "min" if best else "median"
+            return float(triton.testing.do_bench(fn, warmup=25, rep=self.gpu_rep_ms, return_mode=mode))
+        for _ in range(2):
+            fn()
+        times: list[float] = []
+        spent = 0.0
+        while len(times) < 5 or (spent < self.cpu_budget_s and len(times) < 200):
+            start = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - start
+            times.append(dt * 1000)
+            spent += dt
+        return min(times) if best else statistics.median(times)
+
+    def time_step(self, step: Callable, input_sets: list[tuple]) -> float:
+        """Median ms of step(*inputs), cycling through the input sets."""
+        k = [0]
+
+        def call():
+            inputs = input_sets[k[0] % len(input_sets)]
+            k[0] += 1
+            return step(*inputs)
+
+        return self.median_ms(call)
+
+
+def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device) -> float | None:
+    """GPU: the most memory allocated during one call, over what was allocated before it (MB).
+    CPU: None (PyTorch's CPU allocator keeps no peak)."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = step(*inputs)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return peak / 1e6
+
+
+def _ceiling_sizes(device: torch.device, scale: str) -> tuple[int, int]:
+    if scale == "tiny":
+        return 1 << 22, 256
+    return (1 << 28, 8192) if device.type == "cuda" else (1 << 26, 2048)
+
+
+def _copy_ms(timer: Timer, n: int, device: torch.device) -> float:
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return timer.median_ms(lambda: dst.copy_(src), best=True)
+
+
+def measure_ceilings(device: torch.device, dtypes: list[torch.dtype], scale: str = "gpu") -> dict:
+    """Measured bandwidth (bytes read + written per second by a large copy) and matmul FLOP/s per dtype.
+
+    Each from its fastest call: a ceiling is what the device can do, and on a shared CPU the median
+    would include time other processes took."""
+    timer = Timer(device, cpu_budget_s=0.5)
+    n_copy, n_mm = _ceiling_sizes(device, scale)
+    copy_ms = _copy_ms(timer, n_copy, device)
+    moved = 2 * n_copy * 4
+    flops = {}
+    for dtype in dtypes:
+        a = torch.randn(n_mm, n_mm, device=device, dtype=dtype)
+        b = torch.randn(n_mm, n_mm, device=device, dtype=dtype)
+        ms = timer.median_ms(lambda a=a, b=b: a @ b, best=True)
+        flops[str(dtype).replace("torch.", "")] = 2 * n_mm**3 / (ms / 1000)
+        del a, b
+    return {
+        "bandwidth_Bps": moved / (copy_ms / 1000),
+        "copy_bytes": moved,
+        "flops": flops,
+        "matmul_n": n_mm,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The limit: bytes that must move and FLOPs that must be done.
+
+
+def _cpu_sdpa_formulas() -> dict:
+    """Formulas for the CPU flash-attention ops, which torch's FLOP counter does not cover."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    table = {}
+
+    def fwd(query, key, value, *args, out_shape=None, **kwargs):
+        return fc.sdpa_flop_count(query, key, value)
+
+    def bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu] = fwd
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = bwd
+    return table
+
+
+def count_flops(step: Step, inputs: tuple) -> int:
+    """FLOPs of matmuls, convolutions and attention in one eager step (torch's FLOP counter).
+
+    Pointwise and reduction arithmetic is not counted: for those workloads the byte floor is the
+    limit. Causal attention counts the full square, as the counter does.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counting = Step(step.fn, step.train, step.autocast, step.device)
+    counting.cotangents, counting.via_backward = step.cotangents, True
+    with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_formulas()) as counter:
+        counting(*inputs)
+    return int(counter.get_total_flops())
+
+
+def min_bytes(fn: Callable, inputs: tuple, outputs: list[torch.Tensor], cotangents: list | None) -> int:
+    """Each input (arguments, parameters, buffers, cotangents) read once, each output written once."""
+    read = tensor_bytes(inputs)
+    if isinstance(fn, nn.Module):
+        read += tensor_bytes(fn.parameters()) + tensor_bytes(fn.buffers())
+    read += tensor_bytes(cotangents or [])
+    return read + tensor_bytes(outputs)
+
+
+def floor_ms(limit: dict, ceilings: dict, dtype: torch.dtype) -> float | None:
+    """The larger of the byte floor and the FLOP floor, in ms."""
+    rate = ceilings["flops"].get(str(dtype).replace("torch.", ""))
+    t_bytes = limit["bytes"] / ceilings["bandwidth_Bps"]
+    t_flops = limit["flops"] / rate if rate else 0.0
+    return max(t_bytes, t_flops) * 1000

@@ -1,0 +1,346 @@
+"""Reporting a benchmark run: JSON lines, a table (rich when installed, else plain), markdown, a PNG.
+
+The JSON lines are the record; everything else is derived from them, so runs made in several
+calls (e.g. timings in one, compile times in another) merge by re-rendering their files together:
+`python -m ember.tools.bench --from-jsonl a.jsonl b.jsonl --out DIR`.
+
+Ratios: speed-up = eager ms ÷ compiler ms; "ember ÷ Inductor" = Inductor ms ÷ ember ms, from the
+same run (above 1: ember is faster); % of limit = the floor (the larger of bytes ÷ measured
+bandwidth and FLOPs ÷ measured matmul rate) ÷ measured time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+TIMED = ("ok", "fell back")
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def load_jsonl(paths: list[str]) -> list[dict]:
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records += [json.loads(line) for line in f if line.strip()]
+    return records
+
+
+@dataclass
+class Run:
+    """The records of one or more runs, joined by case."""
+
+    env: list[dict] = field(default_factory=list)
+    ceilings: dict | None = None
+    cases: dict[str, dict] = field(default_factory=dict)
+    compile: dict[str, dict] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, records: list[dict]) -> Run:
+        run = cls()
+        for r in records:
+            kind = r.get("type")
+            if kind == "run":
+                run.env.append(r)
+            elif kind == "ceilings" and run.ceilings is None:
+                run.ceilings = r
+            elif kind == "case":
+                run.cases[r["case"]] = r
+            elif kind == "compile":
+                run.compile[r["case"]] = r
+        for key, r in run.compile.items():  # compile-only cases still get a row
+            run.cases.setdefault(
+                key, {"case": key, "workload": r["workload"], "mode": r["mode"], "compilers": {}, "timing": False}
+            )
+        return run
+
+    @property
+    def compilers(self) -> list[str]:
+        names: list[str] = []
+        for env in self.env:
+            names += [c for c in env.get("compilers", []) if c not in names]
+        return names
+
+
+def ms_of(case: dict, compiler: str) -> float | None:
+    c = case.get("compilers", {}).get(compiler)
+    return c["ms"] if c and c.get("status") in TIMED and c.get("ms") else None
+
+
+def speedup(case: dict, compiler: str) -> float | None:
+    eager, t = ms_of(case, "eager"), ms_of(case, compiler)
+    return eager / t if eager and t else None
+
+
+def versus(case: dict, compiler: str, baseline: str = "inductor") -> float | None:
+    """baseline ms ÷ compiler ms (above 1: `compiler` is faster)."""
+    base, t = ms_of(case, baseline), ms_of(case, compiler)
+    return base / t if base and t else None
+
+
+def fraction_of_limit(case: dict, compiler: str) -> float | None:
+    floor, t = (case.get("limit") or {}).get("floor_ms"), ms_of(case, compiler)
+    return floor / t if floor and t else None
+
+
+def label(compiler: str) -> str:
+    name, _, mode = compiler.partition(":")
+    pretty = {"inductor": "Inductor", "ember": "ember", "eager": "eager"}.get(name, name)
+    return f"{pretty} {mode}" if mode else pretty
+
+
+def _cell_ms(case: dict, compiler: str) -> str:
+    c = case.get("compilers", {}).get(compiler)
+    if c is None:
+        return "-"
+    status = c.get("status")
+    if status == "ok":
+        return f"{c['ms']:.3f}"
+    if status == "fell back":
+        return f"{c['ms']:.3f} (fell back)"
+    if status == "mismatch":
+        return f"MISMATCH ({c.get('err', math.nan):.1e})"
+    return f"error: {c.get('note', '?').split(':')[0]}"
+
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return f"{v:.{digits}f}×" if v is not None else "-"
+
+
+def _pct(v: float | None) -> str:
+    return f"{100 * v:.0f}%" if v is not None else "-"
+
+
+def _compile_cell(run: Run, key: str, compiler: str) -> str:
+    rec = run.compile.get(key)
+    if rec is None:
+        return "-"
+    if rec.get("skipped"):
+        return "n/m"
+    c = rec.get("compilers", {}).get(compiler)
+    if not c:
+        return "-"
+
+    def one(m):
+        return f"{m['seconds']:.1f}" if m and "seconds" in m else "err"
+
+    return one(c.get("cold")) + (f" / {one(c.get('warm'))}" if "warm" in c else "")
+
+
+def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, notes): one row per case; notes hold skips, fallbacks, mismatches, errors."""
+    compilers = run.compilers
+    embers = [c for c in compilers if c.startswith("ember")]
+    header = ["workload", "mode", "shape", "dtype", "eager ms"] + [f"{label(c)} ms" for c in compilers]
+    header += [f"{label(c)} speed-up" for c in compilers]
+    if "inductor" in compilers:
+        header += [f"{label(c)} ÷ Inductor" for c in embers]
+    header += ["limit ms"] + [f"% limit {label(c)}" for c in ["eager", *compilers]]
+    header += [f"peak MB {label(c)}" for c in ["eager", *compilers]]
+    header += [f"compile s {label(c)} cold / warm" for c in compilers]
+    header += ["ember kernels / externs"]
+    rows, notes = [], []
+    for key, case in run.cases.items():
+        row = [case["workload"], case["mode"], case.get("shape", ""), case.get("dtype", "")]
+        if case.get("skipped") or case.get("error"):
+            why = case.get("skipped") or f"error: {case['error']}"
+            notes.append(f"{key}: {why}")
+            rows.append(row + [("skipped" if case.get("skipped") else "error")] + ["-"] * (len(header) - 5))
+            continue
+        timed = case.get("timing", True)
+        row.append(_cell_ms(case, "eager") if timed else "n/m")
+        row += [_cell_ms(case, c) if timed else "n/m" for c in compilers]
+        row += [_x(speedup(case, c)) for c in compilers]
+        if "inductor" in compilers:
+            row += [_x(versus(case, c)) for c in embers]
+        limit = case.get("limit") or {}
+        floor = limit.get("floor_ms")
+        bound = ""
+        if limit and run.ceilings:
+            t_bytes = limit["bytes"] / run.ceilings["bandwidth_Bps"] * 1000
+            bound = " (mem)" if floor is not None and floor <= t_bytes * 1.0001 else " (FLOP)"
+        row.append(f"{floor:.3f}{bound}" if floor else "-")
+        row += [_pct(fraction_of_limit(case, c)) for c in ["eager", *compilers]]
+        for c in ["eager", *compilers]:
+            peak = case.get("compilers", {}).get(c, {}).get("peak_mb")
+            row.append(f"{peak:.0f}" if peak is not None else "-")
+        row += [_compile_cell(run, key, c) for c in compilers]
+        kernels = []
+        for c in embers:
+            e = case.get("compilers", {}).get(c, {})
+            if "kernels" in e:
+                kernels.append(f"{e['kernels']} / {e['externs']}" + (" (fell back)" if e.get("fallbacks") else ""))
+        row.append("; ".join(kernels) or "-")
+        rows.append(row)
+        for c in compilers:
+            e = case.get("compilers", {}).get(c, {})
+            for fb in e.get("fallbacks", []):
+                notes.append(f"{key}: {label(c)} ran a graph eagerly: {fb[:200]}")
+            if e.get("status") in ("mismatch", "error"):
+                notes.append(f"{key}: {label(c)} {e['status']}: {e.get('note', '')[:300]}")
+        crec = run.compile.get(key, {})
+        if crec.get("skipped"):
+            notes.append(f"{key}: compile time {crec['skipped']}")
+        for c, m in crec.get("compilers", {}).items():
+            for kind, r in m.items():
+                if r and "error" in r:
+                    notes.append(f"{key}: {label(c)} {kind} compile: {r['error'][:200]}")
+    return header, rows, notes
+
+
+def describe_env(run: Run) -> list[str]:
+    lines = []
+    for env in run.env:
+        lines.append(
+            f"{env['device']} ({env['cpus']} CPUs), torch {env['torch']}, triton {env['triton']}, "
+            f"Python {env['python']}, scale {env['scale']}, {env['date']}"
+        )
+    c = run.ceilings
+    if c:
+        rates = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in c["flops"].items())
+        lines.append(f"measured ceilings: copy {c['bandwidth_Bps'] / 1e9:.1f} GB/s (read + write); matmul {rates}")
+    return lines
+
+
+def markdown(run: Run) -> str:
+    header, rows, notes = table_rows(run)
+    out = [f"- {line}" for line in describe_env(run)] + [""]
+    out.append("| " + " | ".join(header) + " |")
+    out.append("|" + "---|" * len(header))
+    out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    if notes:
+        out += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def plain(run: Run) -> str:
+    header, rows, notes = table_rows(run)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = describe_env(run) + [""]
+    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+    if notes:
+        lines += ["", "notes:"] + [f"  {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(run: Run, console=None) -> None:
+    """A rich table when rich is installed, else the plain one."""
+    try:
+        from rich.table import Table
+    except ImportError:
+        print(plain(run))
+        print("(install rich for a formatted table)")
+        return
+    header, rows, notes = table_rows(run)
+    table = Table(title="ember bench", caption="\n".join(describe_env(run)), show_lines=False)
+    for h in header:
+        table.add_column(h, overflow="fold")
+    for row in rows:
+        style = "red" if any("MISMATCH" in c or c.startswith("error") for c in row) else None
+        table.add_row(*row, style=style)
+    if console is None:
+        from rich.console import Console
+
+        console = Console(width=max(200, Console().width))
+    console.print(table)
+    for n in notes:
+        console.print(f"[yellow]note[/yellow] {n}", markup=True, highlight=False)
+
+
+def plot(run: Run, path: str) -> str | None:
+    """Write a PNG with speed-up bars, %-of-limit bars and a roofline; returns a note if it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (pip install matplotlib)"
+    compilers = run.compilers
+    cases = [c for c in run.cases.values() if not c.get("skipped") and not c.get("error") and c.get("compilers")]
+    if not cases:
+        return "no timed cases: no PNG"
+    names = [f"{c['workload']}\n{c['mode']}" for c in cases]
+    colors = {"eager": "#999999", "inductor": "#4c72b0"}
+    palette = ["#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    for i, c in enumerate(x for x in compilers if x not in colors):
+        colors[c] = palette[i % len(palette)]
+    fig, axes = plt.subplots(3, 1, figsize=(max(10, 0.9 * len(cases) + 3), 15))
+    width = 0.8 / max(1, len(compilers))
+    xs = range(len(cases))
+
+    ax = axes[0]
+    for j, comp in enumerate(compilers):
+        vals = [speedup(c, comp) or math.nan for c in cases]
+        bars = ax.bar([x + j * width for x in xs], vals, width, label=label(comp), color=colors[comp])
+        for bar, case in zip(bars, cases):
+            st = case["compilers"].get(comp, {}).get("status", "-")
+            text = {"fell back": "fell\nback", "mismatch": "MIS-\nMATCH", "error": "error"}.get(st)
+            if comp.startswith("ember") and "inductor" in compilers and versus(case, comp):
+                text = f"{versus(case, comp):.2f}" + ("\nfell back" if st == "fell back" else "")
+            if text:
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speed-up over eager (×, log scale)")
+    ax.set_title("Speed-up over eager; number above ember's bar: ember ÷ Inductor speed (same run)")
+    ax.set_xticks([x + width * (len(compilers) - 1) / 2 for x in xs], names, fontsize=7)
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    every = ["eager", *compilers]
+    w2 = 0.8 / len(every)
+    for j, comp in enumerate(every):
+        vals = [100 * (fraction_of_limit(c, comp) or 0.0) for c in cases]
+        ax.bar([x + j * w2 for x in xs], vals, w2, label=label(comp), color=colors[comp])
+    ax.axhline(100, color="black", linewidth=0.8, linestyle="--")
+    ax.set_ylabel("% of the limit")
+    ax.set_title("Achieved fraction of the limit (max of byte floor and FLOP floor, measured ceilings)")
+    ax.set_xticks([x + w2 * (len(every) - 1) / 2 for x in xs], names, fontsize=7)
+    ax.legend(fontsize=8)
+
+    ax = axes[2]
+    _roofline(ax, run, cases, every, colors)
+    fig.suptitle("ember bench: " + (describe_env(run)[0] if run.env else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return None
+
+
+def _roofline(ax, run: Run, cases: list[dict], compilers: list[str], colors: dict) -> None:
+    c = run.ceilings
+    points = [case for case in cases if (case.get("limit") or {}).get("flops")]
+    if not c or not points:
+        ax.text(0.5, 0.5, "no workload with counted FLOPs", ha="center", transform=ax.transAxes)
+        return
+    bw = c["bandwidth_Bps"]
+    intensities = [case["limit"]["flops"] / case["limit"]["bytes"] for case in points]
+    lo, hi = min(intensities) / 4, max(intensities) * 4
+    xs = [lo * (hi / lo) ** (k / 100) for k in range(101)]
+    for dtype, peak in c["flops"].items():
+        ax.plot(xs, [min(bw * x, peak) for x in xs], linestyle="--", linewidth=1, label=f"roof ({dtype} matmul)")
+    markers = "osD^v<>"
+    for j, comp in enumerate(compilers):
+        px, py = [], []
+        for case, inten in zip(points, intensities):
+            t = ms_of(case, comp)
+            if t:
+                px.append(inten)
+                py.append(case["limit"]["flops"] / (t / 1000))
+        ax.scatter(px, py, marker=markers[j % len(markers)], color=colors[comp], label=label(comp), zorder=3)
+    for case, inten in zip(points, intensities):
+        top = min(bw * inten, max(c["flops"].values()))
+        ax.annotate(f"{case['workload']}/{case['mode'][:5]}", (inten, top), fontsize=6, rotation=30)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (counted FLOPs ÷ minimum bytes)")
+    ax.set_ylabel("achieved FLOP/s")
+    ax.set_title("Roofline: workloads with matmul/conv/attention FLOPs (measured bandwidth and matmul ceilings)")
+    ax.legend(fontsize=7)

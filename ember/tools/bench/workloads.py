@@ -1,0 +1,354 @@
+"""The benchmark's workloads: programs, sizes per scale, and the modes each one runs in.
+
+Sizes are given per scale: "gpu" (the sizes the issue names), "cpu" (the same programs scaled
+down for a 2-core machine: fewer rows, fewer layers, smaller batches), "tiny" (the CI test).
+Workloads that need transformers or torchvision are skipped with a note when the package does
+not import.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ember.tools import workloads as programs
+
+
+@dataclass
+class Built:
+    """One workload instance: fn(*inputs) computes it; autocast names a dtype to autocast to."""
+
+    fn: Callable
+    inputs: tuple
+    autocast: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    group: str  # "micro" | "model"
+    dtype: str  # what the table shows: "f32", "bf16", "bf16 autocast"
+    sizes: dict[str, tuple]
+    build: Callable[[tuple, torch.device], Built]
+    modes: tuple[str, ...] = ("inference",)
+    requires: str | None = None  # optional package the workload imports
+    describe: Callable[[tuple], str] = field(default=lambda size: "×".join(map(str, size)))
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype whose matmul rate bounds this workload's arithmetic."""
+        return torch.float32 if self.dtype == "f32" else torch.bfloat16
+
+
+def _dtype(w: str) -> torch.dtype:
+    return torch.float32 if w == "f32" else torch.bfloat16
+
+
+def _randn(shape, dtype, device):
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def _fn(fn, dtype: str):
+    def build(size, device):
+        return Built(fn, (_randn(size, _dtype(dtype), device),))
+
+    return build
+
+
+def _module(m: nn.Module, device, dtype: torch.dtype) -> nn.Module:
+    return m.to(device=device, dtype=dtype)
+
+
+def _layernorm_residual(size, device):
+    d = size[1]
+    m = _module(programs.LayerNormGelu(d), device, torch.bfloat16)
+    with torch.no_grad():
+        m.norm.weight.normal_()
+        m.norm.bias.normal_()
+    return Built(m, (_randn(size, torch.bfloat16, device), _randn(size, torch.bfloat16, device)))
+
+
+def _rmsnorm(size, device):
+    d = size[1]
+    m = _module(programs.RMSNorm(d), device, torch.bfloat16)
+    with torch.no_grad():
+        m.weight.normal_()
+    return Built(m, (_randn(size, torch.bfloat16, device),))
+
+
+def _linear_bias_gelu(size, device):
+    rows, k, n = size
+    m = _module(programs.LinearBiasGelu(k, n), device, torch.bfloat16)
+    return Built(m, (_randn((rows, k), torch.bfloat16, device),))
+
+
+def _qkv(fn):
+    def build(size, device):
+        b, h, s, d = size
+        return Built(fn, tuple(_randn((b, h, s, d), torch.bfloat16, device) for _ in range(3)))
+
+    return build
+
+
+def _cross_entropy(size, device):
+    rows, vocab = size
+    targets = torch.randint(0, vocab, (rows,), device=device)
+    return Built(programs.cross_entropy, (_randn((rows, vocab), torch.bfloat16, device), targets))
+
+
+def _tiny_mlp(size, device):
+    batch, d, depth = size
+    return Built(
+        _module(programs.TinyMLP(d, depth), device, torch.float32), (_randn((batch, d), torch.float32, device),)
+    )
+
+
+def _gpt2_blocks(size, device):
+    b, t, d, heads, layers = size
+    m = _module(programs.GPT2Stack(d, heads, layers), device, torch.bfloat16)
+    return Built(m, (_randn((b, t, d), torch.bfloat16, device),))
+
+
+def _llama_block(size, device):
+    b, s, d, heads, hidden = size
+    m = _module(programs.LlamaBlock(d, heads, hidden, s), device, torch.bfloat16)
+    with torch.no_grad():
+        m.attn_norm.weight.normal_(1.0, 0.1)
+        m.mlp_norm.weight.normal_(1.0, 0.1)
+    return Built(m, (_randn((b, s, d), torch.bfloat16, device),))
+
+
+class _Field(nn.Module):
+    """Returns one field of a transformers model's output, so every output is a tensor."""
+
+    def __init__(self, model: nn.Module, field: str):
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, ids):
+        return getattr(self.model(input_ids=ids), self.field)
+
+
+def _hf_gpt2(size, device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    batch, seq, layers = size
+    cfg = GPT2Config(
+        n_layer=layers,
+        n_positions=max(1024, seq),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    m = _module(_Field(GPT2LMHeadModel(cfg), "logits"), device, torch.bfloat16)
+    return Built(m, (torch.randint(0, cfg.vocab_size, (batch, seq), device=device),))
+
+
+def _hf_bert(size, device):
+    from transformers import BertConfig, BertModel
+
+    batch, seq, layers = size
+    cfg = BertConfig(
+        num_hidden_layers=layers,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+    m = _module(_Field(BertModel(cfg, add_pooling_layer=False), "last_hidden_state"), device, torch.bfloat16)
+    return Built(m.eval(), (torch.randint(0, cfg.vocab_size, (batch, seq), device=device),))
+
+
+def _torchvision(name):
+    def build(size, device):
+        import torchvision.models as tvm
+
+        batch, res = size
+        kwargs = {"image_size": res} if name.startswith("vit") else {}
+        m = getattr(tvm, name)(weights=None, **kwargs).to(device=device, memory_format=torch.channels_last).eval()
+        x = _randn((batch, 3, res, res), torch.float32, device).contiguous(memory_format=torch.channels_last)
+        return Built(m, (x,), autocast=torch.bfloat16)
+
+    return build
+
+
+def _shape(fmt: str) -> Callable[[tuple], str]:
+    return lambda size: fmt.format(*size)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload(
+            "pointwise3",
+            "micro",
+            "f32",
+            {"gpu": (4096, 4096), "cpu": (2048, 2048), "tiny": (64, 64)},
+            _fn(programs.pointwise3, "f32"),
+        ),
+        Workload(
+            "gelu_tanh",
+            "micro",
+            "f32",
+            {"gpu": (8192, 8192), "cpu": (2048, 2048), "tiny": (64, 64)},
+            _fn(programs.gelu_tanh, "f32"),
+        ),
+        Workload(
+            "softmax",
+            "micro",
+            "f32",
+            {"gpu": (8192, 8192), "cpu": (2048, 2048), "tiny": (32, 64)},
+            _fn(programs.softmax_manual, "f32"),
+        ),
+        Workload(
+            "layernorm_residual",
+            "micro",
+            "bf16",
+            {"gpu": (8192, 4096), "cpu": (2048, 1024), "tiny": (32, 64)},
+            _layernorm_residual,
+        ),
+        Workload("rmsnorm", "micro", "bf16", {"gpu": (8192, 4096), "cpu": (2048, 1024), "tiny": (32, 64)}, _rmsnorm),
+        Workload(
+            "linear_bias_gelu",
+            "micro",
+            "bf16",
+            {"gpu": (8192, 4096, 4096), "cpu": (512, 1024, 1024), "tiny": (16, 32, 32)},
+            _linear_bias_gelu,
+            describe=_shape("{0}×{1} @ {1}×{2}"),
+        ),
+        Workload(
+            "attention",
+            "micro",
+            "bf16",
+            {"gpu": (8, 16, 2048, 64), "cpu": (2, 4, 512, 64), "tiny": (1, 2, 16, 8)},
+            _qkv(programs.attention_manual),
+            describe=_shape("B{0} H{1} S{2} D{3}"),
+        ),
+        Workload(
+            "sdpa_causal",
+            "micro",
+            "bf16",
+            {"gpu": (8, 16, 2048, 64), "cpu": (2, 4, 512, 64), "tiny": (1, 2, 16, 8)},
+            _qkv(programs.sdpa_causal),
+            describe=_shape("B{0} H{1} S{2} D{3}"),
+        ),
+        Workload(
+            "cross_entropy",
+            "micro",
+            "bf16",
+            {"gpu": (8192, 50257), "cpu": (512, 50257), "tiny": (16, 1000)},
+            _cross_entropy,
+            describe=_shape("{0} rows × {1} vocab"),
+        ),
+        Workload(
+            "tiny_mlp_b1",
+            "micro",
+            "f32",
+            {"gpu": (1, 256, 16), "cpu": (1, 256, 16), "tiny": (1, 32, 4)},
+            _tiny_mlp,
+            describe=_shape("batch {0}, {2} × Linear({1})"),
+        ),
+        Workload(
+            "gpt2_blocks",
+            "model",
+            "bf16",
+            {"gpu": (16, 1024, 768, 12, 4), "cpu": (2, 128, 768, 12, 4), "tiny": (2, 8, 32, 2, 2)},
+            _gpt2_blocks,
+            modes=("inference", "train"),
+            describe=_shape("{4} blocks, {0}×{1}×{2}"),
+        ),
+        Workload(
+            "hf_gpt2",
+            "model",
+            "bf16",
+            {"gpu": (8, 1024, 12), "cpu": (1, 128, 4), "tiny": (1, 16, 1)},
+            _hf_gpt2,
+            modes=("inference", "train"),
+            requires="transformers",
+            describe=_shape("{2} layers, {0}×{1} tokens"),
+        ),
+        Workload(
+            "hf_bert",
+            "model",
+            "bf16",
+            {"gpu": (32, 512, 12), "cpu": (2, 128, 4), "tiny": (1, 16, 1)},
+            _hf_bert,
+            requires="transformers",
+            describe=_shape("{2} layers, {0}×{1} tokens"),
+        ),
+        Workload(
+            "llama_block",
+            "model",
+            "bf16",
+            {"gpu": (4, 2048, 4096, 32, 11008), "cpu": (1, 256, 1024, 8, 2816), "tiny": (1, 16, 32, 2, 64)},
+            _llama_block,
+            modes=("inference", "train"),
+            describe=_shape("{0}×{1}, d {2}, {3} heads, MLP {4}"),
+        ),
+        Workload(
+            "resnet50",
+            "model",
+            "bf16 autocast",
+            {"gpu": (64, 224), "cpu": (2, 128), "tiny": (1, 32)},
+            _torchvision("resnet50"),
+            requires="torchvision",
+            describe=_shape("batch {0}, {1}², channels_last"),
+        ),
+        Workload(
+            "vit_b_16",
+            "model",
+            "bf16 autocast",
+            {"gpu": (64, 224), "cpu": (2, 112), "tiny": (1, 32)},
+            _torchvision("vit_b_16"),
+            requires="torchvision",
+            describe=_shape("batch {0}, {1}²"),
+        ),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the benchmark: a workload in one mode."""
+
+    workload: Workload
+    mode: str  # "inference" | "train"
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload.name}/{self.mode}"
+
+
+def missing_requirement(w: Workload) -> str | None:
+    """Why the workload cannot run here (its optional package does not import), or None."""
+    if w.requires is None:
+        return None
+    try:
+        importlib.import_module(w.requires)
+    except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError (e.g. a CUDA-only torchvision)
+        return f"{w.requires} not importable ({type(e).__name__}: {str(e)[:80]})"
+    return None
+
+
+def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
+    """The cases named by a comma-separated list ("all", group names "micro"/"model", or workload names)."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    chosen: list[Workload] = []
+    for n in wanted:
+        if n == "all":
+            group = list(WORKLOADS.values())
+        elif n in ("micro", "model"):
+            group = [w for w in WORKLOADS.values() if w.group == n]
+        elif n in WORKLOADS:
+            group = [WORKLOADS[n]]
+        else:
+            raise ValueError(f"unknown workload {n!r}; valid: all, micro, model, {', '.join(WORKLOADS)}")
+        chosen += [w for w in group if w not in chosen]
+    mode_set = {m.strip() for m in modes.split(",")}
+    return [Case(w, m) for w in chosen for m in w.modes if m in mode_set]

@@ -1,0 +1,144 @@
+"""`ember bench` end to end on a tiny CPU subset: records, table, JSON lines, PNG, sane numbers.
+
+One harness run (module-scoped) over three workloads, one of them in training mode, with compile
+times for one case in fresh subprocesses. Numbers are checked for sanity and consistency, never for
+speed: timed assertions do not belong in tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from ember.tools.bench import measure, report
+from ember.tools.bench.__main__ import main as bench_main
+from ember.tools.bench.workloads import WORKLOADS, select
+
+CASES = ["pointwise3/inference", "softmax/inference", "gpt2_blocks/inference", "gpt2_blocks/train"]
+COMPILERS = ["inductor", "ember"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = [
+        "--scale", "tiny", "--device", "cpu", "--workloads", "pointwise3,softmax,gpt2_blocks",
+        "--compile-time", "pointwise3", "--cpu-budget-s", "0.05", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0, "a compiled output did not match eager"
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(run_dir):
+    return report.load_jsonl([str(run_dir / "results.jsonl")])
+
+
+def test_outputs_written(run_dir):
+    for name in ("results.jsonl", "table.md", "table.txt"):
+        assert (run_dir / name).stat().st_size > 0, name
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = run_dir / "bench.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (run_dir / "table.md").read_text()
+    for key in CASES:
+        workload, mode = key.split("/")
+        assert f"| {workload} | {mode} |" in table, f"{key} has no row:\n{table}"
+
+
+def test_every_case_checked_and_timed(records):
+    cases = {r["case"]: r for r in records if r["type"] == "case"}
+    assert sorted(cases) == sorted(CASES)
+    for key, case in cases.items():
+        assert "error" not in case and "skipped" not in case, case
+        assert case["compilers"]["eager"]["ms"] > 0
+        for comp in COMPILERS:
+            c = case["compilers"][comp]
+            # correctness was checked against the float32 reference before timing
+            assert c["status"] in ("ok", "fell back"), f"{key} {comp}: {c}"
+            assert math.isfinite(c["err"]) and c["err"] <= c["tol"]
+            assert c["ms"] > 0 and c["first_call_s"] > 0
+        ember = case["compilers"]["ember"]
+        assert ember["graphs"] >= (2 if case["mode"] == "train" else 1)  # forward and backward
+        assert ember["kernels"] >= 1 and not ember["fallbacks"], ember
+
+
+def test_ratios_consistent(records):
+    run = report.Run.of(records)
+    for key, case in run.cases.items():
+        eager, ind, emb = (case["compilers"][c]["ms"] for c in ("eager", "inductor", "ember"))
+        assert report.speedup(case, "ember") == pytest.approx(eager / emb)
+        assert report.versus(case, "ember") == pytest.approx(ind / emb)
+        # ember ÷ Inductor is the ratio of the two speed-ups over eager, all from one run
+        assert report.versus(case, "ember") == pytest.approx(report.speedup(case, "ember") / report.speedup(case, "inductor"))
+        limit = case["limit"]
+        assert limit["bytes"] > 0 and limit["floor_ms"] > 0
+        assert report.fraction_of_limit(case, "ember") == pytest.approx(limit["floor_ms"] / emb)
+    gpt2 = run.cases["gpt2_blocks/train"]["limit"]
+    assert gpt2["flops"] > 0 and gpt2["flops"] > run.cases["gpt2_blocks/inference"]["limit"]["flops"] * 2
+
+
+def test_ceilings_and_compile_times(records):
+    env = next(r for r in records if r["type"] == "run")
+    assert env["torch"] == torch.__version__ and env["compilers"] == COMPILERS
+    ceilings = next(r for r in records if r["type"] == "ceilings")
+    assert ceilings["bandwidth_Bps"] > 0 and all(v > 0 for v in ceilings["flops"].values())
+    compiles = [r for r in records if r["type"] == "compile"]
+    assert [r["case"] for r in compiles] == ["pointwise3/inference"]
+    for comp in COMPILERS:
+        cold, warm = compiles[0]["compilers"][comp]["cold"], compiles[0]["compilers"][comp]["warm"]
+        assert "error" not in cold and "error" not in warm, (cold, warm)
+        for m in (cold, warm):
+            assert m["seconds"] >= m["startup_s"] > 0 and m["first_step_s"] > 0
+
+
+def test_rerender_from_jsonl(run_dir, tmp_path):
+    assert bench_main(["--from-jsonl", str(run_dir / "results.jsonl"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "table.md").read_text() == (run_dir / "table.md").read_text()
+
+
+def test_mismatch_is_reported_not_timed():
+    """A compiled output that disagrees with the reference gets status "mismatch" and no time."""
+    case = {"compilers": {"eager": {"status": "ok", "ms": 1.0}, "ember": {"status": "mismatch", "err": 0.5}}}
+    assert report.ms_of(case, "ember") is None and report.speedup(case, "ember") is None
+    assert report._cell_ms(case, "ember").startswith("MISMATCH")
+    assert measure.max_err([torch.ones(3)], [torch.zeros(3)]) > measure.tolerance(torch.float32, 0.0)
+    assert not measure.max_err([torch.full((2,), math.nan)], [torch.ones(2)]) <= 1.0
+
+
+def test_missing_optional_package_skips_with_a_note(monkeypatch):
+    w = WORKLOADS["hf_bert"]
+    monkeypatch.setattr("importlib.import_module", lambda name: (_ for _ in ()).throw(ImportError(name)))
+    from ember.tools.bench import workloads
+
+    assert "not importable" in workloads.missing_requirement(w)
+
+
+def test_selection_and_sizes():
+    keys = [c.key for c in select("micro", "inference")]
+    assert keys[0] == "pointwise3/inference" and "tiny_mlp_b1/inference" in keys and len(keys) == 10
+    assert {c.key for c in select("gpt2_blocks")} == {"gpt2_blocks/inference", "gpt2_blocks/train"}
+    assert WORKLOADS["softmax"].sizes["gpu"] == (8192, 8192)
+    assert WORKLOADS["cross_entropy"].sizes["gpu"] == (8192, 50257)
+    with pytest.raises(ValueError, match="unknown workload"):
+        select("nope")
+
+
+def test_rotation_copies_small_inputs():
+    x = torch.randn(16, 16)
+    assert measure.rotations((x,), cache=1 << 20) > 1
+    assert measure.rotations((x,), cache=16) == 1
+    sets = measure.copies_of((x,), 3)
+    assert len(sets) == 3 and all(torch.equal(s[0], x) for s in sets)
+    assert sets[1][0].data_ptr() != x.data_ptr()
+
+
+def test_json_lines_are_json(run_dir):
+    with open(os.path.join(run_dir, "results.jsonl")) as f:
+        for line in f:
+            json.loads(line)
