@@ -30,9 +30,12 @@ from tests.helpers import (
 )
 
 # float32 tolerance (rtol, atol) against eager; reductions and matmul externs reorder sums.
+# gelu_tanh: vectorized tanh (glibc libmvec on CPU, libdevice on GPU) differs from eager's by a
+# few ulp, which its gradient 1 - tanh^2 turns into ~1e-6 absolute; torch.testing's default
+# float32 atol is 1e-5.
 FP32_TOL = {
     "pointwise3": (1e-5, 1e-6),
-    "gelu_tanh": (1e-5, 1e-6),
+    "gelu_tanh": (1e-5, 1e-5),
     "softmax": (1e-5, 1e-6),
     "layernorm_gelu": (1e-4, 1e-5),
     "mlp": (1e-4, 1e-5),
