@@ -19,7 +19,7 @@ import sympy
 import torch
 
 from ember import config
-from ember.ir.graph import Graph, Node, Value
+from ember.ir.graph import Graph, Node, Value, layout_of
 from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
@@ -154,8 +154,6 @@ class Scheduler:
 
     # 1. ---------------------------------------------------------------------------------
     def _realize(self) -> None:
-        from ember.ir.graph import layout_of
-
         needed = [o for o in self.graph.outputs if isinstance(o, Value)]
         for node in self.graph.nodes:
             if node.op == "extern":
