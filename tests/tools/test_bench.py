@@ -70,12 +70,14 @@ def test_every_case_checked_and_timed(records):
 
 def test_ratios_consistent(records):
     run = report.Run.of(records)
-    for key, case in run.cases.items():
+    for case in run.cases.values():
         eager, ind, emb = (case["compilers"][c]["ms"] for c in ("eager", "inductor", "ember"))
         assert report.speedup(case, "ember") == pytest.approx(eager / emb)
         assert report.versus(case, "ember") == pytest.approx(ind / emb)
         # ember ÷ Inductor is the ratio of the two speed-ups over eager, all from one run
-        assert report.versus(case, "ember") == pytest.approx(report.speedup(case, "ember") / report.speedup(case, "inductor"))
+        assert report.versus(case, "ember") == pytest.approx(
+            report.speedup(case, "ember") / report.speedup(case, "inductor")
+        )
         limit = case["limit"]
         assert limit["bytes"] > 0 and limit["floor_ms"] > 0
         assert report.fraction_of_limit(case, "ember") == pytest.approx(limit["floor_ms"] / emb)

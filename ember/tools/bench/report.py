@@ -51,8 +51,8 @@ class Run:
                 run.ceilings = r
             elif kind == "case":
                 run.cases[r["case"]] = r
-            elif kind == "compile":
-                run.compile[r["case"]] = r
+            elif kind == "compile" and not (r.get("skipped") and "compilers" in run.compile.get(r["case"], {})):
+                run.compile[r["case"]] = r  # a later measurement wins; a later skip does not erase one
         for key, r in run.compile.items():  # compile-only cases still get a row
             run.cases.setdefault(
                 key, {"case": key, "workload": r["workload"], "mode": r["mode"], "compilers": {}, "timing": False}
@@ -285,7 +285,10 @@ def plot(run: Run, path: str) -> str | None:
             if comp.startswith("ember") and "inductor" in compilers and versus(case, comp):
                 text = f"{versus(case, comp):.2f}" + ("\nfell back" if st == "fell back" else "")
             if text:
-                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom", fontsize=7)
+                y = bar.get_height() if math.isfinite(bar.get_height()) else 1.0  # untimed: at the eager line
+                ax.text(
+                    bar.get_x() + bar.get_width() / 2, y, text, ha="center", va="bottom", fontsize=7, color=colors[comp]
+                )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_ylabel("speed-up over eager (×, log scale)")
