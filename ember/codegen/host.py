@@ -57,7 +57,11 @@ class HostWriter:
         self.device = self.graph.device
         self.free_lines: dict[str, int] = {}
         self.allocated: set[Value] = set()
-        self.kernel_inputs: set[Value] = {v for k in schedule.kernels for v in k.reads}
+        # Values whose memory layout must be the one the compile-time meta promised: kernels index
+        # them with those strides, and aliases are made with them. An extern can return another
+        # layout than its meta (its inputs' layouts may differ from tracing); those get copied.
+        self.layout_sensitive: set[Value] = {v for k in schedule.kernels for v in k.reads}
+        self.layout_sensitive |= {s.base for s in schedule.steps if isinstance(s, AliasStep)}
         self.reused: set[str] = set()
 
     def py(self, expr: Expr) -> str:
@@ -221,7 +225,7 @@ class HostWriter:
     def _bind_extern_output(self, v: Value, src: str) -> None:
         name = f"buf{v.id}"
         self.names[v.id] = name
-        if v in self.kernel_inputs:
+        if v in self.layout_sensitive:
             self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
         else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
             self.lines.append(f"    {name} = {src}")
