@@ -103,7 +103,8 @@ class HostWriter:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
         self._bind_symbols()
         last_use = self._last_uses()
-        pinned = self._pinned()
+        shared = self._shared_storage()
+        outputs = {o for o in g.outputs if isinstance(o, Value)}
         pool: dict[tuple, list[str]] = {}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
@@ -122,14 +123,16 @@ class HostWriter:
                     f"{self.arg(list(step.stride))}, {self.names[step.base.id]}.storage_offset() + {self.py(step.offset)})"
                 )
             for v in [v for v, p in last_use.items() if p == pos]:
-                if v.id not in self.names or v.node.op == "input" or v in pinned:
+                if v.id not in self.names or v.node.op == "input" or v in outputs:
                     continue
-                if v in self.allocated:
+                if v in self.allocated and v not in shared:
                     # Freed here; the line becomes `del` unless a later allocation takes the buffer.
                     self.free_lines[self.names[v.id]] = len(self.lines)
                     self.lines.append("")
                     pool.setdefault(_layout_key(v), []).append(self.names[v.id])
-                else:  # an extern's result: its layout is ATen's, so it is dropped, not recycled
+                else:
+                    # An extern's result (its layout is ATen's), or storage a view may still use:
+                    # dropped, never recycled. Python frees the memory when no view needs it.
                     self.lines.append(f"    del {self.names[v.id]}")
         for name, line in self.free_lines.items():
             self.lines[line] = "" if name in self.reused else f"    del {name}"
@@ -184,15 +187,16 @@ class HostWriter:
                 last[v] = pos
         return last
 
-    def _pinned(self) -> set[Value]:
-        """Buffers never freed or reused: outputs, alias bases, and anything an extern may alias."""
-        pinned = {o for o in self.graph.outputs if isinstance(o, Value)}
+    def _shared_storage(self) -> set[Value]:
+        """Buffers another tensor may view (alias bases, inputs of view-returning externs): never
+        recycled for a later buffer, since the view could still be read."""
+        shared: set[Value] = set()
         for step in self.schedule.steps:
             if isinstance(step, AliasStep):
-                pinned |= {step.base, step.value}
+                shared |= {step.base, step.value}
             elif isinstance(step, ExternStep) and _may_alias(step.node):
-                pinned |= set(step.node.value_inputs()) | set(step.node.outputs)
-        return pinned
+                shared |= set(step.node.value_inputs()) | set(step.node.outputs)
+        return shared
 
     def _allocate(self, v: Value, pool: dict) -> None:
         name = f"buf{v.id}"
