@@ -63,6 +63,7 @@ def test_every_case_checked_and_timed(records):
             assert c["status"] in ("ok", "fell back"), f"{key} {comp}: {c}"
             assert math.isfinite(c["err"]) and c["err"] <= c["tol"]
             assert c["ms"] > 0 and c["first_call_s"] > 0
+            assert c["peak_mb"] is not None and c["peak_mb"] >= 0  # CPU: from the profiler's memory events
         ember = case["compilers"]["ember"]
         assert ember["graphs"] >= (2 if case["mode"] == "train" else 1)  # forward and backward
         assert ember["kernels"] >= 1 and not ember["fallbacks"], ember

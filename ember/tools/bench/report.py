@@ -168,7 +168,7 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
         row += [_pct(fraction_of_limit(case, c)) for c in ["eager", *compilers]]
         for c in ["eager", *compilers]:
             peak = case.get("compilers", {}).get(c, {}).get("peak_mb")
-            row.append(f"{peak:.0f}" if peak is not None else "-")
+            row.append("-" if peak is None else f"{peak:.0f}" if peak >= 10 else f"{peak:.2f}")
         row += [_compile_cell(run, key, c) for c in compilers]
         kernels = []
         for c in embers:
