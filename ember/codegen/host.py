@@ -72,6 +72,8 @@ class HostWriter:
             return f"float('{obj}')"
         if obj is None or isinstance(obj, (bool, int, float, str)):
             return repr(obj)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            return repr(obj)  # torch.float32, torch.contiguous_format: `torch` is in the namespace
         name = f"c{len(self.ns)}"
         self.ns[name] = obj
         return name
