@@ -212,8 +212,9 @@ def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device) -> float
     """The most memory allocated during one call, over what was allocated before it (MB).
 
     GPU: the caching allocator's peak. CPU: PyTorch keeps no CPU peak, so the call runs under
-    torch.profiler with profile_memory, and the peak is the running sum of each op's own
-    allocations and frees in time order (allocations made outside ATen ops are not seen).
+    torch.profiler with profile_memory, and the peak is the running sum of the ops' allocations
+    and frees in time order (an estimate at op granularity; memory allocated outside PyTorch's
+    allocator, e.g. inside a C++ kernel, is not seen).
     """
     if device.type != "cuda":
         return _cpu_peak_mb(step, inputs)
@@ -234,9 +235,19 @@ def _cpu_peak_mb(step: Callable, inputs: tuple) -> float | None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = step(*inputs)
             del out
+        # An op's own (self) memory is net of its allocations and frees: count a net allocation
+        # at the op's start and a net free at its end (a composite op frees its children's
+        # temporaries after they return), and the allocator's "[memory]" records where they happen.
+        deltas = []
+        for e in prof.events():
+            if e.name == "[memory]":
+                deltas.append((e.time_range.start, e.cpu_memory_usage))
+            elif e.self_cpu_memory_usage:
+                m = e.self_cpu_memory_usage
+                deltas.append((e.time_range.start if m > 0 else e.time_range.end, m))
         current = peak = 0
-        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-            current += event.self_cpu_memory_usage
+        for _, m in sorted(deltas, key=lambda d: (d[0], -d[1])):  # at a tie, allocations first
+            current += m
             peak = max(peak, current)
     except Exception:  # noqa: BLE001 - a profiler failure costs the number, not the run
         return None
