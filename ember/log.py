@@ -8,8 +8,8 @@ Output goes to stderr through the `ember` logger so users can redirect it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 import sys
+from collections.abc import Callable
 
 from ember import config
 
