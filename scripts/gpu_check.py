@@ -1,5 +1,8 @@
 """Foundation check on the GPU machine: correctness vs eager and a first timing look.
 
+Kept as the script behind docs/gpu_foundation.md. For measurements, use `ember bench`
+(ember/tools/bench): one instrument with ceilings, peak memory and cold/warm compile times.
+
 For each workload, dtype (float32, bfloat16) and mode (inference; training = forward +
 backward): ember's outputs and gradients against eager, kernel counts and fallbacks from
 ember's reports, and median times (triton.testing.do_bench) for eager, ember and Inductor,
