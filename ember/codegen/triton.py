@@ -190,7 +190,7 @@ class TritonRenderer(Renderer):
     def const(self, node: KConst) -> str:
         v = node.value
         if isinstance(v, bool):
-            return "1" if v else "0"
+            return "True" if v else "False"  # a bool, not an int32 (tl.where conditions)
         if isinstance(v, float):
             if math.isnan(v):
                 return 'float("nan")'
