@@ -316,13 +316,9 @@ def _promoted(operands) -> torch.dtype:
             samples.append(1)
         else:
             samples.append(x)
-    result = samples[0]
-    dtype = (
-        torch.result_type(samples[0], samples[1])
-        if len(samples) > 1
-        else (result.dtype if isinstance(result, torch.Tensor) else torch.float32)
-    )
-    return dtype
+    if len(samples) == 1:
+        return samples[0].dtype if isinstance(samples[0], torch.Tensor) else torch.float32
+    return torch.result_type(samples[0], samples[1])
 
 
 def _op_name(target) -> str:

@@ -7,7 +7,7 @@ set (see ops.py) with its inputs, attributes and output values. Op kinds:
     pointwise  attrs.fn names a row of ops.POINTWISE; inputs broadcast to the output shape
     cast       convert to attrs.dtype (rounds when the target is a narrower float)
     reduce     attrs.kind in ops.REDUCTIONS over attrs.dims, attrs.keepdim
-    view       attrs.kind in ops.VIEWS; folded into index math, never a copy by itself
+    view       attrs.kind in views.VIEW_KINDS; folded into index math, never a copy by itself
     full       a constant tensor, attrs.value
     iota       attrs.start + attrs.step * i, 1-D
     extern     an ATen call at run time (matmul, conv, SDPA, anything not lowered)

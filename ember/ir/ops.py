@@ -117,4 +117,3 @@ FLOAT_ONLY = frozenset(
 )
 
 REDUCTIONS = ("sum", "max", "min", "prod")
-VIEWS = ("permute", "expand", "reshape", "slice", "select", "unsqueeze", "squeeze")

@@ -32,7 +32,7 @@ class IndexDiv(sympy.Function):
             return sympy.Integer(int(a) // int(b))
         # (c*b*x + ...)//b where every term is a multiple of b: exact division.
         terms = sympy.Add.make_args(sympy.expand(a))
-        if all(_divides(b, t) for t in terms):
+        if all(divides(b, t) for t in terms):
             return sympy.expand(a / b)
         return None
 
@@ -49,13 +49,13 @@ class IndexMod(sympy.Function):
         if a.is_Integer and b.is_Integer:
             return sympy.Integer(int(a) % int(b))
         terms = sympy.Add.make_args(sympy.expand(a))
-        kept = [t for t in terms if not _divides(b, t)]
+        kept = [t for t in terms if not divides(b, t)]
         if len(kept) < len(terms):
             return IndexMod(sympy.Add(*kept), b)
         return None
 
 
-def _divides(b: Expr, term: Expr) -> bool:
+def divides(b: Expr, term: Expr) -> bool:
     """Whether term/b is a monomial with an integer coefficient (so the division is exact)."""
     coeff, rest = (term / b).as_coeff_Mul()
     if not coeff.is_Integer:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from ember.ir.sizes import Expr, IndexDiv, IndexMod, affine_split, contiguous_strides, product
+from ember.ir.sizes import Expr, IndexDiv, IndexMod, affine_split, contiguous_strides, divides, product
 
 Index = list[Expr]
 
@@ -192,7 +192,7 @@ def simplify_index(expr: Expr, ranges: dict) -> Expr:
     if isinstance(expr, (IndexDiv, IndexMod)):
         a, b = args
         terms = sympy.Add.make_args(sympy.expand(a))
-        multiples = [t for t in terms if affine_free_multiple(t, b)]
+        multiples = [t for t in terms if divides(b, t)]
         rest = sympy.Add(*[t for t in terms if t not in multiples])
         if provably_less(rest, b, ranges):
             if isinstance(expr, IndexMod):
@@ -229,14 +229,6 @@ def _split_coeff(term: Expr, cls):
     if len(found) != 1:
         return None, None
     return sympy.Mul(*[f for f in factors if f is not found[0]]), found[0]
-
-
-def affine_free_multiple(term: Expr, b: Expr) -> bool:
-    """Whether term is an exact integer multiple of b."""
-    coeff, rest = sympy.expand(term / b).as_coeff_Mul()
-    return (
-        coeff.is_Integer and rest.is_polynomial() and not any(p.is_Pow and p.exp < 0 for p in sympy.Mul.make_args(rest))
-    )
 
 
 def strides_of(index_fn: Callable[[Index], Index], out_shape: tuple, base_strides: tuple, ranges_syms) -> tuple | None:
