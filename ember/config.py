@@ -79,7 +79,7 @@ def _default_cache_dir() -> str:
 
 
 # Named log artifacts (log.py prints them); validated when EMBER_LOGS is parsed.
-LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache")
+LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns")
 
 
 def _valid_artifacts(value: str) -> bool:
@@ -130,6 +130,13 @@ SETTINGS: dict[str, Setting] = {
             True,
             "merge kernels (off: one kernel per realized value, for debugging)",
             codegen=True,
+        ),
+        Setting(
+            "patterns",
+            bool,
+            True,
+            "rewrite attention written out by hand (matmul, scale, mask, softmax, matmul) to "
+            "scaled_dot_product_attention before AOTAutograd (EMBER_LOGS=patterns lists each rewrite)",
         ),
         Setting(
             "compile_threads",

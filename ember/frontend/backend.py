@@ -38,6 +38,13 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     config.check_environment()
     from torch._dynamo.backends.common import aot_autograd
 
+    with config.override(**options):
+        if config.get("patterns"):
+            # Before AOTAutograd, so that it traces SDPA's own backward (frontend/patterns.py).
+            from ember.frontend.patterns import attention_pass
+
+            attention_pass(gm)
+
     from ember.frontend.decompositions import decomposition_table
 
     return aot_autograd(
