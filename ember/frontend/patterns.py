@@ -151,8 +151,11 @@ def find_attention(gm: fx.GraphModule) -> list[Rewrite]:
 
 
 def apply(gm: fx.GraphModule, found: list[Rewrite]) -> None:
+    replaced: dict[fx.Node, fx.Node] = {}  # one attention's output may be another's q, k, v or mask
     for match in found:
-        _apply(gm.graph, match)
+        for name in ("q", "k", "k_t", "v", "mask_node"):
+            setattr(match, name, replaced.get(getattr(match, name), getattr(match, name)))
+        replaced[match.out] = _apply(gm.graph, match)
     if found:
         gm.graph.lint()
         gm.recompile()
@@ -322,7 +325,8 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
         if _is_identity_dropout(node):
             dropped.append("identity dropout")
         elif _is_cast(node, casts):
-            dropped.append(f"cast to {str(_val(node).dtype).removeprefix('torch.')}")
+            if _val(node.args[0]).dtype != _val(node).dtype:
+                dropped.append(f"cast to {str(_val(node).dtype).removeprefix('torch.')}")
         else:
             raise _NoMatch
         chain.append(node)
@@ -348,7 +352,8 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
             scale *= factor
             seen_scale = True
         elif _is_cast(node, casts):
-            dropped.append(f"cast to {str(sv.dtype).removeprefix('torch.')}")
+            if _val(node.args[0]).dtype != sv.dtype:
+                dropped.append(f"cast to {str(sv.dtype).removeprefix('torch.')}")
             node = node.args[0]
         elif _is(node, _ADD_FUNCS, _ADD_METHODS) and len(node.args) == 2 and not node.kwargs:
             # SDPA adds the mask to the *scaled* scores: no scale factor may sit above it.
@@ -357,14 +362,14 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
             scores, mask = (a, b) if _scores_like(a, sv) else (b, a)
             _require(_scores_like(scores, sv) and isinstance(mask, fx.Node))
             mv = _val(mask)
-            _require(mv is not None and mv.dtype == dtype and not mv.requires_grad)
+            _require(mv is not None and mv.dtype == dtype and not mv.requires_grad and mv.device == vv.device)
             _require(_broadcasts_to(mv.shape, sv.shape))
             rw.mask, rw.mask_node = "additive", mask
             node = scores
         elif _is(node, _MASKED_FILL_FUNCS, {"masked_fill"}) and len(node.args) == 3 and not node.kwargs:
             _require(rw.mask == "none" and _is_neg_inf(node.args[2]))
             cond = node.args[1]
-            _require(_is_bool_mask(cond, sv.shape))
+            _require(_is_bool_mask(cond, sv.shape) and _val(cond).device == vv.device)
             rw.mask, rw.mask_node, rw.invert_mask = "bool", cond, True
             _peel_not(rw)
             node = node.args[0]
@@ -376,7 +381,7 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
             else:
                 _require(_is_neg_inf(a))
                 rw.invert_mask, node = True, b
-            _require(_is_bool_mask(cond, sv.shape) and isinstance(node, fx.Node))
+            _require(_is_bool_mask(cond, sv.shape) and _val(cond).device == vv.device and isinstance(node, fx.Node))
             rw.mask, rw.mask_node = "bool", cond
             _peel_not(rw)
         else:
@@ -566,11 +571,19 @@ def _is_causal(rw: Rewrite, scores_shape) -> bool:
 # Rewriting
 
 
-def _apply(graph: fx.Graph, rw: Rewrite) -> None:
+def _apply(graph: fx.Graph, rw: Rewrite) -> fx.Node:
     out = rw.out
     with graph.inserting_before(out):
-        q, v = rw.q, rw.v
-        k = rw.k if rw.k is not None else graph.call_method("transpose", (rw.k_t, -2, -1))
+        # The fused kernels want the last dim contiguous; a transposed view would send SDPA to
+        # its math fallback.
+        q, v = _contiguous_last(graph, rw.q, _val(rw.q)), _contiguous_last(graph, rw.v, _val(rw.v))
+        if rw.k is not None:
+            k = _contiguous_last(graph, rw.k, _val(rw.k))
+        else:  # q @ k_t with k_t not a transpose: SDPA gets k_t.transpose(-2, -1)
+            k = graph.call_method("transpose", (rw.k_t, -2, -1))
+            k_t = _val(rw.k_t)
+            if k_t is not None and k_t.shape[-2] != 1 and k_t.stride(-2) != 1:
+                k = graph.call_method("contiguous", (k,))
         kwargs: dict[str, Any] = {"scale": rw.scale}
         if rw.mask == "causal":
             kwargs["is_causal"] = True
@@ -580,9 +593,6 @@ def _apply(graph: fx.Graph, rw: Rewrite) -> None:
             kwargs["attn_mask"] = (
                 graph.call_function(torch.logical_not, (rw.mask_node,)) if rw.invert_mask else rw.mask_node
             )
-        # The fused kernels want the last dim contiguous; a transposed view would send SDPA to
-        # its math fallback.
-        q, k, v = (_contiguous_last(graph, t) for t in (q, k, v))
         if rw.ndim == 3:
             q, k, v = (graph.call_method("unsqueeze", (t, 0)) for t in (q, k, v))
         new = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
@@ -603,6 +613,7 @@ def _apply(graph: fx.Graph, rw: Rewrite) -> None:
     for node in sorted(set(dead), key=lambda n: -position[n]):
         if not node.users and node.op in ("call_function", "call_method") and not _mutates(node):
             graph.erase_node(node)
+    return new
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node]:
@@ -629,8 +640,7 @@ def _layout_read(node: fx.Node) -> bool:
     return False
 
 
-def _contiguous_last(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    v = _val(node)
-    if v is not None and v.dim() and v.shape[-1] != 1 and v.stride(-1) != 1:
+def _contiguous_last(graph: fx.Graph, node: fx.Node, value) -> fx.Node:
+    if value is not None and value.dim() and value.shape[-1] != 1 and value.stride(-1) != 1:
         return graph.call_method("contiguous", (node,))
     return node

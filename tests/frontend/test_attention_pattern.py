@@ -105,6 +105,29 @@ def flat_view(q, k, v):  # .view relies on the matmul's contiguous result; SDPA'
     return (torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v).view(B * H * L, D) * 2
 
 
+def causal_additive(q, k, v):  # a constant additive mask that is the causal one
+    mask = torch.full((L, L), float("-inf"), device=q.device).triu(1)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.3 + mask, dim=-1) @ v
+
+
+def contiguous_kt(q, k, v):  # k^T materialized by the caller (older GPT-2 code keeps keys so)
+    kt = k.transpose(-2, -1).contiguous()
+    return torch.softmax(q @ kt * 0.3, dim=-1) @ v
+
+
+def two_layers(q, k, v):  # one attention's output is the next one's query
+    first = torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v
+    return torch.softmax(first @ k.transpose(-2, -1) * 0.3, dim=-1) @ v
+
+
+def llama_eager(q, k, v, mask):  # transformers' eager_attention_forward
+    weights = torch.matmul(q, k.transpose(2, 3)) * D**-0.5
+    weights = weights + mask[:, :, :, : k.shape[-2]]
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = F.dropout(weights, p=0.0, training=True)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
 class NanoGPTAttention(nn.Module):
     """nanoGPT's slow path: a tril buffer (contents unknown at compile time: a boolean mask)."""
 
@@ -157,34 +180,38 @@ def broadcast_k(q, k, v):  # one k/v head for all query heads: matmul broadcasts
 class Case:
     name: str
     fn: Callable
-    expect: str | None  # the mask kind the rewrite finds; None: no rewrite
+    expect: tuple[str, ...]  # the mask kind of each rewrite; (): must be left alone
     extras: Callable = lambda dtype: ()  # inputs without gradients (masks)
     dtypes: tuple = (FP32,)
     random: bool = False  # output depends on RNG: check the rewrite decision only
 
 
 CASES = [
-    Case("mul_scale", mul_scale, "none", dtypes=(FP32, BF16)),
-    Case("div_sqrt", div_sqrt, "none"),
-    Case("scale_q_first", scale_q_first, "none"),
-    Case("scale_q_and_k", scale_q_and_k, "none"),
-    Case("additive_mask", additive_mask, "additive", lambda dt: (torch.randn(L, L, dtype=dt),), (FP32, BF16)),
-    Case("bool_mask", bool_mask, "bool", lambda dt: (_random_keep((B, 1, L, L)),)),
-    Case("where_mask", where_mask, "bool", lambda dt: (_random_keep((L, L)),)),
-    Case("causal_tril", causal_tril, "causal", dtypes=(FP32, BF16)),
-    Case("fp32_softmax", fp32_softmax, "causal", dtypes=(FP32, BF16)),
-    Case("softmax_dtype", softmax_dtype, "none", dtypes=(BF16,)),
-    Case("bmm_3d", bmm_3d, "none", dtypes=(FP32, BF16)),
-    Case("merge_heads", merge_heads, "none"),
-    Case("flat_view", flat_view, "none"),
-    Case("nanogpt_eval", NanoGPTAttention().eval(), "bool"),
-    Case("softmax_dim0", softmax_dim0, None),
-    Case("tensor_scale_reused", tensor_scale_reused, None, lambda dt: (torch.rand((), dtype=dt) + 1,)),
-    Case("probs_returned", probs_returned, None),
-    Case("finite_fill", finite_fill, None, lambda dt: (_random_keep((L, L)),)),
-    Case("mask_then_scale", mask_then_scale, None, lambda dt: (torch.randn(L, L, dtype=dt),)),
-    Case("live_dropout", live_dropout, None, random=True),
-    Case("broadcast_k", broadcast_k, None),
+    Case("mul_scale", mul_scale, ("none",), dtypes=(FP32, BF16)),
+    Case("div_sqrt", div_sqrt, ("none",)),
+    Case("scale_q_first", scale_q_first, ("none",)),
+    Case("scale_q_and_k", scale_q_and_k, ("none",)),
+    Case("additive_mask", additive_mask, ("additive",), lambda dt: (torch.randn(L, L, dtype=dt),), (FP32, BF16)),
+    Case("bool_mask", bool_mask, ("bool",), lambda dt: (_random_keep((B, 1, L, L)),)),
+    Case("where_mask", where_mask, ("bool",), lambda dt: (_random_keep((L, L)),)),
+    Case("causal_tril", causal_tril, ("causal",), dtypes=(FP32, BF16)),
+    Case("fp32_softmax", fp32_softmax, ("causal",), dtypes=(FP32, BF16)),
+    Case("softmax_dtype", softmax_dtype, ("none",), dtypes=(BF16,)),
+    Case("bmm_3d", bmm_3d, ("none",), dtypes=(FP32, BF16)),
+    Case("merge_heads", merge_heads, ("none",)),
+    Case("flat_view", flat_view, ("none",)),
+    Case("causal_additive", causal_additive, ("causal",)),
+    Case("contiguous_kt", contiguous_kt, ("none",)),
+    Case("two_layers", two_layers, ("none", "none")),
+    Case("llama_eager", llama_eager, ("additive",), lambda dt: (torch.randn(B, 1, L, L + 4, dtype=dt),), (FP32, BF16)),
+    Case("nanogpt_eval", NanoGPTAttention().eval(), ("bool",)),
+    Case("softmax_dim0", softmax_dim0, ()),
+    Case("tensor_scale_reused", tensor_scale_reused, (), lambda dt: (torch.rand((), dtype=dt) + 1,)),
+    Case("probs_returned", probs_returned, ()),
+    Case("finite_fill", finite_fill, (), lambda dt: (_random_keep((L, L)),)),
+    Case("mask_then_scale", mask_then_scale, (), lambda dt: (torch.randn(L, L, dtype=dt),)),
+    Case("live_dropout", live_dropout, (), random=True),
+    Case("broadcast_k", broadcast_k, ()),
 ]
 
 SDPA_EXTERNS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward")
@@ -219,7 +246,7 @@ def test_written_attention(case: Case, dtype: torch.dtype):
     compiled = _compile(case.fn, found)
     with reports() as report:
         comp_out, comp_grads = _run(compiled, qkv, extras)
-    assert found == ([case.expect] if case.expect else []), f"rewrites found: {found}\n{line}"
+    assert tuple(found) == case.expect, f"rewrites found: {found}\n{line}"
     assert_no_fallback(report, line)
     externs = [e for g in report.graphs for e in g.externs]
     if case.expect:
