@@ -331,6 +331,9 @@ def _squeeze(ctx: Importer, node):
     dims = node.args[1] if len(node.args) > 1 else list(range(rank))
     dims = [dims] if isinstance(dims, int) else list(dims)
     dims = tuple(sorted(d % rank for d in dims if x.shape[d % rank] == 1)) if rank else ()
+    if rank - len(dims) != len(ctx.out_meta().shape):
+        # A symbolic size that a guard made 1 (dynamic shapes): ember's expression does not show it.
+        raise Unsupported("squeeze of a dim whose size is 1 only by a guard")
     return ctx.view("squeeze", x, dims=dims) if dims else x
 
 
