@@ -139,6 +139,14 @@ SETTINGS: dict[str, Setting] = {
             "scaled_dot_product_attention before AOTAutograd (EMBER_LOGS=patterns lists each rewrite)",
         ),
         Setting(
+            "bisect_ops",
+            int,
+            -1,
+            "lower only the first N ATen ops of each graph, run later ones as ATen calls (-1: all; set by ember bisect)",
+            check=lambda v: v >= -1,
+            codegen=True,
+        ),
+        Setting(
             "compile_threads",
             int,
             min(8, os.cpu_count() or 1),

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ember import config
 from ember.ir import dtypes, ops
 from ember.ir.graph import Graph, Value
 from ember.ir.sizes import Expr, as_expr, product
@@ -55,6 +56,11 @@ class Importer:
         self.graph = Graph(device)
         self.env: dict[torch.fx.Node, Any] = {}
         self.current: torch.fx.Node | None = None
+        # The nodes lowered to ember IR, in order. `ember bisect` sets bisect_ops=N: the first N
+        # are lowered and every later op runs as an ATen extern.
+        self.lowered: list[torch.fx.Node] = []
+        limit = config.get("bisect_ops")
+        self.limit = None if limit < 0 else limit
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -119,11 +125,14 @@ class Importer:
                 return as_expr(val)  # an extern's integer result (e.g. cuDNN attention's max_q)
             return self.env[node.args[0]][node.args[1]]
         lower = LOWERINGS.get(node.target) or LOWERINGS.get(getattr(node.target, "overloadpacket", None))
-        if lower is not None:
+        if lower is not None and (self.limit is None or len(self.lowered) < self.limit):
             try:
-                return lower(self, node)
+                result = lower(self, node)
             except Unsupported:
                 pass
+            else:
+                self.lowered.append(node)
+                return result
         return self.extern(node)
 
     # -- helpers for lowerings ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""`ember` command line: `ember demo`, `ember bench`, `ember config`, `ember cache clear`."""
+"""`ember` command line: `ember demo`, `ember bench`, `ember fuzz`, `ember bisect`, `ember config`, `ember cache clear`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bench", help="eager vs Inductor vs ember against the measured limit (ember bench --help)", add_help=False
     )
+    sub.add_parser("fuzz", help="random programs checked against eager (ember fuzz --help)", add_help=False)
+    sub.add_parser(
+        "bisect", help="find the op that makes a result differ from eager (ember bisect --help)", add_help=False
+    )
+    sub.add_parser(
+        "opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False
+    )
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser("cache", help="the disk cache")
     cache.add_argument("action", choices=["path", "clear"])
@@ -26,6 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         from ember.tools.bench.__main__ import main as bench
 
         return bench(rest)
+    if args.command == "opinfo":
+        from ember.tools.opinfo import main as opinfo
+
+        return opinfo(rest)
+    if args.command == "fuzz":
+        from ember.tools.fuzz import main as fuzz
+
+        return fuzz(rest)
+    if args.command == "bisect":
+        from ember.tools.bisect import main as bisect
+
+        return bisect(rest)
     from ember import config
 
     if args.command == "config":
