@@ -195,11 +195,11 @@ class Importer:
     def reduce(self, kind: str, x: Value, dims, keepdim: bool, dtype: torch.dtype) -> Value:
         x = self.operand(x)
         rank = len(x.shape)
-        dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
-        if rank == 0:
+        if rank == 0:  # dims may name 0 or -1 of a 0-d tensor: the reduction is a copy
             return (
                 self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], ShapeDtype(x.shape, dtype))
             )
+        dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
         if any(x.shape[d] == 0 for d in dims):
             raise Unsupported("reduction over an empty dimension")
         shape = tuple((1 if keepdim else None) if k in dims else s for k, s in enumerate(x.shape))

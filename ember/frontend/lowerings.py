@@ -280,7 +280,10 @@ def _transpose(ctx: Importer, node):
 @lowering(aten.expand)
 def _expand(ctx: Importer, node):
     x = ctx.arg(node.args[0])
-    return ctx.view("expand", x, shape=tuple(as_expr(s) for s in ctx.out_meta().shape))
+    shape = tuple(as_expr(s) for s in ctx.out_meta().shape)
+    if shape == tuple(x.shape):
+        return x  # expand to its own shape (e.g. a 0-d tensor to ()) is the identity
+    return ctx.view("expand", x, shape=shape)
 
 
 @lowering(aten.slice)

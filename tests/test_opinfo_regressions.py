@@ -1,0 +1,41 @@
+"""Regressions found by the OpInfo sweep (`ember opinfo`), each compared with eager in strict mode.
+
+Each case names the OpInfo op and sample it came from; strict mode turns a silent eager fallback
+(ember's fail-safe catching its own error) into a failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import ember_compile, repro
+
+
+def _check(fn, *inputs, grad: bool = False, **fields):
+    line = repro(**fields)
+    eager_in = [x.detach().clone().requires_grad_(grad and x.is_floating_point()) for x in inputs]
+    comp_in = [x.detach().clone().requires_grad_(grad and x.is_floating_point()) for x in inputs]
+    expected = fn(*eager_in)
+    actual = ember_compile(fn, "cpp")(*comp_in)
+    assert actual.dtype == expected.dtype, line
+    torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{m}\n{line}")
+    if grad:
+        cot = torch.randn_like(expected)
+        ge = torch.autograd.grad(expected, [x for x in eager_in if x.requires_grad], cot)
+        ga = torch.autograd.grad(actual, [x for x in comp_in if x.requires_grad], cot)
+        for a, e in zip(ga, ge):
+            torch.testing.assert_close(a, e, msg=lambda m: f"grad: {m}\n{line}")
+
+
+def test_broadcast_to_0d_is_identity():
+    # OpInfo broadcast_to sample 5: a 0-d tensor expanded to (); expand to its own shape.
+    _check(lambda x: torch.broadcast_to(x, ()) * 2, torch.tensor(1.5), op="broadcast_to", shape=())
+
+
+@pytest.mark.parametrize("dim", [0, -1, (0,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_sum_of_0d_over_dim(dim, dtype):
+    # OpInfo sum samples 1, 2: sum of a 0-d tensor over dim 0 or -1 (was ZeroDivisionError: modulo by zero).
+    x = torch.tensor(3).to(dtype)
+    _check(lambda t: torch.sum(t, dim), x, op="sum", dim=dim, dtype=dtype)

@@ -1,0 +1,63 @@
+"""The OpInfo sweep's fast CI subset: a fixed list of diverse ops, every outcome a match or a clean fallback.
+
+The full sweep (`ember opinfo`, docs/opinfo/) runs on demand; this subset covers lowered pointwise
+ops in each dtype family, reductions, views, decomposed composites with gradients, and externs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.tools import opinfo
+
+# (op name as `ember opinfo --ops` spells it, dtype): a fixed, diverse list; 4 samples each.
+SUBSET = [
+    ("add", torch.float32),  # lowered arithmetic, with gradients
+    ("mul", torch.int64),
+    ("div.no_rounding_mode", torch.bfloat16),  # low precision against the float32 reference
+    ("where", torch.float16),
+    ("logical_and", torch.bool),
+    ("clamp", torch.float32),
+    ("nn.functional.gelu", torch.float32),  # a decomposed composite, forward and backward
+    ("softmax", torch.bfloat16),  # a reduction fused with its epilogue
+    ("sum", torch.int64),
+    ("var", torch.float32),
+    ("amax", torch.float16),
+    ("permute", torch.float32),  # views
+    ("broadcast_to", torch.bool),
+    ("cat", torch.float32),  # externs
+    ("matmul", torch.float32),
+]
+LIMIT = 4
+
+
+def _op(name: str):
+    (op,) = [o for o in opinfo.select_ops([name]) if opinfo.op_name(o) == name]
+    return op
+
+
+@pytest.mark.parametrize("name,dtype", SUBSET, ids=[f"{n}-{opinfo._dtype_name(d)}" for n, d in SUBSET])
+def test_opinfo_subset(name, dtype):
+    op = _op(name)
+    assert dtype in op.supported_dtypes("cpu"), f"{name} does not support {dtype}: the subset list is stale"
+    r = opinfo.sweep_pair(op, dtype, "cpu", limit=LIMIT, timeout_s=240)
+    bad = [d for d in r["details"] if d["outcome"] in ("mismatch", "crash", "timeout")]
+    line = f"repro: python -m ember.tools.opinfo --ops {name} --dtypes {opinfo._dtype_name(dtype)} --limit {LIMIT}"
+    assert not bad, f"{name} {dtype}: {bad}\n{line}"
+    assert r["counts"]["match"] >= 1, f"{name} {dtype}: no sample matched: {r}\n{line}"
+
+
+def test_compare_rule():
+    """The comparison: exact for ints, assert_close first, then the higher-precision reference rule."""
+    x = torch.tensor([1.0, 2.0, float("nan")])
+    assert opinfo.compare(x, x.clone()) is None  # NaN equals NaN
+    assert opinfo.compare(torch.tensor([1, 2]), torch.tensor([1, 3])) is not None
+    assert "dtype" in opinfo.compare(x.half(), x)
+    # bfloat16: compiled (rounded once) is closer to the float32 reference than eager (rounded twice).
+    ref = torch.tensor([1.0 / 3.0, 2.0 / 3.0])
+    eager = (ref.bfloat16() + 0.02).bfloat16()
+    compiled = ref.bfloat16()
+    assert opinfo.compare(compiled, eager, lambda: ref, torch.bfloat16) is None
+    # ... but a compiled result far from the reference is a mismatch.
+    assert opinfo.compare((ref + 0.5).bfloat16(), eager, lambda: ref, torch.bfloat16) is not None
