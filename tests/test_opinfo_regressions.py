@@ -39,3 +39,26 @@ def test_sum_of_0d_over_dim(dim, dtype):
     # OpInfo sum samples 1, 2: sum of a 0-d tensor over dim 0 or -1 (was ZeroDivisionError: modulo by zero).
     x = torch.tensor(3).to(dtype)
     _check(lambda t: torch.sum(t, dim), x, op="sum", dim=dim, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.clamp(x, -1, 0),
+        lambda x: torch.clamp(x, max=0),
+        lambda x: torch.clamp(x, min=0),
+        lambda x: torch.clamp_max(x, 0),
+        lambda x: torch.clamp_min(x, 0.0),
+        lambda x: torch.clamp(x, 0, 0),
+    ],
+    ids=["clamp(-1, 0)", "clamp(max=0)", "clamp(min=0)", "clamp_max(0)", "clamp_min(0.0)", "clamp(0, 0)"],
+)
+def test_clamp_bound_of_zero(fn):
+    # OpInfo clamp: a bound of 0 was dropped (`or` instead of `is None`): a silent wrong answer.
+    _check(fn, torch.randn(16), grad=True, op="clamp")
+
+
+@pytest.mark.parametrize("dim", [None, 0, -1])
+def test_var_of_0d(dim):
+    # OpInfo var / var_mean / std on 0-d inputs with dim=0: was ZeroDivisionError in the lowering.
+    _check(lambda t: torch.var(t, dim), torch.tensor(2.5), op="var", dim=dim)

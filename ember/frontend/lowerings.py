@@ -122,10 +122,11 @@ def _where(ctx: Importer, node):
 def _clamp(ctx: Importer, node):
     x = ctx.arg(node.args[0])
     packet = node.target.overloadpacket
-    lo = node.args[1] if packet is not aten.clamp_max and len(node.args) > 1 else node.kwargs.get("min")
-    hi = (
-        node.args[1] if packet is aten.clamp_max else (node.args[2] if len(node.args) > 2 else None)
-    ) or node.kwargs.get("max")
+    names = {aten.clamp: ("min", "max"), aten.clamp_min: ("min",), aten.clamp_max: ("max",)}[packet]
+    bounds = dict(zip(names, node.args[1:]))
+    bounds.update({k: v for k, v in node.kwargs.items() if k in names})
+    # `is None`, not truthiness: clamp(x, max=0) has a bound of 0.
+    lo, hi = bounds.get("min"), bounds.get("max")
     out = ctx.out_meta()
     if lo is not None:
         x = ctx.pointwise("maximum", [x, _scalar_or_value(ctx, lo)], out)
@@ -216,6 +217,8 @@ def _mean_lowering(ctx: Importer, node):
 
 def _var_mean(ctx: Importer, node):
     x = ctx.arg(node.args[0])
+    if not x.shape:
+        raise Unsupported("variance of a 0-d tensor")  # dim=0/-1 names no dim to count over
     dims, _ = _dims_keepdim(node)
     dims = dims or list(range(len(x.shape)))
     correction = node.kwargs.get("correction", 1)
