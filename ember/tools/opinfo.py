@@ -524,7 +524,11 @@ def _worker(args) -> int:
     done = set(records) if args.resume else set()
     if args.rerun_failed:
         done = {k for k, r in records.items() if not (r["counts"]["mismatch"] or r["counts"]["crash"])}
-    todo = [(op, d) for op, d in pairs(select_ops(args.ops, args.skip_ops), dtypes, args.device)]
+    ops = select_ops(args.ops, args.skip_ops)
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        ops = ops[(k - 1) * len(ops) // n : k * len(ops) // n]
+    todo = [(op, d) for op, d in pairs(ops, dtypes, args.device)]
     todo = [(op, d) for op, d in todo if (op_name(op), _dtype_name(d)) not in done]
     inflight = jsonl.with_suffix(".inflight")
     for n, (op, d) in enumerate(todo):
@@ -701,6 +705,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-ops", type=lambda s: [x for x in s.split(",") if x], default=None)
     p.add_argument("--dtypes", default=",".join(DTYPES), help=f"from {','.join(DTYPES)}")
     p.add_argument("--grad-dtypes", default="float32", help="dtypes whose gradients are checked too")
+    p.add_argument("--shard", default=None, help="K/N: only the K-th of N contiguous slices of the op list")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples per (op, dtype)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-time limit per (op, dtype)")
@@ -725,7 +730,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.worker:
             return rc
     elif not args.report:
-        if not args.resume and not args.rerun_failed and not args.ops and Path(args.jsonl).exists():
+        fresh = not (args.resume or args.rerun_failed or args.ops or args.shard)
+        if fresh and Path(args.jsonl).exists():
             Path(args.jsonl).unlink()  # a full fresh sweep starts from nothing
         rc = _drive(args, [a for a in argv if a != "--worker"])
         if rc:
