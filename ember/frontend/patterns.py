@@ -304,6 +304,11 @@ def _match(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite | None:
         return None
 
 
+def _input(node: fx.Node) -> Any:
+    """The tensor a one-input op reads (`F.softmax(input=x)` passes it by keyword)."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
 def _single_use(node: Any) -> fx.Node:
     _require(isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and len(node.users) == 1)
     return node
@@ -330,7 +335,7 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
         else:
             raise _NoMatch
         chain.append(node)
-        node = _single_use(node.args[0])
+        node = _single_use(_input(node))
     softmax = node
     chain.append(softmax)
     dim = _arg(softmax, 1, "dim", None)
@@ -341,7 +346,7 @@ def _match_attention(out: fx.Node, order: dict, mutations: list[int]) -> Rewrite
     scale = 1.0
     rw = Rewrite(out=out, q=None, k=None, k_t=None, v=v, scale=1.0, dropped=dropped, chain=chain, ndim=ndim)  # type: ignore[arg-type]
     seen_scale = False
-    node = _single_use(softmax.args[0])
+    node = _single_use(_input(softmax))
     while not _is(node, _MATMUL_FUNCS, _MATMUL_METHODS):
         chain.append(node)
         sv = _val(node)
@@ -456,8 +461,8 @@ def _peel_not(rw: Rewrite) -> None:
     """masked_fill(~keep, -inf): pass `keep` itself rather than a negation of a negation."""
     cond = rw.mask_node
     if _is(cond, {operator.invert, torch.logical_not, torch.bitwise_not}, {"logical_not", "bitwise_not", "__invert__"}):
-        inner = cond.args[0]
-        if len(cond.args) == 1 and _is_bool_mask(inner, _val(cond).shape):
+        inner = cond.args[0] if len(cond.args) == 1 and not cond.kwargs else None
+        if _is_bool_mask(inner, _val(cond).shape):
             rw.peeled.append(cond)
             rw.mask_node, rw.invert_mask = inner, not rw.invert_mask
 
@@ -547,8 +552,10 @@ def _is_causal(rw: Rewrite, scores_shape) -> bool:
     L, S = scores_shape[-2], scores_shape[-1]
     if not (isinstance(L, int) and isinstance(S, int) and L == S):
         return False  # is_causal aligns top-left; only claim it where that cannot matter
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     try:
-        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        with unset_fake_temporarily():
             mask = _constant(rw.mask_node, {})
             if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (L, S):
                 return False
