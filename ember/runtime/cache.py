@@ -3,7 +3,8 @@
 Layout: <cache_dir>/<kind>/<key[:2]>/<key>/ holding the artifact files and a manifest with
 each file's SHA-256. Entries are written to a temporary directory and renamed into place
 (atomic: a reader sees a whole entry or none; two writers of one key both succeed). A reader
-trusts an entry only if the directory is owned by this user and every checksum matches;
+trusts an entry only if the directory is owned by this user, the manifest lists exactly the
+files present, and every checksum matches;
 anything else is treated as a miss and rebuilt. The cache root is created 0700: loading a
 cached shared library runs its code, so other users must not be able to plant one.
 """
@@ -60,6 +61,11 @@ class DiskCache:
                 log.artifact("cache", "reject", f"{path} is not owned by this user")
                 return None
             files = json.loads(manifest.read_text())
+            present = {p.name for p in path.iterdir()} - {MANIFEST}
+            if not isinstance(files, dict) or set(files) != present:
+                # A file the manifest does not vouch for (or a missing one) is damage too.
+                log.artifact("cache", "reject", f"{path}: the manifest does not list exactly {sorted(present)}")
+                return None
             for name, digest in files.items():
                 if _sha256(path / name) != digest:
                     log.artifact("cache", "reject", f"{path / name}: checksum mismatch")
