@@ -125,6 +125,15 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "max_kernel_buffers",
+            int,
+            48,
+            "most distinct buffers one fused kernel may read and write (more: refuse the merge; "
+            "kernels with huge argument lists compile slowly and spill)",
+            check=lambda v: v >= 2,
+            codegen=True,
+        ),
+        Setting(
             "fuse",
             bool,
             True,

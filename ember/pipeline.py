@@ -86,11 +86,49 @@ def _check(graph, name: str) -> None:
     log.artifact("graph", f"after {name}", lambda: str(graph))
 
 
+def _report_schedule(report: GraphReport, sched, backend, device: torch.device) -> None:
+    """Each kernel's cost (bytes, FLOPs, roofline estimate), the fusion decisions, the memory plan."""
+    from ember.schedule.cost import as_number, kernel_cost, target_for
+
+    target = target_for(device)
+    report.target = str(target)
+    for k in sched.kernels:
+        cost = kernel_cost(k)
+        moved, flops = as_number(cost.bytes), as_number(cost.flops)
+        seconds = target.seconds(cost)
+        bound = ""
+        if moved is not None and flops is not None:
+            bound = "memory" if moved / target.bandwidth >= flops / target.flop_rate else "compute"
+        report.kernels.append(
+            KernelReport(
+                k.name,
+                k.origins,
+                str(k.domain),
+                backend.sources[k.name],
+                None if moved is None else int(moved),
+                None if flops is None else int(flops),
+                None if seconds is None else seconds * 1e6,
+                bound,
+            )
+        )
+    report.externs = [n.origin for n in sched.externs]
+    report.fusion = [FusionReport(d.consumer, d.producer, d.accepted, d.reason, d.saved_bytes) for d in sched.decisions]
+    report.memory = str(sched.memory)
+    report.peak_bytes, report.eager_peak_bytes = sched.memory.peak_bytes, sched.memory.eager_peak_bytes
+
+
+def _fusion_log(report: GraphReport) -> str:
+    lines = [f"target {report.target}; {report.memory}"]
+    lines += [f"kernel {k}" for k in report.kernels]
+    lines += [str(f) for f in report.fusion]
+    return "\n".join(lines)
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
     from ember.codegen.host import write_host
     from ember.frontend.importer import import_graph
     from ember.schedule.fusion import schedule
-    from ember.schedule.kernel import estimate_bytes
+    from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.split import split_reductions
 
     start = time.perf_counter()
@@ -99,16 +137,10 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         device = graph_device(gm, example_inputs)
         graph = import_graph(gm, device)
         _check(graph, "import")
+        eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
         split_reductions(graph)
         _check(graph, "split_reductions")
-        sched = schedule(graph)
-        log.artifact(
-            "fusion",
-            kind,
-            "\n".join(
-                f"{d.consumer} <- {d.producer}: {'yes' if d.accepted else 'no'}, {d.reason}" for d in sched.decisions
-            ),
-        )
+        sched = schedule(graph, eager_peak)
         backend = select_backend(device)
         report.backend = backend.name
         namespace = backend.build(sched.kernels)
@@ -117,15 +149,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         log.artifact("code", f"{kind} kernels", backend.full_source)
         log.artifact("code", f"{kind} host program", host.source)
         log.artifact("schedule", kind, host.source)
-        for k in sched.kernels:
-            moved = estimate_bytes(k)
-            report.kernels.append(
-                KernelReport(
-                    k.name, k.origins, str(k.domain), backend.sources[k.name], int(moved) if moved.is_Integer else None
-                )
-            )
-        report.externs = [n.origin for n in sched.externs]
-        report.fusion = [FusionReport(d.consumer, d.producer, d.accepted, d.reason) for d in sched.decisions]
+        _report_schedule(report, sched, backend, device)
+        log.artifact("fusion", kind, lambda: _fusion_log(report))
         report.host_source = host.source
         result: Callable = CompiledGraph(host.call, report)
     except Exception as e:

@@ -14,11 +14,18 @@ class KernelReport:
     ops: list[str]  # the ATen ops fused into it
     domain: str
     source: str
-    bytes: int | None = None  # bytes moved if every buffer is touched once (None if symbolic)
+    bytes: int | None = None  # device-memory bytes, as the cost model counts them (None if symbolic)
+    flops: int | None = None
+    estimate_us: float | None = None  # roofline estimate on the target (bandwidth measured)
+    bound: str = ""  # "memory" | "compute": which roof the estimate sits under
 
     def __str__(self) -> str:
-        moved = f", {self.bytes / 1e6:.2f} MB" if self.bytes is not None else ""
-        return f"{self.name} over {self.domain}{moved}: {' + '.join(self.ops) or '(copy)'}"
+        cost = ""
+        if self.bytes is not None:
+            cost = f", {self.bytes / 1e6:.2f} MB, {self.flops / 1e6:.2f} MFLOP"
+        if self.estimate_us is not None:
+            cost += f", ~{self.estimate_us:.1f} us ({self.bound})"
+        return f"{self.name} over {self.domain}{cost}: {' + '.join(self.ops) or '(copy)'}"
 
 
 @dataclass
@@ -27,6 +34,12 @@ class FusionReport:
     producer: str
     accepted: bool
     reason: str
+    saved_bytes: int | None = None
+
+    def __str__(self) -> str:
+        saved = f", saves {self.saved_bytes / 1e6:.3g} MB" if self.saved_bytes else ""
+        verdict = "fused" if self.accepted else "not fused"
+        return f"{self.consumer} <- {self.producer}: {verdict}: {self.reason}{saved}"
 
 
 @dataclass
@@ -40,6 +53,19 @@ class GraphReport:
     num_nodes: int = 0
     fusion: list[FusionReport] = field(default_factory=list)
     host_source: str = ""
+    target: str = ""  # the device the estimates are for
+    memory: str = ""  # the memory plan: planned peak vs eager's, buffers reused
+    peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+
+    @property
+    def bytes(self) -> int | None:
+        known = [k.bytes for k in self.kernels]
+        return None if None in known else sum(known)
+
+    @property
+    def rejected(self) -> list[FusionReport]:
+        return [f for f in self.fusion if not f.accepted]
 
     def summary(self) -> str:
         if self.fallback:
@@ -51,10 +77,19 @@ class GraphReport:
 
     def __str__(self) -> str:
         lines = [self.summary()]
+        if self.fallback:
+            return lines[0]
+        if self.target:
+            lines.append(f"  target: {self.target}")
+        if self.memory:
+            lines.append(f"  memory: {self.memory}")
         for k in self.kernels:
             lines.append(f"  kernel {k}")
         for e in self.externs:
             lines.append(f"  extern {e}")
+        if self.rejected:
+            lines.append(f"  fusions refused ({len(self.rejected)}):")
+            lines += [f"    {f}" for f in self.rejected]
         return "\n".join(lines)
 
 

@@ -93,7 +93,7 @@ class CppRenderer(Renderer):
         if isinstance(node, KLoad):
             self.emit(f"{t} {name} = {self.buffer_name(node.buffer)}[{self.index_of(node.index)}];")
         elif isinstance(node, KIndex):
-            self.emit(f"{t} {name} = {print_index(node.expr, '/')};")
+            self.emit(f"{t} {name} = {self.index_of(node.expr)};")
         elif isinstance(node, KConvert):
             self.emit(f"{t} {name} = {self._convert(self.ref(node.arg), node.arg.dtype, node.dtype)};")
         elif isinstance(node, KOp):

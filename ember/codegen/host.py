@@ -1,8 +1,9 @@
 """The host program: Python source that runs one compiled graph.
 
-It binds symbolic sizes from the inputs, allocates each buffer (reusing a dead buffer of the
-same size, dtype and layout), launches kernels, calls externs, makes aliases, frees buffers
-after their last use and returns the outputs. Generating source rather than interpreting a
+It binds symbolic sizes from the inputs, allocates each buffer where the memory plan says
+(fresh, a dead buffer's memory, or in place of an input the kernel reads for the last time),
+launches kernels, calls externs, makes aliases, frees buffers after their last use and
+returns the outputs. Generating source rather than interpreting a
 step list keeps the per-call overhead to plain Python statements, and the program can be
 printed (EMBER_DEBUG=2) and read.
 
@@ -21,7 +22,8 @@ import torch
 from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr
-from ember.schedule.fusion import AliasStep, ExternStep, KernelStep, Schedule
+from ember.schedule.memory import MemoryPlan, plan_memory
+from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
 
 
 class HostProgram:
@@ -55,14 +57,14 @@ class HostWriter:
         self.names: dict[int, str] = {}  # Value.id -> Python variable
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
         self.device = self.graph.device
-        self.free_lines: dict[str, int] = {}
-        self.allocated: set[Value] = set()
+        self.plan: MemoryPlan = schedule.memory or plan_memory(self.graph, schedule.steps)
+        # Donors whose memory a later buffer takes: that buffer's line drops the old name.
+        self.handed_over = {d for v, d in self.plan.reuse.items() if v not in self.plan.inplace}
         # Values whose memory layout must be the one the compile-time meta promised: kernels index
         # them with those strides, and aliases are made with them. An extern can return another
         # layout than its meta (its inputs' layouts may differ from tracing); those get copied.
         self.layout_sensitive: set[Value] = {v for k in schedule.kernels for v in k.reads}
         self.layout_sensitive |= {s.base for s in schedule.steps if isinstance(s, AliasStep)}
-        self.reused: set[str] = set()
 
     def py(self, expr: Expr) -> str:
         return print_index(sympy.sympify(expr), "//")
@@ -105,13 +107,11 @@ class HostWriter:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
         self._bind_symbols()
         last_use = self._last_uses()
-        shared = self._shared_storage()
         outputs = {o for o in g.outputs if isinstance(o, Value)}
-        pool: dict[tuple, list[str]] = {}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
                 for v in step.kernel.writes:
-                    self._allocate(v, pool)
+                    self._allocate(v)
                 args = {"buffers": [self.names[v.id] for v in _kernel_buffers(step.kernel)]}
                 self.lines.append(f"    {self.launch_line(step.kernel, args)}")
             elif isinstance(step, ExternStep):
@@ -125,20 +125,9 @@ class HostWriter:
                     f"{self.arg(list(step.stride))}, {self.names[step.base.id]}.storage_offset() + {self.py(step.offset)})"
                 )
             for v in [v for v, p in last_use.items() if p == pos]:
-                if v.id not in self.names or v.node.op == "input" or v in outputs:
-                    continue
-                if v in self.allocated and v not in shared:
-                    # Freed here; the line becomes `del` unless a later allocation takes the buffer.
-                    self.free_lines[self.names[v.id]] = len(self.lines)
-                    self.lines.append("")
-                    pool.setdefault(_layout_key(v), []).append(self.names[v.id])
-                else:
-                    # An extern's result (its layout is ATen's), or storage a view may still use:
-                    # dropped, never recycled. Python frees the memory when no view needs it.
+                if v.id in self.names and v.node.op != "input" and v not in outputs and v not in self.handed_over:
+                    # Python frees the memory when no view of it remains.
                     self.lines.append(f"    del {self.names[v.id]}")
-        for name, line in self.free_lines.items():
-            self.lines[line] = "" if name in self.reused else f"    del {name}"
-        self.lines = [ln for ln in self.lines if ln]
         outs = ", ".join(self._output(o) for o in g.outputs)
         self.lines.append(f"    return [{outs}]")
         return HostProgram("\n".join(self.lines) + "\n", self.ns)
@@ -189,31 +178,22 @@ class HostWriter:
                 last[v] = pos
         return last
 
-    def _shared_storage(self) -> set[Value]:
-        """Buffers another tensor may view (alias bases, inputs of view-returning externs): never
-        recycled for a later buffer, since the view could still be read."""
-        shared: set[Value] = set()
-        for step in self.schedule.steps:
-            if isinstance(step, AliasStep):
-                shared |= {step.base, step.value}
-            elif isinstance(step, ExternStep) and _may_alias(step.node):
-                shared |= set(step.node.value_inputs()) | set(step.node.outputs)
-        return shared
-
-    def _allocate(self, v: Value, pool: dict) -> None:
+    def _allocate(self, v: Value) -> None:
         name = f"buf{v.id}"
         self.names[v.id] = name
-        self.allocated.add(v)
-        free = pool.get(_layout_key(v))
-        if free:
-            old = free.pop()
-            self.reused.add(old)
-            self.lines.append(f"    {name} = {old}; del {old}  # reuse")
+        size, stride = self.arg(list(v.shape)), self.arg(list(layout_of(v)))
+        donor = self.plan.reuse.get(v)
+        if donor is None:
+            self.lines.append(f"    {name} = empty_strided({size}, {stride}, dtype={self.constant(v.dtype)}, device=device)")
             return
-        self.lines.append(
-            f"    {name} = empty_strided({self.arg(list(v.shape))}, {self.arg(list(layout_of(v)))}, "
-            f"dtype={self.constant(v.dtype)}, device=device)"
-        )
+        old = self.names[donor.id]
+        how = "in place" if v in self.plan.inplace else "reuse"
+        if _layout_key(donor) == _layout_key(v):
+            self.lines.append(f"    {name} = {old}  # {how}")
+        else:
+            self.lines.append(f"    {name} = torch.as_strided({old}, {size}, {stride}, 0)  # {how}")
+        if donor in self.handed_over:
+            self.lines.append(f"    del {old}")
 
     def _extern(self, step: ExternStep) -> None:
         node = step.node
@@ -235,13 +215,6 @@ class HostWriter:
             self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
         else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
             self.lines.append(f"    {name} = {src}")
-
-
-def _may_alias(node) -> bool:
-    schema = getattr(node.attrs["target"], "_schema", None)
-    if schema is None:
-        return True
-    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _layout_key(v: Value):

@@ -178,7 +178,9 @@ class Renderer:
 
 def is_scalar(node: KNode) -> bool:
     """Whether a node holds one value for the whole kernel (constants and size arithmetic)."""
-    if isinstance(node, (KConst, KIndex)):
+    if isinstance(node, KConst):
         return True
+    if isinstance(node, KIndex):  # size arithmetic, not a position (loop and domain vars: l*, d*)
+        return not any(s.name[0] in "ld" for s in node.expr.free_symbols)
     args = node.args()
     return bool(args) and all(is_scalar(a) for a in args) and not isinstance(node, KReduce)

@@ -211,7 +211,7 @@ class TritonRenderer(Renderer):
             else:
                 self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)}, {self.mask(node.full)}, other=0)")
         elif isinstance(node, KIndex):
-            self.emit(f"{name} = {print_index(node.expr, '//')}")
+            self.emit(f"{name} = {self.index_of(node.expr)}")
         elif isinstance(node, KConvert):
             arg = self.ref(node.arg)
             if node.dtype == torch.bool:

@@ -35,6 +35,8 @@ _DECOMPOSE = [
     aten.leaky_relu_backward,
     aten.elu,
     aten.elu_backward,
+    aten.nll_loss_forward,  # gather/scatter of the target class: lowered as one-hot selections
+    aten.nll_loss_backward,
     aten.mse_loss,
     aten.mse_loss_backward,
     aten.addcmul,

@@ -274,7 +274,7 @@ class _ConstantTensor:
         return self.tensor
 
 
-_COMPUTED = ("pointwise", "cast", "reduce", "full")
+_COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
 
 
 def _is_dense(shape, stride) -> bool:

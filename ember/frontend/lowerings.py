@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ember.frontend.importer import Importer, ShapeDtype, Unsupported, lowering
+from ember.ir.graph import Value
 from ember.ir.sizes import as_expr
 
 aten = torch.ops.aten
@@ -363,3 +364,108 @@ def _full(ctx: Importer, node):
         raise Unsupported("symbolic fill value")
     shape = tuple(as_expr(s) for s in out.shape)
     return ctx.graph.add("full", [], {"value": value}, [(shape, out.dtype, None)], ctx.origin).out
+
+
+# -- one element per row: gather and scatter as one-hot selections -------------------------
+# `x.gather(d, idx)` and `x.scatter(d, idx, v)` with one index per row (idx.size(d) == 1, other
+# dims equal to x's) are how losses pick the target class (nll_loss, cross_entropy). As a
+# reduction `sum_j where(j == idx, x_j, 0)` and a pointwise `where(j == idx, v, x)` they fuse
+# into the kernel that computes x, which then never reaches memory. Out-of-range indices
+# select nothing (0) instead of raising as eager does: ember does not check index bounds.
+
+
+def _one_per_row(ctx: Importer, x: Value, dim: int, index) -> bool:
+    return (
+        isinstance(index, Value)
+        and len(index.shape) == len(x.shape) > 0
+        and index.shape[dim] == 1
+        and all(index.shape[d] == x.shape[d] for d in range(len(x.shape)) if d != dim)
+        and x.shape[dim] != 0
+        and not index.dtype.is_floating_point
+    )
+
+
+def _position_along(ctx: Importer, x: Value, dim: int) -> Value:
+    """j: x's position along dim, shaped to broadcast against x (an iota, never stored)."""
+    length = x.shape[dim]
+    pos = ctx.graph.add("iota", [], {"start": 0, "step": 1}, [((length,), torch.int64, None)], ctx.origin).out
+    shape = tuple(length if d == dim else 1 for d in range(len(x.shape)))
+    return ctx.reshape(pos, shape)
+
+
+def _select_row(ctx: Importer, x: Value, dim: int, index: Value, memo: dict) -> Value:
+    """x gathered at index along dim, with the gather pushed through pointwise ops and casts so
+    that it lands on loads: gather(a - lse) = gather(a) - lse reads a at one point per row."""
+    if x.id in memo:
+        return memo[x.id]
+    rank = len(x.shape)
+    out_shape = tuple(1 if d == dim else s for d, s in enumerate(x.shape))
+    node = x.node
+    if node.op == "pointwise":
+        operands = []
+        for op in node.inputs:
+            if isinstance(op, Value) and len(op.shape) == rank and op.shape[dim] == 1:
+                operands.append(op)  # constant along dim: the same at every position
+            elif isinstance(op, Value):
+                full = op if op.shape == x.shape else ctx.view("expand", op, shape=x.shape)
+                operands.append(_select_row(ctx, full, dim, index, memo))
+            else:
+                operands.append(op)
+        attrs = {k: v for k, v in node.attrs.items() if k != "fn"}
+        result = ctx.pointwise(node.attrs["fn"], operands, ShapeDtype(out_shape, x.dtype), **attrs)
+    elif node.op == "cast":
+        result = ctx.cast(_select_row(ctx, node.inputs[0], dim, index, memo), x.dtype)
+    else:
+        hit = ctx.pointwise("eq", [_position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
+        picked = ctx.pointwise("where", [hit, x, 0], ShapeDtype(x.shape, x.dtype))
+        result = ctx.reduce("sum", picked, [dim], True, x.dtype)
+    memo[x.id] = result
+    return result
+
+
+@lowering(aten.gather)
+def _gather(ctx: Importer, node):
+    x, index = ctx.arg(node.args[0]), ctx.arg(node.args[2])
+    if not isinstance(x, Value) or x.dtype == torch.bool or node.kwargs.get("sparse_grad"):
+        raise Unsupported("gather operands")
+    dim = node.args[1] % max(len(x.shape), 1)
+    if not _one_per_row(ctx, x, dim, index):
+        raise Unsupported("gather of more than one element per row")
+    ctx.out_meta()  # the result's dtype and device must be kernel-able
+    return _select_row(ctx, x, dim, index, {})
+
+
+@lowering(aten.scatter)
+def _scatter(ctx: Importer, node):
+    x, index = ctx.arg(node.args[0]), ctx.arg(node.args[2])
+    src = ctx.arg(node.args[3]) if len(node.args) > 3 else node.kwargs.get("value", node.kwargs.get("src"))
+    if not isinstance(x, Value) or node.kwargs.get("reduce") is not None or len(node.args) > 4:
+        raise Unsupported("scatter with reduce")
+    dim = node.args[1] % max(len(x.shape), 1)
+    if not _one_per_row(ctx, x, dim, index):
+        raise Unsupported("scatter of more than one element per row")
+    if isinstance(src, Value) and tuple(src.shape) != tuple(index.shape):
+        raise Unsupported("scatter source shaped unlike the index")
+    out = ctx.out_meta()
+    hit = ctx.pointwise("eq", [_position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
+    return ctx.pointwise("where", [hit, src, x], out)
+
+
+@lowering(aten.split, aten.split_with_sizes)
+def _split(ctx: Importer, node):
+    """Pieces along a dim as slice views of x (q/k/v of one projection stay one buffer)."""
+    x = ctx.arg(node.args[0])
+    sizes = node.args[1]
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % max(len(x.shape), 1)
+    length = x.shape[dim]
+    if isinstance(sizes, int):
+        if not length.is_Integer:
+            raise Unsupported("split of a symbolic length")
+        sizes = [min(sizes, int(length) - s) for s in range(0, int(length), sizes)] if sizes > 0 else []
+    if not sizes or not all(isinstance(s, int) for s in sizes):
+        raise Unsupported("split sizes")
+    pieces, start = [], 0
+    for s in sizes:
+        pieces.append(ctx.view("slice", x, dim=dim, start=as_expr(start), end=as_expr(start + s), step=as_expr(1)))
+        start += s
+    return pieces

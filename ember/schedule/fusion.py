@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -22,7 +22,18 @@ from ember import config
 from ember.ir.graph import Graph, Node, Value, layout_of
 from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
+from ember.schedule.cost import KernelCost, kernel_cost
 from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
+from ember.schedule.memory import plan_memory
+from ember.schedule.steps import (  # noqa: F401  (re-exported: the schedule's types)
+    AliasStep,
+    ExternStep,
+    FusionDecision,
+    KernelStep,
+    Schedule,
+    Step,
+    step_outputs,
+)
 
 
 @dataclass
@@ -32,54 +43,6 @@ class Group:
     roots: list[Value]
     first: int  # position of its first node in the graph, for stable ordering
     kernel: Kernel | None = None
-
-
-@dataclass
-class KernelStep:
-    kernel: Kernel
-
-
-@dataclass
-class ExternStep:
-    node: Node
-
-
-@dataclass
-class AliasStep:
-    """A view of a buffer that must exist as a tensor (an output or an extern input)."""
-
-    value: Value
-    base: Value
-    stride: tuple
-    offset: object
-
-
-Step = KernelStep | ExternStep | AliasStep
-
-
-@dataclass
-class FusionDecision:
-    """One considered merge, for `EMBER_LOGS=fusion` and reports."""
-
-    consumer: str
-    producer: str
-    accepted: bool
-    reason: str
-
-
-@dataclass
-class Schedule:
-    graph: Graph
-    steps: list[Step]
-    decisions: list[FusionDecision] = field(default_factory=list)
-
-    @property
-    def kernels(self) -> list[Kernel]:
-        return [s.kernel for s in self.steps if isinstance(s, KernelStep)]
-
-    @property
-    def externs(self) -> list[Node]:
-        return [s.node for s in self.steps if isinstance(s, ExternStep)]
 
 
 def view_chain(value: Value) -> tuple[Value, list[Node]]:
@@ -144,13 +107,16 @@ class Scheduler:
         # Merges that failed, keyed by both groups' ids and sizes: a group that has not grown
         # since cannot merge now either, and retrying would rebuild the same kernel.
         self._failed: set[tuple] = set()
+        self._readers: dict[Value, set[int]] = {}
+        self.read_outside_static: set[Value] = set()
 
-    def run(self) -> Schedule:
+    def run(self, siblings: bool = True) -> Schedule:
         self._realize()
         self._group()
         if config.get("fuse"):
-            self._fuse()
-        return Schedule(self.graph, self._order(), self.decisions)
+            self._fuse(siblings)
+        steps = self._order()
+        return Schedule(self.graph, steps, self.decisions, plan_memory(self.graph, steps))
 
     # 1. ---------------------------------------------------------------------------------
     def _realize(self) -> None:
@@ -172,6 +138,11 @@ class Scheduler:
                     continue
             realized.append(v)
         self.must_store = set(realized)
+        # Read by an extern or kept as an alias's base: stored whatever fuses.
+        self.read_outside_static = set(self.must_store) | {a.base for a in self.aliases.values()}
+        for node in self.graph.nodes:
+            if node.op == "extern":
+                self.read_outside_static |= {view_chain(v)[0] if v in self.aliases else v for v in node.value_inputs()}
         for node in self.graph.nodes:
             if node.op == "reduce":
                 realized.append(node.out)
@@ -280,28 +251,60 @@ class Scheduler:
             return red.domain
         return None
 
-    def _fuse(self) -> None:
-        changed = True
-        while changed:
-            changed = False
-            for b in sorted(self.groups.values(), key=lambda g: g.first):
-                for a in self._candidates(b):
-                    if self._try_merge(a, b):
-                        changed = True
-                        break
-                if changed:
+    def _fuse(self, siblings: bool = True) -> None:
+        """Best first: merge the candidate pair that saves the most bytes, until none saves any."""
+        while True:
+            self._readers = self._reader_map()
+            candidates = []
+            for b in self.groups.values():
+                for a in self._candidates(b, siblings):
+                    candidates.append((-self._estimate_saving(a, b), min(a.first, b.first), a.id, b.id))
+            candidates.sort()
+            for _, _, aid, bid in candidates:
+                if self._try_merge(self.groups[aid], self.groups[bid]):
                     break
+            else:
+                return
 
-    def _candidates(self, b: Group) -> list[Group]:
-        producers = [self.groups[p] for p in self._producers(b) if p != b.id]
-        reads = set(b.kernel.reads)
-        siblings = [
-            g
-            for g in self.groups.values()
-            if g.id != b.id and g not in producers and g.domain == b.domain and reads & set(g.kernel.reads)
-        ]
-        producers.sort(key=lambda g: -_numel_hint(g))
-        return producers + sorted(siblings, key=lambda g: g.first)
+    def _reader_map(self) -> dict[Value, set[int]]:
+        readers: dict[Value, set[int]] = {}
+        for g in self.groups.values():
+            for v in g.kernel.reads:
+                readers.setdefault(v, set()).add(g.id)
+        return readers
+
+    def _candidates(self, b: Group, siblings: bool) -> list[Group]:
+        """Groups b could merge into: its producers, and siblings over a domain both fit that read a
+        buffer b reads (the q/k/v slices of one projection, the mean and variance of one row)."""
+        out = [self.groups[p] for p in sorted(self._producers(b)) if p != b.id and p in self.groups]
+        if siblings:
+            producers = {g.id for g in out}
+            near = {gid for v in b.kernel.reads for gid in self._readers.get(v, ())}
+            for gid in sorted(near - producers - {b.id}):
+                g = self.groups[gid]
+                if g.id < b.id and self._merged_domain(g, b) is not None:  # each unordered pair once
+                    out.append(g)
+        return out
+
+    def _needed_outside(self, v: Value, members: set[int]) -> bool:
+        """Whether a kernel made of `members` must store v: someone outside reads it."""
+        return v in self.read_outside_static or bool(self._readers.get(v, set()) - members)
+
+    def _group_cost(self, g: Group, members: set[int]) -> KernelCost:
+        stored = {v for v in g.roots if self._needed_outside(v, members)}
+        return kernel_cost(g.kernel, stored=stored)
+
+    def _estimate_saving(self, a: Group, b: Group) -> int:
+        """Bytes a merge saves, from buffer sizes alone (ranks candidates before building any)."""
+        members = {a.id, b.id}
+        saved = sympy.Integer(0)
+        for prod, cons in ((a, b), (b, a)):
+            for v in prod.roots:
+                if v in cons.kernel.reads:  # no longer loaded; no longer stored if only cons read it
+                    saved += _nbytes(v) * (1 if self._needed_outside(v, members) else 2)
+        for v in set(a.kernel.reads) & set(b.kernel.reads):
+            saved += _nbytes(v)  # read once, not twice
+        return _hint(saved)
 
     def _try_merge(self, a: Group, b: Group) -> bool:
         attempt = (a.id, len(a.roots), b.id, len(b.roots))
@@ -320,7 +323,7 @@ class Scheduler:
             self._decide(names, False, f"domains differ: {a.domain} vs {b.domain}")
             return False
         if self._reaches(a.id, b.id, skip_direct=True) or self._reaches(b.id, a.id, skip_direct=True):
-            self._decide(names, False, "would form a cycle")
+            self._decide(names, False, "would form a cycle (a path between them runs through another step)")
             return False
         first, second = (a, b) if a.first <= b.first else (b, a)
         roots = first.roots + second.roots
@@ -329,17 +332,32 @@ class Scheduler:
             self.owner[v] = first.id
         try:
             kernel = self._build(domain, first.id, roots)
+            buffers = len(set(kernel.reads) | set(kernel.writes))
+            if buffers > config.get("max_kernel_buffers"):
+                raise NotFusable(f"too many buffers: {buffers} > max_kernel_buffers={config.get('max_kernel_buffers')}")
         except NotFusable as e:
             self.owner = saved_owner
             self._decide(names, False, str(e))
             return False
+        members = {a.id, b.id}
+        before_bytes = _hint(self._group_cost(a, {a.id}).bytes + self._group_cost(b, {b.id}).bytes)
+        merged = Group(first.id, domain, roots, first.first, kernel)
+        after_bytes = _hint(self._group_cost(merged, members).bytes)
+        if after_bytes > before_bytes:
+            self.owner = saved_owner
+            self._decide(names, False, f"would move more bytes ({before_bytes / 1e6:.3g} MB -> {after_bytes / 1e6:.3g} MB)")
+            return False
         first.roots, first.domain, first.kernel = roots, domain, kernel
         del self.groups[second.id]
-        self._decide(names, True, f"merged over {domain}")
+        # Equal bytes still saves a launch (disjoint slices of one buffer, read side by side).
+        why = f"merged over {domain}" if after_bytes < before_bytes else f"merged over {domain}: same bytes, one launch fewer"
+        self._decide(names, True, why, before_bytes - after_bytes)
         return True
 
-    def _decide(self, names, accepted, reason) -> None:
-        self.decisions.append(FusionDecision(names[0], names[1], accepted, reason))
+    def _decide(self, names, accepted, reason, saved=None) -> None:
+        decision = FusionDecision(names[0], names[1], accepted, reason, saved)
+        if accepted or decision not in self.decisions:  # a refusal retried after other merges: once
+            self.decisions.append(decision)
 
     # 4. ---------------------------------------------------------------------------------
     def _order(self) -> list[Step]:
@@ -364,7 +382,7 @@ class Scheduler:
                 items.append((self.position[id(node)], ExternStep(node), needs))
         produced_by: dict[Value, int] = {}
         for k, (_, step, _) in enumerate(items):
-            for v in _step_outputs(step):
+            for v in step_outputs(step):
                 produced_by[v] = k
         # Topological order, ties broken by graph position (Kahn's algorithm).
         deps = [{produced_by[v] for v in needs if v in produced_by} - {k} for k, (_, _, needs) in enumerate(items)]
@@ -387,16 +405,8 @@ class Scheduler:
         return order
 
     def _aliases_after(self, step: Step) -> list[AliasStep]:
-        outs = set(_step_outputs(step))
+        outs = set(step_outputs(step))
         return [a for a in self.aliases.values() if a.base in outs]
-
-
-def _step_outputs(step: Step) -> list[Value]:
-    if isinstance(step, KernelStep):
-        return step.kernel.writes
-    if isinstance(step, ExternStep):
-        return step.node.outputs
-    return [step.value]
 
 
 def _describe(step: Step) -> str:
@@ -407,10 +417,43 @@ def _describe(step: Step) -> str:
     return f"alias {step.value.name}"
 
 
-def _numel_hint(g: Group) -> int:
-    n = product(g.domain.shape)
-    return int(n) if n.is_Integer else 1 << 40
+def _hint(e) -> int:
+    """A byte count as a number, for comparing: symbolic sizes taken as 8192 (large, as a
+    dynamic batch or sequence usually is)."""
+    e = sympy.sympify(e)
+    if not e.is_Integer:
+        e = e.xreplace({s: sympy.Integer(8192) for s in e.free_symbols})
+    return int(e)
 
 
-def schedule(graph: Graph) -> Schedule:
-    return Scheduler(graph).run()
+def _nbytes(v: Value) -> sympy.Expr:
+    return product(v.shape) * v.dtype.itemsize
+
+
+# Scratch a schedule may hold beyond eager's peak without counting as raising it: split
+# reductions keep small partial results (eager has none), a few KB per reduction.
+PEAK_SLACK_BYTES = 1 << 20
+
+
+def schedule(graph: Graph, eager_peak: int | None = None) -> Schedule:
+    """Schedule the graph. If sibling merges would raise the planned peak above eager's
+    (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
+    a sibling merged early keeps its output alive longer."""
+    sched = Scheduler(graph).run()
+    plan = sched.memory
+    if eager_peak is not None:
+        plan.eager_peak_bytes = eager_peak
+    limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
+    if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
+        alone = Scheduler(graph).run(siblings=False)
+        alone.memory.eager_peak_bytes = plan.eager_peak_bytes
+        if alone.memory.peak_bytes < plan.peak_bytes:
+            alone.decisions.append(
+                FusionDecision(
+                    "*", "*", False,
+                    f"sibling merges refused: they would raise peak memory to {plan.peak_bytes / 1e6:.3g} MB "
+                    f"(eager {plan.eager_peak_bytes / 1e6:.3g} MB; without them {alone.memory.peak_bytes / 1e6:.3g} MB)",
+                )
+            )  # fmt: skip
+            return alone
+    return sched

@@ -114,7 +114,8 @@ class KConst(KNode):
 
 @dataclass(eq=False)
 class KIndex(KNode):
-    """An integer computed from sizes (a symbolic scalar in the graph)."""
+    """An integer computed from sizes (a symbolic scalar in the graph) or, for an iota, from the
+    domain position (then it is rewritten with the loop dims like any load index)."""
 
     expr: Expr
 
@@ -251,6 +252,12 @@ class KernelBuilder:
             value = int(value)
         return self._intern(("const", value, dtype), lambda: KConst(dtype, False, 0, value))
 
+    def position(self, expr: Expr) -> KNode:
+        """An integer computed from the loop position (an iota), full if it varies along reduce dims."""
+        expr = sympy.expand(sympy.sympify(expr))
+        full = bool(expr.free_symbols & self.reduce_vars)
+        return self._intern(("index", expr), lambda: KIndex(torch.int64, full, 0, expr))
+
     def convert(self, node: KNode, dtype: torch.dtype) -> KNode:
         if node.dtype == dtype:
             return node
@@ -295,6 +302,8 @@ class KernelBuilder:
             return self._reduce_ref(value, index)
         if node.op == "full":
             return self.const(node.attrs["value"], dtypes.compute_dtype(value.dtype))
+        if node.op == "iota":
+            return self.convert(self.position(node.attrs["start"] + node.attrs["step"] * index[0]), value.dtype)
         if node.op == "cast":
             (x,) = node.inputs
             arg = self.expr(x, broadcast_index(index, x.shape, value.shape))
@@ -397,6 +406,7 @@ def merge_dims(kernel: Kernel) -> None:
     dom = kernel.domain
     dims = [(v, s, d in dom.reduce_dims) for d, (v, s) in enumerate(zip(dom.vars(), dom.shape))]
     exprs = {s.index for s in kernel.stores} | {n.index for n in walk(kernel) if isinstance(n, KLoad)}
+    exprs |= {n.expr for n in walk(kernel) if isinstance(n, KIndex) and n.expr.free_symbols & set(dom.vars())}
     current = {e: e for e in exprs}
     # Drop size-1 dims.
     for v, s, _ in dims:

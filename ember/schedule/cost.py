@@ -1,0 +1,213 @@
+"""The cost model: what a kernel moves and computes, and how long that should take.
+
+Bytes are counted as the device's memory sees them, not as the program names them:
+
+- a load touches the distinct elements its index walks: a bias broadcast over [N, C] reads
+  C elements, not N*C (the rest hit in cache); several loads of one buffer (q/k/v slices of
+  one projection) touch at most the buffer;
+- a looped reduction re-reads, in every pass over the row, the full-row loads that pass
+  needs (softmax: one pass for the max, one for the sum, one to store); a persistent one
+  holds the row and reads it once;
+- a store writes the elements its index walks.
+
+FLOPs count each pointwise op by its `ops.POINTWISE[...].flops` weight, at every point it is
+computed (full values at every element, row values once per row), and each reduction update.
+
+The roofline estimate is max(bytes / bandwidth, FLOPs / compute rate) plus a launch cost,
+with the bandwidth *measured* on the device (a large copy, once per process) and the
+compute rate taken from the device's specification (vector, not tensor-core, math).
+Symbolic sizes are evaluated at their hints when asked for a number.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+from ember import config
+from ember.ir import ops
+from ember.ir.sizes import Expr, product
+from ember.schedule.kernel import Kernel, KLoad, KNode, KOp, KReduce, walk
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    bytes_read: Expr
+    bytes_written: Expr
+    flops: Expr
+
+    @property
+    def bytes(self) -> Expr:
+        return self.bytes_read + self.bytes_written
+
+    def __add__(self, other: KernelCost) -> KernelCost:
+        return KernelCost(
+            self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written, self.flops + other.flops
+        )
+
+
+def _footprint(index: Expr, kernel: Kernel) -> Expr:
+    """Distinct elements an index walks: the product of the domain dims it depends on."""
+    dom = kernel.domain
+    used = index.free_symbols
+    return product([s for v, s in zip(dom.vars(), dom.shape) if v in used])
+
+
+def _passes(kernel: Kernel, persistent: bool) -> list[list[KNode]]:
+    """The nodes computed per element in each pass over the rows (one pass when persistent)."""
+    if persistent or kernel.num_phases <= 1:
+        return [[n for n in walk(kernel) if n.full]]
+    passes = []
+    for phase in range(kernel.num_phases):
+        roots = [r.arg for r in kernel.reduces if r.phase == phase]
+        roots += [s.value for s in kernel.stores if s.full and s.phase == phase]
+        seen: dict[int, KNode] = {}
+        stack = list(roots)
+        while stack:  # values of earlier phases' reductions are per row: stop at them
+            n = stack.pop()
+            if id(n) in seen or isinstance(n, KReduce) or not n.full:
+                continue
+            seen[id(n)] = n
+            stack.extend(n.args())
+        passes.append(list(seen.values()))
+    return passes
+
+
+def is_persistent(kernel: Kernel) -> bool:
+    """Whether the target holds a whole row at once (see codegen launch configs)."""
+    rnumel = product([s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r])
+    if not rnumel.is_Integer:
+        return False
+    return 1 << (int(rnumel) - 1).bit_length() <= config.get("persistent_reduction_max")
+
+
+def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | None = None) -> KernelCost:
+    """The kernel's cost; `stored` limits the written bytes to those buffers (while fusing, a
+    kernel stores all it computes; only what someone else reads will be stored in the end)."""
+    if persistent is None:
+        persistent = is_persistent(kernel)
+    outer = product(kernel.domain.outer_shape)
+    numel = product(kernel.domain.shape)
+    nodes = walk(kernel)
+
+    # Reads: each buffer's footprint, once for row-level loads and persistent rows, and once per
+    # pass that needs it for the full-row loads of a looped reduction.
+    footprint: dict = {}
+    for n in nodes:
+        if isinstance(n, KLoad):
+            footprint.setdefault(n.buffer, []).append(n)
+    passes = _passes(kernel, persistent)
+    read = sympy.Integer(0)
+    for buf, loads in footprint.items():
+        cap = product(buf.shape)
+        row_loads = [n for n in loads if not n.full]
+        full_loads = [n for n in loads if n.full]
+        elems = sympy.Integer(0)
+        if row_loads:
+            elems += sympy.Min(cap, sum((_footprint(n.index, kernel) for n in row_loads), sympy.Integer(0)))
+        if full_loads:
+            one_pass = sympy.Min(cap, sum((_footprint(n.index, kernel) for n in full_loads), sympy.Integer(0)))
+            ids = {id(n) for n in full_loads}
+            times = sum(1 for p in passes if any(id(n) in ids for n in p)) or 1
+            elems += times * one_pass
+        read += elems * buf.dtype.itemsize
+    written = sum(
+        (
+            _footprint(s.index, kernel) * s.buffer.dtype.itemsize
+            for s in kernel.stores
+            if stored is None or s.buffer in stored
+        ),
+        sympy.Integer(0),
+    )
+
+    flops = sympy.Integer(0)
+    for p in passes:
+        flops += numel * sum(ops.POINTWISE[n.fn].flops for n in p if isinstance(n, KOp))
+    flops += outer * sum(ops.POINTWISE[n.fn].flops for n in nodes if isinstance(n, KOp) and not n.full)
+    flops += numel * len(kernel.reduces)
+    return KernelCost(sympy.sympify(read), sympy.sympify(written), sympy.sympify(flops))
+
+
+def as_number(expr: Expr, hints: dict | None = None) -> float | None:
+    """A size expression as a number (symbolic sizes at their hints), or None if unknown."""
+    expr = sympy.sympify(expr)
+    if hints:
+        expr = expr.xreplace(hints)
+    return float(expr) if expr.is_number else None
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a device can do: measured copy bandwidth, specified vector FLOP rate, launch cost."""
+
+    name: str
+    bandwidth: float  # bytes/s, measured
+    flop_rate: float  # FLOP/s, from the specification (fp32, no tensor cores)
+    launch_seconds: float
+
+    def seconds(self, cost: KernelCost, hints: dict | None = None) -> float | None:
+        moved, flops = as_number(cost.bytes, hints), as_number(cost.flops, hints)
+        if moved is None or flops is None:
+            return None
+        return max(moved / self.bandwidth, flops / self.flop_rate) + self.launch_seconds
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.bandwidth / 1e9:.0f} GB/s measured, {self.flop_rate / 1e12:.1f} TFLOP/s spec"
+
+
+# fp32 vector (non-tensor-core) FLOP/s from NVIDIA's datasheets; matched by device name.
+_GPU_FLOPS = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40": 90e12, "4090": 82e12}
+
+
+def _cuda_copy_bandwidth(device: torch.device) -> float:
+    n = 1 << 28  # 256 MiB each way: far past L2
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return 2 * n / best
+
+
+def _cpu_copy_bandwidth() -> float:
+    n = 1 << 26  # 64 MiB: past the last-level cache of most machines
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n / best
+
+
+@functools.lru_cache(maxsize=8)
+def target_for(device: torch.device) -> Target:
+    """The device's Target; its bandwidth is measured on first use in this process (~50 ms)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode: copies would be free
+        return _measure_target(device)
+
+
+def _measure_target(device: torch.device) -> Target:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        rate = next((r for key, r in _GPU_FLOPS.items() if key in name), 20e12)
+        return Target(name, _cuda_copy_bandwidth(device), rate, 4e-6)
+    threads = torch.get_num_threads()
+    # AVX2: two 8-wide fp32 FMA units per core at ~2.5 GHz, counted as 32 FLOP/cycle.
+    return Target(f"CPU x{threads}", _cpu_copy_bandwidth(), threads * 2.5e9 * 32, 2e-6)

@@ -1,0 +1,198 @@
+"""Memory planning: which buffer each kernel output lives in, and the peak that results.
+
+Walking the schedule in order, each value a kernel writes takes, in this order of preference:
+
+1. **in place**: the memory of a buffer the same kernel reads for the last time, when every
+   load of it reads exactly the element the store writes (so no program reads an element
+   another has overwritten), with the same dtype and room enough;
+2. **a dead buffer**: the smallest freed buffer of the same dtype with room enough (graph
+   outputs only take one of exactly their layout: they are returned to the user);
+3. **fresh memory**.
+
+Buffers are freed after their last use, except storage that a view may still read (alias
+bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
+Extern results are ATen's allocations: counted toward the peak, never reused.
+
+The planned peak is compared with eager's: the same graph run op by op, every non-view op
+materializing its result, each freed after its last use. Both count intermediates and
+outputs, not inputs. Symbolic sizes give no number (None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from ember.ir.graph import Graph, Value, layout_of
+from ember.ir.sizes import Expr
+from ember.schedule.kernel import Kernel, KLoad, walk
+from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
+
+
+@dataclass
+class MemoryPlan:
+    # value -> the value whose memory it takes (in place or a dead buffer)
+    reuse: dict[Value, Value] = field(default_factory=dict)
+    inplace: set[Value] = field(default_factory=set)
+    shared: set[Value] = field(default_factory=set)  # storage a view may read: never freed early
+    peak_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+
+    def __str__(self) -> str:
+        def mb(b):
+            return "symbolic" if b is None else f"{b / 1e6:.2f} MB"
+
+        return (
+            f"planned peak {mb(self.peak_bytes)} (eager {mb(self.eager_peak_bytes)}); "
+            f"{len(self.reuse) - len(self.inplace)} buffers reused, {len(self.inplace)} in place"
+        )
+
+
+def extent(v: Value) -> Expr:
+    """Elements of storage a value's layout spans."""
+    return 1 + sum(((s - 1) * st for s, st in zip(v.shape, layout_of(v))), sympy.Integer(0))
+
+
+def nbytes(v: Value) -> Expr:
+    return sympy.Integer(0) if any(s == 0 for s in v.shape) else extent(v) * v.dtype.itemsize
+
+
+def _fits(donor: Value, v: Value) -> bool:
+    if donor.dtype != v.dtype:
+        return False
+    room = sympy.expand(extent(donor) - extent(v))
+    return room == 0 or bool(room.is_nonnegative)
+
+
+def _exact(donor: Value, v: Value) -> bool:
+    return tuple(donor.shape) == tuple(v.shape) and tuple(layout_of(donor)) == tuple(layout_of(v)) and (
+        donor.dtype == v.dtype
+    )
+
+
+def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
+    """Whether every load of buf in kernel reads the element the store of out writes, and no
+    pass over the row after the store's reads buf again (a looped reduction re-reads rows)."""
+    (store,) = [s for s in kernel.stores if s.buffer is out]
+    if store.phase < kernel.num_phases - 1:
+        return False
+    loads = [n for n in walk(kernel) if isinstance(n, KLoad) and n.buffer is buf]
+    return bool(loads) and all(n.index == store.index and n.full == store.full for n in loads)
+
+
+def plan_memory(graph: Graph, steps: list[Step]) -> MemoryPlan:
+    outputs = {o for o in graph.outputs if isinstance(o, Value)}
+    last: dict[Value, int] = {}
+    for pos, step in enumerate(steps):
+        for v in step_inputs(step) + step_outputs(step):
+            last[v] = pos
+    shared: set[Value] = set()  # storage a view may still read: never recycled
+    for step in steps:
+        if isinstance(step, AliasStep):
+            shared |= {step.base, step.value}
+        elif isinstance(step, ExternStep) and may_alias(step.node):
+            shared |= set(step.node.value_inputs()) | set(step.node.outputs)
+    plan = MemoryPlan(shared=shared)
+
+    def recyclable(v: Value) -> bool:
+        return v.node.op != "input" and v not in outputs and v not in shared
+
+    holder: dict[Value, Value] = {}  # value -> the value that first allocated its memory
+    born: dict[Value, int] = {}  # memory holder -> step that allocates it
+    free: list[Value] = []  # dead kernel outputs whose memory a later output may take
+    for pos, step in enumerate(steps):
+        if isinstance(step, KernelStep):
+            for v in step.kernel.writes:
+                donor = None
+                if recyclable(v):
+                    donor = next(
+                        (
+                            u
+                            for u in step.kernel.reads
+                            if u in holder and last[u] == pos and recyclable(u) and u.node.op != "extern"
+                            and _fits(u, v) and _elementwise_reader(step.kernel, u, v)
+                        ),
+                        None,
+                    )  # fmt: skip
+                    if donor is not None:
+                        plan.inplace.add(v)
+                if donor is None:
+                    fitting = [u for u in free if (_fits(u, v) if recyclable(v) else _exact(u, v))]
+                    if fitting:
+                        donor = min(fitting, key=lambda u: _hint(extent(u)))
+                        free.remove(donor)
+                if donor is not None:
+                    plan.reuse[v] = donor
+                    holder[v] = holder[donor]
+                else:
+                    holder[v] = v
+                    born[v] = pos
+        elif isinstance(step, AliasStep):
+            holder[step.value] = holder.get(step.base, step.base)
+        elif isinstance(step, ExternStep):
+            for v in step.node.outputs:
+                holder[v] = v
+                born[v] = pos
+        for v in step_inputs(step) + step_outputs(step):
+            if last[v] == pos and recyclable(v) and v.node.op != "extern" and v in holder:
+                if not any(plan.reuse.get(w) is v for w in step_outputs(step)):
+                    free.append(v)
+
+    # Each holder's memory lives from its allocation to the last use of anything kept in it
+    # (a buffer reusing it, a view of it); graph outputs and views of inputs live to the end.
+    end = len(steps)
+    died: dict[Value, int] = {}
+    for v, h in holder.items():
+        if h not in born:
+            continue  # a view of a graph input: the caller's memory
+        stop = end if v in outputs else last.get(v, born[h])
+        died[h] = max(died.get(h, born[h]), stop)
+    plan.peak_bytes = _peak([(nbytes(h), born[h], died[h]) for h in born], len(steps))
+    plan.eager_peak_bytes = eager_peak(graph)
+    return plan
+
+
+def _peak(intervals: list[tuple[Expr, int, int]], length: int) -> int | None:
+    """Max over positions of the bytes of intervals [start, stop] covering it; None if symbolic."""
+    delta = [0] * (length + 2)
+    for size, start, stop in intervals:
+        size = sympy.sympify(size)
+        if not size.is_Integer:
+            return None
+        delta[start] += int(size)
+        delta[stop + 1] -= int(size)
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def eager_peak(graph: Graph) -> int | None:
+    """Peak bytes of the graph run op by op: each non-view op's result lives until its last use."""
+    root: dict[Value, Value] = {}
+    last: dict[Value, int] = {}
+    for pos, node in enumerate(graph.nodes):
+        for v in node.value_inputs():
+            last[root.get(v, v)] = pos
+        for v in node.outputs:
+            root[v] = root.get(node.inputs[0], node.inputs[0]) if node.op == "view" else v
+    end = len(graph.nodes)
+    for o in graph.outputs:
+        if isinstance(o, Value):
+            last[root.get(o, o)] = end
+    intervals = [
+        (nbytes(v), pos, last.get(v, pos))
+        for pos, node in enumerate(graph.nodes)
+        if node.op not in ("view", "input")
+        for v in node.outputs
+    ]
+    return _peak(intervals, end)
+
+
+def _hint(e: Expr) -> int:
+    e = sympy.sympify(e)
+    return int(e) if e.is_Integer else 1 << 62
+
+

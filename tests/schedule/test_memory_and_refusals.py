@@ -1,0 +1,95 @@
+"""Memory planning (in place, reuse, planned peak) and the reasons fusion gives for refusing,
+on small real programs compiled through ember and checked against eager."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import torch
+
+from ember import config
+from tests.helpers import assert_close, ember_compile, repro, reports, tensors
+
+
+def _run(fn, *inputs, **options):
+    torch._dynamo.reset()  # a fresh capture: the same function may run under other settings
+    line = repro(fn=fn.__name__, inputs=list(inputs))
+    with reports() as report, config.override(**options):
+        out = ember_compile(fn, "cpp")(*inputs)
+    for got, want in zip(tensors(out), tensors(fn(*inputs))):
+        assert_close(got, want, rtol=1e-5, atol=1e-5, what=fn.__name__, line=line)
+    (graph,) = report.graphs
+    return graph, line
+
+
+def test_pointwise_writes_in_place_of_a_dead_intermediate():
+    def mlp_step(x, w):
+        u = x * 2
+        v = u + u @ w  # reads u element by element, u's last use: v takes u's memory
+        return v @ w
+
+    graph, line = _run(mlp_step, torch.randn(32, 64), torch.randn(64, 64))
+    assert "1 in place" in graph.memory, f"{graph}\n{line}"
+    assert "# in place" in graph.host_source, f"{graph.host_source}\n{line}"
+    assert graph.peak_bytes <= graph.eager_peak_bytes, f"{graph}\n{line}"
+
+
+def test_dead_buffer_reused_by_a_smaller_one():
+    def shrink(x, w1, w2):
+        a = torch.relu(x @ w1)  # [32, 128]
+        b = torch.relu(a @ w2) * 2  # [32, 64] fits in a's memory, freed by then
+        return (b @ w2.t()).sum()
+
+    graph, line = _run(shrink, torch.randn(32, 64), torch.randn(64, 128), torch.randn(128, 64))
+    reused = int(graph.memory.split(";")[1].split("buffers reused")[0])
+    assert reused + graph.memory.count("1 in place") >= 1, f"{graph}\n{line}"
+    assert graph.peak_bytes <= graph.eager_peak_bytes, f"{graph}\n{line}"
+
+
+def _refusals(graph) -> str:
+    return "\n".join(f.reason for f in graph.rejected)
+
+
+def test_refuses_a_merge_that_would_form_a_cycle():
+    def diamond(x, w):
+        a = torch.relu(x)
+        return a * 3 + a @ w  # merging relu into the add would need the matmul inside the kernel
+
+    graph, line = _run(diamond, torch.randn(16, 32), torch.randn(32, 32))
+    assert len(graph.kernels) == 2 and "would form a cycle" in _refusals(graph), f"{graph}\n{line}"
+
+
+def test_refuses_a_reduction_read_off_its_row():
+    def column_broadcast(x):
+        return x + x.sum(-1)  # row sums broadcast along the other axis: indexed by column
+
+    graph, line = _run(column_broadcast, torch.randn(16, 16))
+    assert "not at its row" in _refusals(graph), f"{graph}\n{line}"
+
+
+def test_refuses_too_many_buffers():
+    def two_outputs(x, y):
+        return (x + y).sum(-1), x * y
+
+    graph, line = _run(two_outputs, torch.randn(8, 32), torch.randn(8, 32), max_kernel_buffers=3)
+    assert len(graph.kernels) == 2 and "too many buffers" in _refusals(graph), f"{graph}\n{line}"
+    graph, line = _run(two_outputs, torch.randn(8, 32), torch.randn(8, 32))
+    assert len(graph.kernels) == 1, f"{graph}\n{line}"
+
+
+def test_fusion_log_lists_kernels_and_refusals():
+    def diamond(x, w):
+        a = torch.relu(x)
+        return a * 3 + a @ w
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("ember").addHandler(handler)
+    try:
+        _run(diamond, torch.randn(16, 32), torch.randn(32, 32), logs="fusion")
+    finally:
+        logging.getLogger("ember").removeHandler(handler)
+    err = stream.getvalue()
+    assert "=== fusion: inference ===" in err and "planned peak" in err
+    assert "MFLOP" in err and "would form a cycle" in err, err
