@@ -713,6 +713,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="keep results already in the JSON lines; run the rest")
     p.add_argument("--rerun-failed", action="store_true", help="re-run only pairs with mismatches or crashes")
     p.add_argument("--report", action="store_true", help="only re-render the markdown table")
+    p.add_argument("--merge", nargs="+", default=None, help="JSON lines of other runs (shards) to merge in first")
+    p.add_argument("--command", default=None, help="the command line to print in the table (e.g. of merged shards)")
     p.add_argument("--in-process", action="store_true", help="no worker process (a segfault ends the sweep)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -725,18 +727,25 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device).type
     args.jsonl = str(out / f"{dev}.jsonl")
     md = out / f"{dev}.md"
+    if args.merge:
+        records = load_records(Path(args.jsonl))
+        for other in args.merge:
+            records.update(load_records(Path(other)))
+        save_records(Path(args.jsonl), records)
     if args.worker or args.in_process:
         rc = _worker(args)
         if args.worker:
             return rc
-    elif not args.report:
+    elif not args.report and not args.merge:
         fresh = not (args.resume or args.rerun_failed or args.ops or args.shard)
         if fresh and Path(args.jsonl).exists():
             Path(args.jsonl).unlink()  # a full fresh sweep starts from nothing
         rc = _drive(args, [a for a in argv if a != "--worker"])
         if rc:
             return rc
-    command = "python -m ember.tools.opinfo " + " ".join(a for a in argv if a not in ("--report", "--in-process"))
+    command = args.command or "python -m ember.tools.opinfo " + " ".join(
+        a for a in argv if a not in ("--report", "--in-process")
+    )
     t = write_report(Path(args.jsonl), md, dev, command.strip())
     counted = sum(t[k] for k in OUTCOMES if k != "skipped")
     print(
