@@ -5,6 +5,7 @@
     python -m ember.tools.bench --workloads softmax,gpt2_blocks --compile-time none
     python -m ember.tools.bench --max-autotune               # adds Inductor max-autotune (minutes)
     python -m ember.tools.bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
+    python -m ember.tools.bench --accuracy --no-inductor     # float64-reference accuracy, not speed
 
 Writes results.jsonl, table.md, table.txt and bench.png to --out (default results/bench-DATE).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from ember.tools.bench import report
@@ -44,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="results folder (default results/bench-DATE-TIME)")
     p.add_argument("--from-jsonl", nargs="+", default=None, help="re-render (and merge) these JSON-lines files")
     p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="instead of timing: check each compiler against a float64 reference (PyTorch's dynamo-benchmark rule)",
+    )
     return p
 
 
@@ -141,6 +148,41 @@ def _one_line(r: dict) -> str:
     return f"{r['case']}: " + ", ".join(cells)
 
 
+def _accuracy(cases, args, device, scale: str, out: str, argv: list[str]) -> int:
+    """--accuracy: every case against a float64 reference; accuracy.md and results.jsonl in `out`."""
+    import torch
+
+    from ember.tools.bench import accuracy, harness, measure
+
+    jsonl = os.path.join(out, "results.jsonl")
+    open(jsonl, "w").close()
+    settings = harness.Settings(device=device, scale=scale, compilers=_compilers(args), timer=measure.Timer(device))
+    env = harness.environment(settings)
+    report.append_jsonl(jsonl, env)
+
+    def emit(record: dict) -> None:
+        report.append_jsonl(jsonl, record)
+        print(accuracy.one_line(record), flush=True)
+
+    records = accuracy.run(cases, settings.compilers, scale, device, emit)
+    header = (
+        f"float64-reference accuracy, {env['date']}, {env['device']}, torch {torch.__version__}, scale {scale}\n\n"
+        f"Command: `python -m ember.tools.bench {' '.join(argv)}`\n"
+    )
+    with open(os.path.join(out, "accuracy.md"), "w") as f:
+        f.write(accuracy.markdown(records, header))
+    bad = [
+        f"{r['case']} ({comp})"
+        for r in records
+        for comp, c in r.get("compilers", {}).items()
+        if c.get("status") != "pass"
+    ] + [r["case"] for r in records if r.get("error")]
+    print(f"results in {out}/ (results.jsonl, accuracy.md)")
+    if bad:
+        print(f"NOT PASSING: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ember.tools.bench.workloads import WORKLOADS, select
@@ -169,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(args.device)
     scale = args.scale if args.scale != "auto" else ("gpu" if device.type == "cuda" else "cpu")
     cases = select(args.workloads, args.modes)
+    if args.accuracy:
+        return _accuracy(cases, args, device, scale, out, sys.argv[1:] if argv is None else argv)
     jsonl = os.path.join(out, "results.jsonl")
     open(jsonl, "w").close()
     compile_keys = _compile_keys(args.compile_time, cases)

@@ -1,0 +1,251 @@
+"""Model accuracy the way PyTorch's dynamo benchmarks check it: against a float64 reference.
+
+    python -m ember.tools.bench --accuracy                          # every workload, both modes
+    python -m ember.tools.bench --accuracy --workloads model --no-inductor --out DIR
+
+For each case (a workload in inference, or one training step: outputs and the gradients of every
+floating input and parameter, with fixed random cotangents):
+
+* eager runs in the workload's own dtype (bf16 weights, or autocast) and so does each compiler;
+* the reference runs the same step in float64: a copy of the module with the same (already
+  rounded) weights in float64, floating inputs in float64, no autocast;
+* for every tensor (each output, each gradient) a compiler passes if it is allclose to eager
+  (rtol = atol = tol), or else if
+      RMSE(compiled, fp64) <= m * RMSE(eager, fp64) + tol / 10
+  with m = 3 for bfloat16/float16 tensors and 2 otherwise (`torch._dynamo.utils.same` with
+  `fp64_ref`, as `benchmarks/dynamo/common.py` calls it). tol is 1e-4 for float32 inference,
+  1e-3 for float32 training and 1e-2 for low-precision workloads (bf16 or autocast), the
+  tolerances those benchmarks use.
+
+A case passes when every tensor does. One JSON record per case (per-tensor errors included),
+and a markdown table (`accuracy.md`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+from torch import nn
+
+from ember.tools.bench import compile_time, measure
+from ember.tools.bench.workloads import Case, missing_requirement
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def rmse(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return torch.sqrt(torch.mean((a.detach().double() - ref.detach().double()) ** 2)).item()
+
+
+def tolerance(case: Case) -> float:
+    if case.workload.dtype != "f32":
+        return 1e-2
+    return 1e-3 if case.mode == "train" else 1e-4
+
+
+@dataclass
+class TensorCheck:
+    name: str
+    passed: bool
+    how: str  # "allclose" | "rmse" | why it failed
+    eager_rmse: float
+    compiled_rmse: float
+    bound: float
+
+    def record(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_tensor(name: str, compiled, eager, ref, tol: float) -> TensorCheck:
+    """The float64 rule for one tensor (see the module docstring)."""
+    if not isinstance(compiled, torch.Tensor) or compiled.shape != eager.shape:
+        shape = tuple(compiled.shape) if isinstance(compiled, torch.Tensor) else type(compiled).__name__
+        return TensorCheck(name, False, f"shape {shape} != eager {tuple(eager.shape)}", math.nan, math.nan, math.nan)
+    if compiled.dtype != eager.dtype:
+        return TensorCheck(name, False, f"dtype {compiled.dtype} != eager {eager.dtype}", math.nan, math.nan, math.nan)
+    if not eager.is_floating_point():
+        same = torch.equal(compiled, eager)
+        return TensorCheck(name, same, "equal" if same else "integer values differ", 0.0, 0.0, 0.0)
+    e_err, c_err = rmse(eager, ref), rmse(compiled, ref)
+    multiplier = 3.0 if eager.dtype in LOW else 2.0
+    bound = multiplier * e_err + tol / 10
+    if torch.allclose(compiled.double(), eager.double(), rtol=tol, atol=tol, equal_nan=True):
+        return TensorCheck(name, True, "allclose", e_err, c_err, bound)
+    if c_err <= bound:  # NaN fails
+        return TensorCheck(name, True, "rmse", e_err, c_err, bound)
+    return TensorCheck(
+        name, False, f"RMSE {c_err:.3g} > {multiplier:g} x {e_err:.3g} + {tol / 10:g}", e_err, c_err, bound
+    )
+
+
+def step(fn, module, inputs: tuple, train: bool, autocast, device, cotangents=None):
+    """(names, tensors, cotangents) of one step: the outputs, then in training the gradients of every
+    floating input and parameter of `module` (the uncompiled module: a compiled one shares them)."""
+    ctx = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    if not train:
+        with torch.no_grad(), ctx:
+            outs = measure.tensors(fn(*inputs))
+        return [f"output {k}" for k in range(len(outs))], [o.detach() for o in outs], None
+    with ctx:
+        outs = measure.tensors(fn(*inputs))
+    diff = [k for k, o in enumerate(outs) if o.requires_grad]
+    leaves = [(f"grad input {k}", x) for k, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if isinstance(module, nn.Module):
+        leaves += [(f"grad {n}", p) for n, p in module.named_parameters() if p.requires_grad]
+    if cotangents is None:
+        gen = torch.Generator(device=device).manual_seed(1)
+        cotangents = [torch.randn(outs[k].shape, generator=gen, device=device, dtype=outs[k].dtype) for k in diff]
+    cots = [c.to(outs[k].dtype) for k, c in zip(diff, cotangents)]
+    grads = torch.autograd.grad([outs[k] for k in diff], [x for _, x in leaves], cots, allow_unused=True)
+    names = [f"output {k}" for k in range(len(outs))] + [n for (n, _), g in zip(leaves, grads) if g is not None]
+    tensors = [o.detach() for o in outs] + [g for g in grads if g is not None]
+    return names, tensors, cotangents
+
+
+def fp64_copy(built, inputs: tuple):
+    """The module with the same (already rounded) weights in float64, and the inputs in float64."""
+    module = copy.deepcopy(built.fn).double() if isinstance(built.fn, nn.Module) else built.fn
+    ref_inputs = tuple(
+        x.detach().double().requires_grad_(x.requires_grad)
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+        else x
+        for x in inputs
+    )
+    return module, ref_inputs
+
+
+def run_case(case: Case, compilers: list[str], scale: str, device: torch.device) -> dict:
+    w = case.workload
+    record: dict = {"type": "accuracy", "case": case.key, "workload": w.name, "mode": case.mode, "dtype": w.dtype}
+    record["shape"] = w.describe(w.sizes[scale])
+    reason = missing_requirement(w)
+    if reason:
+        record["skipped"] = reason
+        return record
+    train = case.mode == "train"
+    tol = tolerance(case)
+    record["tol"] = tol
+    try:
+        torch.manual_seed(0)
+        built = w.build(w.sizes[scale], device)
+        inputs = measure.prepare_inputs(built.inputs, train)
+        names, eager, cotangents = step(built.fn, built.fn, inputs, train, built.autocast, device)
+        module64, inputs64 = fp64_copy(built, inputs)
+        cot64 = [c.double() for c in cotangents] if cotangents is not None else None
+        ref_names, ref, _ = step(module64, module64, inputs64, train, None, device, cot64)
+        if ref_names != names:
+            raise RuntimeError(f"the float64 step made {ref_names}, eager {names}")
+        del module64, inputs64
+    except Exception as e:  # noqa: BLE001 - reported in the case's row
+        record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record["trace"] = traceback.format_exc()[-2000:]
+        return record
+    record["compilers"] = {}
+    for compiler in compilers:
+        torch._dynamo.reset()
+        fn = compile_time.compile_fn(built.fn, compiler)
+        result: dict = {}
+        try:
+            from ember.report import collecting
+
+            t0 = time.perf_counter()
+            with collecting() as report:
+                got_names, got, _ = step(fn, built.fn, inputs, train, built.autocast, device, cotangents)
+            result["seconds"] = time.perf_counter() - t0
+            if compiler.startswith("ember"):
+                result["fallbacks"] = [f"{g.kind}: {g.fallback}" for g in report.graphs if g.fallback]
+        except Exception as e:  # noqa: BLE001 - a crash is a result
+            result.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}")
+            record["compilers"][compiler] = result
+            continue
+        if got_names != names:
+            checks = [TensorCheck("outputs", False, f"made {got_names}, eager {names}", *(math.nan,) * 3)]
+        else:
+            checks = [check_tensor(n, g, e, r, tol) for n, g, e, r in zip(names, got, eager, ref)]
+        failed = [c for c in checks if not c.passed]
+        worst = max(checks, key=lambda c: (not c.passed, _ratio(c)))
+        result.update(
+            status="fail" if failed else "pass",
+            tensors=len(checks),
+            failed=[c.record() for c in failed],
+            worst=worst.record(),
+            note="; ".join(f"{c.name}: {c.how}" for c in failed[:3]),
+        )
+        record["compilers"][compiler] = result
+        del got
+    torch._dynamo.reset()
+    return record
+
+
+def _ratio(c: TensorCheck) -> float:
+    """How close to its bound a tensor's compiled error is (0 = exact, 1 = at the bound)."""
+    if c.how in ("allclose", "equal"):
+        return 0.0
+    return c.compiled_rmse / c.bound if c.bound and not math.isnan(c.bound) else math.inf
+
+
+def markdown(records: list[dict], header: str = "") -> str:
+    lines = [header] if header else []
+    compilers = sorted({c for r in records for c in r.get("compilers", {})})
+    lines.append(
+        "| case | dtype | shape | compiler | result | tensors | worst tensor | eager RMSE | compiled RMSE | bound |"
+    )
+    lines.append("|---|---|---|---|---|---:|---|---:|---:|---:|")
+    for r in records:
+        if r.get("type") != "accuracy":
+            continue
+        if r.get("skipped") or r.get("error"):
+            lines.append(
+                f"| {r['case']} | {r['dtype']} | {r.get('shape', '')} | | {r.get('skipped') or r['error']} |||||"
+            )
+            continue
+        for comp in compilers:
+            c = r["compilers"].get(comp)
+            if c is None:
+                continue
+            if c["status"] == "error":
+                lines.append(f"| {r['case']} | {r['dtype']} | {r['shape']} | {comp} | error: {c['note']} |||||")
+                continue
+            w = c["worst"]
+            result = c["status"].upper() if c["status"] == "fail" else "pass"
+            if c.get("fallbacks"):
+                result += f" (fell back: {len(c['fallbacks'])} graphs)"
+            lines.append(
+                f"| {r['case']} | {r['dtype']} | {r['shape']} | {comp} | {result} | {c['tensors']} | {w['name']} "
+                f"({w['how']}) | {w['eager_rmse']:.3g} | {w['compiled_rmse']:.3g} | {w['bound']:.3g} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run(cases: list[Case], compilers: list[str], scale: str, device: torch.device, emit=print) -> list[dict]:
+    records = []
+    for case in cases:
+        rec = run_case(case, compilers, scale, device)
+        records.append(rec)
+        emit(rec)
+    return records
+
+
+def one_line(r: dict) -> str:
+    if r.get("skipped") or r.get("error"):
+        return f"{r['case']}: {r.get('skipped') or 'error: ' + r['error']}"
+    parts = []
+    for comp, c in r["compilers"].items():
+        if c["status"] == "error":
+            parts.append(f"{comp} error ({c['note']})")
+        else:
+            w = c["worst"]
+            parts.append(
+                f"{comp} {c['status']} ({c['tensors']} tensors; worst {w['name']}: {w['how']}, "
+                f"RMSE {w['compiled_rmse']:.3g} vs eager {w['eager_rmse']:.3g})"
+            )
+    return f"{r['case']}: " + ", ".join(parts)
