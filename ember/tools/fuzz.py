@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import math
+import os
 import random
 import re
 import sys
@@ -173,7 +174,9 @@ class Program:
         return "\n".join(lines) + "\n"
 
     def inputs_source(self, name: str = "make_inputs") -> str:
-        lines = [f"def {name}():", f"    g = torch.Generator().manual_seed({_input_seed(self.seed, self.index)})"]
+        """`name(device="cpu")`: the inputs, drawn on the CPU (the same values everywhere), then moved."""
+        seed = _input_seed(self.seed, self.index)
+        lines = [f'def {name}(device="cpu"):', f"    g = torch.Generator().manual_seed({seed})"]
         for v, ctor in self.inputs:
             lines.append(f"    {v.name} = {ctor}")
         lines.append(f"    return [{', '.join(v.name for v, _ in self.inputs)}]")
@@ -574,11 +577,11 @@ class Generator:
 def _random_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> str:
     s = repr(tuple(shape))
     if dtype == torch.bool:
-        return f"(torch.rand({s}, generator=g) > 0.5)"
+        return f"(torch.rand({s}, generator=g) > 0.5).to(device)"
     if dtype == torch.int64:
-        return f"torch.randint(-9, 10, {s}, generator=g)"
+        return f"torch.randint(-9, 10, {s}, generator=g).to(device)"
     base = f"torch.randn({s}, generator=g)"
-    return base if dtype == torch.float32 else f"{base}.to({DTYPE_NAMES[dtype]})"
+    return f"{base}.to(device)" if dtype == torch.float32 else f"{base}.to(device, {DTYPE_NAMES[dtype]})"
 
 
 def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -696,7 +699,7 @@ def _upcast(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 STATS = {"graphs": 0, "kernels": 0, "externs": 0}
 
 
-def check_batch(programs: list[Program], options: dict) -> list[Outcome] | None:
+def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> list[Outcome] | None:
     """Compile the programs as one function; per-program outcomes, or None if the batch needs splitting."""
     from ember.report import collecting
 
@@ -704,7 +707,7 @@ def check_batch(programs: list[Program], options: dict) -> list[Outcome] | None:
     for k, p in enumerate(programs):
         ns_src += [p.source(f"program_{k}"), p.source(f"reference_{k}", reference=True), p.inputs_source(f"inputs_{k}")]
     ns = _exec("\n".join(ns_src))
-    all_inputs = [ns[f"inputs_{k}"]() for k in range(len(programs))]
+    all_inputs = [ns[f"inputs_{k}"](device) for k in range(len(programs))]
     eager_outs, ref_outs, outcomes = [], [], [None] * len(programs)
     for k, p in enumerate(programs):
         try:
@@ -764,13 +767,13 @@ def check_batch(programs: list[Program], options: dict) -> list[Outcome] | None:
     return outcomes
 
 
-def check(programs: list[Program], options: dict) -> list[Outcome]:
+def check(programs: list[Program], options: dict, device: str = "cpu") -> list[Outcome]:
     """Check a batch; split it where something went wrong, down to single programs."""
-    out = check_batch(programs, options)
+    out = check_batch(programs, options, device)
     if out is not None:
         return out
     mid = len(programs) // 2
-    return check(programs[:mid], options) + check(programs[mid:], options)
+    return check(programs[:mid], options, device) + check(programs[mid:], options, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,7 +799,7 @@ import torch
 {inputs}
 
 def main():
-    inputs = make_inputs()
+    inputs = make_inputs({device!r})
     expected = program(*inputs)
     reference = reference_program(*[x.double() if x.is_floating_point() else x for x in inputs])
     torch._dynamo.reset()
@@ -816,7 +819,7 @@ if __name__ == "__main__":
 '''
 
 
-def write_repro(outcome: Outcome, directory: Path, options: dict) -> Path:
+def write_repro(outcome: Outcome, directory: Path, options: dict, device: str = "cpu") -> Path:
     p = outcome.program
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"repro_seed{p.seed}_{p.index}.py"
@@ -833,6 +836,7 @@ def write_repro(outcome: Outcome, directory: Path, options: dict) -> Path:
         options=options,
         compare=inspect.getsource(compare),
         tol=_tol(p.low_precision),
+        device=device,
     )
     path.write_text(text)
     return path
@@ -863,6 +867,7 @@ def run(
     options: dict | None = None,
     repro_dir: str | Path | None = None,
     log=None,
+    device: str = "cpu",
 ) -> Summary:
     """Generate and check programs start..start+count-1 of `seed`."""
     options = {"backend": "cpp", **(options or {})}
@@ -871,7 +876,7 @@ def run(
     indices = list(range(start, start + count))
     for b in range(0, len(indices), batch):
         progs = [generate(seed, i) for i in indices[b : b + batch]]
-        for o in check(progs, options):
+        for o in check(progs, options, device):
             summary.counts[o.status] = summary.counts.get(o.status, 0) + 1
             if o.status in ("mismatch", "crash"):
                 summary.failures.append(o)
@@ -880,7 +885,9 @@ def run(
             elif o.status == "invalid":
                 summary.invalid.append(o)
             if o.status != "ok":
-                where = write_repro(o, Path(repro_dir), options) if repro_dir and o.status != "invalid" else None
+                where = (
+                    write_repro(o, Path(repro_dir), options, device) if repro_dir and o.status != "invalid" else None
+                )
                 if log:
                     log(
                         f"program {o.program.index}: {o.status}: {o.detail[:400]}"
@@ -903,6 +910,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=int, default=None, help="just program ONLY of the seed")
     p.add_argument("--batch", type=int, default=8, help="programs compiled together (one C++ build per batch)")
     p.add_argument("--backend", default="cpp", choices=["cpp", "triton"])
+    p.add_argument("--device", default="cpu", help="where the inputs live: cpu, cuda (use --backend triton)")
     p.add_argument("--repro-dir", default="results/fuzz-repros")
     p.add_argument("--show", action="store_true", help="print the programs instead of running them")
     args = p.parse_args(argv)
@@ -913,7 +921,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# seed {args.seed} program {i}{' (dynamic)' if prog.dynamic else ''}")
             print(prog.inputs_source() + "\n" + prog.source())
         return 0
-    print(f"ember fuzz: seed {args.seed}, programs {start}..{start + count - 1}, backend {args.backend}", flush=True)
+    if args.backend == "triton" and args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton's CPU interpreter (before triton is imported)
+    print(
+        f"ember fuzz: seed {args.seed}, programs {start}..{start + count - 1}, backend {args.backend}, "
+        f"device {args.device}",
+        flush=True,
+    )
     s = run(
         args.seed,
         count,
@@ -922,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         {"backend": args.backend},
         args.repro_dir,
         log=lambda m: print(m, flush=True),
+        device=args.device,
     )
     print(
         f"done: {count} programs in {s.seconds:.0f}s: {s.counts.get('ok', 0)} ok, "
