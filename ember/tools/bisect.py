@@ -96,9 +96,9 @@ def _recording(graphs: list) -> Iterator[None]:
     original = pipeline.compile_graph
 
     def record(gm, example_inputs, kind):
-        compiled = original(gm, example_inputs, kind)
         entry = [kind, gm, None]
-        graphs.append(entry)
+        graphs.append(entry)  # before compiling: a graph whose compile raises is recorded too
+        compiled = original(gm, example_inputs, kind)
 
         def call(args):
             if entry[2] is None:
@@ -129,7 +129,8 @@ def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: di
             got = torch.compile(fn, backend="ember")(*_clone(inputs))
         detail = _mismatch(got, expected, rtol, atol)
     except Exception as e:  # noqa: BLE001 - a crash at this limit counts as a failure
-        detail = f"raised {type(e).__name__}: {str(e)[:300]}\n{traceback.format_exc()[-1500:]}"
+        message = " ".join(str(e).replace("Set TORCHDYNAMO_VERBOSE=1", "\n").split("\n")[0:3]).split()
+        detail = f"raised {type(e).__name__}: {' '.join(message)[:300]}\n{traceback.format_exc()[-1500:]}"
     return Trial(limit, fuse, detail is not None, detail or "matches eager", [tuple(g) for g in graphs])
 
 
@@ -265,7 +266,8 @@ def write_repro(gm, inputs: list, out: Path, summary: str, options: dict, rtol, 
             inputs_file=inputs_file,
             script=script,
             code=_graph_code(gm),
-            options={k: v for k, v in options.items() if k not in ("bisect_ops", "strict")},
+            # strict: a compile that fails is reported, not run eagerly
+            options={**{k: v for k, v in options.items() if k != "bisect_ops"}, "strict": True},
             rtol=rtol,
             atol=atol,
         )
@@ -318,6 +320,8 @@ def bisect(
     if not found:
         return BisectResult(None, None, limit, kind, f"no graph lowers {limit} ops: {last_bad.detail}", trials=trials)
     k, gkind, gm, real, node = found[0]
+    if real is None:  # the graph's compile raised at this limit: take its inputs from a trial that ran it
+        real = next((t.graphs[k][2] for t in trials if len(t.graphs) > k and t.graphs[k][2] is not None), None)
     others = [f"{_op_name(n)} ({n.name}, {kd} graph {i})" for i, kd, _, _, n in found[1:]]
     culprit = f"{node.target} (node {node.name} in {gkind} graph {k})"
     detail = ("a fusion bug: the result matches with fuse=False. " if kind == "fusion" else "an op bug: ") + (
