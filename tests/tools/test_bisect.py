@@ -60,3 +60,14 @@ def test_bisect_ops_setting_limits_lowering():
         counts[limit] = len(graph.externs)
     assert counts[0] > counts[2] > counts[-1], counts
     assert "bisect_ops" in config.codegen_key(), "bisect_ops changes the generated code: it must enter cache keys"
+
+
+def test_bisect_names_an_op_whose_code_does_not_compile(tmp_path, monkeypatch):
+    """tanh rendered as C++ that g++ rejects: the compile raises (strict); bisect names aten.tanh."""
+    broken = dataclasses.replace(ops.POINTWISE["tanh"], cpp="no_such_function({0})")
+    monkeypatch.setitem(ops.POINTWISE, "tanh", broken)
+    x, y = torch.randn(5, 7), torch.randn(7)
+    result = bisect(_program, [x, y], out=tmp_path, options={"cache_dir": str(tmp_path / "cache")})
+    assert result.op == "tanh" and result.kind == "op", str(result)
+    assert "no_such_function" in result.detail or "ToolchainError" in result.detail, result.detail
+    assert result.repro is not None and "torch.ops.aten.tanh" in result.repro.read_text()
