@@ -699,8 +699,9 @@ def _upcast(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 STATS = {"graphs": 0, "kernels": 0, "externs": 0}
 
 
-def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> list[Outcome] | None:
-    """Compile the programs as one function; per-program outcomes, or None if the batch needs splitting."""
+def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> tuple[list[Outcome] | None, str]:
+    """Compile the programs as one function: (per-program outcomes, "") or, if the batch needs
+    splitting, (None, what went wrong)."""
     from ember.report import collecting
 
     ns_src = []
@@ -730,7 +731,7 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
         return tuple(outs)
 
     flat = [x for k in live for x in all_inputs[k]]
-    dynamic = any(programs[k].dynamic for k in live)
+    dynamic = any(programs[k].dynamic for k in live)  # run() batches static and dynamic programs apart
     torch._dynamo.reset()
     crash = None
     with warnings.catch_warnings(record=True) as caught, collecting() as report:
@@ -745,11 +746,12 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
     STATS["kernels"] += sum(len(g.kernels) for g in report.graphs)
     STATS["externs"] += sum(len(g.externs) for g in report.graphs)
     if crash or fallbacks:
+        trouble = f"crash: {crash}" if crash else "fallback: " + "; ".join(fallbacks)
         if len(programs) > 1:
-            return None
+            return None, trouble
         if crash:
-            return [Outcome(programs[0], "crash", crash)]
-        return [Outcome(programs[0], "fallback", "; ".join(fallbacks))]
+            return [Outcome(programs[0], "crash", crash)], ""
+        return [Outcome(programs[0], "fallback", "; ".join(fallbacks))], ""
     del caught
     tol_of = {k: _tol(programs[k].low_precision) for k in live}
     for j, k in enumerate(live):
@@ -762,18 +764,26 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
             if msg:
                 problems.append(f"output {i} ({programs[k].outputs[i].name}): {msg}")
         if problems and len(programs) > 1:
-            return None  # re-run it alone, so the repro is one program
+            return None, f"mismatch: program {programs[k].index}: " + "; ".join(problems)  # re-run it alone
         outcomes[k] = Outcome(programs[k], "mismatch" if problems else "ok", "; ".join(problems))
-    return outcomes
+    return outcomes, ""
 
 
 def check(programs: list[Program], options: dict, device: str = "cpu") -> list[Outcome]:
-    """Check a batch; split it where something went wrong, down to single programs."""
-    out = check_batch(programs, options, device)
+    """Check a batch; split it where something went wrong, down to single programs.
+
+    If every part passes on its own, the batch's trouble is blamed on all its programs (ember got
+    them wrong only together), never dropped."""
+    out, trouble = check_batch(programs, options, device)
     if out is not None:
         return out
     mid = len(programs) // 2
-    return check(programs[:mid], options, device) + check(programs[mid:], options, device)
+    parts = check(programs[:mid], options, device) + check(programs[mid:], options, device)
+    if any(o.status not in ("ok", "invalid") for o in parts):
+        return parts
+    status = trouble.split(":", 1)[0]
+    together = f"only when compiled together with programs {[p.index for p in programs]}: {trouble}"
+    return [Outcome(o.program, status, together) if o.status == "ok" else o for o in parts]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,7 +886,10 @@ def run(
     indices = list(range(start, start + count))
     for b in range(0, len(indices), batch):
         progs = [generate(seed, i) for i in indices[b : b + batch]]
-        for o in check(progs, options, device):
+        # Static and dynamic-shape programs compile apart: a program is checked the way it is replayed.
+        groups = [[p for p in progs if not p.dynamic], [p for p in progs if p.dynamic]]
+        outcomes = [o for g in groups if g for o in check(g, options, device)]
+        for o in sorted(outcomes, key=lambda o: o.program.index):
             summary.counts[o.status] = summary.counts.get(o.status, 0) + 1
             if o.status in ("mismatch", "crash"):
                 summary.failures.append(o)

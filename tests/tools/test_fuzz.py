@@ -69,3 +69,18 @@ def test_compare_rule():
     assert fuzz.compare(torch.tensor([1.5, 3.0]).bfloat16(), eager, ref, 2**-5) is not None
     assert fuzz.compare(x.to(torch.float16), x, x, 1e-4) is not None  # dtype
     assert fuzz.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 3]), 0) is not None
+
+
+def test_trouble_seen_only_in_a_batch_is_not_dropped(monkeypatch):
+    """A batch that fails while each of its programs passes alone: every program is reported."""
+    progs = [fuzz.generate(1, i) for i in range(4)]
+
+    def fake(programs, options, device="cpu"):
+        if len(programs) > 1:
+            return None, "mismatch: program 2: output 0 off"
+        return [fuzz.Outcome(programs[0], "ok")], ""
+
+    monkeypatch.setattr(fuzz, "check_batch", fake)
+    outcomes = fuzz.check(progs, {})
+    assert [o.status for o in outcomes] == ["mismatch"] * 4, outcomes
+    assert "only when compiled together" in outcomes[0].detail
