@@ -62,3 +62,13 @@ def test_clamp_bound_of_zero(fn):
 def test_var_of_0d(dim):
     # OpInfo var / var_mean / std on 0-d inputs with dim=0: was ZeroDivisionError in the lowering.
     _check(lambda t: torch.var(t, dim), torch.tensor(2.5), op="var", dim=dim)
+
+
+@pytest.mark.parametrize("correction", [0, 1, 1.0, 0.3, 2, 7])
+def test_var_float_correction(correction):
+    # OpInfo std/var/var_mean samples: a float correction made a float size expression (ember fell back
+    # with "index expression 4.000"); a correction above the count must give eager's nan (max(0, N - c)).
+    x = torch.randn(4, 5)
+    _check(lambda t: torch.var(t, 1, correction=correction), x, grad=True, op="var", correction=correction)
+    _check(lambda t: torch.std(t, 1, correction=correction), x, op="std", correction=correction)
+    _check(lambda t: torch.var_mean(t, 0, correction=correction)[0], x, op="var_mean", correction=correction)

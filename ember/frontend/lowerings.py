@@ -232,7 +232,16 @@ def _var_mean(ctx: Importer, node):
     sq = ctx.pointwise("mul", [diff, diff], ShapeDtype(x.shape, acc))
     total = ctx.reduce("sum", sq, dims, keepdim, acc)
     count = ctx.numel(x, [d % len(x.shape) for d in dims])
-    var = ctx.pointwise("truediv", [total, count - correction], ShapeDtype(total.shape, acc))
+    # Eager divides by max(0, N - correction); a float correction (std(unbiased=...) passes 1.0, OpInfo
+    # passes 0.3) must stay a Python number, not enter a size expression.
+    if isinstance(correction, float) and correction.is_integer():
+        correction = int(correction)
+    divisor = count - correction
+    if divisor.is_number:
+        divisor = max(0, float(divisor) if isinstance(correction, float) else int(divisor))
+    elif isinstance(correction, float):
+        raise Unsupported("fractional correction with a symbolic count")
+    var = ctx.pointwise("truediv", [total, divisor], ShapeDtype(total.shape, acc))
     mean = mean_keep if keepdim else ctx.view("squeeze", mean_keep, dims=tuple(sorted(d % len(x.shape) for d in dims)))
     return ctx.cast(var, out_dtype), ctx.cast(mean, out_dtype)
 

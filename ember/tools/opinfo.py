@@ -327,6 +327,27 @@ class _Runner:
         return compare(a_grads, e_grads, gref, self.dtype, what="grad")
 
 
+def _no_graph_shortcut(runner: _Runner, todo: list[Sample]) -> list[Sample]:
+    """After a failed fullgraph batch: if Dynamo hands ember no graph at all for the batch (data-dependent
+    ops such as unique or nonzero break the graph), every sample that matches is `fallback` at once,
+    instead of tracing each alone. Returns the samples left to run one by one."""
+    try:
+        outs, grads, report = runner.run(todo, fullgraph=False)
+    except SweepTimeout:
+        raise
+    except Exception:  # noqa: BLE001  (the one-by-one runs record the error)
+        return todo
+    if report.graphs:
+        return todo
+    rest = []
+    for s, out, g in zip(todo, outs, grads):
+        if runner.check(s, out, g) is None:
+            s.finish("fallback", "Dynamo: no graph reached ember")
+        else:
+            rest.append(s)
+    return rest
+
+
 def _fallbacks(report) -> list[str]:
     return [f"{g.kind}: {g.fallback}" for g in report.graphs if g.fallback]
 
@@ -384,7 +405,7 @@ def run_pair(
                 else:
                     one_by_one.append(s)  # re-run alone to confirm and attribute
         else:
-            one_by_one = todo
+            one_by_one = _no_graph_shortcut(runner, todo)
     for s in one_by_one:
         s.outcome = None
         try:
@@ -523,7 +544,7 @@ def _worker(args) -> int:
     records = load_records(jsonl)
     done = set(records) if args.resume else set()
     if args.rerun_failed:
-        done = {k for k, r in records.items() if not (r["counts"]["mismatch"] or r["counts"]["crash"])}
+        done = {k for k, r in records.items() if not any(r["counts"][o] for o in ("mismatch", "crash", "timeout"))}
     ops = select_ops(args.ops, args.skip_ops)
     if args.shard:
         k, n = (int(x) for x in args.shard.split("/"))
@@ -711,7 +732,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-time limit per (op, dtype)")
     p.add_argument("--out", default=None, help="folder for DEVICE.jsonl and DEVICE.md (default docs/opinfo)")
     p.add_argument("--resume", action="store_true", help="keep results already in the JSON lines; run the rest")
-    p.add_argument("--rerun-failed", action="store_true", help="re-run only pairs with mismatches or crashes")
+    p.add_argument("--rerun-failed", action="store_true", help="re-run only pairs with mismatches, crashes or timeouts")
     p.add_argument("--report", action="store_true", help="only re-render the markdown table")
     p.add_argument("--merge", nargs="+", default=None, help="JSON lines of other runs (shards) to merge in first")
     p.add_argument("--command", default=None, help="the command line to print in the table (e.g. of merged shards)")
