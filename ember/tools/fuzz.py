@@ -157,6 +157,7 @@ class Program:
     body: list[str] = field(default_factory=list)
     outputs: list[Val] = field(default_factory=list)
     dynamic: bool = False
+    grad: bool = False  # also check the gradients of every float input (one backward with fixed cotangents)
 
     @property
     def low_precision(self) -> set[torch.dtype]:
@@ -232,6 +233,7 @@ class Generator:
             self.step()
         self.prog.outputs = self.pick_outputs()
         self.prog.dynamic = rng.random() < 0.15
+        self.prog.grad = rng.random() < 0.3
         return self.prog
 
     def pick_outputs(self) -> list[Val]:
@@ -695,6 +697,29 @@ def _upcast(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x.double() if x.is_floating_point() else x for x in inputs]
 
 
+def cotangents(outputs: list) -> list:
+    """Fixed pseudo-random cotangents for the outputs that require grad (the same for eager, ember, fp64)."""
+    gen = torch.Generator().manual_seed(12345)
+    diff = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    return [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in diff]
+
+
+def grads(outputs: list, inputs: list, cots: list | None = None) -> list:
+    """Gradients of the outputs that require grad, with `cots` (default: `cotangents(outputs)`), w.r.t.
+    each input that requires grad; an input the outputs do not depend on gets zeros."""
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not leaves or not diff:
+        return [torch.zeros_like(x) for x in leaves]
+    cots = cotangents(outputs) if cots is None else cots
+    found = torch.autograd.grad(diff, leaves, cots, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(found, leaves)]
+
+
+def _requiring_grad(inputs: list) -> list:
+    return [x.requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+
+
 # Graphs, kernels and externs compiled (including batches re-run to isolate a failure).
 STATS = {"graphs": 0, "kernels": 0, "externs": 0}
 
@@ -708,14 +733,25 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
     for k, p in enumerate(programs):
         ns_src += [p.source(f"program_{k}"), p.source(f"reference_{k}", reference=True), p.inputs_source(f"inputs_{k}")]
     ns = _exec("\n".join(ns_src))
+    grad = any(p.grad for p in programs)  # run() batches gradient programs apart
     all_inputs = [ns[f"inputs_{k}"](device) for k in range(len(programs))]
+    if grad:
+        all_inputs = [_requiring_grad(xs) for xs in all_inputs]
     eager_outs, ref_outs, outcomes = [], [], [None] * len(programs)
     for k, p in enumerate(programs):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # e.g. var() with too few degrees of freedom
-                eager_outs.append(_as_list(ns[f"program_{k}"](*all_inputs[k])))
-                ref_outs.append(_as_list(ns[f"reference_{k}"](*_upcast(all_inputs[k]))))
+                # autograd.grad accumulates nothing: eager and ember may share the input leaves.
+                eager_inputs = all_inputs[k]
+                ref_inputs = [x.detach().requires_grad_(x.requires_grad) for x in _upcast(all_inputs[k])]
+                eager = _as_list(ns[f"program_{k}"](*eager_inputs))
+                ref = _as_list(ns[f"reference_{k}"](*ref_inputs))
+                if grad:
+                    eager = [o.detach() for o in eager] + grads(eager, eager_inputs)
+                    ref = [o.detach() for o in ref] + grads(ref, ref_inputs)
+                eager_outs.append(eager)
+                ref_outs.append(ref)
         except Exception as e:  # noqa: BLE001 - counted, never silently dropped
             outcomes[k] = Outcome(p, "invalid", f"eager raised {type(e).__name__}: {e}")
             eager_outs.append(None)
@@ -739,6 +775,17 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
         try:
             compiled = torch.compile(batch, backend="ember", dynamic=dynamic or None, options=options)
             got = compiled(*flat) if live else ()
+            if grad and live:
+                # One backward for the whole batch: the programs share no inputs, so each one's
+                # gradients are its own.
+                every = [o for j in range(len(live)) for o in _as_list(got[j])]
+                cots = [c for j in range(len(live)) for c in cotangents(_as_list(got[j]))]
+                flat_grads = iter(grads(every, flat, cots))
+                got = [
+                    [o.detach() for o in _as_list(got[j])]
+                    + [next(flat_grads) for x in all_inputs[k] if x.requires_grad]
+                    for j, k in enumerate(live)
+                ]
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {e}"[:2000] + "\n" + traceback.format_exc()[-3000:]
     fallbacks = [g.fallback for g in report.graphs if g.fallback]
@@ -759,10 +806,13 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
         problems = []
         if len(outs) != len(eager_outs[k]):
             problems.append(f"{len(outs)} outputs, eager has {len(eager_outs[k])}")
+        names = [f"output {i} ({v.name})" for i, v in enumerate(programs[k].outputs)]
+        if grad:
+            names += [f"grad of {v.name}" for (v, _), x in zip(programs[k].inputs, all_inputs[k]) if x.requires_grad]
         for i, (c, e, r) in enumerate(zip(outs, eager_outs[k], ref_outs[k])):
             msg = compare(c, e, r, tol_of[k])
             if msg:
-                problems.append(f"output {i} ({programs[k].outputs[i].name}): {msg}")
+                problems.append(f"{names[i]}: {msg}")
         if problems and len(programs) > 1:
             return None, f"mismatch: program {programs[k].index}: " + "; ".join(problems)  # re-run it alone
         outcomes[k] = Outcome(programs[k], "mismatch" if problems else "ok", "; ".join(problems))
@@ -804,17 +854,28 @@ import torch
 
 {compare}
 
+{grads}
 {program}
 {reference}
 {inputs}
 
+GRAD = {grad!r}  # also compare the gradients of the float inputs
+
+
 def main():
     inputs = make_inputs({device!r})
-    expected = program(*inputs)
-    reference = reference_program(*[x.double() if x.is_floating_point() else x for x in inputs])
+    if GRAD:
+        inputs = [x.requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+    ref_inputs = [x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in inputs]
+    expected = list(program(*inputs))
+    reference = list(reference_program(*ref_inputs))
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="ember", dynamic={dynamic}, options={options!r})
-    got = compiled(*inputs)
+    got = list(compiled(*inputs))
+    if GRAD:
+        expected = [o.detach() for o in expected] + grads(expected, inputs)
+        reference = [o.detach() for o in reference] + grads(reference, ref_inputs)
+        got = [o.detach() for o in got] + grads(got, inputs)
     failed = len(got) != len(expected)
     for i, (c, e, r) in enumerate(zip(got, expected, reference)):
         problem = compare(c, e, r, {tol!r})
@@ -845,6 +906,8 @@ def write_repro(outcome: Outcome, directory: Path, options: dict, device: str = 
         dynamic=p.dynamic or None,
         options=options,
         compare=inspect.getsource(compare),
+        grads=inspect.getsource(cotangents) + "\n\n" + inspect.getsource(grads),
+        grad=p.grad,
         tol=_tol(p.low_precision),
         device=device,
     )
@@ -887,7 +950,8 @@ def run(
     for b in range(0, len(indices), batch):
         progs = [generate(seed, i) for i in indices[b : b + batch]]
         # Static and dynamic-shape programs compile apart: a program is checked the way it is replayed.
-        groups = [[p for p in progs if not p.dynamic], [p for p in progs if p.dynamic]]
+        kinds = sorted({(p.dynamic, p.grad) for p in progs})
+        groups = [[p for p in progs if (p.dynamic, p.grad) == kind] for kind in kinds]
         outcomes = [o for g in groups if g for o in check(g, options, device)]
         for o in sorted(outcomes, key=lambda o: o.program.index):
             summary.counts[o.status] = summary.counts.get(o.status, 0) + 1
@@ -931,7 +995,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.show:
         for i in range(start, start + count):
             prog = generate(args.seed, i)
-            print(f"# seed {args.seed} program {i}{' (dynamic)' if prog.dynamic else ''}")
+            flags = [f for f, on in (("dynamic", prog.dynamic), ("gradients", prog.grad)) if on]
+            print(f"# seed {args.seed} program {i}{' (' + ', '.join(flags) + ')' if flags else ''}")
             print(prog.inputs_source() + "\n" + prog.source())
         return 0
     if args.backend == "triton" and args.device == "cpu":
