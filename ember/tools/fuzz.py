@@ -33,6 +33,9 @@ no float arithmetic made (inputs, views, casts, concatenations); comparisons rea
 by low-precision arithmetic, and compare computed values with 0 only (layer_norm over two
 elements is exactly +-1 in one implementation and 1 - ulp in another).
 
+30% of the programs also check gradients: one backward with fixed pseudo-random cotangents,
+and each float input's gradient compared by the same rule.
+
 Several programs are compiled as one function (`--batch`), to pay the C++ compiler once per
 batch; a batch with a mismatch, a crash or an eager fallback is re-run program by program so the
 culprit is named. A failing program is written as a standalone script (plain torch and

@@ -84,3 +84,22 @@ def test_trouble_seen_only_in_a_batch_is_not_dropped(monkeypatch):
     outcomes = fuzz.check(progs, {})
     assert [o.status for o in outcomes] == ["mismatch"] * 4, outcomes
     assert "only when compiled together" in outcomes[0].detail
+
+
+def test_gradients_are_checked(monkeypatch):
+    """A wrong backward formula (tanh' = 1 - y instead of 1 - y^2) shows as a gradient mismatch."""
+    from ember.frontend.decompositions import decomposition_table
+
+    x1 = fuzz.Val("x1", (4, 5), torch.float32)
+    prog = fuzz.Program(9, 0, inputs=[(x1, "torch.randn((4, 5), generator=g).to(device)")])
+    prog.body, prog.outputs, prog.grad = ["v2 = torch.tanh(x1 * 2)"], [fuzz.Val("v2", (4, 5), torch.float32)], True
+    (outcome,) = fuzz.check([prog], {"backend": "cpp"})
+    assert outcome.status == "ok", outcome
+
+    table = dict(decomposition_table())
+    table[torch.ops.aten.tanh_backward.default] = lambda grad, y: grad * (1 - y)
+    monkeypatch.setattr("ember.frontend.decompositions.decomposition_table", lambda: table)
+    torch._dynamo.reset()
+    (outcome,) = fuzz.check([prog], {"backend": "cpp"})
+    assert outcome.status == "mismatch" and "grad of x1" in outcome.detail, outcome
+    assert "output 0" not in outcome.detail, "the forward is right; only the gradient is wrong"
