@@ -45,6 +45,7 @@ culprit is named. A failing program is written as a standalone script (plain tor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import math
 import os
@@ -719,6 +720,16 @@ def grads(outputs: list, inputs: list, cots: list | None = None) -> list:
     return [torch.zeros_like(x) if g is None else g.detach() for g, x in zip(found, leaves)]
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
 def _requiring_grad(inputs: list) -> list:
     return [x.requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
@@ -749,14 +760,15 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
                 eager_inputs = all_inputs[k]
                 ref_inputs = [x.detach().requires_grad_(x.requires_grad) for x in _upcast(all_inputs[k])]
                 eager = _as_list(ns[f"program_{k}"](*eager_inputs))
-                ref = _as_list(ns[f"reference_{k}"](*ref_inputs))
+                with _default_dtype(torch.float64):  # int / 0.5 is float64 in the reference
+                    ref = _as_list(ns[f"reference_{k}"](*ref_inputs))
                 if grad:
                     eager = [o.detach() for o in eager] + grads(eager, eager_inputs)
                     ref = [o.detach() for o in ref] + grads(ref, ref_inputs)
                 eager_outs.append(eager)
                 ref_outs.append(ref)
         except Exception as e:  # noqa: BLE001 - counted, never silently dropped
-            outcomes[k] = Outcome(p, "invalid", f"eager raised {type(e).__name__}: {e}")
+            outcomes[k] = Outcome(p, "invalid", f"eager or the reference raised {type(e).__name__}: {e}")
             eager_outs.append(None)
             ref_outs.append(None)
     live = [k for k in range(len(programs)) if outcomes[k] is None]
@@ -871,7 +883,9 @@ def main():
         inputs = [x.requires_grad_(True) if x.is_floating_point() else x for x in inputs]
     ref_inputs = [x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x for x in inputs]
     expected = list(program(*inputs))
+    torch.set_default_dtype(torch.float64)  # int / 0.5 is float64 in the reference
     reference = list(reference_program(*ref_inputs))
+    torch.set_default_dtype(torch.float32)
     torch._dynamo.reset()
     compiled = torch.compile(program, backend="ember", dynamic={dynamic}, options={options!r})
     got = list(compiled(*inputs))
