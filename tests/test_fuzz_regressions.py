@@ -24,6 +24,29 @@ CASES = {
 }
 
 
+def _clamp_transposed_divide(x, w):
+    # seed 2026, program 200 (gradients): the forward saves `clamp(x).transpose(0, -1)` for the
+    # backward. ember's forward returned it in its own layout, AOTAutograd recorded eager's
+    # (x is a permuted input), and the backward kernels read it with the recorded strides.
+    return torch.div(w, torch.clamp(x, -2.0, 3.0).transpose(0, -1))
+
+
+def test_backward_reads_a_saved_activation_in_the_recorded_layout():
+    base = torch.randn(5, 17, 8)
+    x = base.permute(0, 2, 1).requires_grad_(True)  # strides (136, 1, 8)
+    w = torch.randn(1, 1, 5, requires_grad=True)
+    cot = torch.randn(17, 8, 5)
+    line = repro(program="clamp_transposed_divide", inputs=[x, w])
+    compiled = torch.compile(_clamp_transposed_divide, backend="ember", options={"backend": "cpp", "strict": True})
+    got = compiled(x, w)
+    got_grads = torch.autograd.grad(got, [x, w], cot)
+    want = _clamp_transposed_divide(x, w)
+    want_grads = torch.autograd.grad(want, [x, w], cot)
+    assert_close(got, want, rtol=1e-5, atol=1e-5, what="output", line=line)
+    for name, g, e in zip(("x", "w"), got_grads, want_grads):
+        assert_close(g, e, rtol=1e-4, atol=1e-4, what=f"grad of {name}", line=line)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fuzz_regression(name):
     fn, shapes, dynamic = CASES[name]
