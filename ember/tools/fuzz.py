@@ -1039,8 +1039,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{s.counts.get('crash', 0)} crashes, {s.counts.get('invalid', 0)} invalid (eager raised)"
     )
     print(f"compiled {STATS['graphs']} graphs: {STATS['kernels']} ember kernels, {STATS['externs']} ATen externs")
+    causes: dict[str, list[int]] = {}
     for o in s.fallbacks:
-        print(f"  fallback: program {o.program.index}: {o.detail[:300]}")
+        cause = re.sub(r"\d+", "N", o.detail.splitlines()[0] if o.detail else "")[:160]
+        causes.setdefault(cause, []).append(o.program.index)
+    for cause, which in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        print(
+            f"  fell back {len(which)}x: {cause}  (programs {', '.join(map(str, which[:8]))}{' ...' if len(which) > 8 else ''})"
+        )
     for o in s.failures:
         print(f"  FAIL: program {o.program.index} ({o.status}): {o.detail[:300]}")
     return 1 if s.mismatches else 0
