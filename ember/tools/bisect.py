@@ -116,17 +116,32 @@ def _recording(graphs: list) -> Iterator[None]:
 
 
 def _clone(inputs):
-    return [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+    return [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _run(fn: Callable, inputs: list) -> list[torch.Tensor]:
+    """fn's outputs and, if an input requires grad, the gradients of every such input (one backward
+    with fixed pseudo-random cotangents), so a backward graph is checked too."""
+    inputs = _clone(inputs)
+    outs = _outputs(fn(*inputs))
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff = [o for o in outs if o.requires_grad]
+    if not leaves or not diff:
+        return [o.detach() for o in outs]
+    gen = torch.Generator().manual_seed(0)
+    cots = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in diff]
+    grads = torch.autograd.grad(diff, leaves, cots, allow_unused=True)
+    return [o.detach() for o in outs] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
 
 def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: dict, rtol, atol) -> Trial:
-    expected = fn(*_clone(inputs))
+    expected = _run(fn, inputs)
     graphs: list = []
     torch._dynamo.reset()
     settings = {**options, "fuse": fuse, "bisect_ops": -1 if limit is None else limit, "strict": True}
     try:
         with config.override(**settings), _recording(graphs):
-            got = torch.compile(fn, backend="ember")(*_clone(inputs))
+            got = _run(torch.compile(fn, backend="ember"), inputs)
         detail = _mismatch(got, expected, rtol, atol)
     except Exception as e:  # noqa: BLE001 - a crash at this limit counts as a failure
         message = " ".join(str(e).replace("Set TORCHDYNAMO_VERBOSE=1", "\n").split("\n")[0:3]).split()
@@ -296,7 +311,9 @@ def bisect(
     out: str | Path | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> BisectResult:
-    """Find the op whose lowering (or fusion) makes `fn(*inputs)` differ from eager; write a repro to `out`."""
+    """Find the op whose lowering (or fusion) makes `fn(*inputs)` differ from eager; write a repro to `out`.
+
+    If an input requires grad, the gradients are compared too and backward graphs are bisected."""
     options = dict(options or {})
     options.setdefault("backend", "cpp")
     trials: list[Trial] = []
@@ -314,7 +331,8 @@ def bisect(
         log(f"without fusion: first mismatch at bisect_ops={limit}")
     if limit == 0:
         detail = trials[-1].detail
-        return BisectResult(None, None, 0, "eager graph", f"mismatch with nothing lowered: {detail}", trials=trials)
+        detail = f"mismatch with no op lowered: the ATen graph itself (decompositions) differs from eager: {detail}"
+        return BisectResult(None, None, 0, "eager graph", detail, trials=trials)
     last_bad = next(t for t in reversed(trials) if t.bad and t.fuse == fuse and t.graphs)
     found = _culprit_nodes(last_bad, limit, options)
     if not found:
@@ -353,11 +371,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--atol", type=float, default=None)
     p.add_argument("--backend", default="cpp", choices=["cpp", "triton"])
     p.add_argument("--out", default="results/bisect", help="where the repro is written")
+    p.add_argument("--grad", action="store_true", help="float inputs require grad: check gradients too")
     args = p.parse_args(argv)
     if (args.rtol is None) != (args.atol is None):
         p.error("give both --rtol and --atol, or neither")
     ns = runpy.run_path(args.script, run_name="ember_bisect_target")
     fn, inputs = ns[args.fn], list(ns[args.inputs]())
+    if args.grad:
+        inputs = [
+            x.requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs
+        ]
     result = bisect(
         fn, inputs, rtol=args.rtol, atol=args.atol, options={"backend": args.backend}, out=args.out, log=print
     )

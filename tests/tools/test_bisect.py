@@ -71,3 +71,17 @@ def test_bisect_names_an_op_whose_code_does_not_compile(tmp_path, monkeypatch):
     assert result.op == "tanh" and result.kind == "op", str(result)
     assert "no_such_function" in result.detail or "ToolchainError" in result.detail, result.detail
     assert result.repro is not None and "torch.ops.aten.tanh" in result.repro.read_text()
+
+
+def test_bisect_checks_gradients_and_blames_a_wrong_decomposition(tmp_path, monkeypatch):
+    """tanh's backward decomposed as grad * (1 - y): the forward matches, the gradients do not, and
+    they stay wrong with no op lowered (every op an ATen call), so bisect blames the graph itself."""
+    from ember.frontend.decompositions import decomposition_table
+
+    table = dict(decomposition_table())
+    table[torch.ops.aten.tanh_backward.default] = lambda grad, y: grad * (1 - y)
+    monkeypatch.setattr("ember.frontend.decompositions.decomposition_table", lambda: table)
+    x, y = torch.randn(5, 7, requires_grad=True), torch.randn(7, requires_grad=True)
+    result = bisect(_program, [x, y], out=tmp_path, options={"cache_dir": str(tmp_path / "cache")})
+    assert result.kind == "eager graph" and "decompositions" in result.detail, str(result)
+    assert "output 0" not in result.detail, f"the forward output is right, only gradients differ: {result}"
