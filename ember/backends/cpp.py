@@ -12,6 +12,7 @@ import ctypes.util
 import functools
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -145,7 +146,11 @@ class CppBackend:
                 raise ToolchainError(f"{self.cxx} failed to run: {e}") from None
             if proc.returncode != 0:
                 raise ToolchainError(f"{self.cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
-            entry = cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": out.read_bytes()})
+            library = out.read_bytes() if out.exists() else b""
+            if sys.platform.startswith("linux") and not library.startswith(b"\x7fELF"):
+                # Never cache what is not a library: every later compile would load it and fail.
+                raise ToolchainError(f"{self.cxx} exited 0 but wrote no shared library to {out.name}")
+            entry = cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
         return entry / "graph.so"
 
     def launch_line(self, kernel: Kernel, args: dict) -> str:

@@ -72,8 +72,8 @@ FAILING_COMPILERS = {
     # name: shell body. --version must work for some (toolchain identity), then the build fails.
     "exits_1": 'case "$1" in --version) echo "fake g++ 1.0";; *) echo "internal compiler error" >&2; exit 1;; esac',
     "no_output_file": 'case "$1" in --version) echo "fake g++ 1.0";; *) exit 0;; esac',
-    "not_a_library": 'case "$1" in --version) echo "fake g++ 1.0";; *) for a; do prev="$o"; o="$a"; done; '
-    'echo garbage > "$o";; esac',
+    "not_a_library": 'case "$1" in --version) echo "fake g++ 1.0";; *) while [ "$1" != "-o" ]; do shift; done; '
+    'echo garbage > "$2";; esac',
     "version_fails": "exit 3",
 }
 
