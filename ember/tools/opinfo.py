@@ -551,6 +551,8 @@ def _worker(args) -> int:
         ops = ops[(k - 1) * len(ops) // n : k * len(ops) // n]
     todo = [(op, d) for op, d in pairs(ops, dtypes, args.device)]
     todo = [(op, d) for op, d in todo if (op_name(op), _dtype_name(d)) not in done]
+    if args.rerun_failed:
+        todo = [(op, d) for op, d in todo if (op_name(op), _dtype_name(d)) in records]
     inflight = jsonl.with_suffix(".inflight")
     for n, (op, d) in enumerate(todo):
         inflight.write_text(json.dumps({"op": op_name(op), "dtype": _dtype_name(d)}))
