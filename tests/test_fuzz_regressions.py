@@ -58,3 +58,29 @@ def test_fuzz_regression(name):
     assert len(got) == len(expected), line
     for k, (g, e) in enumerate(zip(got, expected)):
         assert_close(g, e, rtol=1e-5, atol=1e-6, what=f"output {k}", line=line)
+
+
+def _exp_of_transposed_input(x, s):
+    # seed 2026, program 1294 (dynamic shapes, gradients): exp(x) of a transposed x is saved for the
+    # backward; eager's layout keeps x's column-major strides (symbolic here), ember wrote it row-major,
+    # and the backward read it with the recorded strides.
+    e = torch.exp(x)
+    d = torch.div(s, e)
+    return torch.div(torch.maximum(e, d), d), torch.exp2(torch.sub(s, d).t())
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_saved_activation_with_symbolic_strides(dynamic):
+    x = torch.randn(31, 33).t().requires_grad_(True)
+    s = torch.randn((), requires_grad=True)
+    line = repro(program="exp_of_transposed_input", dynamic=dynamic, inputs=[x, s])
+    compiled = torch.compile(_exp_of_transposed_input, backend="ember", dynamic=dynamic, options={"strict": True})
+    got = compiled(x, s)
+    want = _exp_of_transposed_input(x, s)
+    cot = [torch.randn(o.shape) for o in want]
+    got_grads = torch.autograd.grad(got, [x, s], cot)
+    want_grads = torch.autograd.grad(want, [x, s], cot)
+    for k, (g, e) in enumerate(zip(got, want)):
+        assert_close(g, e, rtol=1e-4, atol=1e-4, what=f"output {k}", line=line)
+    for name, g, e in zip(("x", "s"), got_grads, want_grads):
+        assert_close(g, e, rtol=1e-3, atol=1e-3, what=f"grad of {name}", line=line)

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 
@@ -104,10 +105,15 @@ class Importer:
             and value.node.op in _COMPUTED
             and value.stride is None
             and isinstance(meta, torch.Tensor)
-            and all(isinstance(s, int) for s in meta.stride())
         ):
-            stride = tuple(as_expr(s) for s in meta.stride())
-            if _is_dense(value.shape, stride):
+            try:
+                stride = tuple(as_expr(s) for s in meta.stride())
+            except TypeError:
+                return value  # strides ember has no code for (torch's Max(1, n)): keep ember's own
+            hints = [s if isinstance(s, int) else s.node.hint for s in meta.stride()]
+            # Symbolic strides too: a forward graph's output saved for the backward is read there with
+            # the strides AOTAutograd recorded, so ember must produce them (a transposed input's exp).
+            if _is_dense(value.shape, stride) or _is_dense_symbolic(value.shape, stride, hints):
                 value.stride = stride
         return value
 
@@ -275,6 +281,23 @@ class _ConstantTensor:
 
 
 _COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
+
+
+def _is_dense_symbolic(shape, stride, hints) -> bool:
+    """Whether symbolic strides lay the shape out densely: ordered by their example values, each is the
+    product of the sizes before it."""
+    if any(h is None for h in hints) or all(e.is_Integer for e in tuple(shape) + tuple(stride)):
+        return False
+    dims = sorted(
+        ((h, st, sz) for sz, st, h in zip(shape, stride, hints) if not (sz.is_Integer and int(sz) == 1)),
+        key=lambda d: d[0],
+    )
+    expected = sympy.Integer(1)
+    for _, st, sz in dims:
+        if sympy.simplify(st - expected) != 0:
+            return False
+        expected = expected * sz
+    return True
 
 
 def _is_dense(shape, stride) -> bool:
