@@ -134,14 +134,14 @@ def _run(fn: Callable, inputs: list) -> list[torch.Tensor]:
     return [o.detach() for o in outs] + [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
 
-def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: dict, rtol, atol) -> Trial:
+def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: dict, rtol, atol, dynamic=None) -> Trial:
     expected = _run(fn, inputs)
     graphs: list = []
     torch._dynamo.reset()
     settings = {**options, "fuse": fuse, "bisect_ops": -1 if limit is None else limit, "strict": True}
     try:
         with config.override(**settings), _recording(graphs):
-            got = _run(torch.compile(fn, backend="ember"), inputs)
+            got = _run(torch.compile(fn, backend="ember", dynamic=dynamic), inputs)
         detail = _mismatch(got, expected, rtol, atol)
     except Exception as e:  # noqa: BLE001 - a crash at this limit counts as a failure
         message = " ".join(str(e).replace("Set TORCHDYNAMO_VERBOSE=1", "\n").split("\n")[0:3]).split()
@@ -149,13 +149,13 @@ def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: di
     return Trial(limit, fuse, detail is not None, detail or "matches eager", [tuple(g) for g in graphs])
 
 
-def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list) -> int | None:
+def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list, dynamic=None) -> int | None:
     """The smallest bisect_ops at which the result mismatches, or None if even the full compile matches."""
-    full = trial(fn, inputs, None, fuse, options, rtol, atol)
+    full = trial(fn, inputs, None, fuse, options, rtol, atol, dynamic)
     trials.append(full)
     if not full.bad:
         return None
-    zero = trial(fn, inputs, 0, fuse, options, rtol, atol)
+    zero = trial(fn, inputs, 0, fuse, options, rtol, atol, dynamic)
     trials.append(zero)
     if zero.bad:
         return 0
@@ -164,7 +164,7 @@ def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list) -> 
     lo = 0  # lo is good, hi is bad
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        t = trial(fn, inputs, mid, fuse, options, rtol, atol)
+        t = trial(fn, inputs, mid, fuse, options, rtol, atol, dynamic)
         trials.append(t)
         lo, hi = (lo, mid) if t.bad else (mid, hi)
     return hi
@@ -245,7 +245,7 @@ def main():
     inputs = torch.load(os.path.join(here, "{inputs_file}"))
     expected = forward(*inputs)
     torch._dynamo.reset()
-    got = torch.compile(forward, backend="ember", options={options!r})(*inputs)
+    got = torch.compile(forward, backend="ember", dynamic={dynamic!r}, options={options!r})(*inputs)
     bad = False
     for i, (g, e) in enumerate(zip(got, expected)):
         try:
@@ -270,7 +270,7 @@ def _graph_code(gm: torch.fx.GraphModule) -> str:
     return "\n".join(header + lines) + "\n"
 
 
-def write_repro(gm, inputs: list, out: Path, summary: str, options: dict, rtol, atol) -> Path:
+def write_repro(gm, inputs: list, out: Path, summary: str, options: dict, rtol, atol, dynamic=None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     inputs_file = "repro_inputs.pt"
     torch.save(inputs, out / inputs_file)
@@ -285,14 +285,15 @@ def write_repro(gm, inputs: list, out: Path, summary: str, options: dict, rtol, 
             options={**{k: v for k, v in options.items() if k != "bisect_ops"}, "strict": True},
             rtol=rtol,
             atol=atol,
+            dynamic=dynamic,
         )
     )
     return script
 
 
-def _reproduces(gm, inputs, options: dict, rtol, atol) -> bool:
+def _reproduces(gm, inputs, options: dict, rtol, atol, dynamic=None) -> bool:
     fn = _exec_forward(gm)
-    return trial(fn, inputs, None, options.get("fuse", True), options, rtol, atol).bad
+    return trial(fn, inputs, None, options.get("fuse", True), options, rtol, atol, dynamic).bad
 
 
 def _exec_forward(gm) -> Callable:
@@ -310,6 +311,7 @@ def bisect(
     options: dict | None = None,
     out: str | Path | None = None,
     log: Callable[[str], None] = lambda s: None,
+    dynamic: bool | None = None,
 ) -> BisectResult:
     """Find the op whose lowering (or fusion) makes `fn(*inputs)` differ from eager; write a repro to `out`.
 
@@ -317,17 +319,17 @@ def bisect(
     options = dict(options or {})
     options.setdefault("backend", "cpp")
     trials: list[Trial] = []
-    limit = _search(fn, inputs, True, options, rtol, atol, trials)
+    limit = _search(fn, inputs, True, options, rtol, atol, trials, dynamic)
     if limit is None:
         return BisectResult(None, None, None, "no mismatch", "the full compile matches eager", trials=trials)
     log(f"with fusion: first mismatch at bisect_ops={limit}")
-    unfused = trial(fn, inputs, None, False, options, rtol, atol)
+    unfused = trial(fn, inputs, None, False, options, rtol, atol, dynamic)
     trials.append(unfused)
     kind = "op" if unfused.bad else "fusion"
     fuse = kind == "fusion"
     if kind == "op":
         # Without fusion each op is its own kernel: the search there names the op itself.
-        limit = _search(fn, inputs, False, options, rtol, atol, trials)
+        limit = _search(fn, inputs, False, options, rtol, atol, trials, dynamic)
         log(f"without fusion: first mismatch at bisect_ops={limit}")
     if limit == 0:
         detail = trials[-1].detail
@@ -352,11 +354,11 @@ def bisect(
         settings = {**options, "fuse": fuse}
         sub, kept = _subgraph(gm, node)
         sub_inputs = [real[i] for i in kept]
-        if _reproduces(sub, sub_inputs, settings, rtol, atol):
-            result.repro = write_repro(sub, sub_inputs, Path(out), culprit, settings, rtol, atol)
+        if _reproduces(sub, sub_inputs, settings, rtol, atol, dynamic):
+            result.repro = write_repro(sub, sub_inputs, Path(out), culprit, settings, rtol, atol, dynamic)
         else:
             log("the cut-down graph does not reproduce it; writing the whole graph")
-            result.repro = write_repro(gm, list(real), Path(out), culprit, settings, rtol, atol)
+            result.repro = write_repro(gm, list(real), Path(out), culprit, settings, rtol, atol, dynamic)
     return result
 
 
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="cpp", choices=["cpp", "triton"])
     p.add_argument("--out", default="results/bisect", help="where the repro is written")
     p.add_argument("--grad", action="store_true", help="float inputs require grad: check gradients too")
+    p.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic sizes)")
     args = p.parse_args(argv)
     if (args.rtol is None) != (args.atol is None):
         p.error("give both --rtol and --atol, or neither")
@@ -382,7 +385,14 @@ def main(argv: list[str] | None = None) -> int:
             x.requires_grad_(True) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs
         ]
     result = bisect(
-        fn, inputs, rtol=args.rtol, atol=args.atol, options={"backend": args.backend}, out=args.out, log=print
+        fn,
+        inputs,
+        rtol=args.rtol,
+        atol=args.atol,
+        options={"backend": args.backend},
+        out=args.out,
+        log=print,
+        dynamic=True if args.dynamic else None,
     )
     print(result)
     return 0 if result.kind == "no mismatch" else 1
