@@ -73,8 +73,8 @@ def _alias_layout(value: Value, root: Value, root_stride) -> tuple | None:
 
 _META_VIEWS = {
     "permute": lambda t, a: t.permute(a["dims"]),
-    "expand": lambda t, a: t.expand(*(int(s) for s in a["shape"])),
-    "reshape": lambda t, a: t.view(*(int(s) for s in a["shape"])),
+    "expand": lambda t, a: t.expand([int(s) for s in a["shape"]]),
+    "reshape": lambda t, a: t.view([int(s) for s in a["shape"]]),
     "slice": lambda t, a: torch.ops.aten.slice(t, a["dim"], int(a["start"]), int(a["end"]), int(a["step"])),
     "select": lambda t, a: t.select(a["dim"], int(a["index"])),
     "unsqueeze": lambda t, a: t.unsqueeze(a["dim"]),

@@ -377,7 +377,8 @@ def build_kernel(name: str, domain: Domain, group_id: int, roots: list[Value], s
         if v.node.op == "reduce":
             b.reduction(v)
         elif v not in stored:
-            b.expr(v, domain.index_for(v.shape) or _no_fit(v, domain))
+            index = domain.index_for(v.shape)  # () for a 0-d domain: falsy but fitting
+            b.expr(v, index if index is not None else _no_fit(v, domain))
     num_phases = max([r.phase + 1 for r in b.reduces] + [s.phase + 1 for s in stores if s.full] + [1])
     kernel = Kernel(
         name=name,

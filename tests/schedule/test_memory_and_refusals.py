@@ -93,3 +93,14 @@ def test_fusion_log_lists_kernels_and_refusals():
     err = stream.getvalue()
     assert "=== fusion: inference ===" in err and "planned peak" in err
     assert "MFLOP" in err and "would form a cycle" in err, err
+
+
+def test_zero_dim_values_shared_by_two_outputs():
+    """A 0-d domain's index is () (falsy but valid); found by the OpInfo sweep (atan2 backward)."""
+
+    def shared(a, b):
+        h = a * a + b
+        return h * b, h * a
+
+    graph, line = _run(shared, torch.randn(()), torch.randn(()))
+    assert not graph.fallback, line
