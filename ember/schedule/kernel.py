@@ -306,7 +306,9 @@ class KernelBuilder:
             return self.convert(self.position(node.attrs["start"] + node.attrs["step"] * index[0]), value.dtype)
         if node.op == "cast":
             (x,) = node.inputs
-            arg = self.expr(x, broadcast_index(index, x.shape, value.shape))
+            # x is held in its compute dtype (bf16 math in fp32): round to x's own dtype first, as
+            # eager's x is, or a bf16 -> f32 cast would see more bits than the stored bf16 value.
+            arg = self.convert(self.expr(x, broadcast_index(index, x.shape, value.shape)), x.dtype)
             rounded = self.convert(arg, value.dtype)
             return self.convert(rounded, dtypes.compute_dtype(value.dtype))
         if node.op == "pointwise":

@@ -104,3 +104,18 @@ def test_zero_dim_values_shared_by_two_outputs():
 
     graph, line = _run(shared, torch.randn(()), torch.randn(()))
     assert not graph.fallback, line
+
+
+def test_bf16_value_cast_to_f32_is_rounded_first():
+    """Found by ember fuzz (seed 2026, program 283): a bf16 value cast to f32 in the kernel that
+    also stores it must see the rounded bf16 value, as eager does."""
+
+    def norm_then_widen(x):
+        return torch.nn.functional.layer_norm(3 / x, (1,)).float().sum(0, keepdim=True)
+
+    # Training: the bf16 value is stored for the backward by the kernel that also widens it.
+    x = torch.tensor([[0.7], [-1.3]], dtype=torch.bfloat16, requires_grad=True)
+    line = repro(x=x)
+    torch._dynamo.reset()
+    got = ember_compile(norm_then_widen, "cpp")(x)
+    assert_close(got, norm_then_widen(x), rtol=0, atol=1e-3, what="layer_norm then float", line=line)
