@@ -31,7 +31,6 @@ def main() -> int:
     os.environ["EMBER_STRICT"] = "1"
     import triton.testing
 
-    import ember
     import ember.codegen.triton as tcg
     from ember.frontend.backend import ember_backend
     from ember.schedule.cost import target_for
@@ -65,11 +64,18 @@ def main() -> int:
                     got = fn(*built.inputs)
                     ok = all(
                         torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
-                        for a, b in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,))
+                        for a, b in zip(
+                            got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)
+                        )
                     )
                     ms = triton.testing.do_bench(lambda: fn(*built.inputs), warmup=50, rep=300)
-                row = {"workload": w.name, "variant": variant or "default", "ms": ms, "ok": ok,
-                       "bw_fraction": moved / (ms / 1e3) / bw}
+                row = {
+                    "workload": w.name,
+                    "variant": variant or "default",
+                    "ms": ms,
+                    "ok": ok,
+                    "bw_fraction": moved / (ms / 1e3) / bw,
+                }
             except Exception as e:  # a config Triton cannot compile: record it, go on
                 row = {"workload": w.name, "variant": variant or "default", "error": f"{type(e).__name__}: {e}"[:200]}
             finally:

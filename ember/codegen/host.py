@@ -22,7 +22,7 @@ import torch
 from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr
-from ember.schedule.memory import MemoryPlan, plan_memory
+from ember.schedule.memory import MemoryPlan, same_layout
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
 
 
@@ -57,7 +57,7 @@ class HostWriter:
         self.names: dict[int, str] = {}  # Value.id -> Python variable
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
         self.device = self.graph.device
-        self.plan: MemoryPlan = schedule.memory or plan_memory(self.graph, schedule.steps)
+        self.plan: MemoryPlan = schedule.memory
         # Donors whose memory a later buffer takes: that buffer's line drops the old name.
         self.handed_over = {d for v, d in self.plan.reuse.items() if v not in self.plan.inplace}
         # Values whose memory layout must be the one the compile-time meta promised: kernels index
@@ -184,11 +184,13 @@ class HostWriter:
         size, stride = self.arg(list(v.shape)), self.arg(list(layout_of(v)))
         donor = self.plan.reuse.get(v)
         if donor is None:
-            self.lines.append(f"    {name} = empty_strided({size}, {stride}, dtype={self.constant(v.dtype)}, device=device)")
+            self.lines.append(
+                f"    {name} = empty_strided({size}, {stride}, dtype={self.constant(v.dtype)}, device=device)"
+            )
             return
         old = self.names[donor.id]
         how = "in place" if v in self.plan.inplace else "reuse"
-        if _layout_key(donor) == _layout_key(v):
+        if same_layout(donor, v):
             self.lines.append(f"    {name} = {old}  # {how}")
         else:
             self.lines.append(f"    {name} = torch.as_strided({old}, {size}, {stride}, 0)  # {how}")
@@ -215,11 +217,6 @@ class HostWriter:
             self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(list(v.shape))}, {self.arg(list(v.stride))})")
         else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
             self.lines.append(f"    {name} = {src}")
-
-
-def _layout_key(v: Value):
-    """Buffers are interchangeable when shape, layout and dtype are the same expressions."""
-    return (tuple(v.shape), tuple(layout_of(v)), v.dtype)
 
 
 def _kernel_buffers(kernel) -> list[Value]:

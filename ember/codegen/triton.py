@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from ember import config
 from ember.codegen.render import Param, Renderer, is_scalar, print_index
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
+from ember.schedule.cost import is_persistent
 from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore, walk
 
 TRITON_DTYPE = {
@@ -124,8 +124,7 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         # loads in flight. Enough x-blocks to fill the SMs. (Split reductions: a later issue.)
         xblock = 64 if xhint >= 64 * 132 else 32
         return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
-    limit = config.get("persistent_reduction_max")
-    if rnumel.is_Integer and _next_pow2(int(rnumel)) <= limit:
+    if is_persistent(kernel):  # the cost model's rule: it counts one read of such rows
         rblock = _next_pow2(int(rnumel))
         # Several short rows per program; keep about 4K elements per program in flight.
         xblock = max(1, min(4096 // rblock, _next_pow2(max(1, xhint // 264))))

@@ -383,7 +383,7 @@ def _full(ctx: Importer, node):
 # select nothing (0) instead of raising as eager does: ember does not check index bounds.
 
 
-def _one_per_row(ctx: Importer, x: Value, dim: int, index) -> bool:
+def _one_per_row(x: Value, dim: int, index) -> bool:
     return (
         isinstance(index, Value)
         and len(index.shape) == len(x.shape) > 0
@@ -438,7 +438,7 @@ def _gather(ctx: Importer, node):
     if not isinstance(x, Value) or x.dtype == torch.bool or node.kwargs.get("sparse_grad"):
         raise Unsupported("gather operands")
     dim = node.args[1] % max(len(x.shape), 1)
-    if not _one_per_row(ctx, x, dim, index):
+    if not _one_per_row(x, dim, index):
         raise Unsupported("gather of more than one element per row")
     ctx.out_meta()  # the result's dtype and device must be kernel-able
     return _select_row(ctx, x, dim, index, {})
@@ -451,7 +451,7 @@ def _scatter(ctx: Importer, node):
     if not isinstance(x, Value) or node.kwargs.get("reduce") is not None or len(node.args) > 4:
         raise Unsupported("scatter with reduce")
     dim = node.args[1] % max(len(x.shape), 1)
-    if not _one_per_row(ctx, x, dim, index):
+    if not _one_per_row(x, dim, index):
         raise Unsupported("scatter of more than one element per row")
     if isinstance(src, Value) and tuple(src.shape) != tuple(index.shape):
         raise Unsupported("scatter source shaped unlike the index")

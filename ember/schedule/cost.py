@@ -132,6 +132,15 @@ def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | No
     return KernelCost(sympy.sympify(read), sympy.sympify(written), sympy.sympify(flops))
 
 
+def size_hint(expr: Expr) -> int:
+    """A size or byte count as a number for comparing and ranking: symbolic sizes are taken as
+    8192 (large, as a dynamic batch or sequence usually is)."""
+    expr = sympy.sympify(expr)
+    if not expr.is_Integer:
+        expr = expr.xreplace({s: sympy.Integer(8192) for s in expr.free_symbols})
+    return int(expr)
+
+
 def as_number(expr: Expr, hints: dict | None = None) -> float | None:
     """A size expression as a number (symbolic sizes at their hints), or None if unknown."""
     expr = sympy.sympify(expr)

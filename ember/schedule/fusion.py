@@ -20,11 +20,12 @@ import torch
 
 from ember import config
 from ember.ir.graph import Graph, Node, Value, layout_of
-from ember.ir.sizes import index_symbol, product
+from ember.ir.sizes import index_symbol
 from ember.ir.views import VIEW_KINDS, strides_of
-from ember.schedule.cost import KernelCost, kernel_cost
+from ember.schedule.cost import KernelCost, kernel_cost, size_hint
 from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
-from ember.schedule.memory import plan_memory
+from ember.schedule.memory import eager_peak as eager_peak_bytes
+from ember.schedule.memory import nbytes, plan_memory
 from ember.schedule.steps import (  # noqa: F401  (re-exported: the schedule's types)
     AliasStep,
     ExternStep,
@@ -110,13 +111,13 @@ class Scheduler:
         self._readers: dict[Value, set[int]] = {}
         self.read_outside_static: set[Value] = set()
 
-    def run(self, siblings: bool = True) -> Schedule:
+    def run(self, eager_peak: int | None, siblings: bool = True) -> Schedule:
         self._realize()
         self._group()
         if config.get("fuse"):
             self._fuse(siblings)
         steps = self._order()
-        return Schedule(self.graph, steps, self.decisions, plan_memory(self.graph, steps))
+        return Schedule(self.graph, steps, self.decisions, plan_memory(self.graph, steps, eager_peak))
 
     # 1. ---------------------------------------------------------------------------------
     def _realize(self) -> None:
@@ -301,10 +302,10 @@ class Scheduler:
         for prod, cons in ((a, b), (b, a)):
             for v in prod.roots:
                 if v in cons.kernel.reads:  # no longer loaded; no longer stored if only cons read it
-                    saved += _nbytes(v) * (1 if self._needed_outside(v, members) else 2)
+                    saved += nbytes(v) * (1 if self._needed_outside(v, members) else 2)
         for v in set(a.kernel.reads) & set(b.kernel.reads):
-            saved += _nbytes(v)  # read once, not twice
-        return _hint(saved)
+            saved += nbytes(v)  # read once, not twice
+        return size_hint(saved)
 
     def _try_merge(self, a: Group, b: Group) -> bool:
         attempt = (a.id, len(a.roots), b.id, len(b.roots))
@@ -340,17 +341,23 @@ class Scheduler:
             self._decide(names, False, str(e))
             return False
         members = {a.id, b.id}
-        before_bytes = _hint(self._group_cost(a, {a.id}).bytes + self._group_cost(b, {b.id}).bytes)
+        before_bytes = size_hint(self._group_cost(a, {a.id}).bytes + self._group_cost(b, {b.id}).bytes)
         merged = Group(first.id, domain, roots, first.first, kernel)
-        after_bytes = _hint(self._group_cost(merged, members).bytes)
+        after_bytes = size_hint(self._group_cost(merged, members).bytes)
         if after_bytes > before_bytes:
             self.owner = saved_owner
-            self._decide(names, False, f"would move more bytes ({before_bytes / 1e6:.3g} MB -> {after_bytes / 1e6:.3g} MB)")
+            self._decide(
+                names, False, f"would move more bytes ({before_bytes / 1e6:.3g} MB -> {after_bytes / 1e6:.3g} MB)"
+            )
             return False
         first.roots, first.domain, first.kernel = roots, domain, kernel
         del self.groups[second.id]
         # Equal bytes still saves a launch (disjoint slices of one buffer, read side by side).
-        why = f"merged over {domain}" if after_bytes < before_bytes else f"merged over {domain}: same bytes, one launch fewer"
+        why = (
+            f"merged over {domain}"
+            if after_bytes < before_bytes
+            else f"merged over {domain}: same bytes, one launch fewer"
+        )
         self._decide(names, True, why, before_bytes - after_bytes)
         return True
 
@@ -362,18 +369,11 @@ class Scheduler:
     # 4. ---------------------------------------------------------------------------------
     def _order(self) -> list[Step]:
         # Which group values does anyone outside their own group read?
-        read_outside: set[Value] = set(self.must_store)
-        for g in self.groups.values():
-            read_outside |= {v for v in g.kernel.reads if self.owner.get(v) not in (None, g.id)}
-        for node in self.graph.nodes:
-            if node.op == "extern":
-                read_outside |= {v for v in node.value_inputs() if v in self.owner}
-        for alias in self.aliases.values():
-            read_outside.add(alias.base)
+        self._readers = self._reader_map()
 
         items: list[tuple[int, Step, set]] = []  # (position, step, the values it needs)
         for g in self.groups.values():
-            stored = [v for v in g.roots if v in read_outside]
+            stored = [v for v in g.roots if self._needed_outside(v, {g.id})]
             g.kernel = build_kernel(f"k{g.id}", g.domain, g.id, g.roots, stored, self.owner)
             items.append((g.first, KernelStep(g.kernel), set(g.kernel.reads)))
         for node in self.graph.nodes:
@@ -417,19 +417,6 @@ def _describe(step: Step) -> str:
     return f"alias {step.value.name}"
 
 
-def _hint(e) -> int:
-    """A byte count as a number, for comparing: symbolic sizes taken as 8192 (large, as a
-    dynamic batch or sequence usually is)."""
-    e = sympy.sympify(e)
-    if not e.is_Integer:
-        e = e.xreplace({s: sympy.Integer(8192) for s in e.free_symbols})
-    return int(e)
-
-
-def _nbytes(v: Value) -> sympy.Expr:
-    return product(v.shape) * v.dtype.itemsize
-
-
 # Scratch a schedule may hold beyond eager's peak without counting as raising it: split
 # reductions keep small partial results (eager has none), a few KB per reduction.
 PEAK_SLACK_BYTES = 1 << 20
@@ -439,14 +426,13 @@ def schedule(graph: Graph, eager_peak: int | None = None) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
     a sibling merged early keeps its output alive longer."""
-    sched = Scheduler(graph).run()
+    if eager_peak is None:
+        eager_peak = eager_peak_bytes(graph)
+    sched = Scheduler(graph).run(eager_peak)
     plan = sched.memory
-    if eager_peak is not None:
-        plan.eager_peak_bytes = eager_peak
     limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
     if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
-        alone = Scheduler(graph).run(siblings=False)
-        alone.memory.eager_peak_bytes = plan.eager_peak_bytes
+        alone = Scheduler(graph).run(eager_peak, siblings=False)
         if alone.memory.peak_bytes < plan.peak_bytes:
             alone.decisions.append(
                 FusionDecision(

@@ -26,7 +26,7 @@ import torch
 
 from ember.ir import dtypes, ops
 from ember.ir.graph import Value, layout_of
-from ember.ir.sizes import Expr, affine_split, index_symbol, product
+from ember.ir.sizes import Expr, affine_split, index_symbol
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 
 
@@ -457,11 +457,3 @@ def _try_merge(current: dict, outer, inner, inner_size) -> dict | None:
             return None
         out[k] = rest2 + c_inner * outer  # `outer` now names the merged var
     return out
-
-
-def estimate_bytes(kernel: Kernel) -> Expr:
-    """Bytes this kernel moves if each buffer is touched once (the floor the cost model reports)."""
-    total = sympy.Integer(0)
-    for v in list(kernel.reads) + kernel.writes:
-        total += product(v.shape) * v.dtype.itemsize
-    return total

@@ -26,6 +26,7 @@ import sympy
 
 from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr
+from ember.schedule.cost import size_hint
 from ember.schedule.kernel import Kernel, KLoad, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
 
@@ -35,7 +36,6 @@ class MemoryPlan:
     # value -> the value whose memory it takes (in place or a dead buffer)
     reuse: dict[Value, Value] = field(default_factory=dict)
     inplace: set[Value] = field(default_factory=set)
-    shared: set[Value] = field(default_factory=set)  # storage a view may read: never freed early
     peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
 
@@ -65,9 +65,11 @@ def _fits(donor: Value, v: Value) -> bool:
     return room == 0 or bool(room.is_nonnegative)
 
 
-def _exact(donor: Value, v: Value) -> bool:
-    return tuple(donor.shape) == tuple(v.shape) and tuple(layout_of(donor)) == tuple(layout_of(v)) and (
-        donor.dtype == v.dtype
+def same_layout(donor: Value, v: Value) -> bool:
+    return (
+        tuple(donor.shape) == tuple(v.shape)
+        and tuple(layout_of(donor)) == tuple(layout_of(v))
+        and (donor.dtype == v.dtype)
     )
 
 
@@ -81,7 +83,7 @@ def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
     return bool(loads) and all(n.index == store.index and n.full == store.full for n in loads)
 
 
-def plan_memory(graph: Graph, steps: list[Step]) -> MemoryPlan:
+def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -> MemoryPlan:
     outputs = {o for o in graph.outputs if isinstance(o, Value)}
     last: dict[Value, int] = {}
     for pos, step in enumerate(steps):
@@ -93,7 +95,7 @@ def plan_memory(graph: Graph, steps: list[Step]) -> MemoryPlan:
             shared |= {step.base, step.value}
         elif isinstance(step, ExternStep) and may_alias(step.node):
             shared |= set(step.node.value_inputs()) | set(step.node.outputs)
-    plan = MemoryPlan(shared=shared)
+    plan = MemoryPlan()
 
     def recyclable(v: Value) -> bool:
         return v.node.op != "input" and v not in outputs and v not in shared
@@ -118,9 +120,9 @@ def plan_memory(graph: Graph, steps: list[Step]) -> MemoryPlan:
                     if donor is not None:
                         plan.inplace.add(v)
                 if donor is None:
-                    fitting = [u for u in free if (_fits(u, v) if recyclable(v) else _exact(u, v))]
+                    fitting = [u for u in free if (_fits(u, v) if recyclable(v) else same_layout(u, v))]
                     if fitting:
-                        donor = min(fitting, key=lambda u: _hint(extent(u)))
+                        donor = min(fitting, key=lambda u: size_hint(extent(u)))
                         free.remove(donor)
                 if donor is not None:
                     plan.reuse[v] = donor
@@ -149,7 +151,7 @@ def plan_memory(graph: Graph, steps: list[Step]) -> MemoryPlan:
         stop = end if v in outputs else last.get(v, born[h])
         died[h] = max(died.get(h, born[h]), stop)
     plan.peak_bytes = _peak([(nbytes(h), born[h], died[h]) for h in born], len(steps))
-    plan.eager_peak_bytes = eager_peak(graph)
+    plan.eager_peak_bytes = eager_peak_bytes
     return plan
 
 
@@ -189,10 +191,3 @@ def eager_peak(graph: Graph) -> int | None:
         for v in node.outputs
     ]
     return _peak(intervals, end)
-
-
-def _hint(e: Expr) -> int:
-    e = sympy.sympify(e)
-    return int(e) if e.is_Integer else 1 << 62
-
-

@@ -18,9 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bisect", help="find the op that makes a result differ from eager (ember bisect --help)", add_help=False
     )
-    sub.add_parser(
-        "opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False
-    )
+    sub.add_parser("opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False)
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser("cache", help="the disk cache")
     cache.add_argument("action", choices=["path", "clear"])

@@ -58,7 +58,13 @@ CASES = [
     ("transpose_reduction", lambda x: x.t().sum(-1), lambda: [_x(C, N)], 1, (C * N + N) * F32),
     # Between the two matmul externs: one softmax kernel that reads the scores and writes the
     # probabilities once (the attention pattern rewrite is off to look at the softmax itself).
-    ("attention_softmax", _attention_softmax, lambda: [_x(2, 4, 32, 16) for _ in range(3)], 1, 2 * 2 * 4 * 32 * 32 * F32),
+    (
+        "attention_softmax",
+        _attention_softmax,
+        lambda: [_x(2, 4, 32, 16) for _ in range(3)],
+        1,
+        2 * 2 * 4 * 32 * 32 * F32,
+    ),
     # One kernel reads the projection once and writes the three results.
     ("qkv_slices", _qkv_slices, lambda: [_x(N, 3 * C)], 1, 6 * N * C * F32),
 ]

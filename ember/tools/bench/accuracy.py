@@ -24,7 +24,6 @@ and a markdown table (`accuracy.md`).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import time
 import traceback
@@ -111,18 +110,6 @@ def step(fn, module, inputs: tuple, train: bool, autocast, device, cotangents=No
     return names, tensors, cotangents
 
 
-def fp64_copy(built, inputs: tuple):
-    """The module with the same (already rounded) weights in float64, and the inputs in float64."""
-    module = copy.deepcopy(built.fn).double() if isinstance(built.fn, nn.Module) else built.fn
-    ref_inputs = tuple(
-        x.detach().double().requires_grad_(x.requires_grad)
-        if isinstance(x, torch.Tensor) and x.is_floating_point()
-        else x
-        for x in inputs
-    )
-    return module, ref_inputs
-
-
 def run_case(case: Case, compilers: list[str], scale: str, device: torch.device) -> dict:
     w = case.workload
     record: dict = {"type": "accuracy", "case": case.key, "workload": w.name, "mode": case.mode, "dtype": w.dtype}
@@ -139,7 +126,7 @@ def run_case(case: Case, compilers: list[str], scale: str, device: torch.device)
         built = w.build(w.sizes[scale], device)
         inputs = measure.prepare_inputs(built.inputs, train)
         names, eager, cotangents = step(built.fn, built.fn, inputs, train, built.autocast, device)
-        module64, inputs64 = fp64_copy(built, inputs)
+        module64, inputs64 = measure.upcast_copy(built, inputs, torch.float64)
         cot64 = [c.double() for c in cotangents] if cotangents is not None else None
         ref_names, ref, _ = step(module64, module64, inputs64, train, None, device, cot64)
         if ref_names != names:

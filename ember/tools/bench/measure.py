@@ -81,15 +81,22 @@ def prepare_inputs(inputs: tuple, train: bool) -> tuple:
     return tuple(x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
-def fp32_reference(built: Built, inputs: tuple, train: bool, device: torch.device) -> list[torch.Tensor]:
-    """The same step in float32, from the same weights and inputs, without autocast."""
-    fn = copy.deepcopy(built.fn).float() if isinstance(built.fn, nn.Module) else built.fn
+def upcast_copy(built: Built, inputs: tuple, dtype: torch.dtype) -> tuple:
+    """The workload's function (a module: a copy, same already-rounded weights) and its floating
+    inputs, in `dtype`: the reference a low-precision run is compared with."""
+    fn = copy.deepcopy(built.fn).to(dtype) if isinstance(built.fn, nn.Module) else built.fn
     ref_inputs = tuple(
-        x.detach().float().requires_grad_(x.requires_grad)
+        x.detach().to(dtype).requires_grad_(x.requires_grad)
         if isinstance(x, torch.Tensor) and x.is_floating_point()
         else x
         for x in inputs
     )
+    return fn, ref_inputs
+
+
+def fp32_reference(built: Built, inputs: tuple, train: bool, device: torch.device) -> list[torch.Tensor]:
+    """The same step in float32, from the same weights and inputs, without autocast."""
+    fn, ref_inputs = upcast_copy(built, inputs, torch.float32)
     step = Step(fn, train, None, device)
     out = step(*ref_inputs)
     del fn
