@@ -27,36 +27,15 @@ from ember.report import FusionReport, GraphReport, KernelReport, publish
 class CompiledGraph:
     """A compiled graph, called by AOTAutograd with a list of inputs (the boxed convention)."""
 
-    def __init__(self, call: Callable, report: GraphReport, layouts: list | None = None):
+    def __init__(self, call: Callable, report: GraphReport):
         # An instance attribute, not a class one: AOTAutograd wraps the backward function with
         # functools.wraps, which copies __dict__ and would drop a class attribute.
         self._boxed_call = True
         self._call = call
         self.report = report
-        self.layouts = layouts or []  # (input index, size, stride) the kernels index inputs with
 
     def __call__(self, args: list) -> list:
-        for k, size, stride in self.layouts:
-            t = args[k]
-            if any(st != want and sz > 1 for sz, st, want in zip(t.shape, t.stride(), stride)):
-                # Kernels index inputs with the strides of the graph's meta. A backward graph's
-                # saved activation comes from the forward graph's outputs, whose layout need not
-                # be the one AOTAutograd recorded: copy it into that layout rather than misread it.
-                fixed = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
-                args[k] = fixed.copy_(t)
         return self._call(args)
-
-
-def input_layouts(gm: torch.fx.GraphModule) -> list[tuple[int, tuple, tuple]]:
-    """(index, size, stride) of each tensor input with a static layout (more than one element)."""
-    out = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for k, n in enumerate(placeholders):
-        val = n.meta.get("val")
-        static = isinstance(val, torch.Tensor) and all(isinstance(x, int) for x in (*val.shape, *val.stride()))
-        if static and val.numel() > 1:
-            out.append((k, tuple(val.shape), tuple(val.stride())))
-    return out
 
 
 class EagerGraph:
@@ -165,7 +144,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         backend = select_backend(device)
         report.backend = backend.name
         namespace = backend.build(sched.kernels)
-        host = write_host(sched, backend.launch_line)
+        # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
+        # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
+        host = write_host(sched, backend.launch_line, check_input_layouts=kind == "backward")
         host.namespace.update(namespace)
         log.artifact("code", f"{kind} kernels", backend.full_source)
         log.artifact("code", f"{kind} host program", host.source)
@@ -173,8 +154,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         _report_schedule(report, sched, backend, device)
         log.artifact("fusion", kind, lambda: _fusion_log(report))
         report.host_source = host.source
-        # Dynamo guards the strides of a forward graph's inputs; a backward graph's come from ember.
-        result: Callable = CompiledGraph(host.call, report, input_layouts(gm) if kind == "backward" else [])
+        result: Callable = CompiledGraph(host.call, report)
     except Exception as e:
         if config.get("strict"):
             raise

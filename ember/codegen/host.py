@@ -36,7 +36,8 @@ class HostProgram:
 
 
 def _fix_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
-    """Kernels index extern results with the strides the compile-time meta promised; enforce them."""
+    """Kernels index extern results (and a backward graph's inputs) with the strides the compile-time
+    meta promised; enforce them."""
     if t is None or tuple(t.shape) != tuple(size):
         raise RuntimeError(
             f"an extern returned {None if t is None else tuple(t.shape)} where its meta promised {tuple(size)}"
@@ -49,7 +50,7 @@ def _fix_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 class HostWriter:
-    def __init__(self, schedule: Schedule, launch_line: Callable[[Any, dict], str]):
+    def __init__(self, schedule: Schedule, launch_line: Callable[[Any, dict], str], check_input_layouts: bool):
         self.schedule = schedule
         self.graph = schedule.graph
         self.launch_line = launch_line
@@ -58,6 +59,7 @@ class HostWriter:
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
         self.device = self.graph.device
         self.plan: MemoryPlan = schedule.memory
+        self.check_input_layouts = check_input_layouts
         # Donors whose memory a later buffer takes: that buffer's line drops the old name.
         self.handed_over = {d for v, d in self.plan.reuse.items() if v not in self.plan.inplace}
         # Values whose memory layout must be the one the compile-time meta promised: kernels index
@@ -106,6 +108,7 @@ class HostWriter:
         if params:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
         self._bind_symbols()
+        self._fix_input_layouts()
         last_use = self._last_uses()
         outputs = {o for o in g.outputs if isinstance(o, Value)}
         for pos, step in enumerate(steps):
@@ -138,6 +141,18 @@ class HostWriter:
         if isinstance(o, sympy.Expr):
             return self.py(o)
         return self.constant(o)
+
+    def _fix_input_layouts(self) -> None:
+        """Inputs kernels index (or alias) with the recorded strides: copied into them if they
+        arrive otherwise (a backward graph's saved tensors; static layouts only)."""
+        if not self.check_input_layouts:
+            return
+        for k, inp in enumerate(self.graph.inputs):
+            if not isinstance(inp, Value) or inp not in self.layout_sensitive or inp.stride is None:
+                continue
+            if all(e.is_Integer for e in (*inp.shape, *inp.stride)):
+                size, stride = self.arg(list(inp.shape)), self.arg(list(inp.stride))
+                self.lines.append(f"    a{k} = _fix_layout(a{k}, {size}, {stride})")
 
     def _bind_symbols(self) -> None:
         """Every size symbol, read off the first input that carries it."""
@@ -226,5 +241,5 @@ def _kernel_buffers(kernel) -> list[Value]:
     return list(seen.values())
 
 
-def write_host(schedule: Schedule, launch_line) -> HostProgram:
-    return HostWriter(schedule, launch_line).write()
+def write_host(schedule: Schedule, launch_line, check_input_layouts: bool = False) -> HostProgram:
+    return HostWriter(schedule, launch_line, check_input_layouts).write()
