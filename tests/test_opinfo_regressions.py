@@ -72,3 +72,11 @@ def test_var_float_correction(correction):
     _check(lambda t: torch.var(t, 1, correction=correction), x, grad=True, op="var", correction=correction)
     _check(lambda t: torch.std(t, 1, correction=correction), x, op="std", correction=correction)
     _check(lambda t: torch.var_mean(t, 0, correction=correction)[0], x, op="var_mean", correction=correction)
+
+
+def test_cosine_similarity_broadcast_row_stored_per_element():
+    # OpInfo nn.functional.cosine_similarity sample 7 (gradients): b [2, 1, 3] broadcast along the reduced
+    # dim -2 makes b / max(||b||, eps) constant along the row, but the forward saves it at the full
+    # [2, 2, 3] shape; that store was rendered outside the row loop (g++: 'l2' was not declared).
+    a, b = torch.randn(1, 2, 3), torch.randn(2, 1, 3)
+    _check(lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=-2), a, b, grad=True, op="cosine_similarity")

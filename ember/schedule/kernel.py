@@ -368,7 +368,10 @@ class KernelBuilder:
             result = self.expr(value, index)
         stored = self.convert(result, value.dtype)
         offset = sympy.expand(sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0)))
-        return KStore(value, offset, stored, result.ready, result.full)
+        # A value constant along the reduce dims (a broadcast row value) stored at an offset that
+        # walks them is still written once per element: the store belongs inside the row loop.
+        full = result.full or bool(offset.free_symbols & self.reduce_vars)
+        return KStore(value, offset, stored, result.ready, full)
 
 
 def build_kernel(name: str, domain: Domain, group_id: int, roots: list[Value], stored: list[Value], owner) -> Kernel:
