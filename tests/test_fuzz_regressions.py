@@ -96,3 +96,18 @@ def test_saved_activation_with_symbolic_strides(dynamic):
         assert_close(g, e, rtol=1e-4, atol=1e-4, what=f"output {k}", line=line)
     for name, g, e in zip(("x", "s"), got_grads, want_grads):
         assert_close(g, e, rtol=1e-3, atol=1e-3, what=f"grad of {name}", line=line)
+
+
+def test_triton_index_width_with_a_symbolic_buffer_size():
+    # ember fuzz --backend triton (interpreter, seed 7): a kernel whose loops and indices need no size
+    # symbol but which reads a buffer of symbolic size ([s, 5], only row 0) asked `5*s >= 2**31` of sympy
+    # and raised (the graph fell back). A size that can grow on a later call now means int64 indices.
+    def fn(x):
+        return x[0] * 2
+
+    compiled = torch.compile(fn, backend="ember", options={"backend": "triton", "strict": True})
+    for rows in (3, 4):
+        x = torch.randn(rows, 5)
+        torch._dynamo.mark_dynamic(x, 0)
+        line = repro(program="x[0] * 2", inputs=[x], dynamic="dim 0")
+        assert_close(compiled(x), fn(x), rtol=1e-6, atol=1e-6, what="output", line=line)

@@ -126,3 +126,27 @@ def test_long_row_reduction(backend):
     # However the rows are split, sum and amax share the pass over x: it is read once.
     moved = sum(k.bytes for k in report.kernels)
     assert moved < 1.5 * x.nbytes, f"{moved} bytes moved for a {x.nbytes}-byte input:\n{report}\n{line}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["sum", "amax", "var_unbiased0"])
+@pytest.mark.parametrize("shape,dim", [((1,), 0), ((4, 1, 3), 1)], ids=["x[1].dim0", "x[4,1,3].dim1"])
+def test_reduction_over_size_one_dims(backend, op, shape, dim):
+    # Dimension merging drops size-1 dims, so the kernel reduces over no loop dim at all; Triton rendered a
+    # looped reduction anyway, using an RBLOCK and rnumel it never declared (found by ember fuzz, seed 7).
+    _run(backend, op, dim, False, dynamic=False, shapes=(shape,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softmax_over_size_one_dim(backend):
+    # Two reductions (max, then sum of exp) and an epilogue, all over a dim of size 1.
+    def fn(x):
+        return torch.softmax(x * 2, dim=1), torch.logsumexp(x, dim=1)
+
+    x = torch.randn(4, 1, 3)
+    line = repro(backend=backend, input=x)
+    with reports() as report:
+        out = ember_compile(fn, backend)(x)
+    for got, want in zip(out, fn(x)):
+        assert_close(got, want, rtol=1e-5, atol=1e-6, what="softmax over a size-1 dim", line=line)
+    assert_no_fallback(report, line)

@@ -162,8 +162,11 @@ class TritonRenderer(Renderer):
     def __init__(self, kernel: Kernel, launch: LaunchConfig):
         super().__init__(kernel)
         self.launch = launch
-        self.persistent = launch.persistent
         self.reduction = any(kernel.loop_reduce)
+        # Reductions whose reduce dims all had size 1 (merge_dims dropped them) reduce one element:
+        # each result is its argument, computed in the row's own scope with no r-loop or RBLOCK.
+        self.single_element = bool(kernel.reduces) and not self.reduction
+        self.persistent = launch.persistent or self.single_element
         self.wide_index = self._needs_int64()
         self.interpreted = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -172,13 +175,15 @@ class TritonRenderer(Renderer):
             if p.kind == "size":
                 return True
         for v in self.kernel.reads + self.kernel.writes:
-            if product(v.shape) * 1 >= 2**31 - 1:
+            numel = product(v.shape)
+            # A symbolic size can grow past int32 on a later call without a recompile: be conservative.
+            if not numel.is_Integer or int(numel) >= 2**31 - 1:
                 return True
         return False
 
     # -- shapes and masks ----------------------------------------------------------------
     def mask(self, full: bool) -> str:
-        return "xmask & rmask" if full else "xmask"
+        return "xmask & rmask" if full and self.reduction else "xmask"
 
     def shape(self, full: bool) -> str:
         if not self.reduction:
@@ -272,6 +277,9 @@ class TritonRenderer(Renderer):
             self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {self._identity(r)}, {TRITON_DTYPE[r.dtype]})")
 
     def reduce_update(self, acc: str, r: KReduce) -> None:
+        if self.single_element:
+            self.emit(f"{acc} = {self._tensor(r.arg, False)}")
+            return
         masked = f"tl.where(xmask & rmask, {self.ref(r.arg)}, {self._identity(r)})"
         if self.persistent:
             self.emit(f"{acc} = {masked}")
@@ -279,6 +287,9 @@ class TritonRenderer(Renderer):
             self.emit(f"{acc} = {_COMBINE[r.kind].format(a=acc, b=masked)}")
 
     def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
+        if self.single_element:
+            self.emit(f"{name} = {acc}")
+            return
         self.emit(f"{name} = ember_reduce_{r.kind}({acc}, 1)")
 
     # -- whole kernel ------------------------------------------------------------------------
