@@ -27,11 +27,18 @@ def _row_constant_stored_along_the_row(x):
     return y - y.amax(0, keepdim=True), y
 
 
+def _cat_of_an_empty_matmul(x1, x5, x7):
+    # seed 2026, program 1987 (dynamic shapes; fell back: index expression nan): x1 @ x5 reshapes x1
+    # [s, 1, 0] to [s, 0]; the reshape's index map divided by the zero size.
+    return torch.cat([x1 @ x5, x7], 0) * 2
+
+
 # name -> (program, input shapes, dynamic, strict). Not strict: the program may fall back to eager (the
 # squeeze's slice length is Max(1, (s + 1) // 3), a size expression ember does not render yet).
 CASES = {
     "squeeze_of_guarded_size_one": (_squeeze_of_guarded_size_one, [(7, 4, 7)], True, False),
     "row_constant_stored_along_the_row": (_row_constant_stored_along_the_row, [(1,)], False, True),
+    "cat_of_an_empty_matmul": (_cat_of_an_empty_matmul, [(5, 1, 0), (0, 17), (5, 1, 17)], True, True),
 }
 
 

@@ -46,6 +46,9 @@ def _reshape_index(i, s_in, s_out, a):
     [2, 16, 64] -> [32, 64] maps the first input pair from one output dim (div/mod) and the
     last dim straight through, instead of flattening everything.
     """
+    if any(d == 0 for d in (*s_in, *s_out)):
+        # No element to address (and grouping would divide by the zero size): any index will do.
+        return [sympy.Integer(0)] * len(s_in)
     result: list = []
     k_in = k_out = 0
     while k_in < len(s_in) or k_out < len(s_out):
