@@ -129,7 +129,9 @@ def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | No
         flops += numel * sum(ops.POINTWISE[n.fn].flops for n in p if isinstance(n, KOp))
     flops += outer * sum(ops.POINTWISE[n.fn].flops for n in nodes if isinstance(n, KOp) and not n.full)
     flops += numel * len(kernel.reduces)
-    return KernelCost(sympy.sympify(read), sympy.sympify(written), sympy.sympify(flops))
+    cost = KernelCost(sympy.sympify(read), sympy.sympify(written), sympy.sympify(flops))
+    extra = getattr(kernel, "extra_cost", None)  # work its expression DAG does not show (a GEMM's K loop)
+    return cost + extra() if extra is not None else cost
 
 
 def size_hint(expr: Expr) -> int:
