@@ -156,6 +156,14 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "direct_launch",
+            bool,
+            True,
+            "launch compiled Triton kernels through their launcher directly (off: through "
+            "kernel[grid](...), which re-binds and re-specializes the arguments on every call; "
+            "turn off to let Triton's launch hooks, e.g. its profiler, see each launch)",
+        ),
+        Setting(
             "compile_threads",
             int,
             min(8, os.cpu_count() or 1),

@@ -70,7 +70,7 @@ def select_backend(device: torch.device):
     if choice == "triton":
         from ember.backends.triton import TritonBackend
 
-        return TritonBackend()
+        return TritonBackend(device)
     if device.type != "cpu":
         raise NotImplementedError(f"the cpp backend runs on CPU tensors, not {device}")
     from ember.backends.cpp import CppBackend
@@ -140,13 +140,13 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
         split_reductions(graph)
         _check(graph, "split_reductions")
-        sched = schedule(graph, eager_peak)
         backend = select_backend(device)
         report.backend = backend.name
+        sched = schedule(graph, eager_peak, online_softmax=backend.name == "triton")
         namespace = backend.build(sched.kernels)
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
         # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
-        host = write_host(sched, backend.launch_line, check_input_layouts=kind == "backward")
+        host = write_host(sched, backend, check_input_layouts=kind == "backward")
         host.namespace.update(namespace)
         log.artifact("code", f"{kind} kernels", backend.full_source)
         log.artifact("code", f"{kind} host program", host.source)

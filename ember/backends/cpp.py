@@ -153,6 +153,9 @@ class CppBackend:
             entry = cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
         return entry / "graph.so"
 
+    def prologue(self) -> list[str]:
+        return []
+
     def launch_line(self, kernel: Kernel, args: dict) -> str:
         bufs = iter(args["buffers"])
         parts = []

@@ -4,6 +4,15 @@ Stages: render (Triton source) -> module file in the content cache -> import -> 
 own stages (ttir -> ttgir -> llir -> ptx -> cubin), which Triton caches on disk by source.
 The kernels of a graph are compiled ahead of the first call, in parallel threads (Triton
 spends most of that time in MLIR passes and ptxas, outside the GIL).
+
+Launch. `kernel[grid](...)` costs tens of microseconds of Python per call: Triton binds the
+arguments, recomputes their specialization (pointer alignment, ints equal to 1 or divisible
+by 16) and looks the compiled kernel up, every time. A kernel whose sizes are all static was
+compiled ahead with every pointer assumed 16-byte aligned, and its ints never change, so the
+host program calls that compiled kernel's launcher directly (`direct_launch`). What could
+break the assumption is checked inline: a buffer the host program did not allocate (an
+input, an extern's result, an alias) that is misaligned takes the `kernel[grid]` path, which
+specializes for it as Triton always does.
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ from ember.schedule.kernel import Kernel
 class TritonBackend:
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, device=None):
+        self.device = device
         self.rendered: dict[str, TritonKernelSource] = {}
         self.sources: dict[str, str] = {}
+        self.direct: set[str] = set()  # kernels launched through their compiled launcher
 
     def build(self, kernels: list[Kernel]) -> dict[str, object]:
         import triton
@@ -44,22 +55,30 @@ class TritonBackend:
             return {}
         module = self._load(source)
         fns = {k.name: getattr(module, k.name) for k in kernels}
-        self._precompile(fns)
-        return {"triton": triton, **fns}
+        namespace = {"triton": triton, "_stream": _current_stream, **fns}
+        # A compiled kernel is loaded on the device current at compile time: launch it directly
+        # only on that device (Triton's own path looks up the current device per call).
+        direct = config.get("direct_launch") and _device_index(self.device) == _current_device()
+        for name, compiled in self._precompile(fns).items():
+            handles = _launch_handles(compiled) if direct else None
+            if handles is not None:
+                self.direct.add(name)
+                namespace.update({f"{name}_run": handles[0], f"{name}_fn": handles[1], f"{name}_meta": handles[2]})
+        return namespace
 
-    def _precompile(self, fns: dict) -> None:
+    def _precompile(self, fns: dict) -> dict[str, object]:
         """Compile every kernel now, in parallel threads, instead of one by one at first launch.
 
         Triton's `warmup` compiles for given argument types without launching: buffers are
         passed as dtypes (aligned mock pointers, as fresh allocations are) and sizes as their
         static values, so the specialization matches the real launch. Kernels with symbolic
-        sizes compile at first launch instead. Triton spends most of a compile in MLIR passes
+        sizes compile at first launch instead. Returns the compiled kernel of each static one. Triton spends most of a compile in MLIR passes
         and ptxas, which do not hold the GIL.
         """
         import os
 
         if os.environ.get("TRITON_INTERPRET") == "1":
-            return
+            return {}
         jobs = []
         for name, fn in fns.items():
             r = self.rendered[name]
@@ -70,15 +89,16 @@ class TritonBackend:
                 continue
             args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [int(x) for x in sizes]
             consts = {"XBLOCK": r.launch.xblock, **({"RBLOCK": r.launch.rblock} if r.launch.rblock else {})}
-            jobs.append((fn, args, consts, r.launch.num_warps))
+            jobs.append((name, fn, args, consts, r.launch.num_warps))
         if not jobs:
-            return
-        _warmup(*jobs[0])  # first alone: Triton sets up its per-device state once, unraced
+            return {}
+        compiled = {jobs[0][0]: _warmup(*jobs[0][1:])}  # first alone: Triton sets up per-device state once
         threads = min(config.get("compile_threads"), len(jobs) - 1)
         if threads:
             with ThreadPoolExecutor(threads) as pool:
-                for future in [pool.submit(_warmup, *job) for job in jobs[1:]]:
-                    future.result()
+                futures = {job[0]: pool.submit(_warmup, *job[1:]) for job in jobs[1:]}
+                compiled.update({name: future.result() for name, future in futures.items()})
+        return compiled
 
     def _load(self, source: str):
         import triton
@@ -96,19 +116,63 @@ class TritonBackend:
         spec.loader.exec_module(module)
         return module
 
+    def prologue(self) -> list[str]:
+        return [f"stream = _stream({_device_index(self.device)})"] if self.direct else []
+
     def launch_line(self, kernel: Kernel, args: dict) -> str:
-        r = self.rendered[kernel.name]
+        name = kernel.name
+        r = self.rendered[name]
         bufs = iter(args["buffers"])
         parts = [next(bufs) if p.kind == "buffer" else print_index(p.value, "//") for p in r.params]
         xnumel = print_index(r.xnumel, "//")
         parts.append(xnumel)
-        consts = [f"XBLOCK={r.launch.xblock}"]
+        consts = {"XBLOCK": r.launch.xblock}
         if r.launch.rblock:
             parts.append(print_index(r.rnumel, "//"))
-            consts.append(f"RBLOCK={r.launch.rblock}")
-        grid = f"(triton.cdiv({xnumel}, {r.launch.xblock}),)"
-        return f"{kernel.name}[{grid}]({', '.join(parts + consts)}, num_warps={r.launch.num_warps})"
+            consts["RBLOCK"] = r.launch.rblock
+        grid = f"triton.cdiv({xnumel}, {r.launch.xblock})"
+        keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
+        slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps})"
+        if name not in self.direct:
+            return slow
+        # The launcher takes every parameter in order, constexprs included, after grid, stream,
+        # function, packed metadata, launch metadata and the enter/exit hooks.
+        blocks = (-(-int(sympy.sympify(r.xnumel)) // r.launch.xblock),)
+        direct_args = ", ".join(parts + [str(v) for v in consts.values()])
+        direct = f"{name}_run({blocks[0]}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {direct_args})"
+        unaligned = args["maybe_unaligned"]
+        if not unaligned:
+            return direct
+        check = " | ".join(f"{b}.data_ptr()" for b in unaligned)
+        return f"{slow} if ({check}) & 15 else {direct}"
 
 
-def _warmup(fn, args, consts, num_warps) -> None:
-    fn.warmup(*args, grid=(1,), num_warps=num_warps, **consts)
+def _warmup(fn, args, consts, num_warps):
+    return fn.warmup(*args, grid=(1,), num_warps=num_warps, **consts)
+
+
+def _launch_handles(compiled) -> tuple | None:
+    """(launcher, CUfunction, packed metadata) of a compiled kernel, loading it on the device
+    now; None where this Triton's CompiledKernel does not expose them (then kernel[grid] it is)."""
+    try:
+        run = compiled.run  # loads the binary (_init_handles)
+        return run, compiled.function, compiled.packed_metadata
+    except AttributeError:
+        return None
+
+
+def _device_index(device) -> int | None:
+    return None if device is None or device.type != "cuda" else (device.index or 0)
+
+
+def _current_device() -> int | None:
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
+def _current_stream(index: int) -> int:
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object per call
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream

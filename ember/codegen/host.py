@@ -7,7 +7,11 @@ returns the outputs. Generating source rather than interpreting a
 step list keeps the per-call overhead to plain Python statements, and the program can be
 printed (EMBER_DEBUG=2) and read.
 
-How a kernel is launched is the backend's business: it passes `launch_line(kernel, args)`.
+How a kernel is launched is the backend's business: it passes a launcher with
+`launch_line(kernel, args)` and `prologue()` (lines run once per call, e.g. reading the current
+CUDA stream). `args["buffers"]` names the kernel's buffers in parameter order and
+`args["maybe_unaligned"]` those this program did not allocate itself (inputs, extern results,
+aliases): only those can start at an address that is not 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -50,10 +54,11 @@ def _fix_layout(t: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 class HostWriter:
-    def __init__(self, schedule: Schedule, launch_line: Callable[[Any, dict], str], check_input_layouts: bool):
+    def __init__(self, schedule: Schedule, launcher: Any, check_input_layouts: bool):
         self.schedule = schedule
         self.graph = schedule.graph
-        self.launch_line = launch_line
+        self.launcher = launcher
+        self.allocated: set[str] = set()  # names bound to memory this program allocated (aligned)
         self.lines: list[str] = []
         self.names: dict[int, str] = {}  # Value.id -> Python variable
         self.ns: dict[str, Any] = {"torch": torch, "empty_strided": torch.empty_strided, "_fix_layout": _fix_layout}
@@ -109,14 +114,16 @@ class HostWriter:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
         self._bind_symbols()
         self._fix_input_layouts()
+        self.lines += [f"    {line}" for line in self.launcher.prologue()]
         last_use = self._last_uses()
         outputs = {o for o in g.outputs if isinstance(o, Value)}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
                 for v in step.kernel.writes:
                     self._allocate(v)
-                args = {"buffers": [self.names[v.id] for v in _kernel_buffers(step.kernel)]}
-                self.lines.append(f"    {self.launch_line(step.kernel, args)}")
+                buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
+                args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
+                self.lines.append(f"    {self.launcher.launch_line(step.kernel, args)}")
             elif isinstance(step, ExternStep):
                 self._extern(step)
             elif isinstance(step, AliasStep):
@@ -202,8 +209,11 @@ class HostWriter:
             self.lines.append(
                 f"    {name} = empty_strided({size}, {stride}, dtype={self.constant(v.dtype)}, device=device)"
             )
+            self.allocated.add(name)
             return
         old = self.names[donor.id]
+        if old in self.allocated:  # reuse starts at the donor's first byte
+            self.allocated.add(name)
         how = "in place" if v in self.plan.inplace else "reuse"
         if same_layout(donor, v):
             self.lines.append(f"    {name} = {old}  # {how}")
@@ -241,5 +251,5 @@ def _kernel_buffers(kernel) -> list[Value]:
     return list(seen.values())
 
 
-def write_host(schedule: Schedule, launch_line, check_input_layouts: bool = False) -> HostProgram:
-    return HostWriter(schedule, launch_line, check_input_layouts).write()
+def write_host(schedule: Schedule, launcher, check_input_layouts: bool = False) -> HostProgram:
+    return HostWriter(schedule, launcher, check_input_layouts).write()

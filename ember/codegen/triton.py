@@ -273,10 +273,17 @@ class TritonRenderer(Renderer):
         return self.const(KConst(r.dtype, False, 0, ident))
 
     def reduce_init(self, acc: str, r: KReduce) -> None:
-        if not self.persistent:
+        if r.kind == "sumexp":
+            if self.persistent:
+                raise NotImplementedError("online softmax is for looped reductions (schedule/online.py)")
+            self.emit(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[r.dtype]})")
+        elif not self.persistent:
             self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {self._identity(r)}, {TRITON_DTYPE[r.dtype]})")
 
     def reduce_update(self, acc: str, r: KReduce) -> None:
+        if r.kind == "sumexp":
+            self._online_update(acc, r)
+            return
         if self.single_element:
             self.emit(f"{acc} = {self._tensor(r.arg, False)}")
             return
@@ -286,7 +293,24 @@ class TritonRenderer(Renderer):
         else:
             self.emit(f"{acc} = {_COMBINE[r.kind].format(a=acc, b=masked)}")
 
+    def _online_update(self, acc: str, r: KReduce) -> None:
+        """s' = s * exp(m - m') + exp(x - m'), m' = max(m, x), per lane (m: the partner's acc,
+        updated after this). Where m' is -inf (only -inf seen yet, or masked lanes) shift by 0
+        instead: the lane's sum stays 0 rather than exp(-inf - -inf) = nan."""
+        m = self.accs[id(r.online_max)]
+        x = f"tl.where(xmask & rmask, {self.ref(r.arg)}, float('-inf'))"
+        new, shift = self.fresh("mnew"), self.fresh("shift")
+        self.emit(f"{new} = ember_maximum({m}, {x})")
+        self.emit(f"{shift} = tl.where({new} == float('-inf'), 0.0, {new})")
+        self.emit(f"{acc} = {acc} * tl.exp({m} - {shift}) + tl.exp({x} - {shift})")
+
     def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
+        if r.kind == "sumexp":
+            # Lanes rescaled to the row's max; a row of nothing but -inf gives nan, as eager's
+            # exp(x - max) does.
+            m = self.accs[id(r.online_max)]
+            self.emit(f"{name} = ember_reduce_sum({acc} * tl.exp({m} - ember_reduce_max({m}, 1)), 1)")
+            return
         if self.single_element:
             self.emit(f"{name} = {acc}")
             return

@@ -24,6 +24,7 @@ from ember.ir.sizes import index_symbol
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import KernelCost, kernel_cost, size_hint
 from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
+from ember.schedule.online import fold_online_softmax
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import nbytes, plan_memory
 from ember.schedule.steps import (  # noqa: F401  (re-exported: the schedule's types)
@@ -96,8 +97,9 @@ def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple |
 
 
 class Scheduler:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, online_softmax: bool = False):
         self.graph = graph
+        self.online_softmax = online_softmax  # the target renders schedule/online.py's sumexp
         self.position = {id(n): k for k, n in enumerate(graph.nodes)}
         self.aliases: dict[Value, AliasStep] = {}
         self.must_store: set[Value] = set()
@@ -195,8 +197,11 @@ class Scheduler:
         for g in self.groups.values():
             g.kernel = self._build(g.domain, g.id, g.roots)
 
-    def _build(self, domain: Domain, gid: int, roots: list[Value]) -> Kernel:
-        return build_kernel(f"k{gid}", domain, gid, roots, list(roots), self.owner)
+    def _build(self, domain: Domain, gid: int, roots: list[Value], stored: list[Value] | None = None) -> Kernel:
+        kernel = build_kernel(f"k{gid}", domain, gid, roots, list(roots) if stored is None else stored, self.owner)
+        if self.online_softmax:
+            fold_online_softmax(kernel)
+        return kernel
 
     # 3. ---------------------------------------------------------------------------------
     def _producers(self, g: Group) -> set[int]:
@@ -374,7 +379,7 @@ class Scheduler:
         items: list[tuple[int, Step, set]] = []  # (position, step, the values it needs)
         for g in self.groups.values():
             stored = [v for v in g.roots if self._needed_outside(v, {g.id})]
-            g.kernel = build_kernel(f"k{g.id}", g.domain, g.id, g.roots, stored, self.owner)
+            g.kernel = self._build(g.domain, g.id, g.roots, stored)
             items.append((g.first, KernelStep(g.kernel), set(g.kernel.reads)))
         for node in self.graph.nodes:
             if node.op == "extern":
@@ -422,17 +427,18 @@ def _describe(step: Step) -> str:
 PEAK_SLACK_BYTES = 1 << 20
 
 
-def schedule(graph: Graph, eager_peak: int | None = None) -> Schedule:
+def schedule(graph: Graph, eager_peak: int | None = None, online_softmax: bool = False) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
-    a sibling merged early keeps its output alive longer."""
+    a sibling merged early keeps its output alive longer. `online_softmax`: fold a long row's
+    max and sum of exp into one pass (schedule/online.py), for targets that render it."""
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
-    sched = Scheduler(graph).run(eager_peak)
+    sched = Scheduler(graph, online_softmax).run(eager_peak)
     plan = sched.memory
     limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
     if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
-        alone = Scheduler(graph).run(eager_peak, siblings=False)
+        alone = Scheduler(graph, online_softmax).run(eager_peak, siblings=False)
         if alone.memory.peak_bytes < plan.peak_bytes:
             alone.decisions.append(
                 FusionDecision(

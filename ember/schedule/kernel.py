@@ -30,6 +30,20 @@ from ember.ir.sizes import Expr, affine_split, index_symbol
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 
 
+_EXACT_WIDENINGS = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+
+def _widens(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """Every `narrow` value is exactly a `wide` value, so narrow -> wide -> narrow changes nothing."""
+    return (narrow, wide) in _EXACT_WIDENINGS
+
+
 @functools.lru_cache(maxsize=4096)
 def _round_to(value: float, dtype: torch.dtype) -> float:
     """A Python float rounded to dtype, as a conversion at run time would round it."""
@@ -142,6 +156,9 @@ class KReduce(KNode):
     kind: str
     arg: KNode
     phase: int = 0  # the loop over reduce dims that computes it
+    # kind "sumexp": sum(exp(arg - online_max)) where online_max is the max of arg over the same
+    # row, computed online in the same loop (schedule/online.py).
+    online_max: KReduce | None = None
 
     def args(self):
         return (self.arg,)
@@ -263,6 +280,8 @@ class KernelBuilder:
             return node
         if isinstance(node, KConst):
             return self.const(node.value, dtype)
+        if isinstance(node, KConvert) and node.arg.dtype == dtype and _widens(dtype, node.dtype):
+            return node.arg  # a value widened exactly and narrowed back is itself (a bf16 load in fp32)
         return self._intern(("convert", id(node), dtype), lambda: KConvert(dtype, node.full, node.ready, node))
 
     def op(self, fn: str, operands: list[KNode], dtype: torch.dtype) -> KNode:
