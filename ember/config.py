@@ -164,6 +164,16 @@ SETTINGS: dict[str, Setting] = {
             "turn off to let Triton's launch hooks, e.g. its profiler, see each launch)",
         ),
         Setting(
+            "gemm",
+            str,
+            "auto",
+            "matrix products (mm, addmm, bmm): auto (measure ember's Triton GEMM template against ATen "
+            "on the GPU once per shape class, cached on disk; ATen where nothing can be measured), "
+            "aten, template",
+            choices=("auto", "aten", "template"),
+            codegen=True,
+        ),
+        Setting(
             "compile_threads",
             int,
             min(8, os.cpu_count() or 1),

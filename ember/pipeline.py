@@ -142,7 +142,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         _check(graph, "split_reductions")
         backend = select_backend(device)
         report.backend = backend.name
-        sched = schedule(graph, eager_peak, online_softmax=backend.name == "triton")
+        gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
+        sched = schedule(graph, eager_peak, online_softmax=backend.name == "triton", gemm=gemm)
         namespace = backend.build(sched.kernels)
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
         # come from ember's forward, whose layout need not be the one AOTAutograd recorded.

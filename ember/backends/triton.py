@@ -26,8 +26,12 @@ import sympy
 
 from ember import config
 from ember.codegen.render import print_index
+from ember.backends.gemm_tuning import choose as choose_gemm
+from ember.backends.gemm_tuning import precompile_gemms
+from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.runtime.cache import DiskCache, content_key
+from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
 
 
@@ -39,14 +43,22 @@ class TritonBackend:
         self.rendered: dict[str, TritonKernelSource] = {}
         self.sources: dict[str, str] = {}
         self.direct: set[str] = set()  # kernels launched through their compiled launcher
+        self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
+
+    def gemm_chooser(self, problem, epilogue_bytes: int):
+        """schedule/gemm.py's GemmChooser: the template or ATen for one matrix product."""
+        return choose_gemm(problem, epilogue_bytes, self.device)
 
     def build(self, kernels: list[Kernel]) -> dict[str, object]:
         import triton
 
         parts = [PRELUDE]
         for k in kernels:
-            r = render_triton(k)
-            self.rendered[k.name] = r
+            r = render_gemm(k) if is_gemm_kernel(k) else render_triton(k)
+            if is_gemm_kernel(k):
+                self.gemm_kernels[k.name] = r
+            else:
+                self.rendered[k.name] = r
             self.sources[k.name] = r.source
             parts.append(r.source)
         source = "\n\n".join(parts) + "\n"
@@ -59,6 +71,9 @@ class TritonBackend:
         # A compiled kernel is loaded on the device current at compile time: launch it directly
         # only on that device (Triton's own path looks up the current device per call).
         direct = config.get("direct_launch") and _device_index(self.device) == _current_device()
+        gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
+        precompile_gemms(self.gemm_kernels, gemm_fns)
+        namespace.update(gemm_fns)
         for name, compiled in self._precompile(fns).items():
             handles = _launch_handles(compiled) if direct else None
             if handles is not None:
@@ -121,6 +136,8 @@ class TritonBackend:
 
     def launch_line(self, kernel: Kernel, args: dict) -> str:
         name = kernel.name
+        if name in self.gemm_kernels:
+            return self.gemm_kernels[name].launch_line(args["buffers"])
         r = self.rendered[name]
         bufs = iter(args["buffers"])
         parts = [next(bufs) if p.kind == "buffer" else print_index(p.value, "//") for p in r.params]

@@ -23,6 +23,7 @@ from ember.ir.graph import Graph, Node, Value, layout_of
 from ember.ir.sizes import index_symbol
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import KernelCost, kernel_cost, size_hint
+from ember.schedule.gemm import GemmChooser, GemmGroups, build_gemm_kernel, plan_gemms
 from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
 from ember.schedule.online import fold_online_softmax
 from ember.schedule.memory import eager_peak as eager_peak_bytes
@@ -97,8 +98,11 @@ def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple |
 
 
 class Scheduler:
-    def __init__(self, graph: Graph, online_softmax: bool = False):
+    def __init__(self, graph: Graph, online_softmax: bool = False, gemm: GemmChooser | None = None):
         self.graph = graph
+        self.gemm_chooser = gemm  # the backend's template-or-ATen choice (None: no GEMM template)
+        self.gemm_plans: dict = {}  # id(extern node) -> GemmOp, for products run as the template
+        self.gemms = GemmGroups()
         self.online_softmax = online_softmax  # the target renders schedule/online.py's sumexp
         self.position = {id(n): k for k, n in enumerate(graph.nodes)}
         self.aliases: dict[Value, AliasStep] = {}
@@ -149,9 +153,27 @@ class Scheduler:
         for node in self.graph.nodes:
             if node.op == "reduce":
                 realized.append(node.out)
+        realized += self._plan_gemms()
         realized += self._shared_pointwise(set(realized))
         for v in dict.fromkeys(realized):
             self._new_group(v)
+
+    def _plan_gemms(self) -> list[Value]:
+        """Matrix products run by the GEMM template (schedule/gemm.py): each is a group of its own,
+        whose kernel computes the product; pointwise consumers may then fuse into it."""
+        operand_strides = lambda v: self.aliases[v].stride if v in self.aliases else layout_of(v)  # noqa: E731
+        self.gemm_plans, notes = plan_gemms(self.graph.nodes, self.gemm_chooser, operand_strides, self.graph.device)
+        for what, chosen, why in notes:
+            self.decisions.append(FusionDecision(what, "GEMM template" if chosen else "ATen", chosen, why))
+        outs = [p.out for p in self.gemm_plans.values()]
+        # A product the graph returns or an extern reads is stored whatever fuses into it.
+        read = {o for o in self.graph.outputs if isinstance(o, Value)}
+        read |= {v for node in self.graph.nodes if self._is_extern(node) for v in node.value_inputs()}
+        self.read_outside_static |= read & set(outs)
+        return outs
+
+    def _is_extern(self, node: Node) -> bool:
+        return node.op == "extern" and id(node) not in self.gemm_plans
 
     def _shared_pointwise(self, realized: set[Value]) -> list[Value]:
         """Pointwise values worth computing once: read by several consumers, and built from
@@ -192,12 +214,17 @@ class Scheduler:
         gid = len(self.groups)
         self.groups[gid] = Group(gid, domain, [v], self.position[id(v.node)])
         self.owner[v] = gid
+        if id(v.node) in self.gemm_plans:
+            self.gemms.by_group[gid] = self.gemm_plans[id(v.node)]
 
     def _group(self) -> None:
         for g in self.groups.values():
             g.kernel = self._build(g.domain, g.id, g.roots)
 
     def _build(self, domain: Domain, gid: int, roots: list[Value], stored: list[Value] | None = None) -> Kernel:
+        if gid in self.gemms.by_group:
+            stored = list(roots) if stored is None else stored
+            return build_gemm_kernel(f"k{gid}", domain, gid, roots, stored, self.owner, self.gemms.by_group[gid])
         kernel = build_kernel(f"k{gid}", domain, gid, roots, list(roots) if stored is None else stored, self.owner)
         if self.online_softmax:
             fold_online_softmax(kernel)
@@ -248,6 +275,8 @@ class Scheduler:
         return False
 
     def _merged_domain(self, a: Group, b: Group) -> Domain | None:
+        if a.id in self.gemms.by_group or b.id in self.gemms.by_group:
+            return self.gemms.merged_domain(a, b)
         if a.domain == b.domain:
             return a.domain
         red, pw = (a, b) if a.domain.reduce_dims else (b, a)
@@ -288,6 +317,8 @@ class Scheduler:
             near = {gid for v in b.kernel.reads for gid in self._readers.get(v, ())}
             for gid in sorted(near - producers - {b.id}):
                 g = self.groups[gid]
+                if {g.id, b.id} & set(self.gemms.by_group):
+                    continue  # a GEMM template takes epilogues only, never siblings
                 if g.id < b.id and self._merged_domain(g, b) is not None:  # each unordered pair once
                     out.append(g)
         return out
@@ -324,6 +355,10 @@ class Scheduler:
 
     def _merge(self, a: Group, b: Group) -> bool:
         names = (f"k{b.id}", f"k{a.id}")
+        refusal = self.gemms.merge_refusal(a, b)
+        if refusal is not None:
+            self._decide(names, False, refusal)
+            return False
         domain = self._merged_domain(a, b)
         if domain is None:
             self._decide(names, False, f"domains differ: {a.domain} vs {b.domain}")
@@ -332,6 +367,8 @@ class Scheduler:
             self._decide(names, False, "would form a cycle (a path between them runs through another step)")
             return False
         first, second = (a, b) if a.first <= b.first else (b, a)
+        if second.id in self.gemms.by_group:
+            first, second = second, first  # the merged group stays the template's
         roots = first.roots + second.roots
         saved_owner = dict(self.owner)
         for v in second.roots:
@@ -363,6 +400,8 @@ class Scheduler:
             if after_bytes < before_bytes
             else f"merged over {domain}: same bytes, one launch fewer"
         )
+        if first.id in self.gemms.by_group:
+            why = f"epilogue fused into the GEMM template: {' + '.join(kernel.origins)}"
         self._decide(names, True, why, before_bytes - after_bytes)
         return True
 
@@ -380,9 +419,11 @@ class Scheduler:
         for g in self.groups.values():
             stored = [v for v in g.roots if self._needed_outside(v, {g.id})]
             g.kernel = self._build(g.domain, g.id, g.roots, stored)
-            items.append((g.first, KernelStep(g.kernel), set(g.kernel.reads)))
+            # A template reads its operands as tensors: an aliased operand needs its base's producer.
+            needs = {self.aliases[v].base if v in self.aliases else v for v in g.kernel.reads}
+            items.append((g.first, KernelStep(g.kernel), needs))
         for node in self.graph.nodes:
-            if node.op == "extern":
+            if self._is_extern(node):
                 needs = {self.aliases[v].base if v in self.aliases else v for v in node.value_inputs()}
                 items.append((self.position[id(node)], ExternStep(node), needs))
         produced_by: dict[Value, int] = {}
@@ -427,18 +468,21 @@ def _describe(step: Step) -> str:
 PEAK_SLACK_BYTES = 1 << 20
 
 
-def schedule(graph: Graph, eager_peak: int | None = None, online_softmax: bool = False) -> Schedule:
+def schedule(
+    graph: Graph, eager_peak: int | None = None, online_softmax: bool = False, gemm: GemmChooser | None = None
+) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
     a sibling merged early keeps its output alive longer. `online_softmax`: fold a long row's
-    max and sum of exp into one pass (schedule/online.py), for targets that render it."""
+    max and sum of exp into one pass (schedule/online.py), for targets that render it. `gemm`:
+    the backend's choice between its GEMM template and ATen per matrix product (schedule/gemm.py)."""
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
-    sched = Scheduler(graph, online_softmax).run(eager_peak)
+    sched = Scheduler(graph, online_softmax, gemm).run(eager_peak)
     plan = sched.memory
     limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
     if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
-        alone = Scheduler(graph, online_softmax).run(eager_peak, siblings=False)
+        alone = Scheduler(graph, online_softmax, gemm).run(eager_peak, siblings=False)
         if alone.memory.peak_bytes < plan.peak_bytes:
             alone.decisions.append(
                 FusionDecision(
