@@ -106,6 +106,7 @@ class Scheduler:
         self.online_softmax = online_softmax  # the target renders schedule/online.py's sumexp
         self.position = {id(n): k for k, n in enumerate(graph.nodes)}
         self.aliases: dict[Value, AliasStep] = {}
+        self._bytes_hint: dict[Value, int] = {}
         self.must_store: set[Value] = set()
         self.groups: dict[int, Group] = {}
         self.owner: dict[Value, int] = {}
@@ -334,14 +335,22 @@ class Scheduler:
     def _estimate_saving(self, a: Group, b: Group) -> int:
         """Bytes a merge saves, from buffer sizes alone (ranks candidates before building any)."""
         members = {a.id, b.id}
-        saved = sympy.Integer(0)
+        saved = 0
         for prod, cons in ((a, b), (b, a)):
             for v in prod.roots:
                 if v in cons.kernel.reads:  # no longer loaded; no longer stored if only cons read it
-                    saved += nbytes(v) * (1 if self._needed_outside(v, members) else 2)
+                    saved += self._hint_bytes(v) * (1 if self._needed_outside(v, members) else 2)
         for v in set(a.kernel.reads) & set(b.kernel.reads):
-            saved += nbytes(v)  # read once, not twice
-        return size_hint(saved)
+            saved += self._hint_bytes(v)  # read once, not twice
+        return saved
+
+    def _hint_bytes(self, v: Value) -> int:
+        """size_hint(nbytes(v)), kept: every candidate pair is ranked again after each merge, and the
+        sympy arithmetic made a graph of ~200 kernels take minutes to schedule (OpInfo bicubic)."""
+        n = self._bytes_hint.get(v)
+        if n is None:
+            n = self._bytes_hint[v] = size_hint(nbytes(v))
+        return n
 
     def _try_merge(self, a: Group, b: Group) -> bool:
         attempt = (a.id, len(a.roots), b.id, len(b.roots))
