@@ -22,6 +22,13 @@ _DECOMPOSE = [
     aten._log_softmax_backward_data,
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
+    # batch norm: at inference one pointwise scale-and-shift that fuses with the ReLU and
+    # residual add around it; in training its statistics are reductions over N, H, W.
+    aten._native_batch_norm_legit_no_training,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
     aten.gelu,
     aten.gelu_backward,
     aten.silu,

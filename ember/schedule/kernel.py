@@ -26,7 +26,7 @@ import torch
 
 from ember.ir import dtypes, ops
 from ember.ir.graph import Value, layout_of
-from ember.ir.sizes import Expr, affine_split, index_symbol
+from ember.ir.sizes import Expr, affine_split, index_symbol, product
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 
 
@@ -285,6 +285,11 @@ class KernelBuilder:
         return self._intern(("convert", id(node), dtype), lambda: KConvert(dtype, node.full, node.ready, node))
 
     def op(self, fn: str, operands: list[KNode], dtype: torch.dtype) -> KNode:
+        if fn == "mul" and len(operands) == 2:  # x * 1 is x, exactly (batch norm's momentum-free forms)
+            for one, other in (operands, operands[::-1]):
+                if isinstance(one, KConst) and one.value == 1 and not isinstance(one.value, bool):
+                    if other.dtype == dtype:
+                        return other
         key = ("op", fn, tuple(id(o) for o in operands))
         full = any(o.full for o in operands)
         ready = max((o.ready for o in operands), default=0)
@@ -438,10 +443,10 @@ def merge_dims(kernel: Kernel) -> None:
         if s == 1:
             current = {k: e.subs(v, 0) for k, e in current.items()}
     dims = [d for d in dims if d[1] != 1]
-    # Outer dims first, then reduce dims, each in order; merge neighbours within a class.
+    # Outer dims first, then reduce dims, each in memory order; merge neighbours within a class.
     merged: list[tuple] = []
     for cls in (False, True):
-        group = [d for d in dims if d[2] == cls]
+        group = _memory_order(kernel, [d for d in dims if d[2] == cls])
         k = 0
         while k < len(group):
             v, s, _ = group[k]
@@ -461,6 +466,35 @@ def merge_dims(kernel: Kernel) -> None:
     kernel.index_vars = [names[v] for v, _, _ in merged]
     kernel.loop_sizes = [s for _, s, _ in merged]
     kernel.loop_reduce = [cls for _, _, cls in merged]
+
+
+def _memory_order(kernel: Kernel, group: list[tuple]) -> list[tuple]:
+    """The dims of one class (outer or reduce) ordered outermost-first by their stride in the
+    biggest buffer the kernel walks with them (a store preferred: its writes), so that the
+    innermost loop, which GPU threads and SIMD lanes share, walks memory contiguously. A
+    channels-last [N, C, H, W] tensor is walked N, H, W, C, not N, C, H, W with stride C."""
+    if len(group) < 2:
+        return group
+    vars_ = {v for v, _, _ in group}
+    candidates = [(1, _bytes_for_ranking(s.buffer), s.index) for s in kernel.stores]
+    candidates += [(0, _bytes_for_ranking(n.buffer), n.index) for n in walk(kernel) if isinstance(n, KLoad)]
+    candidates = [c for c in candidates if c[2].free_symbols & vars_]
+    if not candidates:
+        return group
+    _, _, ref = max(candidates, key=lambda c: (c[0], c[1]))
+    strides = {}
+    for v, _, _ in group:
+        split = affine_split(sympy.expand(ref), v)
+        if split is None or not sympy.sympify(split[0]).is_Integer:
+            return group  # not affine, or a symbolic stride: keep the logical order
+        strides[v] = abs(int(split[0]))
+    return sorted(group, key=lambda d: -strides[d[0]])  # stable: equal strides keep their order
+
+
+def _bytes_for_ranking(v: Value) -> int:
+    """Only to pick the biggest buffer (memory.nbytes imports this module): symbolic sizes rank high."""
+    numel = sympy.sympify(product(v.shape))
+    return (int(numel) if numel.is_Integer else 1 << 30) * v.dtype.itemsize
 
 
 def _try_merge(current: dict, outer, inner, inner_size) -> dict | None:
