@@ -24,7 +24,7 @@ from ember.codegen.render import Param, print_index
 from ember.codegen.triton import LaunchConfig, TritonRenderer
 from ember.ir.sizes import Expr, product
 from ember.schedule.gemm import GemmKernel, TileConfig
-from ember.schedule.kernel import KStore
+from ember.schedule.kernel import KLoad, KStore
 
 GEMM_ARGS = ("gemm_m", "gemm_n", "gemm_k", "sa_z", "sa_m", "sa_k", "sb_z", "sb_k", "sb_n")
 
@@ -50,6 +50,19 @@ class GemmRenderer(TritonRenderer):
 
     def shape(self, full: bool) -> str:
         return "[BLOCK_M, BLOCK_N]"
+
+    def define(self, name: str, node) -> None:
+        """A load masks only the edges its index walks: a bias indexed by the column alone is one
+        [1, BLOCK_N] row of loads, not BLOCK_M copies of it."""
+        if not isinstance(node, KLoad) or not self._varies(node.index):
+            super().define(name, node)
+            return
+        used = self.kernel.index(node.index).free_symbols
+        dvars = self.kernel.domain.vars()
+        edges = [f"({v.name} < gemm_{d})" for v, d in ((dvars[-2], "m"), (dvars[-1], "n")) if v in used]
+        ptr = f"{self.buffer_name(node.buffer)} + {self.index_of(node.index)}"
+        mask = f", {' & '.join(edges)}, other=0" if edges else ""
+        self.emit(f"{name} = tl.load({ptr}{mask})")
 
     def emit_store(self, store: KStore) -> None:
         ptr = self.buffer_name(store.buffer)
