@@ -1,4 +1,4 @@
-"""Bugs the fuzzer (ember/tools/fuzz.py) found, each kept as a program compared with eager.
+"""Bugs the fuzzer (ember/tools/fuzz/) found, each kept as a program compared with eager.
 
 Each case names the fuzz seed and program it came from (`python -m ember.tools.fuzz --seed S
 --only I` regenerates it) and is cut down to the ops that matter.
