@@ -118,3 +118,30 @@ def test_triton_index_width_with_a_symbolic_buffer_size():
         torch._dynamo.mark_dynamic(x, 0)
         line = repro(program="x[0] * 2", inputs=[x], dynamic="dim 0")
         assert_close(compiled(x), fn(x), rtol=1e-6, atol=1e-6, what="output", line=line)
+
+
+def _var_of_one_promoted_bf16_value(x, y):
+    # seed 2026, program 1975 (mismatch: inf, eager nan): var of one bf16 element. The mean read the
+    # value through an explicit cast (rounded to bf16), x - mean through type promotion (unrounded), so
+    # the deviation was 2^-9 instead of 0 and the 0/0 of correction=1 became inf.
+    return torch.var(torch.add(x, y, alpha=0.5), dim=0, correction=1, keepdim=True)
+
+
+def _cast_and_promotion_see_one_value(x, y):
+    v = x + y  # bf16: eager rounds it; a cast and a promotion to float32 must both see the rounded value
+    return v.float() - v, v.float() * 2
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("fn", [_var_of_one_promoted_bf16_value, _cast_and_promotion_see_one_value])
+def test_a_widened_low_precision_value_is_rounded_first(fn, backend):
+    # 1 + 0.5 * 1.5 * 2^-7 lies between two bf16 values: rounding it is visible.
+    x = torch.tensor([1.0, 1.0, 3.0], dtype=torch.bfloat16)[: 1 if fn is _var_of_one_promoted_bf16_value else 3]
+    y = torch.full_like(x, 1.5 * 2**-7)
+    line = repro(program=fn.__name__, inputs=[x, y], backend=backend)
+    want = fn(x, y)
+    got = torch.compile(fn, backend="ember", options={"backend": backend, "strict": True})(x, y)
+    want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+    for k, (g, e) in enumerate(zip(got, want)):
+        assert g.dtype == e.dtype, line
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"output {k}: {m}\n{line}")

@@ -344,15 +344,22 @@ class KernelBuilder:
         spec = ops.POINTWISE[node.attrs["fn"]]
         out_dtype = dtypes.compute_dtype(value.dtype)
         if spec.kind == "compare":
-            operand_dtypes = [dtypes.compute_dtype(node.attrs["operand_dtype"])] * spec.arity
+            promoted = [node.attrs["operand_dtype"]] * spec.arity
         elif spec.kind == "select":
-            operand_dtypes = [torch.bool, out_dtype, out_dtype]
+            promoted = [torch.bool, value.dtype, value.dtype]
         else:
-            operand_dtypes = [out_dtype] * spec.arity
+            promoted = [value.dtype] * spec.arity
         operands = []
-        for x, dt in zip(node.inputs, operand_dtypes):
+        for x, to in zip(node.inputs, promoted):
+            dt = dtypes.compute_dtype(to)
             if isinstance(x, Value):
-                operands.append(self.convert(self.expr(x, broadcast_index(index, x.shape, value.shape)), dt))
+                arg = self.expr(x, broadcast_index(index, x.shape, value.shape))
+                if to != x.dtype and x.dtype != dtypes.compute_dtype(x.dtype):
+                    # Type promotion widens x (a bf16 value in a float32 op): eager widens the rounded
+                    # value, as an explicit cast does (_expr "cast"); both reads must see one value
+                    # (var over one element: x - mean(x) was 2^-9, not 0, and 0/0 became inf).
+                    arg = self.convert(arg, x.dtype)
+                operands.append(self.convert(arg, dt))
             else:
                 operands.append(self.const(x, dt))
         return self.op(spec.name, operands, out_dtype)
