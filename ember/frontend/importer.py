@@ -18,7 +18,7 @@ import torch.fx
 
 from ember import config
 from ember.ir import dtypes, ops
-from ember.ir.graph import Graph, Value
+from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, as_expr, product
 from ember.ir.views import VIEW_KINDS
 
@@ -138,6 +138,7 @@ class Importer:
                 pass
             else:
                 self.lowered.append(node)
+                _take_permuted_layout(result, node.meta.get("val"))
                 return result
         return self.extern(node)
 
@@ -281,6 +282,24 @@ class _ConstantTensor:
 
 
 _COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
+
+
+def _take_permuted_layout(value, meta) -> None:
+    """A computed value that eager lays out as a permutation of row-major (a channels-last
+    activation: the BN + ReLU between two convolutions) gets that layout, should it be stored:
+    written row-major, its kernel would walk its input across strides and the convolution
+    after it would convert it back (cuDNN's nchwToNhwc) and return its own result in the other
+    layout. Static strides only; row-major ones change nothing."""
+    if not isinstance(value, Value) or value.node.op not in _COMPUTED or value.stride is not None:
+        return
+    if not isinstance(meta, torch.Tensor) or meta.dim() < 2 or tuple(meta.shape) != tuple(value.shape):
+        return
+    stride = meta.stride()
+    if not all(isinstance(x, int) for x in (*meta.shape, *stride)):
+        return
+    stride = tuple(as_expr(x) for x in stride)
+    if _is_dense(value.shape, stride) and tuple(stride) != tuple(layout_of(value)):
+        value.stride = stride
 
 
 def _is_dense_symbolic(shape, stride, hints) -> bool:

@@ -45,6 +45,22 @@ def test_inference_batch_norm_fuses_with_relu_in_memory_order(memory_format):
     assert bounds[-1] == innermost, kernel.source
 
 
+def test_activation_between_convolutions_keeps_channels_last():
+    """The BN + ReLU output feeding the next convolution is written channels-last, as eager lays
+    it out: else its kernel transposes and the convolution converts it back."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Conv2d(8, C, 3, padding=1), torch.nn.BatchNorm2d(C), torch.nn.ReLU(), torch.nn.Conv2d(C, C, 1)
+    ).eval()
+    m = m.to(memory_format=torch.channels_last)
+    x = torch.randn(N, 8, H, W).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        report = explain_strict(copy.deepcopy(m), x)
+        assert_close(torch.compile(m, backend="ember")(x), m(x), rtol=1e-5, atol=1e-5, what="out", line=repro())
+    (graph,) = report.graphs
+    assert f"empty_strided([{N}, {C}, {H}, {W}], [{C * H * W}, 1, {W * C}, {C}]" in graph.host_source, graph.host_source
+
+
 def test_training_batch_norm_matches_eager_channels_last():
     m = _conv_bn_relu(True, torch.channels_last)
     ref = copy.deepcopy(m)
