@@ -166,10 +166,11 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "gemm",
             str,
-            "auto",
-            "matrix products (mm, addmm, bmm): auto (measure ember's Triton GEMM template against ATen "
-            "on the GPU once per shape class, cached on disk; ATen where nothing can be measured), "
-            "aten, template",
+            "aten",
+            "matrix products (mm, addmm, bmm): aten (cuBLAS/BLAS, the epilogue a following fused "
+            "kernel; the default: the template loses to cuBLAS on the H100, see docs/architecture.md), "
+            "auto (measure ember's Triton GEMM template against ATen on the GPU once per shape class, "
+            "cached on disk), template",
             choices=("auto", "aten", "template"),
             codegen=True,
         ),
