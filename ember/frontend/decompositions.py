@@ -17,6 +17,7 @@ aten = torch.ops.aten
 
 _DECOMPOSE = [
     aten._softmax,
+    aten._safe_softmax,  # SDPA's math path (a masked row of -inf gives 0s): softmax + any(-inf) fused
     aten._log_softmax,
     aten._softmax_backward_data,
     aten._log_softmax_backward_data,

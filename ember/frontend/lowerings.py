@@ -195,6 +195,19 @@ def _amax(ctx: Importer, node):
     return ctx.reduce(kind, x, dims, keepdim, ctx.out_meta().dtype)
 
 
+@lowering(aten.all, aten.any)
+def _all_any(ctx: Importer, node):
+    """all/any: the min/max of `x != 0` as bool (_safe_softmax's "is the whole row -inf")."""
+    x = ctx.arg(node.args[0])
+    if ctx.out_meta().dtype != torch.bool:
+        raise Unsupported("all/any with a uint8 result")
+    dims, keepdim = _dims_keepdim(node)
+    dims = dims or list(range(len(x.shape)))
+    truth = x if x.dtype == torch.bool else ctx.pointwise("ne", [x, 0], ShapeDtype(x.shape, torch.bool))
+    kind = "min" if node.target.overloadpacket is aten.all else "max"
+    return ctx.reduce(kind, truth, dims, keepdim, torch.bool)
+
+
 def _mean(ctx: Importer, x, dims, keepdim, out_dtype):
     """sum in float32 (or float64), divided by the count, cast once at the end as eager does."""
     if not out_dtype.is_floating_point:
@@ -364,10 +377,12 @@ def _alias(ctx: Importer, node):
 # -- sources -------------------------------------------------------------------------------
 
 
-@lowering(aten.full, aten.scalar_tensor)
+@lowering(aten.full, aten.scalar_tensor, aten.full_like)
 def _full(ctx: Importer, node):
     out = ctx.out_meta()
-    value = node.args[1] if node.target.overloadpacket is aten.full else node.args[0]
+    if node.target.overloadpacket is aten.full_like and node.kwargs.get("memory_format") not in _VALUE_FORMATS:
+        raise Unsupported("full_like memory_format")
+    value = node.args[0] if node.target.overloadpacket is aten.scalar_tensor else node.args[1]
     value = ctx.arg(value)
     if not isinstance(value, (int, float, bool)):
         raise Unsupported("symbolic fill value")
