@@ -124,11 +124,12 @@ class Renderer:
                     self.emit_store(s)
             if phase == k.num_phases:
                 break
-            reduces = [r for r in k.reduces if r.phase == phase]
+            # An online sum reads its max partner's accumulator before the partner updates it.
+            reduces = sorted((r for r in k.reduces if r.phase == phase), key=lambda r: r.online_max is None)
             full_stores = [s for s in k.stores if s.full and s.phase == phase]
             if not reduces and not full_stores:
                 continue
-            accs = {id(r): self.fresh("acc") for r in reduces}
+            accs = self.accs = {id(r): self.fresh("acc") for r in reduces}
             for r in reduces:
                 self.reduce_init(accs[id(r)], r)
             saved = dict(self.names)

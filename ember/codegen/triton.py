@@ -277,7 +277,6 @@ class TritonRenderer(Renderer):
             if self.persistent:
                 raise NotImplementedError("online softmax is for looped reductions (schedule/online.py)")
             self.emit(f"{acc} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[r.dtype]})")
-            self.emit(f"{acc}_max = tl.full([XBLOCK, 1], float('-inf'), {TRITON_DTYPE[r.dtype]})")
         elif not self.persistent:
             self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {self._identity(r)}, {TRITON_DTYPE[r.dtype]})")
 
@@ -295,24 +294,22 @@ class TritonRenderer(Renderer):
             self.emit(f"{acc} = {_COMBINE[r.kind].format(a=acc, b=masked)}")
 
     def _online_update(self, acc: str, r: KReduce) -> None:
-        """Per chunk of the row: M' = max(M, max of the chunk) for the row, then every lane's sum
-        s' = s * exp(M - M') + exp(x - M'). One exp per element (the rescale is one per row and
-        chunk). Where M' is -inf (only -inf seen yet) shift by 0 instead, so the sums stay 0
-        rather than exp(-inf + inf) = nan."""
+        """s' = s * exp(m - m') + exp(x - m'), m' = max(m, x), per lane (m: the partner's acc,
+        updated after this). Where m' is -inf (only -inf seen yet, or masked lanes) shift by 0
+        instead: the lane's sum stays 0 rather than exp(-inf - -inf) = nan."""
+        m = self.accs[id(r.online_max)]
         x = f"tl.where(xmask & rmask, {self.ref(r.arg)}, float('-inf'))"
-        chunk, new, shift = self.fresh("xmax"), self.fresh("mnew"), self.fresh("shift")
-        self.emit(f"{chunk} = {x}")
-        self.emit(f"{new} = ember_maximum({acc}_max, ember_reduce_max({chunk}, 1))")
+        new, shift = self.fresh("mnew"), self.fresh("shift")
+        self.emit(f"{new} = ember_maximum({m}, {x})")
         self.emit(f"{shift} = tl.where({new} == float('-inf'), 0.0, {new})")
-        self.emit(f"{acc} = {acc} * tl.exp({acc}_max - {shift}) + tl.exp({chunk} - {shift})")
-        self.emit(f"{acc}_max = {new}")
+        self.emit(f"{acc} = {acc} * tl.exp({m} - {shift}) + tl.exp({x} - {shift})")
 
     def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
         if r.kind == "sumexp":
-            # Every lane is scaled to the row's max. A row of nothing but -inf gives nan, as
-            # eager's exp(x - max) does there.
-            total = f"ember_reduce_sum({acc}, 1)"
-            self.emit(f"{name} = tl.where({acc}_max == float('-inf'), float('nan'), {total})")
+            # Lanes rescaled to the row's max; a row of nothing but -inf gives nan, as eager's
+            # exp(x - max) does.
+            m = self.accs[id(r.online_max)]
+            self.emit(f"{name} = ember_reduce_sum({acc} * tl.exp({m} - ember_reduce_max({m}, 1)), 1)")
             return
         if self.single_element:
             self.emit(f"{name} = {acc}")

@@ -2,15 +2,15 @@
 
 Softmax, log_softmax, logsumexp and cross-entropy reduce each row twice: first its max m, then
 sum(exp(x - m)). When a row is too long to stay in registers (a looped reduction), that is two
-trips through device memory for the same row. Keeping a running max M of the row and sums s
-rescaled whenever M grows, chunk by chunk,
+trips through device memory for the same row. Keeping per lane a running max m and a sum s
+rescaled whenever m grows,
 
-    M' = max(M, max(chunk));   s' = s * exp(M - M') + exp(x - M')
+    m' = max(m, x);   s' = s * exp(m - m') + exp(x - m')
 
-gives both in one trip; S = sum(s) at the end. (Milakov and Gimelshein, "Online normalizer
-calculation for softmax", 2018.) The Triton renderer keeps M per row and s per lane, so the
-rescale is one exp per row and chunk, not per element. Rows held whole in registers already
-read memory once, so they keep the plain form; C++ keeps it too (its rows sit in cache).
+gives both in one trip; at the end of the row the lanes combine as
+M = max(m), S = sum(s * exp(m - M)). (Milakov and Gimelshein, "Online normalizer calculation
+for softmax", 2018.) It costs one more exp per element, which a memory-bound GPU kernel does
+not notice; rows held whole in registers already read memory once, so they keep the plain form.
 
 The pass rewrites the kernel IR: a `sum` reduction whose argument is exactly
 `exp(a - max_reduce(a))` becomes a `sumexp` reduction of `a` partnered with that max, in the
