@@ -144,4 +144,4 @@ def test_a_widened_low_precision_value_is_rounded_first(fn, backend):
     want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
     for k, (g, e) in enumerate(zip(got, want)):
         assert g.dtype == e.dtype, line
-        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"output {k}: {m}\n{line}")
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True, msg=lambda m, k=k: f"output {k}: {m}\n{line}")
