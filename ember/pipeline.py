@@ -127,6 +127,7 @@ def _fusion_log(report: GraphReport) -> str:
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
     from ember.codegen.host import write_host
     from ember.frontend.importer import import_graph
+    from ember.frontend.padding import pad_matmul_layouts
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.split import split_reductions
@@ -138,6 +139,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         graph = import_graph(gm, device)
         _check(graph, "import")
         eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
+        padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
+        log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
         split_reductions(graph)
         _check(graph, "split_reductions")
         backend = select_backend(device)

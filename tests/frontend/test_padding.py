@@ -1,0 +1,62 @@
+"""Products with rows that are not 16-byte aligned get padded layouts (frontend/padding.py).
+
+On the GPU this is what lets cuBLAS use its aligned kernels for a 50257-wide vocabulary head.
+Here the same layouts are exercised on the CPU (the pass is enabled for "cpu" in the test): the
+product is written with `mm.out` into padded rows, kernels downstream index them, and matrices
+ember computes for a product (the logits' gradient) are laid out padded from the start.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.frontend import padding
+from tests.helpers import assert_close, explain_strict, repro
+
+VOCAB, D, ROWS = 1001, 64, 96  # 1001 bf16 columns: rows of 2002 bytes, not a multiple of 16
+
+
+@pytest.fixture
+def pad_on_cpu(monkeypatch):
+    monkeypatch.setattr(padding, "PAD_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(padding, "_MIN_ELEMENTS", 1)
+
+
+def _head_loss(x, w, target):
+    logits = x @ w.t()
+    return F.cross_entropy(logits.float(), target), logits
+
+
+def test_vocabulary_head_padded_inference(pad_on_cpu):
+    x, w = torch.randn(ROWS, D, dtype=torch.bfloat16), torch.randn(VOCAB, D, dtype=torch.bfloat16)
+    target = torch.randint(0, VOCAB, (ROWS,))
+    with torch.no_grad():
+        report = explain_strict(_head_loss, x, w, target)
+        loss, logits = torch.compile(_head_loss, backend="ember")(x, w, target)
+        want_loss, want_logits = _head_loss(x, w, target)
+    line = repro(case="head inference")
+    assert_close(logits, want_logits, rtol=1e-2, atol=1e-2, what="logits", line=line)
+    assert_close(loss, want_loss, rtol=1e-3, atol=1e-3, what="loss", line=line)
+    assert logits.stride() == (1008, 1), line  # padded to 16 bytes, same values
+    assert f"[{ROWS}, {VOCAB}], [1008, 1]" in report.graphs[0].host_source, report.graphs[0].host_source
+
+
+def test_vocabulary_head_padded_training(pad_on_cpu):
+    x = torch.randn(ROWS, D, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(VOCAB, D, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, VOCAB, (ROWS,))
+    xr, wr = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    loss, _ = torch.compile(_head_loss, backend="ember")(x, w, target)
+    want, _ = _head_loss(xr, wr, target)
+    loss.backward()
+    want.backward()
+    line = repro(case="head training")
+    assert_close(loss, want, rtol=1e-3, atol=1e-3, what="loss", line=line)
+    assert_close(x.grad, xr.grad, rtol=2e-2, atol=2e-2, what="x grad", line=line)
+    assert_close(w.grad, wr.grad, rtol=2e-2, atol=2e-2, what="w grad", line=line)
+    assert x.grad.stride() == xr.grad.stride() and w.grad.stride() == wr.grad.stride(), line
+    report = explain_strict(_head_loss, x, w, target)
+    backward = [g for g in report.graphs if g.kind == "backward"]
+    assert backward and "[1008, 1]" in backward[0].host_source, backward[0].host_source  # the logits' gradient
