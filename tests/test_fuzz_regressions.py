@@ -145,3 +145,16 @@ def test_a_widened_low_precision_value_is_rounded_first(fn, backend):
     for k, (g, e) in enumerate(zip(got, want)):
         assert g.dtype == e.dtype, line
         torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True, msg=lambda m, k=k: f"output {k}: {m}\n{line}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
+def test_triton_interpreter_casts_integers_to_bf16_by_value(dtype):
+    # ember fuzz --backend triton --seed 7, program 36 (mismatch: 0 instead of 11.966): Triton's CPU
+    # interpreter reinterprets an integer's bits as bf16 (True became 9.2e-41); the cast goes through fp32.
+    def fn(x):
+        return x.to(torch.bfloat16) * 3
+
+    x = torch.tensor([[1, 0, 3, -5, 200]]).to(dtype)
+    line = repro(program="x.to(bfloat16) * 3", inputs=[x], backend="triton")
+    got = torch.compile(fn, backend="ember", options={"backend": "triton", "strict": True})(x)
+    assert_close(got, fn(x), rtol=0, atol=0, what="output", line=line)

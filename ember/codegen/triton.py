@@ -220,9 +220,11 @@ class TritonRenderer(Renderer):
             arg = self.ref(node.arg)
             if node.dtype == torch.bool:
                 self.emit(f"{name} = {arg} != 0")
-            elif self.interpreted and node.dtype == torch.bfloat16 and node.arg.dtype == torch.float32:
-                # The interpreter truncates fp32 -> bf16; round to nearest even as the GPU does.
-                self.emit(f"{name} = ember_round_bf16({arg})")
+            elif self.interpreted and node.dtype == torch.bfloat16:
+                # The interpreter truncates fp32 -> bf16 (round to nearest even as the GPU does), and
+                # reinterprets the bits of an integer or bool as bf16 (True became 9.2e-41): go through fp32.
+                src = arg if node.arg.dtype == torch.float32 else f"{arg}.to(tl.float32)"
+                self.emit(f"{name} = ember_round_bf16({src})")
             else:
                 self.emit(f"{name} = {arg}.to({TRITON_DTYPE[node.dtype]})")
         elif isinstance(node, KOp):
