@@ -1,15 +1,17 @@
-"""Matrix-product layouts cuBLAS runs fast: rows padded to 16 bytes.
+"""Matrix products cuBLAS runs fast: N padded to 16 bytes, and rows padded to match.
 
-cuBLAS picks its fast kernels only when every operand's leading dimension is a multiple of 16
-bytes. A GPT-2 head writes logits of 50257 columns: with rows 50257 elements apart it falls back
-to an `align1` kernel, 7x slower on the H100 (6.6 ms against 0.9 ms for the same product).
-PyTorch's eager mode pays that too; Inductor pads (its `pad_mm`).
+cuBLAS picks its vectorized kernels only when the matrices' contiguous extents and leading
+dimensions are multiples of 16 bytes. A GPT-2 head has N = 50257 vocabulary columns: cuBLAS
+falls back to an `align1` kernel, 7x slower on the H100 (6.6 ms against 0.9 ms). Eager PyTorch
+pays that; Inductor pads (its `pad_mm`).
 
-ember pads by layout, never by copying: a product's result is written by `mm.out` / `addmm.out`
-into rows padded to 16 bytes (the logical shape is unchanged, the row stride is larger), and a
-matrix ember computes itself that a product reads, or reads transposed, is laid out with padded
-rows from the start. Kernels index any layout, so no one else notices. Values a training graph
-returns stay dense: AOTAutograd recorded their strides for the backward graph.
+ember computes such a product on N rounded up (the weight copied into a buffer with zeroed extra
+columns: a pass over the weight, tens of microseconds) and keeps the result in its padded rows
+as a view of the first N columns. The logical shape is unchanged, the row stride is larger, and
+kernels index any layout. Matrices ember computes itself that a product reads, or reads
+transposed, are laid out with padded rows too. Values a training graph returns stay dense:
+AOTAutograd recorded their strides for the backward graph. (K is not padded: a product over an
+unaligned K, such as the head's weight gradient, still takes the slow kernel.)
 """
 
 from __future__ import annotations
@@ -25,25 +27,40 @@ aten = torch.ops.aten
 _ALIGN_BYTES = 16
 _MIN_ELEMENTS = 1 << 16  # small products are launch-bound: not worth a layout change
 PAD_ON = ("cuda",)  # device types whose BLAS wants aligned rows (tests add "cpu" to exercise it)
-_PRODUCTS = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out}
+_PRODUCTS = (aten.mm.default, aten.addmm.default)
 _COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
 
 
-class IntoPadded:
-    """An extern target: the product written into a buffer with padded rows."""
+class PaddedProduct:
+    """An extern target: mm / addmm computed on N padded to `n_pad`, returned as the view of its
+    first N columns (rows `n_pad` apart)."""
 
-    def __init__(self, out_op, size: tuple[int, int], stride: tuple[int, int]):
-        self.out_op, self.size, self.stride = out_op, size, stride
-        self.__name__ = f"{out_op.__name__} into rows of {stride[0]}"
+    def __init__(self, op, n: int, n_pad: int):
+        self.op, self.n, self.n_pad = op, n, n_pad
+        self.__name__ = f"{op.__name__} on N padded {n} -> {n_pad}"
 
-    def __call__(self, *args, **kwargs):
-        like = args[-1]
-        out = torch.empty_strided(self.size, self.stride, dtype=like.dtype, device=like.device)
-        return self.out_op(*args, **kwargs, out=out)
+    def __call__(self, *args):
+        *bias, a, b = args
+        if bias and isinstance(bias[0], torch.Tensor) and bias[0].dim() >= 1 and bias[0].shape[-1] == self.n:
+            bias = [_pad_last(bias[0], self.n_pad)]
+        return self.op(*bias, a, _pad_last(b, self.n_pad))[..., : self.n]
+
+
+def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
+    """t with its last dim extended by zeros to `size`, in t's own memory order (a transposed
+    weight stays transposed: cuBLAS reads it in place)."""
+    shape = (*t.shape[:-1], size)
+    if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1:
+        out = t.new_empty((size, t.shape[0])).t()
+    else:
+        out = t.new_empty(shape)
+    out[..., t.shape[-1] :].zero_()
+    out[..., : t.shape[-1]].copy_(t)
+    return out
 
 
 def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
-    """Pad product results and the computed matrices products read; returns what was padded."""
+    """Pad products' N and the computed matrices products read; returns what was padded."""
     if graph.device.type not in PAD_ON:
         return []
     pinned = {o for o in graph.outputs if isinstance(o, Value)} if keep_outputs_dense else set()
@@ -54,10 +71,9 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
         out = node.out
         padded = _padded_row(out)
         if padded is not None and out not in pinned and tuple(out.stride) == tuple(contiguous_strides(out.shape)):
-            size = (int(out.shape[0]), int(out.shape[1]))
-            node.attrs["target"] = IntoPadded(_PRODUCTS[node.attrs["target"]], size, (padded, 1))
+            node.attrs["target"] = PaddedProduct(node.attrs["target"], int(out.shape[1]), padded)
             out.stride = (sympy.Integer(padded), sympy.Integer(1))
-            notes.append(f"{node.origin} -> %{out.name}: rows padded to {padded}")
+            notes.append(f"{node.origin} -> %{out.name}: N padded to {padded}")
         for operand in _matrix_operands(node):
             base = _computed_base(operand)
             if base is None or base in pinned:
@@ -99,4 +115,4 @@ def _computed_base(v: Value) -> Value | None:
     return None
 
 
-__all__ = ["IntoPadded", "pad_matmul_layouts"]
+__all__ = ["PaddedProduct", "pad_matmul_layouts"]

@@ -2,8 +2,9 @@
 
 On the GPU this is what lets cuBLAS use its aligned kernels for a 50257-wide vocabulary head.
 Here the same layouts are exercised on the CPU (the pass is enabled for "cpu" in the test): the
-product is written with `mm.out` into padded rows, kernels downstream index them, and matrices
-ember computes for a product (the logits' gradient) are laid out padded from the start.
+product is computed on N padded (the weight copied with zero columns) and kept as a view with
+padded rows, kernels downstream index them, and matrices ember computes for a product (the
+logits' gradient) are laid out padded from the start.
 """
 
 from __future__ import annotations
@@ -60,3 +61,11 @@ def test_vocabulary_head_padded_training(pad_on_cpu):
     report = explain_strict(_head_loss, x, w, target)
     backward = [g for g in report.graphs if g.kind == "backward"]
     assert backward and "[1008, 1]" in backward[0].host_source, backward[0].host_source  # the logits' gradient
+
+
+def test_linear_with_bias_padded(pad_on_cpu):
+    x, w, b = torch.randn(ROWS, D), torch.randn(VOCAB, D), torch.randn(VOCAB)
+    fn = lambda x, w, b: torch.relu(F.linear(x, w, b))  # noqa: E731  addmm, then a kernel over it
+    with torch.no_grad():
+        got = torch.compile(fn, backend="ember")(x, w, b)
+    assert_close(got, fn(x, w, b), rtol=1e-5, atol=1e-4, what="linear", line=repro(case="addmm"))
