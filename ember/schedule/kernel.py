@@ -30,6 +30,17 @@ from ember.ir.sizes import Expr, affine_split, index_symbol, product
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 
 
+def _small_integer_power(operands: list, dtype: torch.dtype) -> bool:
+    base, exponent = operands
+    return (
+        dtype.is_floating_point
+        and base.dtype == dtype
+        and isinstance(exponent, KConst)
+        and not isinstance(exponent.value, bool)
+        and exponent.value in (1, 2, 3, 4)
+    )
+
+
 _EXACT_WIDENINGS = {
     (torch.bfloat16, torch.float32),
     (torch.float16, torch.float32),
@@ -285,6 +296,14 @@ class KernelBuilder:
         return self._intern(("convert", id(node), dtype), lambda: KConvert(dtype, node.full, node.ready, node))
 
     def op(self, fn: str, operands: list[KNode], dtype: torch.dtype) -> KNode:
+        if fn == "pow" and _small_integer_power(operands, dtype):
+            # x ** 2, 3, 4 as products (tanh-gelu's x ** 3): libdevice's pow goes through log and
+            # exp and made the H100's gelu kernel compute-bound (95 us where 38 us moves its bytes).
+            x, times = operands[0], int(operands[1].value)
+            result = x
+            for _ in range(times - 1):
+                result = self.op("mul", [result, x], dtype)
+            return result
         if fn == "mul" and len(operands) == 2:  # x * 1 is x, exactly (batch norm's momentum-free forms)
             for one, other in (operands, operands[::-1]):
                 if isinstance(one, KConst) and one.value == 1 and not isinstance(one.value, bool):
