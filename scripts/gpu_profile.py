@@ -24,8 +24,16 @@ from ember.frontend.backend import ember_backend
 from ember.tools.bench.workloads import WORKLOADS
 
 
+TRAIN = False  # --train: forward + backward of out.float().mean()
+
+
 def _run(fn, inputs, autocast):
     ctx = torch.autocast("cuda", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    if TRAIN:
+        with ctx:
+            out = fn(*inputs)
+        out.float().mean().backward()
+        return out
     with torch.no_grad(), ctx:
         return fn(*inputs)
 
@@ -63,7 +71,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--workloads", default="resnet50,hf_bert,hf_gpt2,tiny_mlp_b1")
     p.add_argument("--out", default="profile.json")
+    p.add_argument("--train", action="store_true")
     args = p.parse_args()
+    global TRAIN
+    TRAIN = args.train
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
