@@ -158,3 +158,23 @@ def test_triton_interpreter_casts_integers_to_bf16_by_value(dtype):
     line = repro(program="x.to(bfloat16) * 3", inputs=[x], backend="triton")
     got = torch.compile(fn, backend="ember", options={"backend": "triton", "strict": True})(x)
     assert_close(got, fn(x), rtol=0, atol=0, what="output", line=line)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("op", ["var", "std"])
+def test_var_backward_with_dynamic_shapes(op, backend):
+    # seed 2026, programs 191, 619, 1029, 1676 (fell back: extern sym_float returns SymFloat): var's
+    # backward scales by 2.0 / (float(N) - 1.0), a float computed from a size. It is now a 0-d float64
+    # value computed in the kernel, as eager computes the Python float in double.
+    def fn(x):
+        return getattr(torch, op)(x * 2, dim=0, keepdim=True)
+
+    compiled = torch.compile(fn, backend="ember", dynamic=True, options={"backend": backend, "strict": True})
+    for rows in (5, 7):
+        x = torch.randn(rows, 3, dtype=torch.float32).requires_grad_(True)
+        line = repro(program=f"{op}(x * 2, dim=0)", inputs=[x], backend=backend, dynamic=True)
+        got, want = compiled(x), fn(x)
+        cot = torch.randn(want.shape)
+        (g_got,), (g_want,) = torch.autograd.grad(got, [x], cot), torch.autograd.grad(want, [x], cot)
+        assert_close(got, want, rtol=1e-5, atol=1e-6, what="output", line=line)
+        assert_close(g_got, g_want, rtol=1e-5, atol=1e-6, what="grad", line=line)

@@ -62,6 +62,8 @@ class Importer:
         self.lowered: list[torch.fx.Node] = []
         limit = config.get("bisect_ops")
         self.limit = None if limit < 0 else limit
+        # Floats computed from sizes (SymFloat), held as 0-d float64 values (see _sym_float).
+        self.sym_floats: set[Value] = set()
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -97,6 +99,8 @@ class Importer:
         if not isinstance(arg, torch.fx.Node):
             return arg
         value = self.env[arg]
+        if value in self.sym_floats:
+            raise GraphUnsupported(f"symbolic float {arg.name} as a graph output")
         meta = arg.meta.get("val")
         # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
         # Inductor does: code after the graph may depend on strides. Static layouts only.
@@ -121,6 +125,9 @@ class Importer:
         val = node.meta.get("val")
         if isinstance(val, torch.SymBool):
             raise GraphUnsupported(f"symbolic boolean {node.name}")
+        if isinstance(val, torch.SymFloat):
+            return self._sym_float(node)
+        self._check_sym_float_use(node)
         if isinstance(val, torch.SymInt) or (
             isinstance(val, int) and not isinstance(val, bool) and node.target is not operator.getitem
         ):
@@ -141,6 +148,33 @@ class Importer:
                 _take_permuted_layout(result, node.meta.get("val"))
                 return result
         return self.extern(node)
+
+    def _sym_float(self, node) -> Value:
+        """A float computed from sizes (var's backward scales by 2.0 / (float(N) - 1.0)): a 0-d float64
+        value, computed in double as eager's Python float is, which a tensor op then reads as a scalar
+        operand (converted to the op's compute dtype, as eager converts a Python scalar)."""
+        args = [self.arg(a) for a in node.args]
+        if node.target is torch.sym_float and len(args) == 1 and isinstance(args[0], (int, Expr)):
+            value = as_expr(args[0])
+            out = self.graph.add("full", [], {"value": value}, [((), torch.float64, None)], "sym_float").out
+        elif node.target in _SYM_FLOAT_OPS and not node.kwargs:
+            if not all(isinstance(a, (int, float, Expr)) or a in self.sym_floats for a in args):
+                raise GraphUnsupported(f"symbolic float {node.name} of {[type(a).__name__ for a in args]}")
+            operands = [float(a) if isinstance(a, int) else a for a in args]  # float(N) - 1: double math
+            fn = _SYM_FLOAT_OPS[node.target]
+            out = self.pointwise(fn, operands, ShapeDtype((), torch.float64))
+        else:
+            raise GraphUnsupported(f"symbolic float {node.name} ({node.target})")
+        self.sym_floats.add(out)
+        return out
+
+    def _check_sym_float_use(self, node) -> None:
+        """A symbolic float may be a scalar operand of elementwise arithmetic (where a 0-d value and a
+        Python scalar act alike) and nothing else: a lowering or an extern expecting a number gets a
+        tensor."""
+        used = [a for a in _values_in((node.args, node.kwargs)) if a in self.sym_floats]
+        if used and getattr(node.target, "overloadpacket", None) not in _SYM_FLOAT_CONSUMERS:
+            raise GraphUnsupported(f"symbolic float used by {_op_name(node.target)}")
 
     # -- helpers for lowerings ------------------------------------------------------------
     @property
@@ -282,6 +316,11 @@ class _ConstantTensor:
 
 
 _COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
+
+# Python arithmetic on SymFloats that AOTAutograd leaves in a graph, and the ATen ops that may read
+# the result: a symbolic float reaches a kernel as a scalar operand of one of these, nothing else.
+_SYM_FLOAT_OPS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv"}
+_SYM_FLOAT_CONSUMERS = (torch.ops.aten.mul, torch.ops.aten.div, torch.ops.aten.add, torch.ops.aten.sub)
 
 
 def _take_permuted_layout(value, meta) -> None:
