@@ -178,3 +178,18 @@ def test_var_backward_with_dynamic_shapes(op, backend):
         (g_got,), (g_want,) = torch.autograd.grad(got, [x], cot), torch.autograd.grad(want, [x], cot)
         assert_close(got, want, rtol=1e-5, atol=1e-6, what="output", line=line)
         assert_close(g_got, g_want, rtol=1e-5, atol=1e-6, what="grad", line=line)
+
+
+def test_a_symbolic_float_an_op_reads_as_a_keyword_falls_back():
+    # Only positional scalar operands of mul/div/add/sub may be a symbolic float; add's alpha would reach
+    # an ATen call as a tensor: the graph runs eagerly, with a warning naming the cause.
+    def fn(x, y):
+        return torch.add(y, x, alpha=2.0 / (x.shape[0] - 1.0))
+
+    compiled = torch.compile(fn, backend="ember", dynamic=True)
+    for rows in (5, 7):
+        x, y = torch.randn(rows, 3), torch.randn(rows, 3)
+        with pytest.warns(UserWarning, match="symbolic float used by add"):
+            got = compiled(x, y)
+        assert_close(got, fn(x, y), rtol=1e-6, atol=1e-6, what="output", line=repro(rows=rows))
+        torch._dynamo.reset()

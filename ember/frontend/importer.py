@@ -99,7 +99,7 @@ class Importer:
         if not isinstance(arg, torch.fx.Node):
             return arg
         value = self.env[arg]
-        if value in self.sym_floats:
+        if self._is_sym_float(value):
             raise GraphUnsupported(f"symbolic float {arg.name} as a graph output")
         meta = arg.meta.get("val")
         # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
@@ -158,7 +158,7 @@ class Importer:
             value = as_expr(args[0])
             out = self.graph.add("full", [], {"value": value}, [((), torch.float64, None)], "sym_float").out
         elif node.target in _SYM_FLOAT_OPS and not node.kwargs:
-            if not all(isinstance(a, (int, float, Expr)) or a in self.sym_floats for a in args):
+            if not all(isinstance(a, (int, float, Expr)) or self._is_sym_float(a) for a in args):
                 raise GraphUnsupported(f"symbolic float {node.name} of {[type(a).__name__ for a in args]}")
             operands = [float(a) if isinstance(a, int) else a for a in args]  # float(N) - 1: double math
             fn = _SYM_FLOAT_OPS[node.target]
@@ -172,9 +172,16 @@ class Importer:
         """A symbolic float may be a scalar operand of elementwise arithmetic (where a 0-d value and a
         Python scalar act alike) and nothing else: a lowering or an extern expecting a number gets a
         tensor."""
-        used = [a for a in _values_in((node.args, node.kwargs)) if a in self.sym_floats]
-        if used and getattr(node.target, "overloadpacket", None) not in _SYM_FLOAT_CONSUMERS:
+        if not any(self._is_sym_float(self.env.get(n)) for n in node.all_input_nodes):
+            return
+        in_kwargs: list = []
+        torch.fx.node.map_arg(node.kwargs, in_kwargs.append)
+        positional = getattr(node.target, "overloadpacket", None) in _SYM_FLOAT_CONSUMERS
+        if not positional or any(self._is_sym_float(self.env.get(n)) for n in in_kwargs):
             raise GraphUnsupported(f"symbolic float used by {_op_name(node.target)}")
+
+    def _is_sym_float(self, x) -> bool:
+        return isinstance(x, Value) and x in self.sym_floats
 
     # -- helpers for lowerings ------------------------------------------------------------
     @property
@@ -275,6 +282,8 @@ class Importer:
             raise GraphUnsupported(f"mutating op {_op_name(node.target)}")
         args = self.arg(node.args)
         kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
+        if any(self._is_sym_float(v) for v in _values_in((args, kwargs))):
+            raise GraphUnsupported(f"symbolic float passed to {_op_name(node.target)}, which runs as an ATen call")
         return self.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=_op_name(node.target))
 
     def extern_call(self, target, args, kwargs, meta, origin: str) -> Any:
