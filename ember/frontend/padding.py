@@ -5,13 +5,15 @@ dimensions are multiples of 16 bytes. A GPT-2 head has N = 50257 vocabulary colu
 falls back to an `align1` kernel, 7x slower on the H100 (6.6 ms against 0.9 ms). Eager PyTorch
 pays that; Inductor pads (its `pad_mm`).
 
-ember computes such a product on N rounded up (the weight copied into a buffer with zeroed extra
-columns: a pass over the weight, tens of microseconds) and keeps the result in its padded rows
-as a view of the first N columns. The logical shape is unchanged, the row stride is larger, and
-kernels index any layout. Matrices ember computes itself that a product reads, or reads
-transposed, are laid out with padded rows too. Values a training graph returns stay dense:
-AOTAutograd recorded their strides for the backward graph. (K is not padded: a product over an
-unaligned K, such as the head's weight gradient, still takes the slow kernel.)
+ember runs every large half- or single-precision product through `AlignedProduct`: an
+unaligned N is computed rounded up (the weight copied into a buffer with zeroed extra columns:
+a pass over the weight, tens of microseconds) and the result kept in its padded rows as a view
+of the first N columns; the logical shape is unchanged, the row stride is larger, and kernels
+index any layout. An unaligned K (the head's input gradient, K = 50257) is split into an aligned
+product plus a thin rank-few update; an unaligned M that is A's contiguous dim (the head's weight
+gradient, A = grad_logits.t()) into two row blocks. Matrices ember computes itself that a product
+reads, or reads transposed, are laid out with padded rows, so their leading dimension is aligned.
+Values a training graph returns stay dense: AOTAutograd recorded their strides for the backward.
 """
 
 from __future__ import annotations
@@ -28,32 +30,57 @@ _ALIGN_BYTES = 16
 _MIN_ELEMENTS = 1 << 16  # small products are launch-bound: not worth a layout change
 PAD_ON = ("cuda",)  # device types whose BLAS wants aligned rows (tests add "cpu" to exercise it)
 _PRODUCTS = (aten.mm.default, aten.addmm.default)
+_OUT = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out}
 _COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
 
 
-class PaddedProduct:
-    """An extern target: mm / addmm computed on N padded to `n_pad`, returned as the view of its
-    first N columns (rows `n_pad` apart)."""
+class AlignedProduct:
+    """An extern target: mm / addmm run so that cuBLAS sees 16-byte aligned extents.
 
-    def __init__(self, op, n: int, n_pad: int):
+    - N unaligned (`n_pad` given): computed on N padded, the weight copied with zero columns;
+      the result is the view of its first N columns, rows `n_pad` apart (the layout promised).
+    - K unaligned: A[:, :K8] @ B[:K8] and then the rank-(K - K8) rest added in place.
+    - M unaligned where M is A's contiguous dim (a weight gradient, A = grad.t()): rows [:M8]
+      and [M8:] as two products into one output.
+    The last two look at the run-time strides; each piece is bitwise a sum cuBLAS would form too,
+    up to the order of the K partial sums."""
+
+    def __init__(self, op, n: int | None = None, n_pad: int | None = None):
         self.op, self.n, self.n_pad = op, n, n_pad
-        self.__name__ = f"{op.__name__} on N padded {n} -> {n_pad}"
+        padded = f", N padded {n} -> {n_pad}" if n_pad else ""
+        self.__name__ = f"{op.__name__} aligned{padded}"
 
     def __call__(self, *args):
         *bias, a, b = args
-        if bias and isinstance(bias[0], torch.Tensor) and bias[0].dim() >= 1 and bias[0].shape[-1] == self.n:
-            bias = [_pad_last(bias[0], self.n_pad)]
-        return self.op(*bias, a, _pad_last(b, self.n_pad))[..., : self.n]
+        if self.n_pad is not None:
+            if bias and isinstance(bias[0], torch.Tensor) and bias[0].dim() >= 1 and bias[0].shape[-1] == self.n:
+                bias = [_pad_last(bias[0], self.n_pad)]
+            return self._product(bias, a, _pad_last(b, self.n_pad))[..., : self.n]
+        return self._product(bias, a, b)
+
+    def _product(self, bias, a, b):
+        per = _ALIGN_BYTES // a.element_size()
+        m, k = a.shape
+        k8, m8 = k // per * per, m // per * per
+        if k % per and k8 and a.stride(1) == 1:  # K is A's contiguous dim
+            out = self.op(*bias, a[:, :k8], b[:k8])
+            return out.addmm_(a[:, k8:], b[k8:])
+        if m % per and m8 and a.stride(0) == 1 and a.stride(1) != 1:  # M is A's contiguous dim
+            out = torch.empty((m, b.shape[1]), dtype=a.dtype, device=a.device)
+            for rows in (slice(0, m8), slice(m8, m)):
+                part = [bias[0][rows] if bias[0].dim() == 2 and bias[0].shape[0] == m else bias[0]] if bias else []
+                _OUT[self.op](*part, a[rows], b, out=out[rows])
+            return out
+        return self.op(*bias, a, b)
 
 
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:
     """t with its last dim extended by zeros to `size`, in t's own memory order (a transposed
     weight stays transposed: cuBLAS reads it in place)."""
-    shape = (*t.shape[:-1], size)
     if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1:
         out = t.new_empty((size, t.shape[0])).t()
     else:
-        out = t.new_empty(shape)
+        out = t.new_empty((*t.shape[:-1], size))
     out[..., t.shape[-1] :].zero_()
     out[..., : t.shape[-1]].copy_(t)
     return out
@@ -69,11 +96,15 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
         if node.op != "extern" or node.attrs["target"] not in _PRODUCTS or node.attrs["kwargs"]:
             continue
         out = node.out
+        if not _large_static_matrix(out):
+            continue
         padded = _padded_row(out)
         if padded is not None and out not in pinned and tuple(out.stride) == tuple(contiguous_strides(out.shape)):
-            node.attrs["target"] = PaddedProduct(node.attrs["target"], int(out.shape[1]), padded)
+            node.attrs["target"] = AlignedProduct(node.attrs["target"], int(out.shape[1]), padded)
             out.stride = (sympy.Integer(padded), sympy.Integer(1))
             notes.append(f"{node.origin} -> %{out.name}: N padded to {padded}")
+        else:
+            node.attrs["target"] = AlignedProduct(node.attrs["target"])
         for operand in _matrix_operands(node):
             base = _computed_base(operand)
             if base is None or base in pinned:
@@ -83,6 +114,12 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
                 base.stride = (sympy.Integer(padded), sympy.Integer(1))
                 notes.append(f"%{base.name} (read by {node.origin}): rows padded to {padded}")
     return notes
+
+
+def _large_static_matrix(v: Value) -> bool:
+    if len(v.shape) != 2 or not all(sympy.sympify(x).is_Integer for x in v.shape):
+        return False
+    return v.dtype in (torch.bfloat16, torch.float16, torch.float32) and int(v.shape[0]) * int(v.shape[1]) >= _MIN_ELEMENTS
 
 
 def _padded_row(v: Value) -> int | None:
@@ -115,4 +152,4 @@ def _computed_base(v: Value) -> Value | None:
     return None
 
 
-__all__ = ["PaddedProduct", "pad_matmul_layouts"]
+__all__ = ["AlignedProduct", "pad_matmul_layouts"]

@@ -69,3 +69,20 @@ def test_linear_with_bias_padded(pad_on_cpu):
     with torch.no_grad():
         got = torch.compile(fn, backend="ember")(x, w, b)
     assert_close(got, fn(x, w, b), rtol=1e-5, atol=1e-4, what="linear", line=repro(case="addmm"))
+
+
+@pytest.mark.parametrize(
+    "m,k,n,a_transposed",
+    [(64, 1001, 96, False), (1001, 64, 96, True), (64, 96, 1001, False), (1001, 1001, 1001, True)],
+    ids=["k_split", "m_split", "n_padded", "all"],
+)
+def test_aligned_product_pieces_equal_the_product(m, k, n, a_transposed):
+    """Each way AlignedProduct cuts a product (K split, M split for a column-major A, N padded)
+    gives the product, for mm and addmm."""
+    aten = torch.ops.aten
+    a = torch.randn(k, m, dtype=torch.float64).t() if a_transposed else torch.randn(m, k, dtype=torch.float64)
+    b, bias = torch.randn(k, n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    for op, args in ((aten.mm.default, (a, b)), (aten.addmm.default, (bias, a, b))):
+        for product in (padding.AlignedProduct(op), padding.AlignedProduct(op, n, -(-n // 8) * 8)):
+            got = product(*args)
+            assert_close(got, op(*args), rtol=1e-12, atol=1e-10, what=product.__name__, line=repro(m=m, k=k, n=n))
