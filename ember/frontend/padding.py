@@ -60,6 +60,7 @@ class AlignedProduct:
 
     def _product(self, bias, a, b):
         per = _ALIGN_BYTES // a.element_size()
+        a, b = _blas_ready(a, per), _blas_ready(b, per)
         m, k = a.shape
         k8, m8 = k // per * per, m // per * per
         if k % per and k8 and a.stride(1) == 1:  # K is A's contiguous dim
@@ -72,6 +73,17 @@ class AlignedProduct:
                 _OUT[self.op](*part, a[rows], b, out=out[rows])
             return out
         return self.op(*bias, a, b)
+
+
+def _blas_ready(t: torch.Tensor, per: int) -> torch.Tensor:
+    """t if BLAS can read it in place (row- or column-major with room), else a row-major copy
+    whose rows are padded to 16 bytes (ATen would copy it too, with unaligned rows: a broadcast
+    gradient such as the one of `logits.mean()` is all zero strides)."""
+    rows, cols = t.shape
+    if (t.stride(1) == 1 and t.stride(0) >= max(1, cols)) or (t.stride(0) == 1 and t.stride(1) >= max(1, rows)):
+        return t
+    out = torch.empty_strided((rows, cols), (-(-cols // per) * per, 1), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def _pad_last(t: torch.Tensor, size: int) -> torch.Tensor:

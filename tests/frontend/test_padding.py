@@ -73,14 +73,17 @@ def test_linear_with_bias_padded(pad_on_cpu):
 
 @pytest.mark.parametrize(
     "m,k,n,a_transposed",
-    [(64, 1001, 96, False), (1001, 64, 96, True), (64, 96, 1001, False), (1001, 1001, 1001, True)],
-    ids=["k_split", "m_split", "n_padded", "all"],
+    [(64, 1001, 96, False), (1001, 64, 96, True), (64, 96, 1001, False), (1001, 1001, 1001, True), (64, 1001, 96, None)],
+    ids=["k_split", "m_split", "n_padded", "all", "broadcast_a"],
 )
 def test_aligned_product_pieces_equal_the_product(m, k, n, a_transposed):
     """Each way AlignedProduct cuts a product (K split, M split for a column-major A, N padded)
     gives the product, for mm and addmm."""
     aten = torch.ops.aten
-    a = torch.randn(k, m, dtype=torch.float64).t() if a_transposed else torch.randn(m, k, dtype=torch.float64)
+    if a_transposed is None:  # a broadcast gradient: zero strides, copied into padded rows first
+        a = torch.tensor(0.5, dtype=torch.float64).expand(m, k)
+    else:
+        a = torch.randn(k, m, dtype=torch.float64).t() if a_transposed else torch.randn(m, k, dtype=torch.float64)
     b, bias = torch.randn(k, n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
     for op, args in ((aten.mm.default, (a, b)), (aten.addmm.default, (bias, a, b))):
         for product in (padding.AlignedProduct(op), padding.AlignedProduct(op, n, -(-n // 8) * 8)):
