@@ -327,17 +327,25 @@ class _Runner:
         return compare(a_grads, e_grads, gref, self.dtype, what="grad")
 
 
+# Samples run alone before a batch that reached ember with no graph settles the rest as `fallback`.
+SHORTCUT_PROBES = 8
+
+
 def _no_graph_shortcut(runner: _Runner, todo: list[Sample]) -> list[Sample]:
     """After a failed fullgraph batch: if Dynamo hands ember no graph at all for the batch (data-dependent
     ops such as unique or nonzero break the graph), every sample that matches is `fallback` at once,
-    instead of tracing each alone. Returns the samples left to run one by one."""
+    instead of tracing each alone. Returns the samples left to run one by one.
+
+    A graph break inside the batch can make Dynamo run the whole batch eagerly while samples alone
+    still compile (boolean-mask `__getitem__` among plain indexing), so a few samples are first run
+    alone: if one reaches ember, every sample is run alone."""
     try:
         outs, grads, report = runner.run(todo, fullgraph=False)
     except SweepTimeout:
         raise
     except Exception:  # noqa: BLE001  (the one-by-one runs record the error)
         return todo
-    if report.graphs:
+    if report.graphs or _some_alone_reach_ember(runner, todo[:SHORTCUT_PROBES]):
         return todo
     rest = []
     for s, out, g in zip(todo, outs, grads):
@@ -346,6 +354,19 @@ def _no_graph_shortcut(runner: _Runner, todo: list[Sample]) -> list[Sample]:
         else:
             rest.append(s)
     return rest
+
+
+def _some_alone_reach_ember(runner: _Runner, samples: list[Sample]) -> bool:
+    for s in samples:
+        try:
+            _, _, report = runner.run([s], fullgraph=False)
+        except SweepTimeout:
+            raise
+        except Exception:  # noqa: BLE001  (an error alone: the one-by-one runs record it)
+            return True
+        if report.graphs:
+            return True
+    return False
 
 
 def _fallbacks(report) -> list[str]:

@@ -61,3 +61,12 @@ def test_compare_rule():
     assert opinfo.compare(compiled, eager, lambda: ref, torch.bfloat16) is None
     # ... but a compiled result far from the reference is a mismatch.
     assert opinfo.compare((ref + 0.5).bfloat16(), eager, lambda: ref, torch.bfloat16) is not None
+
+
+def test_a_batch_dynamo_runs_eagerly_does_not_settle_samples_that_compile_alone():
+    # __getitem__'s boolean-mask sample breaks the batch's graph and Dynamo ran the whole batch eagerly;
+    # the no-graph shortcut then counted all 16 samples as fallbacks without running any alone.
+    samples = opinfo.run_pair(_op("__getitem__"), torch.bfloat16, "cpu", limit=None, grad_dtypes=())
+    outcomes = [s.outcome for s in samples]
+    assert set(outcomes) <= {"match", "fallback"}, [(s.index, s.outcome, s.reason) for s in samples]
+    assert outcomes.count("match") >= len(samples) - 2, [(s.index, s.outcome, s.reason) for s in samples]
