@@ -123,7 +123,7 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
                 continue
             padded = _padded_row(base)
             if padded is not None:
-                base.stride = (sympy.Integer(padded), sympy.Integer(1))
+                _pad_rows(base, padded)
                 notes.append(f"%{base.name} (read by {node.origin}): rows padded to {padded}")
     return notes
 
@@ -135,16 +135,29 @@ def _large_static_matrix(v: Value) -> bool:
 
 
 def _padded_row(v: Value) -> int | None:
-    """The padded row length of a 2-D row-major matrix whose rows are not 16-byte aligned."""
-    if len(v.shape) != 2 or not all(sympy.sympify(s).is_Integer for s in v.shape):
+    """The padded last-dim stride of a row-major value (2-D or more) whose rows are not 16-byte
+    aligned, or None."""
+    if len(v.shape) < 2 or not all(sympy.sympify(x).is_Integer for x in v.shape):
         return None
     if v.stride is not None and tuple(v.stride) != tuple(contiguous_strides(v.shape)):
         return None
-    rows, cols = int(v.shape[0]), int(v.shape[1])
+    cols = int(v.shape[-1])
+    rows = 1
+    for x in v.shape[:-1]:
+        rows *= int(x)
     per = max(1, _ALIGN_BYTES // v.dtype.itemsize)
     if rows * cols < _MIN_ELEMENTS or cols % per == 0 or rows == 1:
         return None
     return -(-cols // per) * per
+
+
+def _pad_rows(v: Value, row: int) -> None:
+    """Lay v out row-major with its last dim `row` elements apart."""
+    strides, step = [], sympy.Integer(row)
+    for size in reversed(v.shape[:-1]):
+        strides.append(step)
+        step = step * size
+    v.stride = (*reversed(strides), sympy.Integer(1))
 
 
 def _matrix_operands(node: Node) -> list[Value]:
@@ -154,13 +167,12 @@ def _matrix_operands(node: Node) -> list[Value]:
 
 
 def _computed_base(v: Value) -> Value | None:
-    """The value ember computes whose layout decides this operand's: itself, or what it transposes."""
+    """The value ember computes whose layout decides this operand's: itself, or the value it is
+    a view of (a transpose, or a reshape of [B, T, N] logits' gradient to [B*T, N])."""
+    while v.node.op == "view":
+        (v,) = v.node.inputs
     if v.node.op in _COMPUTED and v.stride is None:
         return v
-    if v.node.op == "view" and v.node.attrs.get("kind") == "permute" and len(v.shape) == 2:
-        (base,) = v.node.inputs
-        if base.node.op in _COMPUTED and base.stride is None:
-            return base
     return None
 
 
