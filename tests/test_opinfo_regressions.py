@@ -80,3 +80,17 @@ def test_cosine_similarity_broadcast_row_stored_per_element():
     # [2, 2, 3] shape; that store was rendered outside the row loop (g++: 'l2' was not declared).
     a, b = torch.randn(1, 2, 3), torch.randn(2, 1, 3)
     _check(lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=-2), a, b, grad=True, op="cosine_similarity")
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (4, 3)])
+def test_one_hot_with_its_range_checks(shape):
+    # OpInfo nn.functional.one_hot int64 samples 1, 3, 5 (num_classes=10): the graph calls _assert_async,
+    # an extern that returns nothing; the host program indexed its (absent) output (IndexError).
+    x = torch.randint(0, 10, shape)
+    _check(lambda t: torch.nn.functional.one_hot(t, num_classes=10), x, op="one_hot", shape=shape)
+
+
+def test_one_hot_out_of_range_raises_as_eager_does():
+    compiled = ember_compile(lambda t: torch.nn.functional.one_hot(t, num_classes=3), "cpp")
+    with pytest.raises(RuntimeError, match="smaller than num_classes"):
+        compiled(torch.tensor([0, 1, 5]))

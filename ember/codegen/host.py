@@ -226,7 +226,10 @@ class HostWriter:
         node = step.node
         call = f"{self.constant(node.attrs['target'])}(*{self.arg(tuple(node.attrs['args']))}, **{self.arg(node.attrs['kwargs'])})"
         if not node.attrs["tuple_result"]:
-            self._bind_extern_output(node.outputs[0], call)
+            if node.outputs:
+                self._bind_extern_output(node.outputs[0], call)
+            else:  # called for its effect: _assert_async (one_hot's range checks)
+                self.lines.append(f"    {call}")
             return
         result = f"r{node.outputs[0].id}" if node.outputs else "_"
         self.lines.append(f"    {result} = {call}")
