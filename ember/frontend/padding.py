@@ -153,8 +153,8 @@ def _padded_row(v: Value) -> int | None:
     for x in v.shape[:-1]:
         rows *= int(x)
     per = max(1, _ALIGN_BYTES // v.dtype.itemsize)
-    if rows * cols < _MIN_ELEMENTS or cols % per == 0 or rows == 1:
-        return None
+    if rows * cols < _MIN_ELEMENTS or cols % per == 0 or rows == 1 or cols < 8 * per:
+        return None  # short rows (a pooled [N, C, 1, 1]) would grow by more than they gain
     return -(-cols // per) * per
 
 
