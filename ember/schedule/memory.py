@@ -105,6 +105,7 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
     free: list[Value] = []  # dead kernel outputs whose memory a later output may take
     for pos, step in enumerate(steps):
         if isinstance(step, KernelStep):
+            taken: set[Value] = set()  # buffers an output of this kernel already writes over in place
             for v in step.kernel.writes:
                 donor = None
                 if recyclable(v):
@@ -113,12 +114,13 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
                             u
                             for u in step.kernel.reads
                             if u in holder and last[u] == pos and recyclable(u) and u.node.op != "extern"
-                            and _fits(u, v) and _elementwise_reader(step.kernel, u, v)
+                            and u not in taken and _fits(u, v) and _elementwise_reader(step.kernel, u, v)
                         ),
                         None,
                     )  # fmt: skip
                     if donor is not None:
                         plan.inplace.add(v)
+                        taken.add(donor)
                 if donor is None:
                     fitting = [u for u in free if (_fits(u, v) if recyclable(v) else same_layout(u, v))]
                     if fitting:

@@ -35,6 +35,20 @@ def test_pointwise_writes_in_place_of_a_dead_intermediate():
     assert graph.peak_bytes <= graph.eager_peak_bytes, f"{graph}\n{line}"
 
 
+def test_two_outputs_of_one_kernel_never_share_a_dead_buffer():
+    # Found by the OpInfo sweep (scatter_reduce.prod / index_reduce gradients, silently wrong): both
+    # values the kernel stores read t element by element at its last use, and both were written in
+    # place of t, one over the other.
+    def two_reads_of_a_dying_buffer(x, w):
+        t = torch.sin(x)
+        u = t @ w  # t is stored for the product; the kernel below cannot fuse with sin (a cycle)
+        a, b = t * u, t + u  # one kernel, two stores read by the products below
+        return a @ w, b @ w
+
+    graph, line = _run(two_reads_of_a_dying_buffer, torch.randn(8, 8), torch.randn(8, 8))
+    assert graph.host_source.count("# in place") <= 1, f"{graph.host_source}\n{line}"
+
+
 def test_dead_buffer_reused_by_a_smaller_one():
     def shrink(x, w1, w2):
         a = torch.relu(x @ w1)  # [32, 128]
