@@ -18,7 +18,7 @@ import torch.fx
 
 from ember import config
 from ember.ir import dtypes, ops
-from ember.ir.graph import Graph, Value, layout_of
+from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
 from ember.ir.sizes import Expr, as_expr, product
 from ember.ir.views import VIEW_KINDS
 
@@ -106,7 +106,7 @@ class Importer:
         # Inductor does: code after the graph may depend on strides. Static layouts only.
         if (
             isinstance(value, Value)
-            and value.node.op in _COMPUTED
+            and value.node.op in COMPUTED_OPS
             and value.stride is None
             and isinstance(meta, torch.Tensor)
         ):
@@ -324,7 +324,6 @@ class _ConstantTensor:
         return self.tensor
 
 
-_COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
 
 # Python arithmetic on SymFloats that AOTAutograd leaves in a graph, and the ATen ops that may read
 # the result: a symbolic float reaches a kernel as a scalar operand of one of these, nothing else.
@@ -338,7 +337,7 @@ def _take_permuted_layout(value, meta) -> None:
     written row-major, its kernel would walk its input across strides and the convolution
     after it would convert it back (cuDNN's nchwToNhwc) and return its own result in the other
     layout. Static strides only; row-major ones change nothing."""
-    if not isinstance(value, Value) or value.node.op not in _COMPUTED or value.stride is not None:
+    if not isinstance(value, Value) or value.node.op not in COMPUTED_OPS or value.stride is not None:
         return
     if not isinstance(meta, torch.Tensor) or meta.dim() < 2 or tuple(meta.shape) != tuple(value.shape):
         return

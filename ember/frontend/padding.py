@@ -21,7 +21,7 @@ from __future__ import annotations
 import sympy
 import torch
 
-from ember.ir.graph import Graph, Node, Value
+from ember.ir.graph import COMPUTED_OPS, Graph, Node, Value
 from ember.ir.sizes import contiguous_strides
 
 aten = torch.ops.aten
@@ -31,7 +31,6 @@ _MIN_ELEMENTS = 1 << 16  # small products are launch-bound: not worth a layout c
 PAD_ON = ("cuda",)  # device types whose BLAS wants aligned rows (tests add "cpu" to exercise it)
 _PRODUCTS = (aten.mm.default, aten.addmm.default)
 _OUT = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out}
-_COMPUTED = ("pointwise", "cast", "reduce", "full", "iota")
 
 
 class AlignedProduct:
@@ -42,8 +41,8 @@ class AlignedProduct:
     - K unaligned: A[:, :K8] @ B[:K8] and then the rank-(K - K8) rest added in place.
     - M unaligned where M is A's contiguous dim (a weight gradient, A = grad.t()): rows [:M8]
       and [M8:] as two products into one output.
-    The last two look at the run-time strides; each piece is bitwise a sum cuBLAS would form too,
-    up to the order of the K partial sums."""
+    The last two look at the run-time strides. Only the K split changes arithmetic: the order in
+    which the K partial sums are added."""
 
     def __init__(self, op, n: int | None = None, n_pad: int | None = None):
         self.op, self.n, self.n_pad = op, n, n_pad
@@ -178,7 +177,7 @@ def _computed_base(v: Value) -> Value | None:
     a view of (a transpose, or a reshape of [B, T, N] logits' gradient to [B*T, N])."""
     while v.node.op == "view":
         (v,) = v.node.inputs
-    if v.node.op in _COMPUTED and v.stride is None:
+    if v.node.op in COMPUTED_OPS and v.stride is None:
         return v
     return None
 

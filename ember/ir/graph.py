@@ -41,6 +41,10 @@ _DTYPE_ABBREV = {
 }
 
 
+# Ops whose values ember's kernels compute (everything else is an input, a view or an extern).
+COMPUTED_OPS = ("pointwise", "cast", "reduce", "full", "iota")
+
+
 def dtype_abbrev(dtype: torch.dtype) -> str:
     return _DTYPE_ABBREV.get(dtype, str(dtype).replace("torch.", ""))
 
@@ -202,4 +206,4 @@ def layout_of(value: Value) -> tuple[Expr, ...]:
     return value.stride if value.stride is not None else contiguous_strides(value.shape)
 
 
-__all__ = ["Graph", "Node", "Value", "dtype_abbrev", "layout_of", "sympy", "verify"]
+__all__ = ["COMPUTED_OPS", "Graph", "Node", "Value", "dtype_abbrev", "layout_of", "sympy", "verify"]
