@@ -70,7 +70,8 @@ class TritonBackend:
         namespace = {"triton": triton, "_stream": _current_stream, **fns}
         # A compiled kernel is loaded on the device current at compile time: launch it directly
         # only on that device (Triton's own path looks up the current device per call).
-        direct = config.get("direct_launch") and _device_index(self.device) == _current_device()
+        index = _device_index(self.device)
+        direct = config.get("direct_launch") and index is not None and index == _current_device()
         gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
         precompile_gemms(self.gemm_kernels, gemm_fns)
         namespace.update(gemm_fns)
@@ -87,8 +88,8 @@ class TritonBackend:
         Triton's `warmup` compiles for given argument types without launching: buffers are
         passed as dtypes (aligned mock pointers, as fresh allocations are) and sizes as their
         static values, so the specialization matches the real launch. Kernels with symbolic
-        sizes compile at first launch instead. Returns the compiled kernel of each static one. Triton spends most of a compile in MLIR passes
-        and ptxas, which do not hold the GIL.
+        sizes compile at first launch instead. Triton spends most of a compile in MLIR passes
+        and ptxas, which do not hold the GIL. Returns the compiled kernel of each static one.
         """
         import os
 
