@@ -16,6 +16,7 @@ import torch
 from ember.codegen.render import Renderer, print_index
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
+from ember.schedule.cost import row_passes
 from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore
 
 CPP_DTYPE = {
@@ -78,6 +79,27 @@ _UPDATE = {
 PARALLEL_THRESHOLD = 32768
 
 
+ROW_CACHE_MAX = 16384  # elements of one row a thread keeps (64 KB of float on its stack)
+
+
+def _descendants(node: KNode) -> list[KNode]:
+    out, stack = [], list(node.args())
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(n.args())
+    return out
+
+
+def _worth_caching(node: KNode, computed_with: set[int]) -> bool:
+    """A full value whose computation in its pass includes a transcendental op (exp, log, ...)."""
+    return node.full and any(
+        isinstance(n, KOp) and ops.POINTWISE[n.fn].flops >= 4
+        for n in [node, *_descendants(node)]
+        if id(n) in computed_with
+    )
+
+
 class CppRenderer(Renderer):
     persistent = False
 
@@ -137,7 +159,45 @@ class CppRenderer(Renderer):
         k = self.kernel
         return [(v, s) for v, s, r in zip(k.index_vars, k.loop_sizes, k.loop_reduce) if r == reduce]
 
+    # -- row cache ---------------------------------------------------------------------------
+    def body(self) -> None:
+        self._row_cache = self._plan_row_cache()
+        for node, _, array in self._row_cache.values():
+            self.emit(f"{CPP_DTYPE[node.dtype]} {array}[{self._row_cache_len}];")
+        super().body()
+
+    def _plan_row_cache(self) -> dict[int, tuple[KNode, int, str]]:
+        """Row values that an expensive op computes in one pass and a later pass needs again (the
+        exp(x - max) of softmax: summed, then divided): kept in a per-thread array of the row
+        instead of computed twice, as Inductor's C++ does. One reduce dim, static rows of at most
+        ROW_CACHE_MAX elements (on the stack). id(node) -> (node, the pass computing it, array)."""
+        dims = self._dims(reduce=True)
+        if len(dims) != 1 or not dims[0][1].is_Integer or int(dims[0][1]) > ROW_CACHE_MAX:
+            return {}
+        self._row_cache_len = int(dims[0][1])
+        passes = row_passes(self.kernel, persistent=False)
+        self._pass_ids = [{id(n) for n in nodes} for nodes in passes]
+        cache: dict[int, tuple[KNode, int, str]] = {}
+        for later, nodes in enumerate(passes):
+            for n in nodes:
+                first = next(p for p, ids in enumerate(self._pass_ids) if id(n) in ids)
+                if first < later and id(n) not in cache and _worth_caching(n, self._pass_ids[first]):
+                    cache[id(n)] = (n, first, self.fresh("rowcache"))
+        # Keep only the outermost cached values: what they are computed from is not needed again.
+        inner = {id(a) for n, _, _ in cache.values() for a in _descendants(n)}
+        return {k: v for k, v in cache.items() if k not in inner}
+
     def open_phase(self, phase: int) -> None:
+        self._phase = phase
+        self._open_loops(phase)
+        var = self._dims(reduce=True)[0][0].name if self._row_cache else None
+        for node, first, array in self._row_cache.values():
+            if first < phase and id(node) in self._pass_ids[phase]:
+                name = self.fresh()
+                self.emit(f"{CPP_DTYPE[node.dtype]} {name} = {array}[{var}];")
+                self.names[id(node)] = name
+
+    def _open_loops(self, phase: int) -> None:
         dims = self._dims(reduce=True)
         reduces = self._phase_reduces(phase)
         self._reduce_simd = len(dims) == 1 and all(r.kind in _SIMD_REDUCTION for r in reduces)
@@ -156,6 +216,10 @@ class CppRenderer(Renderer):
         return [r for r in self.kernel.reduces if r.phase == phase]
 
     def close_phase(self) -> None:
+        var = self._dims(reduce=True)[0][0].name if self._row_cache else None
+        for node, first, array in self._row_cache.values():
+            if first == self._phase:
+                self.emit(f"{array}[{var}] = {self.ref(node)};")
         for _ in range(self._open):
             self.indent -= 1
             self.emit("}")

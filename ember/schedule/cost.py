@@ -57,7 +57,7 @@ def _footprint(index: Expr, kernel: Kernel) -> Expr:
     return product([s for v, s in zip(dom.vars(), dom.shape) if v in used])
 
 
-def _passes(kernel: Kernel, persistent: bool) -> list[list[KNode]]:
+def row_passes(kernel: Kernel, persistent: bool) -> list[list[KNode]]:
     """The nodes computed per element in each pass over the rows (one pass when persistent)."""
     if persistent or kernel.num_phases <= 1:
         return [[n for n in walk(kernel) if n.full]]
@@ -100,7 +100,7 @@ def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | No
     for n in nodes:
         if isinstance(n, KLoad):
             footprint.setdefault(n.buffer, []).append(n)
-    passes = _passes(kernel, persistent)
+    passes = row_passes(kernel, persistent)
     read = sympy.Integer(0)
     for buf, loads in footprint.items():
         cap = product(buf.shape)

@@ -46,3 +46,25 @@ def test_bf16_load_has_no_round_trip():
     # Two roundings the program asks for (.to(x.dtype), the product's store) and one per mul by a
     # bf16 value; none after a load.
     assert kernel.source.count("ember_f32_to_bf16") <= 3, kernel.source
+
+
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "softmax_bf16"])
+def test_cpp_row_cache_computes_exp_once(name):
+    """C++: exp(x - max) is computed in the sum's pass and kept for the store pass (a per-thread
+    row array), not computed twice; rows with -inf and NaN behave as eager's."""
+    fns = {
+        "softmax": lambda x: x.softmax(-1),
+        "log_softmax": lambda x: x.log_softmax(-1) * x.softmax(-1),
+        "softmax_bf16": lambda x: x.bfloat16().softmax(-1),
+    }
+    fn = fns[name]
+    x = torch.randn(6, 300)
+    x[1] = float("-inf")
+    x[2, :100] = float("-inf")
+    x[3, 17] = float("nan")
+    got, want = ember_compile(fn, "cpp")(x), fn(x)
+    torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"{m}\n{repro(case=name)}")
+    (kernel,) = explain_strict(fn, x).kernels
+    # log_softmax * softmax: two maxima (one per decomposition), so two exps, each computed once.
+    exps = {"softmax": 1, "log_softmax": 2, "softmax_bf16": 1}[name]
+    assert kernel.source.count("std::exp(") == exps and "rowcache" in kernel.source, kernel.source
