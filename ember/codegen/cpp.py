@@ -80,6 +80,7 @@ PARALLEL_THRESHOLD = 32768
 
 
 ROW_CACHE_MAX = 16384  # elements of one row a thread keeps (64 KB of float on its stack)
+ROW_CACHE_BYTES = 128 * 1024  # all of a kernel's row arrays together
 
 
 def _descendants(node: KNode) -> list[KNode]:
@@ -183,9 +184,15 @@ class CppRenderer(Renderer):
                 first = next(p for p, ids in enumerate(self._pass_ids) if id(n) in ids)
                 if first < later and id(n) not in cache and _worth_caching(n, self._pass_ids[first]):
                     cache[id(n)] = (n, first, self.fresh("rowcache"))
-        # Keep only the outermost cached values: what they are computed from is not needed again.
+        # Keep only the outermost cached values: what they are computed from is not needed again;
+        # and no more than ROW_CACHE_BYTES of them (OpenMP worker threads have small stacks).
         inner = {id(a) for n, _, _ in cache.values() for a in _descendants(n)}
-        return {k: v for k, v in cache.items() if k not in inner}
+        kept, used = {}, 0
+        for k, (node, first, array) in cache.items():
+            size = self._row_cache_len * node.dtype.itemsize
+            if k not in inner and used + size <= ROW_CACHE_BYTES:
+                kept[k], used = (node, first, array), used + size
+        return kept
 
     def open_phase(self, phase: int) -> None:
         self._phase = phase
