@@ -155,9 +155,9 @@ class TritonBackend:
             return slow
         # The launcher takes every parameter in order, constexprs included, after grid, stream,
         # function, packed metadata, launch metadata and the enter/exit hooks.
-        blocks = (-(-int(sympy.sympify(r.xnumel)) // r.launch.xblock),)
+        blocks = -(-int(sympy.sympify(r.xnumel)) // r.launch.xblock)
         direct_args = ", ".join(parts + [str(v) for v in consts.values()])
-        direct = f"{name}_run({blocks[0]}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {direct_args})"
+        direct = f"{name}_run({blocks}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {direct_args})"
         unaligned = args["maybe_unaligned"]
         if not unaligned:
             return direct
