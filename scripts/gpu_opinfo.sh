@@ -7,7 +7,7 @@
 # The image lacks expecttest (torch.testing._internal imports it): put its wheel in .whl/.
 set -u
 out=$1; shards=${2:-15}; limit=${3:-540}; shift $(( $# < 3 ? $# : 3 ))
-mkdir -p "$out"
+mkdir -p "$out/smoke"; for k in $(seq 1 "$shards"); do mkdir -p "$out/s$k"; done
 if ! python3 -c "import expecttest" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/ember_site .whl/*.whl
     export PYTHONPATH=/tmp/ember_site:${PYTHONPATH:-}
