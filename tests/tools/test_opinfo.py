@@ -37,13 +37,13 @@ def _op(name: str):
     return op
 
 
-@pytest.mark.parametrize("name,dtype", SUBSET, ids=[f"{n}-{opinfo._dtype_name(d)}" for n, d in SUBSET])
+@pytest.mark.parametrize("name,dtype", SUBSET, ids=[f"{n}-{opinfo.dtype_name(d)}" for n, d in SUBSET])
 def test_opinfo_subset(name, dtype):
     op = _op(name)
     assert dtype in op.supported_dtypes("cpu"), f"{name} does not support {dtype}: the subset list is stale"
     r = opinfo.sweep_pair(op, dtype, "cpu", limit=LIMIT, timeout_s=240)
     bad = [d for d in r["details"] if d["outcome"] in ("mismatch", "crash", "timeout")]
-    line = f"repro: python -m ember.tools.opinfo --ops {name} --dtypes {opinfo._dtype_name(dtype)} --limit {LIMIT}"
+    line = f"repro: python -m ember.tools.opinfo --ops {name} --dtypes {opinfo.dtype_name(dtype)} --limit {LIMIT}"
     assert not bad, f"{name} {dtype}: {bad}\n{line}"
     assert r["counts"]["match"] >= 1, f"{name} {dtype}: no sample matched: {r}\n{line}"
 
