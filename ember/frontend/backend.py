@@ -53,3 +53,13 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         inference_compiler=_compiler("inference", options),
         decompositions=decomposition_table(),
     )(gm, example_inputs)
+
+
+def register() -> str:
+    """Make `backend="ember"` resolve when ember is on the path but not installed (a checkout on
+    PYTHONPATH, as on the GPU machine): pip's entry point is what normally registers the name."""
+    from torch._dynamo.backends import registry
+
+    if "ember" not in registry.list_backends(exclude_tags=()):
+        registry.register_backend(ember_backend, name="ember")
+    return "ember"

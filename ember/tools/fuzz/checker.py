@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.frontend.backend import register
 from ember.tools.fuzz.program import Program
 
 
@@ -176,7 +177,7 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
     with warnings.catch_warnings(record=True) as caught, collecting() as report:
         warnings.simplefilter("always")
         try:
-            compiled = torch.compile(batch, backend="ember", dynamic=dynamic or None, options=options)
+            compiled = torch.compile(batch, backend=register(), dynamic=dynamic or None, options=options)
             got = compiled(*flat) if live else ()
             if grad and live:
                 # One backward for the whole batch: the programs share no inputs, so each one's

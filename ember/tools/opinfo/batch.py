@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ember.frontend.backend import register
 from ember.tools.opinfo.comparison import REF_DTYPE, UNINITIALIZED, compare, oneline, structure
 from ember.tools.opinfo.samples import (
     Sample,
@@ -39,7 +40,7 @@ class _Runner:
             return [op(c[0], *c[1], **c[2]) for c in cases]
 
         torch._dynamo.reset()
-        compiled = torch.compile(run_samples, backend="ember", dynamic=False, fullgraph=fullgraph)
+        compiled = torch.compile(run_samples, backend=register(), dynamic=False, fullgraph=fullgraph)
         with collecting() as report:
             torch.manual_seed(self.seed)
             outs = compiled()

@@ -120,6 +120,7 @@ def _md(s: str) -> str:
 
 def write_report(jsonl: Path, md: Path, device: str, command: str) -> collections.Counter:
     records = list(load_records(jsonl).values())
+    md.parent.mkdir(parents=True, exist_ok=True)
     md.write_text(render_markdown(records, device, command))
     return totals(records)
 

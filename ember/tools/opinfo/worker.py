@@ -113,6 +113,7 @@ def run_worker(args) -> int:
     todo = [(op, d) for op, d in todo if (op_name(op), dtype_name(d)) not in done]
     if args.rerun_failed:
         todo = [(op, d) for op, d in todo if (op_name(op), dtype_name(d)) in records]
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
     inflight = jsonl.with_suffix(".inflight")
     for n, (op, d) in enumerate(todo):
         inflight.write_text(json.dumps({"op": op_name(op), "dtype": dtype_name(d)}))
