@@ -191,6 +191,11 @@ class Scheduler:
         reads: dict[Value, frozenset] = {}
         chosen: list[Value] = []
         for node in self.graph.nodes:
+            if node.op in ("full", "iota"):
+                # Computed from the loop position alone: no buffer to re-read (nll_loss's
+                # where(t != ignore_index, t, 0) reads only t).
+                reads[node.out] = frozenset()
+                continue
             if node.op not in ("pointwise", "cast"):
                 continue
             v = node.out
