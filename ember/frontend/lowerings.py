@@ -10,7 +10,7 @@ import torch
 
 from ember.frontend.importer import Importer, ShapeDtype, Unsupported, lowering
 from ember.ir.graph import Value
-from ember.ir.sizes import as_expr
+from ember.ir.sizes import as_expr, product
 
 aten = torch.ops.aten
 
@@ -394,8 +394,13 @@ def _full(ctx: Importer, node):
 # `x.gather(d, idx)` and `x.scatter(d, idx, v)` with one index per row (idx.size(d) == 1, other
 # dims equal to x's) are how losses pick the target class (nll_loss, cross_entropy). As a
 # reduction `sum_j where(j == idx, x_j, 0)` and a pointwise `where(j == idx, v, x)` they fuse
-# into the kernel that computes x, which then never reaches memory. Out-of-range indices
-# select nothing (0) instead of raising as eager does: ember does not check index bounds.
+# into the kernel that computes x, which then never reaches memory. A one-hot selection never
+# reads out of bounds, so an index outside [0, n) would silently select nothing (0); instead each
+# gather/scatter checks its index as eager does: `all((idx >= 0) & (idx < n))`, a bool min over
+# the (small) index tensor, feeds an `_assert_async` extern that raises RuntimeError on CPU (a
+# device-side assert on CUDA, as eager's). The check fuses with any other full reduction over the
+# index's elements (cross_entropy's mean over rows reads the targets already), else it is one
+# small kernel of its own.
 
 
 def _one_per_row(x: Value, dim: int, index) -> bool:
@@ -407,6 +412,25 @@ def _one_per_row(x: Value, dim: int, index) -> bool:
         and x.shape[dim] != 0
         and not index.dtype.is_floating_point
     )
+
+
+def _check_in_range(ctx: Importer, index: Value, length, dim: int) -> None:
+    """Raise at run time, as eager does, when an index lies outside [0, length): eager's gather and
+    scatter accept no negative index. The check reads the index once, flattened to one dim so that
+    it shares a domain with other full reductions over as many elements."""
+    count = product(index.shape)
+    if count == 0:
+        return
+    inside = ShapeDtype(index.shape, torch.bool)
+    ok = ctx.pointwise(
+        "logical_and",
+        [ctx.pointwise("ge", [index, 0], inside), ctx.pointwise("lt", [index, as_expr(length)], inside)],
+        inside,
+    )
+    every = ctx.reduce("min", ctx.reshape(ok, (count,)), [0], False, torch.bool)
+    size = f" with size {length}" if as_expr(length).is_Integer else ""
+    message = f"{ctx.origin}(): index out of bounds for dimension {dim}{size}"
+    ctx.extern_call(aten._assert_async.msg, (every, message), {}, None, origin="_assert_async")
 
 
 def _position_along(ctx: Importer, x: Value, dim: int) -> Value:
@@ -456,7 +480,9 @@ def _gather(ctx: Importer, node):
     if not _one_per_row(x, dim, index):
         raise Unsupported("gather of more than one element per row")
     ctx.out_meta()  # the result's dtype and device must be kernel-able
-    return _select_row(ctx, x, dim, index, {})
+    result = _select_row(ctx, x, dim, index, {})
+    _check_in_range(ctx, index, x.shape[dim], dim)
+    return result
 
 
 @lowering(aten.scatter)
@@ -472,7 +498,9 @@ def _scatter(ctx: Importer, node):
         raise Unsupported("scatter source shaped unlike the index")
     out = ctx.out_meta()
     hit = ctx.pointwise("eq", [_position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
-    return ctx.pointwise("where", [hit, src, x], out)
+    result = ctx.pointwise("where", [hit, src, x], out)
+    _check_in_range(ctx, index, x.shape[dim], dim)
+    return result
 
 
 @lowering(aten.split, aten.split_with_sizes)
