@@ -6,6 +6,8 @@ Each case names the OpInfo op and sample it came from; strict mode turns a silen
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -94,3 +96,20 @@ def test_one_hot_out_of_range_raises_as_eager_does():
     compiled = ember_compile(lambda t: torch.nn.functional.one_hot(t, num_classes=3), "cpp")
     with pytest.raises(RuntimeError, match="smaller than num_classes"):
         compiled(torch.tensor([0, 1, 5]))
+
+
+# -- found by the GPU sweep (Triton on an H100) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fn", [lambda a, b: a + b, lambda a, b: torch.add(a, b, alpha=True), lambda a, b: b.__radd__(a)])
+def test_bool_add_is_logical_or(fn):
+    # OpInfo add / __radd__ bool: Triton's 1-bit add wraps (True + True = False) where eager ors. The
+    # interpreter and C++ both or, so the check is the kernel's source: no 1-bit `+` is left.
+    from tests.helpers import explain_strict
+
+    a = torch.tensor([True, True, False, False, True])
+    b = torch.tensor([True, False, True, False, True])
+    _check(fn, a, b, op="add", dtype=torch.bool)
+    report = explain_strict(fn, a, b, backend="triton")
+    (kernel,) = report.kernels
+    assert not re.search(r"tmp\d+ \+ tmp\d+", kernel.source) and " | " in kernel.source, kernel.source

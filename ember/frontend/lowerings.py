@@ -77,6 +77,9 @@ def _add_sub(ctx: Importer, node):
     alpha = node.kwargs.get("alpha", 1)
     if alpha != 1:
         b = ctx.pointwise("mul", [b, alpha])
+    if node.target.overloadpacket is aten.add and ctx.out_meta().dtype == torch.bool:
+        # bool + bool is logical or; Triton's 1-bit add wraps (True + True = False).
+        return ctx.pointwise("logical_or", [a, b])
     return ctx.pointwise("add" if node.target.overloadpacket is aten.add else "sub", [a, b])
 
 
