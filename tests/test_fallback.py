@@ -130,3 +130,39 @@ def test_strict_from_environment(tmp_path, monkeypatch):
     with pytest.raises(Exception) as info:
         torch.compile(_cumsum_program, backend="ember", options={"backend": "cpp"})(torch.randn(6, 10))
     assert BAD_CXX in str(info.value), str(info.value)
+
+
+def _trace_breaking_table(monkeypatch):
+    """A decomposition that raises: AOTAutograd fails to trace before any ember pass runs (as
+    PyTorch's own meta of `_efficient_attention_backward` does on torch 2.11, OpInfo on the GPU)."""
+    import ember.frontend.decompositions as decompositions
+
+    def broken(x):
+        raise TypeError("meta function got multiple values for argument 'scale'")
+
+    table = dict(decompositions.decomposition_table())
+    table[torch.ops.aten.sin.default] = broken
+    monkeypatch.setattr(decompositions, "decomposition_table", lambda: table)
+
+
+def test_trace_failure_runs_eagerly_with_one_warning(monkeypatch):
+    _trace_breaking_table(monkeypatch)
+    x = torch.randn(5, requires_grad=True)
+    fn = lambda t: torch.sin(t) * 2  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught, reports() as report:
+        warnings.simplefilter("always")
+        y = torch.compile(fn, backend="ember")(x)
+        (g,) = torch.autograd.grad(y.sum(), [x])
+    assert_close(y, fn(x), rtol=0, atol=0, what="output", line="")
+    assert_close(g, 2 * torch.cos(x), rtol=1e-6, atol=1e-6, what="grad", line="")
+    msgs = _ember_warnings(caught)
+    assert len(msgs) == 1 and "AOTAutograd: TypeError" in msgs[0], msgs
+    (graph,) = report.graphs
+    assert graph.fallback.startswith("AOTAutograd: TypeError"), graph.fallback
+
+
+def test_trace_failure_raises_in_strict_mode(monkeypatch):
+    _trace_breaking_table(monkeypatch)
+    with ember.config.override(strict=True), pytest.raises(Exception) as info:
+        torch.compile(lambda t: torch.sin(t) * 2, backend="ember")(torch.randn(5))
+    assert "multiple values" in str(info.value)

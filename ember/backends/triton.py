@@ -150,7 +150,7 @@ class TritonBackend:
             consts["RBLOCK"] = r.launch.rblock
         grid = f"triton.cdiv({xnumel}, {r.launch.xblock})"
         keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
-        slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps})"
+        slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps}, {_NO_FP_FUSION})"
         if name not in self.direct:
             return slow
         # The launcher takes every parameter in order, constexprs included, after grid, stream,
@@ -165,8 +165,16 @@ class TritonBackend:
         return f"{slow} if ({check}) & 15 else {direct}"
 
 
+# No a*b + c contracted into one FMA: a value the schedule computes in two places (the product
+# inside a reduction and again in the pointwise after it, as in layer norm's backward) must round
+# the same in both, or `g*w - mean(g*w)` is not 0 where it should be (OpInfo layer_norm's
+# one-element rows: 2.3e-5 where eager gives 0). The C++ backend builds with -std=c++17, which does
+# not contract either. These kernels are bound by memory, not by the FMA rate.
+_NO_FP_FUSION = "enable_fp_fusion=False"
+
+
 def _warmup(fn, args, consts, num_warps):
-    return fn.warmup(*args, grid=(1,), num_warps=num_warps, **consts)
+    return fn.warmup(*args, grid=(1,), num_warps=num_warps, enable_fp_fusion=False, **consts)
 
 
 def _launch_handles(compiled) -> tuple | None:

@@ -47,12 +47,34 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
     from ember.frontend.decompositions import decomposition_table
 
-    return aot_autograd(
+    compiler = aot_autograd(
         fw_compiler=_compiler("forward", options),
         bw_compiler=_compiler("backward", options),
         inference_compiler=_compiler("inference", options),
         decompositions=decomposition_table(),
-    )(gm, example_inputs)
+    )
+    try:
+        return compiler(gm, example_inputs)
+    except Exception as e:
+        with config.override(**options):
+            if config.get("strict"):
+                raise
+        return _eager_after_trace_failure(gm, e)
+
+
+def _eager_after_trace_failure(gm: torch.fx.GraphModule, error: Exception):
+    """AOTAutograd itself could not trace the graph (a PyTorch meta function raising: the backward
+    of `_efficient_attention_forward` on torch 2.11): the Dynamo graph runs eagerly, loudly, and
+    the report says so. ember's own passes never ran, so this is not one of its fail-safe catches."""
+    import warnings
+
+    from ember.report import GraphReport, publish
+
+    report = GraphReport(kind="forward", num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+    report.fallback = f"AOTAutograd: {type(error).__name__}: {error}".strip()[:500]
+    warnings.warn(f"ember: running a graph eagerly: {report.fallback}", stacklevel=2)
+    publish(report)
+    return gm.forward
 
 
 def register() -> str:

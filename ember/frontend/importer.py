@@ -84,7 +84,16 @@ class Importer:
     def _placeholder(self, node):
         val = _meta(node)
         if isinstance(val, torch.Tensor):
-            return self.graph.add_input([as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()])
+            value = self.graph.add_input([as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()])
+            if val.device == self.graph.device:
+                return value
+            value.device = val.device  # never a kernel operand: the ops reading it run as externs
+            if val.dim() == 0 and val.device.type == "cpu":
+                # A CPU scalar tensor beside device tensors (eager allows it: masked_fill's value):
+                # one copy to the device, and kernels read it like any other input.
+                meta = torch.empty((), dtype=val.dtype, device="meta")
+                return self.extern_call(_ToDevice(self.graph.device), (value,), {}, meta, origin=f"{node.name} to device")
+            return value
         if isinstance(val, (torch.SymInt, int)):
             expr = as_expr(val)
             self.graph.add_symbolic_input(expr)
@@ -311,6 +320,17 @@ class Importer:
         if isinstance(meta, (list, tuple)):
             return tuple(results)
         return results[0]
+
+
+class _ToDevice:
+    """An extern target that copies a (CPU scalar) tensor to the graph's device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.__name__ = "to_device"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, non_blocking=True)
 
 
 class _ConstantTensor:

@@ -27,7 +27,7 @@ class _Runner:
     def __init__(self, op, dtype: torch.dtype, device: str, seed: int):
         self.op, self.dtype, self.device, self.seed = op, dtype, device, seed
 
-    def run(self, samples: list[Sample], fullgraph: bool) -> tuple[list, list, Any]:
+    def run(self, samples: list[Sample], fullgraph: bool, backend: str | None = None) -> tuple[list, list, Any]:
         """Compiled outputs and gradients of each sample, and the collected ember reports."""
         import torch._dynamo
 
@@ -40,7 +40,7 @@ class _Runner:
             return [op(c[0], *c[1], **c[2]) for c in cases]
 
         torch._dynamo.reset()
-        compiled = torch.compile(run_samples, backend=register(), dynamic=False, fullgraph=fullgraph)
+        compiled = torch.compile(run_samples, backend=backend or register(), dynamic=False, fullgraph=fullgraph)
         with collecting() as report:
             torch.manual_seed(self.seed)
             outs = compiled()
@@ -134,6 +134,20 @@ def _deliberate(fallback: str) -> bool:
     return fallback.split(": ", 2)[1] in DELIBERATE if fallback.count(": ") >= 2 else False
 
 
+def _pytorch_cannot_trace(runner: _Runner, s: Sample, errors: list[str]) -> bool:
+    """Every error is AOTAutograd failing to trace (before any ember pass), and PyTorch's own
+    `aot_eager` backend fails on the sample too: a PyTorch limitation, which ember ran eagerly."""
+    if not all(e.count(": ") >= 2 and e.split(": ", 2)[1] == "AOTAutograd" for e in errors):
+        return False
+    try:
+        runner.run([s], fullgraph=False, backend="aot_eager")
+    except SweepTimeout:
+        raise
+    except Exception:  # noqa: BLE001  (that failure is the evidence)
+        return True
+    return False
+
+
 def run_pair(
     op, dtype: torch.dtype, device: str, *, limit: int | None, grad_dtypes, seed: int = 0, into: list | None = None
 ) -> list[Sample]:
@@ -194,6 +208,8 @@ def run_pair(
         if why is not None:
             extra = f" (graphs ran eagerly: {fallbacks[0]})" if fallbacks else ""
             s.finish("mismatch", why + extra)
+        elif errors and _pytorch_cannot_trace(runner, s, errors):
+            s.finish("fallback", f"{errors[0]} (aot_eager fails too)")
         elif errors:
             s.finish("crash", f"ember error, caught by its fail-safe: {errors[0]}")
         elif fallbacks:

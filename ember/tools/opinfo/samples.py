@@ -55,6 +55,8 @@ def _copy_tensor(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
 
 def copy_case(case, upcast_from: torch.dtype | None = None, upcast_to: torch.dtype | None = None):
     def one(x):
+        if isinstance(x, torch.dtype) and upcast_from is not None and x == upcast_from:
+            return upcast_to  # _softmax_backward_data(..., input_dtype): the dtype travels with the tensors
         if not isinstance(x, torch.Tensor):
             return x
         return _copy_tensor(x, upcast_to if upcast_from is not None and x.dtype == upcast_from else None)
