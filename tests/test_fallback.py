@@ -135,7 +135,7 @@ def test_strict_from_environment(tmp_path, monkeypatch):
 def _trace_breaking_table(monkeypatch):
     """A decomposition that raises: AOTAutograd fails to trace before any ember pass runs (as
     PyTorch's own meta of `_efficient_attention_backward` does on torch 2.11, OpInfo on the GPU)."""
-    import ember.frontend.decompositions as decompositions
+    from ember.frontend import decompositions
 
     def broken(x):
         raise TypeError("meta function got multiple values for argument 'scale'")
@@ -148,7 +148,7 @@ def _trace_breaking_table(monkeypatch):
 def test_trace_failure_runs_eagerly_with_one_warning(monkeypatch):
     _trace_breaking_table(monkeypatch)
     x = torch.randn(5, requires_grad=True)
-    fn = lambda t: torch.sin(t) * 2  # noqa: E731
+    fn = lambda t: torch.sin(t) * 2
     with warnings.catch_warnings(record=True) as caught, reports() as report:
         warnings.simplefilter("always")
         y = torch.compile(fn, backend="ember")(x)

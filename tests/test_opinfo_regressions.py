@@ -101,7 +101,9 @@ def test_one_hot_out_of_range_raises_as_eager_does():
 # -- found by the GPU sweep (Triton on an H100) ---------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [lambda a, b: a + b, lambda a, b: torch.add(a, b, alpha=True), lambda a, b: b.__radd__(a)])
+@pytest.mark.parametrize(
+    "fn", [lambda a, b: a + b, lambda a, b: torch.add(a, b, alpha=True), lambda a, b: b.__radd__(a)]
+)
 def test_bool_add_is_logical_or(fn):
     # OpInfo add / __radd__ bool: Triton's 1-bit add wraps (True + True = False) where eager ors. The
     # interpreter and C++ both or, so the check is the kernel's source: no 1-bit `+` is left.
@@ -113,3 +115,24 @@ def test_bool_add_is_logical_or(fn):
     report = explain_strict(fn, a, b, backend="triton")
     (kernel,) = report.kernels
     assert not re.search(r"tmp\d+ \+ tmp\d+", kernel.source) and " | " in kernel.source, kernel.source
+
+
+def test_data_dependent_shape_promised_fixed_is_declined():
+    # OpInfo index_fill float32 sample 5 (GPU, torch 2.11): the backward's `_unique` had a fake
+    # result of fixed size (5,) where the real one had 3 elements; the host program checked the
+    # extern's result and raised. A fixed promise for a data-dependent op is declined up front.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember.frontend.importer import GraphUnsupported, import_graph
+
+    def f(x, idx):
+        values = torch.ops.aten._unique(idx, False)[0]
+        return x.index_select(1, values).sum()
+
+    x, idx = torch.randn(5, 5), torch.tensor([1, 3, 1, 3, 2])
+    gm = make_fx(f)(x, idx)  # real tensors: every meta shape is fixed, as torch 2.11's fake on CUDA made it
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["val"] = {"x_1": x, "idx_1": idx}[node.name]
+    with pytest.raises(GraphUnsupported, match="data-dependent output shape"):
+        import_graph(gm, torch.device("cpu"))

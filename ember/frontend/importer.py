@@ -92,7 +92,9 @@ class Importer:
                 # A CPU scalar tensor beside device tensors (eager allows it: masked_fill's value):
                 # one copy to the device, and kernels read it like any other input.
                 meta = torch.empty((), dtype=val.dtype, device="meta")
-                return self.extern_call(_ToDevice(self.graph.device), (value,), {}, meta, origin=f"{node.name} to device")
+                return self.extern_call(
+                    _ToDevice(self.graph.device), (value,), {}, meta, origin=f"{node.name} to device"
+                )
             return value
         if isinstance(val, (torch.SymInt, int)):
             expr = as_expr(val)
@@ -289,6 +291,11 @@ class Importer:
             # Fused kernels may be ordered around it; until the scheduler orders around
             # mutations, a graph that mutates runs eagerly.
             raise GraphUnsupported(f"mutating op {_op_name(node.target)}")
+        if _static_shape_promised_for_data_dependent(node):
+            # The host program trusts an extern's meta shape (it indexes and allocates by it); a
+            # fixed size for an op whose size depends on data cannot be right (torch 2.11's fake
+            # `_unique` on CUDA: index_fill's backward promised (5, 1) and got (5, 3)).
+            raise GraphUnsupported(f"{_op_name(node.target)}: data-dependent output shape promised as fixed")
         args = self.arg(node.args)
         kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
         if any(self._is_sym_float(v) for v in _values_in((args, kwargs))):
@@ -322,6 +329,21 @@ class Importer:
         return results[0]
 
 
+# Ops whose result size always depends on the data (the `dynamic_output_shape` tag also marks
+# index, one_hot and repeat_interleave, whose size is static for most arguments).
+_DATA_DEPENDENT_SIZE = {"_unique", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select", "bincount"}
+
+
+def _static_shape_promised_for_data_dependent(node: torch.fx.Node) -> bool:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is None or packet.__name__ not in _DATA_DEPENDENT_SIZE:
+        return False
+    metas = node.meta.get("val")
+    metas = metas if isinstance(metas, (list, tuple)) else [metas]
+    shapes = [m.shape for m in metas if isinstance(m, torch.Tensor)]
+    return bool(shapes) and all(isinstance(s, int) for shape in shapes for s in shape)
+
+
 class _ToDevice:
     """An extern target that copies a (CPU scalar) tensor to the graph's device."""
 
@@ -342,7 +364,6 @@ class _ConstantTensor:
 
     def __call__(self) -> torch.Tensor:
         return self.tensor
-
 
 
 # Python arithmetic on SymFloats that AOTAutograd leaves in a graph, and the ATen ops that may read

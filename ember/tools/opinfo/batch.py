@@ -8,7 +8,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ember.frontend.backend import register
-from ember.tools.opinfo.comparison import REF_DTYPE, UNINITIALIZED, compare, oneline, structure
+from ember.tools.opinfo.comparison import REF_DTYPE, UNINITIALIZED, blank_uninitialized, compare, oneline, structure
 from ember.tools.opinfo.samples import (
     Sample,
     SweepTimeout,
@@ -67,8 +67,14 @@ class _Runner:
             if structure(out) != structure(s.eager):
                 return f"output structure {structure(out)}, eager {structure(s.eager)}"
             return None
-        ref_fn = (lambda: reference(self.op, s, self.dtype, False, self.seed)) if self.dtype in REF_DTYPE else None
-        why = compare(out, s.eager, ref_fn, self.dtype)
+        name = self.op.name
+        ref_fn = (
+            (lambda: blank_uninitialized(name, reference(self.op, s, self.dtype, False, self.seed)))
+            if self.dtype in REF_DTYPE
+            else None
+        )
+        out, eager = blank_uninitialized(self.op.name, out), blank_uninitialized(self.op.name, s.eager)
+        why = compare(out, eager, ref_fn, self.dtype)
         if why is not None or s.eager_grads is None:
             return why
         if grads is None:
