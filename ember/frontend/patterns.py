@@ -125,7 +125,43 @@ def attention_pass(gm: fx.GraphModule) -> list[Rewrite]:
     apply(gm, found)
     if found:
         log.artifact("patterns", f"{len(found)} attention rewrite(s)", lambda: "\n".join(rw.describe() for rw in found))
+    densified = dense_sdpa_masks(gm)
+    if densified:
+        log.artifact("patterns", f"{len(densified)} SDPA mask(s) made dense", lambda: "\n".join(densified))
     return found
+
+
+def dense_sdpa_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> list[str]:
+    """SDPA on CUDA with a mask whose last dim is broadcast (stride 0) gets the mask made contiguous.
+
+    PyTorch's fused kernels need the mask's last dim unit-stride; otherwise SDPA picks its math
+    path, which AOTAutograd traces into matmuls and a softmax over the whole score matrix.
+    transformers' BERT passes exactly such a mask under torch.compile ([B, 1, L, L], strides
+    (0, L, 1, 0)); in eager it passes none (it checks the mask's values, which tracing cannot).
+    Materializing the boolean mask writes B*L*L bytes; the math path moved several score
+    matrices (B*H*L*L elements each) through memory."""
+    made = []
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+            continue
+        mask = _arg(node, 3, "attn_mask")
+        q, m = _val(node.args[0]) if node.args else None, _val(mask)
+        if q is None or m is None or q.device.type not in devices or not m.dim():
+            continue
+        if m.shape[-1] == 1 or m.stride(-1) == 1:
+            continue
+        with gm.graph.inserting_before(node):
+            dense = gm.graph.call_method("contiguous", (mask,))
+        dense.meta["example_value"] = m.contiguous()
+        if len(node.args) > 3:
+            node.args = (*node.args[:3], dense, *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": dense}
+        made.append(f"{node.name}: attn_mask {tuple(m.shape)} strides {m.stride()} -> contiguous")
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
 
 
 def rewrite_attention(gm: fx.GraphModule) -> list[Rewrite]:

@@ -316,11 +316,16 @@ class Scheduler:
 
     def _candidates(self, b: Group, siblings: bool) -> list[Group]:
         """Groups b could merge into: its producers, and siblings over a domain both fit that read a
-        buffer b reads (the q/k/v slices of one projection, the mean and variance of one row)."""
+        buffer b reads (the q/k/v slices of one projection, the mean and variance of one row) or
+        another output of b's producer, or feed a kernel b feeds (the stages of split reductions: a
+        cross-entropy's mean and its index check; merged, one launch instead of two)."""
         out = [self.groups[p] for p in sorted(self._producers(b)) if p != b.id and p in self.groups]
         if siblings:
             producers = {g.id for g in out}
             near = {gid for v in b.kernel.reads for gid in self._readers.get(v, ())}
+            near |= {gid for p in out for v in p.roots for gid in self._readers.get(v, ())}
+            consumers = {gid for v in b.roots for gid in self._readers.get(v, ())} - {b.id}
+            near |= {pid for c in consumers if c in self.groups for pid in self._producers(self.groups[c])}
             for gid in sorted(near - producers - {b.id}):
                 g = self.groups[gid]
                 if {g.id, b.id} & set(self.gemms.by_group):

@@ -105,6 +105,20 @@ def test_cross_entropy_never_writes_the_log_softmax(dtype):
     assert x.nbytes <= graph.bytes <= floor, f"{graph.bytes} bytes, want <= {floor}\n{graph}\n{line}"
 
 
+def test_split_reduction_stages_of_one_kernel_share_launches():
+    """On Triton the mean over 8192 rows is split in two stages, and so is the targets' bounds
+    check; each first stage (one reads the per-row losses, one the targets) and each second stage
+    is a sibling of the other through the kernel both feed or both read: 3 kernels, not 5."""
+    x, t = torch.randn(8192, 8), torch.randint(0, 8, (8192,))
+    line = repro(backend="triton", shape=list(x.shape))
+    with reports() as report:
+        got = ember_compile(F.cross_entropy, "triton")(x, t)
+    assert_close(got, F.cross_entropy(x, t), rtol=1e-5, atol=1e-6, what="loss", line=line)
+    (graph,) = report.graphs
+    assert graph.externs == ["_assert_async"], f"{graph}\n{line}"
+    assert len(graph.kernels) == 3, f"{graph}\n{line}"  # per-row losses; first stages; second stages
+
+
 def test_cross_entropy_training_matches_eager():
     x = torch.randn(N, 1000, requires_grad=True)
     t = torch.randint(0, 1000, (N,))
