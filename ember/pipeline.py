@@ -104,7 +104,7 @@ def _report_schedule(report: GraphReport, sched, backend, device: torch.device) 
                 k.name,
                 k.origins,
                 str(k.domain),
-                backend.sources[k.name],
+                backend.sources.get(k.name, "(not generated: every output is empty)"),
                 None if moved is None else int(moved),
                 None if flops is None else int(flops),
                 None if seconds is None else seconds * 1e6,
@@ -147,7 +147,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         report.backend = backend.name
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
         sched = schedule(graph, eager_peak, online_softmax=backend.name == "triton", gemm=gemm)
-        namespace = backend.build(sched.kernels)
+        namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
         # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
         host = write_host(sched, backend, check_input_layouts=kind == "backward")

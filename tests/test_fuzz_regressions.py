@@ -193,3 +193,27 @@ def test_a_symbolic_float_an_op_reads_as_a_keyword_falls_back():
             got = compiled(x, y)
         assert_close(got, fn(x, y), rtol=1e-6, atol=1e-6, what="output", line=repro(rows=rows))
         torch._dynamo.reset()
+
+
+def _softmax_of_an_empty_tensor(x1):
+    # seed 2026, programs 1219, 1783, 1910 (GPU: Triton CompilationError; the interpreter never runs a
+    # kernel over zero elements, so only compiling showed it): a kernel all of whose outputs are empty
+    # indexed with a loop variable of a dim merged away. Such a kernel is neither generated nor launched.
+    v = torch.softmax(torch.where(x1 > 0, x1, 3.0), dim=0)
+    return v.unsqueeze(-4).squeeze(1).sum(dim=(0, 1, 2, 3)), v
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_kernel_with_only_empty_outputs_is_not_generated(backend):
+    from tests.helpers import explain_strict
+
+    x = torch.randn(5, 17, 8, 0).transpose(-1, -2)
+    line = repro(program="softmax_of_an_empty_tensor", inputs=[x], backend=backend)
+    report = explain_strict(_softmax_of_an_empty_tensor, x, backend=backend)
+    skipped = [k for k in report.kernels if k.source.startswith("(not generated")]
+    assert skipped, f"{report}\n{line}"
+    host = "\n".join(g.host_source for g in report.graphs)
+    assert all(f"# {k.name}: every output is empty" in host for k in skipped), host
+    got = torch.compile(_softmax_of_an_empty_tensor, backend="ember", options={"backend": backend, "strict": True})(x)
+    for k, (g, e) in enumerate(zip(got, _softmax_of_an_empty_tensor(x))):
+        assert_close(g, e, rtol=0, atol=0, what=f"output {k}", line=line)

@@ -121,9 +121,12 @@ class HostWriter:
             if isinstance(step, KernelStep):
                 for v in step.kernel.writes:
                     self._allocate(v)
-                buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
-                args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
-                self.lines.append(f"    {self.launcher.launch_line(step.kernel, args)}")
+                if step.kernel.writes_nothing:
+                    self.lines.append(f"    # {step.kernel.name}: every output is empty, nothing to launch")
+                else:
+                    buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
+                    args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
+                    self.lines.append(f"    {self.launcher.launch_line(step.kernel, args)}")
             elif isinstance(step, ExternStep):
                 self._extern(step)
             elif isinstance(step, AliasStep):

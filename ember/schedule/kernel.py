@@ -206,6 +206,13 @@ class Kernel:
     def writes(self) -> list[Value]:
         return [s.buffer for s in self.stores]
 
+    @property
+    def writes_nothing(self) -> bool:
+        """Every buffer it stores has a zero-size dim: the host allocates them and launches nothing.
+        (Such a kernel's index may name a loop variable of a dim merged away as empty, which
+        Triton rejects at compile time: GPU fuzz programs 1219, 1783, 1910.)"""
+        return bool(self.stores) and all(any(d == 0 for d in v.shape) for v in self.writes)
+
     def index(self, expr: Expr) -> Expr:
         return self.rewritten.get(expr, expr)
 
