@@ -46,6 +46,15 @@ def ember_maximum(a, b):
 
 
 @triton.jit
+def ember_abs(x):
+    # tl.abs of a signed integer came back unsigned on the GPU (Triton 3.6): -abs(x) compared as
+    # a huge unsigned value, so clamp(-abs(x), -3) gave -3 everywhere (GPU fuzz program 304).
+    if x.dtype.is_int_signed():
+        return tl.where(x < 0, -x, x)
+    return tl.abs(x)
+
+
+@triton.jit
 def ember_minimum(a, b):
     return tl.where((a < b) | (a != a), a, b)
 
