@@ -136,3 +136,19 @@ def test_data_dependent_shape_promised_fixed_is_declined():
             node.meta["val"] = {"x_1": x, "idx_1": idx}[node.name]
     with pytest.raises(GraphUnsupported, match="data-dependent output shape"):
         import_graph(gm, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("contract", [True, False])
+def test_fp_contract_setting_reaches_the_triton_launch(contract):
+    # OpInfo layer_norm float32, gradients of one-element rows (GPU): with FMA contraction the product
+    # inside the row's mean and the one after it round differently (2.3e-5 where eager gives 0);
+    # `fp_contract=False` compiles without it. The interpreter ignores the flag: the check is that it
+    # reaches the launch, and that the gradient is right either way here.
+    from tests.helpers import explain_strict
+
+    x = torch.randn(3, 1, requires_grad=True)
+    fn = lambda t: torch.nn.functional.layer_norm(t, (1,)).sum()  # noqa: E731
+    report = explain_strict(fn, x, backend="triton", fp_contract=contract)
+    host = "\n".join(g.host_source for g in report.graphs)
+    assert f"enable_fp_fusion={contract}" in host, host
+    _check(lambda t: torch.nn.functional.layer_norm(t, (1,)), x.detach(), grad=True, op="nn.functional.layer_norm")
