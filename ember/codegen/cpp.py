@@ -10,6 +10,7 @@ round-to-nearest-even; float16 uses the compiler's _Float16.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -83,22 +84,58 @@ ROW_CACHE_MAX = 16384  # elements of one row a thread keeps (64 KB of float on i
 ROW_CACHE_BYTES = 128 * 1024  # all of a kernel's row arrays together
 
 
-def _descendants(node: KNode) -> list[KNode]:
-    out, stack = [], list(node.args())
+# Work (in flops, a load counting one) above which a row value is kept rather than computed again
+# in a later pass: one transcendental op (softmax's exp(x - max)), or the rounded sum of two bf16
+# loads (layer norm's residual x + r, read for the mean, the variance and the output). Reading
+# the row array costs one load from L1.
+ROW_CACHE_MIN_WORK = 4
+
+
+def _recompute_work(node: KNode, kept: dict[int, object]) -> int:
+    """The work of computing a full value again: its full operands down to loads, not into row
+    values (computed once per row) nor into values already kept in a row array."""
+    work, seen, stack = 0, set(), [node]
     while stack:
         n = stack.pop()
-        out.append(n)
+        if id(n) in seen or not n.full or isinstance(n, KReduce) or (n is not node and id(n) in kept):
+            continue
+        seen.add(id(n))
+        if isinstance(n, KLoad):
+            work += 1
+        elif isinstance(n, KOp):
+            work += ops.POINTWISE[n.fn].flops
+        elif isinstance(n, KConvert) and n.dtype in (torch.bfloat16, torch.float16):
+            work += 3  # rounding: several integer ops per element
         stack.extend(n.args())
-    return out
+    return work
 
 
-def _worth_caching(node: KNode, computed_with: set[int]) -> bool:
-    """A full value whose computation in its pass includes a transcendental op (exp, log, ...)."""
-    return node.full and any(
-        isinstance(n, KOp) and ops.POINTWISE[n.fn].flops >= 4
-        for n in [node, *_descendants(node)]
-        if id(n) in computed_with
-    )
+def _phase_roots(kernel: Kernel, phase: int) -> list[KNode]:
+    return [r.arg for r in kernel.reduces if r.phase == phase] + [
+        s.value for s in kernel.stores if s.full and s.phase == phase
+    ]
+
+
+def _one_hot(r: KReduce, kernel: Kernel, var) -> tuple[KNode, KNode] | None:
+    """(index, picked) when r is `sum_j where(j == index, picked_j, 0)` over the one reduce dim j,
+    with index the same all along the row: the importer's form of gather (cross_entropy's target
+    logit). None otherwise."""
+    arg = r.arg
+    if r.kind != "sum" or r.online_max is not None or not (isinstance(arg, KOp) and arg.fn == "where"):
+        return None
+    hit, picked, other = arg.operands
+    if not (isinstance(other, KConst) and other.value == 0 and isinstance(hit, KOp) and hit.fn == "eq"):
+        return None
+    for pos, index in ((0, 1), (1, 0)):
+        at, index = hit.operands[pos], hit.operands[index]
+        if (
+            isinstance(at, KIndex)
+            and kernel.index(at.expr) == var
+            and not index.full
+            and not index.dtype.is_floating_point
+        ):
+            return index, picked
+    return None
 
 
 class CppRenderer(Renderer):
@@ -168,31 +205,76 @@ class CppRenderer(Renderer):
         super().body()
 
     def _plan_row_cache(self) -> dict[int, tuple[KNode, int, str]]:
-        """Row values that an expensive op computes in one pass and a later pass needs again (the
-        exp(x - max) of softmax: summed, then divided): kept in a per-thread array of the row
-        instead of computed twice, as Inductor's C++ does. One reduce dim, static rows of at most
-        ROW_CACHE_MAX elements (on the stack). id(node) -> (node, the pass computing it, array)."""
+        """Row values that a pass computes at some cost (ROW_CACHE_MIN_WORK) and a later pass needs
+        again: kept in a per-thread array of the row instead of computed twice, as Inductor's C++
+        does (softmax's exp(x - max): summed, then divided; layer norm's x + r: for the mean, the
+        variance and the output). One reduce dim, static rows of at most ROW_CACHE_MAX elements
+        (on the stack). id(node) -> (node, the pass computing it, array)."""
         dims = self._dims(reduce=True)
         if len(dims) != 1 or not dims[0][1].is_Integer or int(dims[0][1]) > ROW_CACHE_MAX:
             return {}
         self._row_cache_len = int(dims[0][1])
-        passes = row_passes(self.kernel, persistent=False)
+        looped = replace(self.kernel, reduces=[r for r in self.kernel.reduces if not self.direct_reduce(r)])
+        passes = row_passes(looped, persistent=False)
         self._pass_ids = [{id(n) for n in nodes} for nodes in passes]
-        cache: dict[int, tuple[KNode, int, str]] = {}
-        for later, nodes in enumerate(passes):
+        first = {}
+        for p, nodes in enumerate(passes):
             for n in nodes:
-                first = next(p for p, ids in enumerate(self._pass_ids) if id(n) in ids)
-                if first < later and id(n) not in cache and _worth_caching(n, self._pass_ids[first]):
-                    cache[id(n)] = (n, first, self.fresh("rowcache"))
-        # Keep only the outermost cached values: what they are computed from is not needed again;
-        # and no more than ROW_CACHE_BYTES of them (OpenMP worker threads have small stacks).
-        inner = {id(a) for n, _, _ in cache.values() for a in _descendants(n)}
+                first.setdefault(id(n), p)
+        reused = {id(n) for p, nodes in enumerate(passes) for n in nodes if first[id(n)] < p}
+        # Candidates in pass order, so that a value's work stops at earlier kept values (layer norm's
+        # x + r - mean is one subtraction once x + r is kept).
+        cache: dict[int, tuple[KNode, int, str]] = {}
+        for p, nodes in enumerate(passes):
+            for n in nodes:
+                if first[id(n)] == p and id(n) in reused and _recompute_work(n, cache) >= ROW_CACHE_MIN_WORK:
+                    cache[id(n)] = (n, p, self.fresh("rowcache"))
+        # Keep what a later pass reads itself, not only through another kept value (of x + r and
+        # its rounding, only the outermost); and no more than ROW_CACHE_BYTES of them (OpenMP
+        # worker threads have small stacks).
+        read = set()
+        for p in range(len(passes)):
+            stack = list(_phase_roots(looped, p))
+            seen = set()
+            while stack:
+                n = stack.pop()
+                if id(n) in seen or not n.full or isinstance(n, KReduce):
+                    continue
+                seen.add(id(n))
+                if id(n) in cache and first[id(n)] < p:
+                    read.add(id(n))
+                    continue
+                stack.extend(n.args())
         kept, used = {}, 0
-        for k, (node, first, array) in cache.items():
+        for k, (node, p, array) in cache.items():
             size = self._row_cache_len * node.dtype.itemsize
-            if k not in inner and used + size <= ROW_CACHE_BYTES:
-                kept[k], used = (node, first, array), used + size
+            if k in read and used + size <= ROW_CACHE_BYTES:
+                kept[k], used = (node, p, array), used + size
         return kept
+
+    # -- one-hot selections ------------------------------------------------------------------
+    def direct_reduce(self, r: KReduce) -> bool:
+        dims = self._dims(reduce=True)
+        return len(dims) == 1 and _one_hot(r, self.kernel, dims[0][0]) is not None
+
+    def reduce_direct(self, name: str, r: KReduce) -> None:
+        """The one element a one-hot sum selects, read at its index instead of compared at every
+        element of the row (cross_entropy: one int64 compare and select per logit). An index
+        outside the row selects nothing, as the sum does (0; the importer's bounds check raises
+        after the kernel); in bounds it is the element itself, -0.0 included, as eager's gather."""
+        ((var, size),) = self._dims(reduce=True)
+        index, picked = _one_hot(r, self.kernel, var)
+        t = CPP_DTYPE[r.dtype]
+        self.emit(f"{t} {name} = {self.const(KConst(r.dtype, False, 0, 0))};")
+        self.emit(f"if ({self.ref(index)} >= 0 && {self.ref(index)} < {print_index(size, '/')}) {{")
+        self.indent += 1
+        saved = dict(self.names)
+        self.emit(f"int64_t {var.name} = static_cast<int64_t>({self.ref(index)});")
+        self.emit_node(picked)
+        self.emit(f"{name} = static_cast<{t}>({self.ref(picked)});")
+        self.names = saved
+        self.indent -= 1
+        self.emit("}")
 
     def open_phase(self, phase: int) -> None:
         self._phase = phase
@@ -220,7 +302,7 @@ class CppRenderer(Renderer):
         self._open = len(dims)
 
     def _phase_reduces(self, phase):
-        return [r for r in self.kernel.reduces if r.phase == phase]
+        return [r for r in self.kernel.reduces if r.phase == phase and not self.direct_reduce(r)]
 
     def close_phase(self) -> None:
         var = self._dims(reduce=True)[0][0].name if self._row_cache else None

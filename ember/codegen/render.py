@@ -125,8 +125,14 @@ class Renderer:
             if phase == k.num_phases:
                 break
             # An online sum reads its max partner's accumulator before the partner updates it.
-            reduces = sorted((r for r in k.reduces if r.phase == phase), key=lambda r: r.online_max is None)
+            phase_reduces = [r for r in k.reduces if r.phase == phase]
+            direct = [r for r in phase_reduces if self.direct_reduce(r)]
+            reduces = sorted((r for r in phase_reduces if r not in direct), key=lambda r: r.online_max is None)
             full_stores = [s for s in k.stores if s.full and s.phase == phase]
+            for r in direct:
+                name = self.fresh("red")
+                self.reduce_direct(name, r)
+                self.names[id(r)] = name
             if not reduces and not full_stores:
                 continue
             accs = self.accs = {id(r): self.fresh("acc") for r in reduces}
@@ -149,6 +155,13 @@ class Renderer:
                 self.reduce_finalize(name, accs[id(r)], r)
 
     # -- hooks ----------------------------------------------------------------------------
+    def direct_reduce(self, r: KReduce) -> bool:
+        """Whether r is computed without a loop over the row (`reduce_direct`), not in its phase."""
+        return False
+
+    def reduce_direct(self, name: str, r: KReduce) -> None:
+        raise NotImplementedError
+
     def const(self, node: KConst) -> str:
         raise NotImplementedError
 
