@@ -46,20 +46,6 @@ def ember_maximum(a, b):
 
 
 @triton.jit
-def ember_abs(x):
-    # Triton 3.6 on the H100 compiles `-abs(x) > -3` for int64 to false for every x, whether abs
-    # is tl.abs or a where(): the compiler recognizes the idiom and folds the comparison wrongly
-    # (clamp(-abs(x), -3, 4) gave -3 everywhere: GPU fuzz program 304; int32 and floats were
-    # right). PTX's own abs is opaque to it. The interpreter uses tl.abs (ops.py).
-    if x.dtype == tl.int64:
-        return tl.inline_asm_elementwise("abs.s64 $0, $1;", "=l,l", [x], dtype=tl.int64, is_pure=True, pack=1)
-    elif x.dtype == tl.int32:
-        return tl.inline_asm_elementwise("abs.s32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        return tl.abs(x)
-
-
-@triton.jit
 def ember_minimum(a, b):
     return tl.where((a < b) | (a != a), a, b)
 

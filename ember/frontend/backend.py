@@ -55,11 +55,23 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     )
     try:
         return compiler(gm, example_inputs)
+    except _DYNAMO_HANDLES:
+        raise  # data-dependent ops: Dynamo breaks the graph there and compiles the pieces
     except Exception as e:
         with config.override(**options):
             if config.get("strict"):
                 raise
         return _eager_after_trace_failure(gm, e)
+
+
+def _dynamo_handles() -> tuple:
+    from torch._subclasses import fake_tensor
+
+    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
+
+
+_DYNAMO_HANDLES = _dynamo_handles()
 
 
 def _eager_after_trace_failure(gm: torch.fx.GraphModule, error: Exception):
