@@ -34,6 +34,7 @@ def record(op, dtype, device, samples: list[Sample], seconds: float, note: str =
         "seconds": round(seconds, 2),
         "details": [{"i": s.index, "outcome": s.outcome, "reason": s.reason} for s in samples if s.outcome != "match"],
         "note": note,
+        "torch": torch.__version__,  # the table names the version that ran, not the one rendering it
     }
 
 
