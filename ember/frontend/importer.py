@@ -84,10 +84,11 @@ class Importer:
     def _placeholder(self, node):
         val = _meta(node)
         if isinstance(val, torch.Tensor):
-            value = self.graph.add_input([as_expr(s) for s in val.shape], val.dtype, [as_expr(s) for s in val.stride()])
+            shape, stride = [as_expr(s) for s in val.shape], [as_expr(s) for s in val.stride()]
+            value = self.graph.add_input(shape, val.dtype, stride, device=val.device)
             if val.device == self.graph.device:
                 return value
-            value.device = val.device  # never a kernel operand: the ops reading it run as externs
+            # On another device: never a kernel operand, the ops reading it run as externs.
             if val.dim() == 0 and val.device.type == "cpu":
                 # A CPU scalar tensor beside device tensors (eager allows it: masked_fill's value):
                 # one copy to the device, and kernels read it like any other input.

@@ -110,8 +110,11 @@ class Graph:
         self.nodes.append(node)
         return node
 
-    def add_input(self, shape, dtype, stride) -> Value:
+    def add_input(self, shape, dtype, stride, device: torch.device | None = None) -> Value:
+        """A graph input; `device` when it lives elsewhere than the graph (then no kernel reads it)."""
         node = self.add("input", [], {"index": len(self.inputs)}, [(shape, dtype, stride)])
+        if device is not None:
+            node.out.device = device
         self.inputs.append(node.out)
         return node.out
 
