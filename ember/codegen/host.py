@@ -263,7 +263,9 @@ class HostWriter:
         name = f"buf{v.id}"
         self.names[v.id] = name
         if v in self.layout_sensitive:
-            self.lines.append(f"    {name} = _fix_layout({src}, {self.arg(tuple(v.shape))}, {self.arg(tuple(v.stride))})")
+            self.lines.append(
+                f"    {name} = _fix_layout({src}, {self.arg(tuple(v.shape))}, {self.arg(tuple(v.stride))})"
+            )
         else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
             self.lines.append(f"    {name} = {src}")
 
