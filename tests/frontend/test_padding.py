@@ -41,7 +41,7 @@ def test_vocabulary_head_padded_inference(pad_on_cpu):
     assert_close(logits, want_logits, rtol=1e-2, atol=1e-2, what="logits", line=line)
     assert_close(loss, want_loss, rtol=1e-3, atol=1e-3, what="loss", line=line)
     assert logits.stride() == (1008, 1), line  # padded to 16 bytes, same values
-    assert f"[{ROWS}, {VOCAB}], [1008, 1]" in report.graphs[0].host_source, report.graphs[0].host_source
+    assert f"({ROWS}, {VOCAB}), (1008, 1)" in report.graphs[0].host_source, report.graphs[0].host_source
 
 
 def test_vocabulary_head_padded_training(pad_on_cpu):
