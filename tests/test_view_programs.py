@@ -35,7 +35,19 @@ PROGRAMS = {
     "mean_over_permuted": (lambda x: x.permute(2, 1, 0).mean(-1), [(4, 5, 6)], 1),
     # A materializing copy is one kernel, not two.
     "contiguous_copy": (lambda x: x.t().contiguous(), [(4, 6)], 1),
+    # cat and constant padding are selections among clamped views: fused, no copy kernel.
+    "rotate_half": (lambda x, c, s: x * c + _rotate_half(x) * s, [(2, 3, 8), (8,), (8,)], 1),
+    "cat_computed_pieces": (lambda a, b: torch.cat([a * 2, b.exp(), a], 0) + 1, [(3, 5), (2, 5)], 1),
+    "cat_then_sum": (lambda a, b: torch.cat([a, b.t()], 1).sum(1), [(4, 3), (2, 4)], 1),
+    "cat_transposed_output": (lambda a, b: torch.cat([a, b], 1).t() * 1, [(3, 4), (3, 2)], 1),
+    "pad_constant": (lambda x: torch.nn.functional.pad(x, (1, 2, 0, 3), value=-1.5) * 2, [(2, 4, 5)], 1),
+    "pad_and_crop": (lambda x: torch.nn.functional.pad(x, (-1, 2, 2, -1)) + 1, [(4, 5)], 1),
 }
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 # Inputs of a second size for the dynamic-shape runs.

@@ -32,7 +32,7 @@ class Param:
 
 
 def print_index(expr, floordiv: str) -> str:
-    """Print an integer index expression; floordiv is '//' (Python/Triton) or '/' (C++)."""
+    """Print an integer index expression; floordiv is '//' (Triton) or '/' (C++)."""
     expr = sympy.expand(expr) if not isinstance(expr, (IndexDiv, IndexMod)) else expr
     if expr.is_Integer:
         return str(int(expr))
@@ -47,6 +47,14 @@ def print_index(expr, floordiv: str) -> str:
         return "(" + " + ".join(print_index(t, floordiv) for t in terms) + ")"
     if expr.is_Mul:
         return "(" + " * ".join(print_index(f, floordiv) for f in expr.args) + ")"
+    if isinstance(expr, (sympy.Min, sympy.Max)):  # replicate_pad's clamps, nested pairwise
+        fn = {("//", sympy.Min): "tl.minimum", ("//", sympy.Max): "tl.maximum"}.get((floordiv, type(expr)))
+        fn = fn or ("std::min<int64_t>" if isinstance(expr, sympy.Min) else "std::max<int64_t>")
+        first, *rest = expr.args
+        out = print_index(first, floordiv)
+        for a in rest:
+            out = f"{fn}({out}, {print_index(a, floordiv)})"
+        return out
     if expr.is_Pow and expr.exp.is_Integer and expr.exp > 0:
         return "(" + " * ".join([print_index(expr.base, floordiv)] * int(expr.exp)) + ")"
     raise NotImplementedError(f"index expression {expr}")

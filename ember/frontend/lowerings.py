@@ -530,3 +530,216 @@ def _split(ctx: Importer, node):
         pieces.append(ctx.view("slice", x, dim=dim, start=as_expr(start), end=as_expr(start + s), step=as_expr(1)))
         start += s
     return pieces
+
+
+# -- cat and constant padding: selections among clamped views -------------------------------
+# Both become one pointwise value: position p along the dim picks the piece whose range holds
+# it, `where(p < end_0, piece_0, where(p < end_1, piece_1, ...))`, each piece read through a
+# `replicate_pad` view (views.py) so that every read is in bounds. The result fuses like any
+# pointwise value: LLaMA's rotate_half (`cat(-x2, x1)`) becomes index math inside the RoPE
+# kernel instead of a copy through memory. Every piece is evaluated at every position (a select,
+# not a branch), so the number of pieces is bounded; more run as ATen's cat.
+MAX_CAT_PIECES = 8
+
+
+@lowering(aten.cat)
+def _cat(ctx: Importer, node):
+    out = ctx.out_meta()
+    rank = out.dim()
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(rank, 1)
+    tensors = [ctx.arg(t) for t in node.args[0]]
+    if not all(isinstance(t, Value) for t in tensors):
+        raise Unsupported("cat operands")
+    # cat skips legacy empty 1-D tensors ([0]) whatever the rank, and adds nothing for empty pieces.
+    pieces = [t for t in tensors if len(t.shape) == rank and not (t.shape[dim].is_Integer and int(t.shape[dim]) == 0)]
+    if not pieces or rank == 0:
+        raise Unsupported("cat of empty pieces")
+    if len(pieces) > MAX_CAT_PIECES:
+        raise Unsupported(f"cat of {len(pieces)} pieces (at most {MAX_CAT_PIECES} fuse)")
+    shape = tuple(as_expr(s) for s in out.shape)
+    length = shape[dim]
+    position = _position_along(ctx, ShapeDtype(shape, torch.int64), dim)
+    starts = [as_expr(0)]
+    for p in pieces[:-1]:
+        starts.append(starts[-1] + p.shape[dim])
+    result = None
+    for piece, start in reversed(list(zip(pieces, starts))):
+        piece = ctx.cast(piece, out.dtype)
+        spread = ctx.view("replicate_pad", piece, dim=dim, before=start, length=length)
+        if result is None:
+            result = spread
+            continue
+        inside = ctx.pointwise("lt", [position, start + piece.shape[dim]], ShapeDtype(position.shape, torch.bool))
+        result = ctx.pointwise("where", [inside, spread, result], out)
+    if result.node.op == "view" or result.node.op == "input":
+        result = ctx.pointwise("mul", [result, 1], out)  # cat returns a new tensor, never an alias
+    return result
+
+
+@lowering(aten.constant_pad_nd)
+def _constant_pad_nd(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    value = ctx.arg(node.args[2]) if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if not isinstance(x, Value) or not isinstance(value, (int, float, bool)):
+        raise Unsupported("constant_pad_nd operands")
+    out = ctx.out_meta()
+    if any(s == 0 for s in out.shape) or any(s == 0 for s in x.shape):
+        raise Unsupported("constant_pad_nd of an empty tensor")
+    pads = [as_expr(ctx.arg(p)) for p in node.args[1]]
+    widths = {len(x.shape) - 1 - k: (pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)}
+    result, inside = _padded_view(ctx, x, widths, tuple(as_expr(s) for s in out.shape))
+    if inside is None:
+        return ctx.pointwise("mul", [result, 1], out)  # only crops: a copy of the slice
+    return ctx.pointwise("where", [inside, result, value], out)
+
+
+def _padded_view(
+    ctx: Importer, x: Value, widths: dict, shape: tuple, masked: bool = True
+) -> tuple[Value, Value | None]:
+    """x padded by widths {dim: (before, after)} to `shape`, as a replicate_pad view, and a bool
+    value (broadcasting to shape) that is True where the view reads x itself: None if everywhere.
+    A negative width crops."""
+    result, inside = x, None
+    for dim, (before, after) in sorted(widths.items()):
+        if before == 0 and after == 0:
+            continue
+        result = ctx.view("replicate_pad", result, dim=dim, before=before, length=shape[dim])
+        if not masked:
+            continue
+        position = _position_along(ctx, ShapeDtype(shape, torch.int64), dim)
+        checks = []
+        if not (before.is_Integer and int(before) <= 0):
+            checks.append(ctx.pointwise("ge", [position, before], ShapeDtype(position.shape, torch.bool)))
+        if not (after.is_Integer and int(after) <= 0):
+            checks.append(
+                ctx.pointwise("lt", [position, before + x.shape[dim]], ShapeDtype(position.shape, torch.bool))
+            )
+        for check in checks:
+            inside = check if inside is None else _logical_and(ctx, inside, check)
+    return result, inside
+
+
+def _logical_and(ctx: Importer, a: Value, b: Value) -> Value:
+    """a & b for bool values shaped as positions along different dims (each dim 1 in one of them)."""
+    shape = tuple(y if x == 1 else x for x, y in zip(a.shape, b.shape))
+    return ctx.pointwise("logical_and", [a, b], ShapeDtype(shape, torch.bool))
+
+
+# -- max pooling: the window's elements as strided views, compared in eager's order -----------
+# Each of the kh*kw window offsets is a view of x (replicate_pad on H and W, then a strided
+# slice); elements in the padding read -inf. The values are a chain of NaN-propagating
+# maximums; the indices follow eager's rule exactly (start at the first in-range element,
+# move to a later element when it is greater or NaN), and are computed only where something
+# reads them (training's backward), so inference writes no int64 index tensor. x's producer
+# (ResNet's batch norm + ReLU) is realized once and read kh*kw times from cache.
+MAX_POOL_WINDOW = 49
+
+
+@lowering(aten.max_pool2d_with_indices)
+def _max_pool2d_with_indices(ctx: Importer, node):
+    x = ctx.arg(node.args[0])
+    args = list(node.args) + [None] * (6 - len(node.args))
+    kernel = _pair(args[1])
+    stride = _pair(args[2]) if args[2] else kernel
+    padding = _pair(args[3] if args[3] is not None else 0)
+    dilation = _pair(args[4] if args[4] is not None else 1)
+    values_meta, indices_meta = _meta_outputs(node)
+    ctx.check_kernel_tensor(values_meta)
+    ctx.check_kernel_tensor(indices_meta)
+    if not isinstance(x, Value) or not x.dtype.is_floating_point or dilation != (1, 1):
+        raise Unsupported("max_pool2d operands (float input, dilation 1)")
+    if kernel[0] * kernel[1] > MAX_POOL_WINDOW or any(s == 0 for s in values_meta.shape):
+        raise Unsupported("max_pool2d window or shape")
+    rank = len(x.shape)
+    h_dim, w_dim = rank - 2, rank - 1
+    out_shape = tuple(as_expr(s) for s in values_meta.shape)
+    size_w = x.shape[w_dim]
+    pos_h = _position_along(ctx, ShapeDtype(out_shape, torch.int64), h_dim)
+    pos_w = _position_along(ctx, ShapeDtype(out_shape, torch.int64), w_dim)
+    int_h, int_w = ShapeDtype(pos_h.shape, torch.int64), ShapeDtype(pos_w.shape, torch.int64)
+    start_h = ctx.pointwise("add", [ctx.pointwise("mul", [pos_h, stride[0]], int_h), -padding[0]], int_h)
+    start_w = ctx.pointwise("add", [ctx.pointwise("mul", [pos_w, stride[1]], int_w), -padding[1]], int_w)
+    spatial = ShapeDtype(_broadcast_shapes(pos_h.shape, pos_w.shape), torch.int64)
+    full = ShapeDtype(out_shape, x.dtype)
+    full_index = ShapeDtype(out_shape, torch.int64)
+
+    def flat(h: Value, w: Value) -> Value:
+        return ctx.pointwise("add", [ctx.pointwise("mul", [h, size_w], spatial), w], spatial)
+
+    # eager's initial index: the window's first element inside the input
+    first = flat(ctx.pointwise("maximum", [start_h, 0], int_h), ctx.pointwise("maximum", [start_w, 0], int_w))
+    best, index = None, ctx.pointwise("add", [first, 0], full_index)
+    for kh in range(kernel[0]):
+        for kw in range(kernel[1]):
+            h = ctx.pointwise("add", [start_h, kh], int_h)
+            w = ctx.pointwise("add", [start_w, kw], int_w)
+            window = _window(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape)
+            inside = None
+            for at, p, d in ((h, padding[0], h_dim), (w, padding[1], w_dim)):
+                if p:
+                    within = ShapeDtype(at.shape, torch.bool)
+                    for check in (
+                        ctx.pointwise("ge", [at, 0], within),
+                        ctx.pointwise("lt", [at, x.shape[d]], within),
+                    ):
+                        inside = check if inside is None else _logical_and(ctx, inside, check)
+            value = ctx.pointwise("where", [inside, window, float("-inf")], full) if inside is not None else window
+            if best is None:
+                # nothing beats -inf but NaN and larger values: the first element is the first best
+                take = ctx.pointwise(
+                    "logical_or",
+                    [
+                        ctx.pointwise("gt", [value, float("-inf")], ShapeDtype(out_shape, torch.bool)),
+                        ctx.pointwise("isnan", [value], ShapeDtype(out_shape, torch.bool)),
+                    ],
+                    ShapeDtype(out_shape, torch.bool),
+                )
+                best = value
+            else:
+                take = ctx.pointwise(
+                    "logical_or",
+                    [
+                        ctx.pointwise("gt", [value, best], ShapeDtype(out_shape, torch.bool)),
+                        ctx.pointwise("isnan", [value], ShapeDtype(out_shape, torch.bool)),
+                    ],
+                    ShapeDtype(out_shape, torch.bool),
+                )
+                best = ctx.pointwise("maximum", [value, best], full)
+            index = ctx.pointwise("where", [take, flat(h, w), index], full_index)
+    return best, index
+
+
+def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape) -> Value:
+    """x's elements at window offset `offsets` of every output position, as a view: padded by
+    `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
+    stride."""
+    padded_shape = list(x.shape)
+    for d, p in zip(dims, padding):
+        padded_shape[d] = x.shape[d] + 2 * p
+    widths = {d: (as_expr(p), as_expr(p)) for d, p in zip(dims, padding)}
+    view, _ = _padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
+    for d, k, s in zip(dims, offsets, stride):
+        end = as_expr(k) + (out_shape[d] - 1) * s + 1
+        view = ctx.view("slice", view, dim=d, start=as_expr(k), end=end, step=as_expr(s))
+    return view
+
+
+def _pair(v) -> tuple[int, int]:
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    if len(v) == 1:
+        v = v * 2
+    if len(v) != 2 or not all(isinstance(a, int) for a in v):
+        raise Unsupported("max_pool2d sizes")
+    return v[0], v[1]
+
+
+def _meta_outputs(node) -> tuple:
+    val = node.meta.get("val")
+    if not isinstance(val, (list, tuple)) or len(val) != 2:
+        raise Unsupported("max_pool2d outputs")
+    return val
+
+
+def _broadcast_shapes(a, b):
+    """Two shapes of one rank where each dim is 1 in at least one of them (positions along dims)."""
+    return tuple(y if x == 1 else x for x, y in zip(a, b))

@@ -130,6 +130,32 @@ def _squeeze_index(i, s_in, s_out, a):
     return [sympy.Integer(0) if k in a["dims"] else next(it) for k in range(len(s_in))]
 
 
+def _replicate_pad_shape(s, a):
+    return s[: a["dim"]] + (a["length"],) + s[a["dim"] + 1 :]
+
+
+def _replicate_pad_index(i, s_in, s_out, a):
+    """Position p along dim reads the base at p - before, clamped into [0, size): the base's edge
+    elements repeat outside it. `cat` and `constant_pad_nd` select such a view where it is in range
+    (a `where` over the position), so its clamped reads stay in bounds without a masked load, and a
+    lane outside the range re-reads the edge element, which is in cache, instead of other memory."""
+    d = a["dim"]
+    size = s_in[d]
+    shifted = i[d] - a["before"]
+    if not _provably_nonnegative(-a["before"]):  # positions before the base's start
+        shifted = sympy.Max(shifted, 0)
+    if not _provably_nonnegative(size + a["before"] - a["length"]):  # positions after its end
+        shifted = sympy.Min(shifted, size - 1)
+    return i[:d] + [shifted] + i[d + 1 :]
+
+
+def _provably_nonnegative(e: Expr) -> bool:
+    e = sympy.expand(sympy.sympify(e))
+    if e.is_number:
+        return bool(e >= 0)
+    return bool(e.is_nonnegative)
+
+
 VIEW_KINDS: dict[str, ViewKind] = {
     "permute": ViewKind(_permute_shape, _permute_index),
     "expand": ViewKind(lambda s, a: tuple(a["shape"]), _expand_index),
@@ -138,6 +164,8 @@ VIEW_KINDS: dict[str, ViewKind] = {
     "select": ViewKind(_select_shape, _select_index),
     "unsqueeze": ViewKind(_unsqueeze_shape, _unsqueeze_index),
     "squeeze": ViewKind(_squeeze_shape, _squeeze_index),
+    # attrs dim, before (the base's offset in the view), length (the view's size along dim).
+    "replicate_pad": ViewKind(_replicate_pad_shape, _replicate_pad_index),
 }
 
 

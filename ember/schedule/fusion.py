@@ -185,6 +185,8 @@ class Scheduler:
         """
         users: dict[Value, int] = {}
         for node in self.graph.nodes:
+            if node.op == "view":
+                continue  # not a reader: its own readers are counted at the root
             for v in node.value_inputs():
                 root, _ = view_chain(v)
                 users[root] = users.get(root, 0) + 1

@@ -1,0 +1,74 @@
+"""max_pool2d lowers to a chain over the window's strided views (lowerings.py): values and
+indices equal eager's exactly (NaN, -inf and padding included), gradients through ATen's
+max_pool2d_with_indices_backward match, and inference writes no index tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import BACKENDS, assert_no_fallback, ember_compile, explain_strict, reports, repro
+
+# (input shape, kernel, stride, padding, ceil_mode, channels_last)
+CASES = {
+    "resnet_stem": ((2, 3, 9, 9), 3, 2, 1, False, True),
+    "k2s2": ((2, 3, 8, 7), 2, 2, 0, False, False),
+    "ceil_mode": ((1, 2, 7, 7), 3, 2, 1, True, False),
+    "unbatched_rect": ((3, 10, 11), (3, 2), (1, 2), (1, 0), False, False),
+    "stride_1": ((1, 2, 5, 6), 3, 1, 1, False, True),
+}
+
+
+def _input(shape, channels_last):
+    x = torch.randn(shape)
+    x[0, ..., 1, 1] = float("nan")  # NaN wins its windows; its index is the last NaN's
+    x[..., 2, :] = float("-inf")  # a window of -inf only keeps its first in-range index
+    x[..., -1, -2] = x[..., -1, -1]  # ties keep the first
+    return x.to(memory_format=torch.channels_last) if channels_last else x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_values_indices_and_gradient_equal_eager(backend, name):
+    shape, k, s, p, ceil, channels_last = CASES[name]
+    x = _input(shape, channels_last)
+
+    def pool(t):
+        return F.max_pool2d(t, k, s, p, ceil_mode=ceil, return_indices=True)
+
+    def loss(t):
+        return pool(t)[0].nan_to_num(0.0, 5.0, -5.0).mul(torch.arange(1.0, 2.0, 1e-3)[: pool(t)[0].shape[-1]]).sum()
+
+    line = repro(case=name, backend=backend, inputs=[x])
+    with reports() as report:
+        values, indices = ember_compile(pool, backend)(x)
+        xg = x.clone().requires_grad_()
+        ember_compile(loss, backend)(xg).backward()
+    assert_no_fallback(report, line)
+    want_values, want_indices = pool(x)
+    assert torch.equal(indices, want_indices), f"indices differ\n{line}"
+    torch.testing.assert_close(values, want_values, rtol=0, atol=0, equal_nan=True, msg=line)
+    xe = x.clone().requires_grad_()
+    loss(xe).backward()
+    torch.testing.assert_close(xg.grad, xe.grad, rtol=1e-6, atol=1e-6, msg=line)
+    forward_externs = [e for g in report.graphs for e in g.externs if "backward" not in str(e)]
+    assert not any("max_pool" in str(e) for e in forward_externs), f"{forward_externs}\n{line}"
+
+
+def test_inference_writes_no_indices():
+    """conv -> batch norm -> ReLU -> max pool, as ResNet's stem: the pool kernel reads the ReLU
+    output once and writes only the values (eager's kernel also writes the int64 indices: 4x the
+    values' bytes in bf16)."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)
+    ).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        (graph,) = explain_strict(model, x).graphs
+    pools = [k for k in graph.kernels if k.ops == ["max_pool2d_with_indices"]]
+    assert len(pools) == 1 and not any("max_pool" in e for e in graph.externs), graph
+    relu_out, pooled = 2 * 8 * 16 * 16 * 4, 2 * 8 * 8 * 8 * 4
+    assert pools[0].bytes == relu_out + pooled, graph
+    with torch.no_grad():
+        torch.testing.assert_close(ember_compile(model, "cpp")(x), model(x), rtol=1e-5, atol=1e-5)
