@@ -31,7 +31,7 @@ def main() -> None:
     overrides = {"gemm": args.gemm} if args.gemm else {}
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
-        built = w.build(w.sizes["gpu"], torch.device("cuda"))
+        built = w.instance("gpu", torch.device("cuda"), "inference")
         ctx = torch.autocast("cuda", dtype=built.autocast) if built.autocast else contextlib.nullcontext()
         torch._dynamo.reset()
         with config.override(**overrides), torch.no_grad(), ctx:

@@ -78,7 +78,7 @@ def main() -> None:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
-        built = w.build(w.sizes["gpu"], torch.device("cuda"))
+        built = w.instance("gpu", torch.device("cuda"), "train" if TRAIN else "inference")
         row = {}
         for compiler, backend in (("ember", ember_backend), ("inductor", "inductor")):
             torch._dynamo.reset()

@@ -123,7 +123,7 @@ def run_case(case: Case, compilers: list[str], scale: str, device: torch.device)
     record["tol"] = tol
     try:
         torch.manual_seed(0)
-        built = w.build(w.sizes[scale], device)
+        built = w.instance(scale, device, case.mode)
         inputs = measure.prepare_inputs(built.inputs, train)
         names, eager, cotangents = step(built.fn, built.fn, inputs, train, built.autocast, device)
         module64, inputs64 = measure.upcast_copy(built, inputs, torch.float64)

@@ -51,7 +51,7 @@ def _child(workload: str, mode: str, compiler: str, scale: str, device_name: str
     device = torch.device(device_name)
     w = WORKLOADS[workload]
     torch.manual_seed(0)
-    built = w.build(w.sizes[scale], device)
+    built = w.instance(scale, device, mode)
     inputs = prepare_inputs(built.inputs, mode == "train")
     sync(device)
     t_ready = time.time()

@@ -147,7 +147,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
     train = case.mode == "train"
     try:
         torch.manual_seed(0)
-        built = w.build(size, s.device)
+        built = w.instance(s.scale, s.device, case.mode)
         inputs = measure.prepare_inputs(built.inputs, train)
         ref = measure.fp32_reference(built, inputs, train, s.device)
         eager = measure.Step(built.fn, train, built.autocast, s.device)

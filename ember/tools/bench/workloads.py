@@ -40,6 +40,15 @@ class Workload:
     requires: str | None = None  # optional package the workload imports
     describe: Callable[[tuple], str] = field(default=lambda size: "×".join(map(str, size)))
 
+    def instance(self, scale: str, device: torch.device, mode: str) -> Built:
+        """The workload built at `scale`, a module set to the mode's behaviour: `train()` when
+        training (batch norm normalizes by the batch's statistics and updates its running ones),
+        `eval()` for inference."""
+        built = self.build(self.sizes[scale], device)
+        if isinstance(built.fn, nn.Module):
+            built.fn.train(mode == "train")
+        return built
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype whose matmul rate bounds this workload's arithmetic."""
@@ -164,7 +173,7 @@ def _hf_bert(size, device):
         attn_implementation="sdpa",
     )
     m = _module(_Field(BertModel(cfg, add_pooling_layer=False), "last_hidden_state"), device, torch.bfloat16)
-    return Built(m.eval(), (torch.randint(0, cfg.vocab_size, (batch, seq), device=device),))
+    return Built(m, (torch.randint(0, cfg.vocab_size, (batch, seq), device=device),))
 
 
 def _torchvision(name):
@@ -173,7 +182,7 @@ def _torchvision(name):
 
         batch, res = size
         kwargs = {"image_size": res} if name.startswith("vit") else {}
-        m = getattr(tvm, name)(weights=None, **kwargs).to(device=device, memory_format=torch.channels_last).eval()
+        m = getattr(tvm, name)(weights=None, **kwargs).to(device=device, memory_format=torch.channels_last)
         x = _randn((batch, 3, res, res), torch.float32, device).contiguous(memory_format=torch.channels_last)
         return Built(m, (x,), autocast=torch.bfloat16)
 
@@ -281,6 +290,7 @@ WORKLOADS: dict[str, Workload] = {
             "bf16",
             {"gpu": (32, 512, 12), "cpu": (2, 128, 4), "tiny": (1, 16, 1)},
             _hf_bert,
+            modes=("inference", "train"),
             requires="transformers",
             describe=_shape("{2} layers, {0}×{1} tokens"),
         ),
@@ -299,6 +309,7 @@ WORKLOADS: dict[str, Workload] = {
             "bf16 autocast",
             {"gpu": (64, 224), "cpu": (2, 128), "tiny": (1, 32)},
             _torchvision("resnet50"),
+            modes=("inference", "train"),
             requires="torchvision",
             describe=_shape("batch {0}, {1}², channels_last"),
         ),
