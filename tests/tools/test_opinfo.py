@@ -27,7 +27,7 @@ SUBSET = [
     ("permute", torch.float32),  # views
     ("broadcast_to", torch.bool),
     ("cat", torch.float32),  # selections among clamped views
-    ("nn.functional.pad", torch.float32),
+    ("nn.functional.pad.constant", torch.float32),
     ("matmul", torch.float32),  # an extern
 ]
 LIMIT = 4
