@@ -20,7 +20,7 @@ import torch
 
 from ember import config
 from ember.ir.graph import Graph, Node, Value, layout_of
-from ember.ir.sizes import index_symbol
+from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import KernelCost, kernel_cost, size_hint
 from ember.schedule.gemm import GemmChooser, GemmGroups, build_gemm_kernel, plan_gemms
@@ -205,7 +205,10 @@ class Scheduler:
             for x in node.value_inputs():
                 root, _ = view_chain(x)
                 touched |= reads.get(root, {root})
-            if v in realized or (users.get(v, 0) >= 2 and len(touched) >= 2):
+            # Buffers much smaller than v (batch norm's per-channel mean under x - mean) are re-read
+            # from cache by each consumer: only buffers of about v's size make inlining costly.
+            large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
+            if v in realized or (users.get(v, 0) >= 2 and len(large) >= 2):
                 if v not in realized:
                     chosen.append(v)
                 reads[v] = frozenset({v})

@@ -96,6 +96,11 @@ class Domain:
             return [v[d] for d in self.outer_dims]
         if tuple(shape) == self.keepdim_shape:
             return [sympy.Integer(0) if d in self.reduce_dims else v[d] for d in range(len(self.shape))]
+        outer = [(v[d], self.shape[d]) for d in self.outer_dims if self.shape[d] != 1]
+        if [s for s in shape if s != 1] == [s for _, s in outer]:
+            # The row shape with other size-1 dims (batch norm's mean as [1, C, 1, 1] of rows [C]).
+            row = iter(outer)
+            return [sympy.Integer(0) if s == 1 else next(row)[0] for s in shape]
         return None
 
     def row_index_of(self, reduce_value: Value) -> list[Expr]:

@@ -4,6 +4,12 @@ A bias or LayerNorm-weight gradient sums 16384 rows into 768 outputs: as one red
 gives the machine 768 outputs' worth of parallel work and each program walks 16384 rows.
 Rewritten as sum over [S, R/S] chunks then sum over S, the first stage has S times more
 independent outputs (and fuses with whatever produced its input); the second is tiny.
+
+Batch norm reduces dims (0, 2, 3) of [N, C, H, W] into C outputs: not a contiguous run, so the
+first reduced dim alone (the batch) is split into [S, N/S]. Its statistics are read back over
+the rows they reduced (normalizing, which usually keeps a reduction whole, see `_normalizes`),
+but kept whole they would be C rows of N*H*W for the whole machine (ResNet-50 training on the
+H100: 2 programs of 64 channels each walking 200,704 rows, 97 ms vs eager's 26 ms).
 """
 
 from __future__ import annotations
@@ -60,52 +66,110 @@ def split_reductions(graph: Graph) -> int:
             continue
         (x,) = node.inputs
         dims = tuple(node.attrs["dims"])
-        if list(dims) != list(range(dims[0], dims[0] + len(dims))):
-            continue  # only a contiguous run of dims can be regrouped by a reshape
         reduce = product(x.shape[d] for d in dims)
         outputs = product(s for k, s in enumerate(x.shape) if k not in dims)
         if not (reduce.is_Integer and outputs.is_Integer):
             continue
         if int(outputs) >= MAX_OUTPUTS or int(reduce) < MIN_REDUCE:
             continue
-        s = _split_factor(int(outputs), int(reduce))
-        if s < 2 or _normalizes(graph, node):
-            continue
-        _rewrite(graph, node, s)
+        if list(dims) == list(range(dims[0], dims[0] + len(dims))):
+            # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
+            # are read back (softmax, layer norm) stay one kernel over the rows.
+            s = _split_factor(int(outputs), int(reduce))
+            if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
+                continue
+            _rewrite(graph, node, s)
+        else:
+            s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]])
+            if s < 2:
+                continue
+            _rewrite_first_dim(graph, node, s)
         count += 1
     return count
 
 
+def _split_factor_of_dim(outputs: int, reduce: int, size) -> int:
+    """The factor splitting one reduced dim of `size` (which must divide it)."""
+    if not size.is_Integer:
+        return 1
+    s = 1
+    while int(size) % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= TARGET_PARTIALS:
+        s *= 2
+    return s
+
+
+def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> None:
+    """sum over dims D of x = sum over S of (sum over D of x with D's first dim split [S, n/S])."""
+    (x,) = node.inputs
+    out = node.out
+    dims = tuple(node.attrs["dims"])
+    d0 = dims[0]
+    chunked = x.shape[:d0] + (sympy.Integer(s), x.shape[d0] / s) + x.shape[d0 + 1 :]
+    partial_dims = (d0 + 1,) + tuple(d + 1 for d in dims[1:])
+    kept = [k for k in range(len(chunked)) if k not in partial_dims]
+    partial_shape = tuple(chunked[k] for k in kept)
+    at_s = kept.index(d0)
+    final_shape = partial_shape[:at_s] + partial_shape[at_s + 1 :]
+    kind = node.attrs["kind"]
+    with _InsertAt(graph, node) as add:
+        view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        partial = add(
+            "reduce",
+            [view],
+            {"kind": kind, "dims": partial_dims, "keepdim": False},
+            partial_shape,
+            dtypes.compute_dtype(out.dtype),
+        )
+        final = add("reduce", [partial], {"kind": kind, "dims": (at_s,), "keepdim": False}, final_shape, out.dtype)
+        if node.attrs["keepdim"]:
+            final = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
+    graph.replace_uses(out, final)
+
+
+class _InsertAt:
+    """Nodes added inside the block replace `node` at its place in the graph."""
+
+    def __init__(self, graph: Graph, node: Node):
+        self.graph, self.node, self.added = graph, node, []
+
+    def __enter__(self):
+        def add(op, inputs, attrs, shape, dtype):
+            n = self.graph.add(op, inputs, attrs, [(shape, dtype, None)], self.node.origin)
+            self.graph.nodes.pop()  # graph.add appends; the block's nodes go in at node's place
+            self.added.append(n)
+            return n.out
+
+        return add
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            at = self.graph.nodes.index(self.node)
+            self.graph.nodes[at : at + 1] = self.added
+        return False
+
+
 def _rewrite(graph: Graph, node: Node, s: int) -> None:
+    """sum over a contiguous run of dims = sum over S of sums over [S, R/S] chunks of the run."""
     (x,) = node.inputs
     out = node.out
     dims = tuple(node.attrs["dims"])
     d0, d1 = dims[0], dims[-1]
     reduce = product(x.shape[d] for d in dims)
     chunked = x.shape[:d0] + (sympy.Integer(s), reduce / s) + x.shape[d1 + 1 :]
-    at = graph.nodes.index(node)
-    new_nodes: list[Node] = []
-
-    def add(op, inputs, attrs, shape, dtype):
-        n = graph.add(op, inputs, attrs, [(shape, dtype, None)], node.origin)
-        graph.nodes.pop()  # graph.add appends; we insert in place below
-        new_nodes.append(n)
-        return n.out
-
-    view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
     kind = node.attrs["kind"]
     partial_shape = chunked[: d0 + 1] + chunked[d0 + 2 :]
-    # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
-    partial = add(
-        "reduce",
-        [view],
-        {"kind": kind, "dims": (d0 + 1,), "keepdim": False},
-        partial_shape,
-        dtypes.compute_dtype(out.dtype),
-    )
     final_shape = partial_shape[:d0] + partial_shape[d0 + 1 :]
-    final = add("reduce", [partial], {"kind": kind, "dims": (d0,), "keepdim": False}, final_shape, out.dtype)
-    if node.attrs["keepdim"]:
-        final = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
-    graph.nodes[at : at + 1] = new_nodes
+    with _InsertAt(graph, node) as add:
+        view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
+        partial = add(
+            "reduce",
+            [view],
+            {"kind": kind, "dims": (d0 + 1,), "keepdim": False},
+            partial_shape,
+            dtypes.compute_dtype(out.dtype),
+        )
+        final = add("reduce", [partial], {"kind": kind, "dims": (d0,), "keepdim": False}, final_shape, out.dtype)
+        if node.attrs["keepdim"]:
+            final = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
     graph.replace_uses(out, final)

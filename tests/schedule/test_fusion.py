@@ -92,8 +92,9 @@ def test_softmax_unfused_is_one_kernel_per_realized_value():
     b = G()
     y = _softmax(b, b.input(8, 32))
     kernels = b.schedule(y, fuse=False).kernels
-    # max; exp(x - max) (read by two consumers, built from two buffers: realized); sum; the output.
-    assert len(kernels) == 4, [k.writes for k in kernels]
+    # max; sum; the output. exp(x - max) is read by two consumers but built from one buffer of its
+    # size (the row max is 32x smaller, re-read from cache): recomputed in each, not realized.
+    assert len(kernels) == 3, [k.writes for k in kernels]
     assert all(len(k.writes) == 1 for k in kernels)
 
 

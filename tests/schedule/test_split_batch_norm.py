@@ -1,0 +1,59 @@
+"""Batch norm's statistics in training are reductions over (N, H, W) into C outputs: split along
+the batch (schedule/split.py) so the first stage has N times more outputs, and still equal to
+eager forward, backward and in the running statistics."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, reports
+
+N, C, H, W = 8, 16, 32, 32  # H*W*N = 8192 elements per channel: long enough to split
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(C, C, 3, padding=1, bias=False), nn.BatchNorm2d(C), nn.ReLU()).train()
+
+
+def _outer_size(domain: str) -> int:
+    """Outputs of a kernel domain such as '[8, r1, 16, r32, r32]': the product of its non-r dims."""
+    dims = re.findall(r"(r?)(\d+)", domain)
+    size = 1
+    for r, n in dims:
+        size *= 1 if r else int(n)
+    return size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "contiguous"])
+def test_batch_norm_training_splits_its_statistics(backend, channels_last):
+    model = _model()
+    reference = copy.deepcopy(model)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model, reference = model.to(memory_format=fmt), reference.to(memory_format=fmt)
+    x = torch.randn(N, C, H, W).contiguous(memory_format=fmt)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    line = f"repro: conv + BatchNorm2d + ReLU training, {backend}, [{N}, {C}, {H}, {W}] channels_last={channels_last}"
+    with reports() as report:
+        y = ember_compile(model, backend)(xa)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+    want = reference(xb)
+    want.backward(torch.linspace(-1, 1, want.numel()).reshape(want.shape))
+    assert_no_fallback(report, line)
+    assert_close(y, want, rtol=1e-4, atol=1e-4, what="output", line=line)
+    assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-4, what="input grad", line=line)
+    assert_close(model[0].weight.grad, reference[0].weight.grad, rtol=1e-4, atol=1e-3, what="conv grad", line=line)
+    assert_close(model[1].weight.grad, reference[1].weight.grad, rtol=1e-4, atol=1e-3, what="bn grad", line=line)
+    assert_close(model[1].running_var, reference[1].running_var, rtol=1e-5, atol=1e-6, what="running var", line=line)
+    # Every reduction over the whole activation (its H and W reduced) runs with N partial results
+    # per channel, not C rows of N*H*W.
+    stages = [k for g in report.graphs for k in g.kernels if "r32" in k.domain]
+    assert stages, f"no reduction over the activation?\n{report.graphs}\n{line}"
+    for k in stages:
+        assert _outer_size(k.domain) == N * C, f"{k.name} over {k.domain}\n{report.graphs}\n{line}"
