@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, reports
 
