@@ -157,7 +157,12 @@ class Importer:
                 pass
             else:
                 self.lowered.append(node)
-                _take_permuted_layout(result, node.meta.get("val"))
+                meta = node.meta.get("val")
+                if isinstance(result, (tuple, list)) and isinstance(meta, (tuple, list)):
+                    for value, value_meta in zip(result, meta):  # max_pool2d's values and indices
+                        _take_permuted_layout(value, value_meta)
+                else:
+                    _take_permuted_layout(result, meta)
                 return result
         return self.extern(node)
 
