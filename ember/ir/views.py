@@ -135,10 +135,13 @@ def _replicate_pad_shape(s, a):
 
 
 def _replicate_pad_index(i, s_in, s_out, a):
-    """Position p along dim reads the base at p - before, clamped into [0, size): the base's edge
-    elements repeat outside it. `cat` and `constant_pad_nd` select such a view where it is in range
-    (a `where` over the position), so its clamped reads stay in bounds without a masked load, and a
-    lane outside the range re-reads the edge element, which is in cache, instead of other memory."""
+    """Position p along dim reads the base at p - before, clamped into [0, size).
+
+    Contract: a reader uses the view only where p - before lies inside the base (`cat`,
+    `constant_pad_nd` and max pooling put a `where` over the position); outside, its values are
+    unspecified. The C++ code generator keeps the clamps (every read in bounds, an outside lane
+    re-reads the edge element from cache); Triton's turns them into a load mask (codegen/triton.py,
+    `_unclamped`), which keeps its loads vectorized."""
     d = a["dim"]
     size = s_in[d]
     shifted = i[d] - a["before"]
