@@ -101,18 +101,25 @@ def _split_factor_of_dim(outputs: int, reduce: int, size) -> int:
 def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> None:
     """sum over dims D of x = sum over S of (sum over D of x with D's first dim split [S, n/S])."""
     (x,) = node.inputs
-    out = node.out
     dims = tuple(node.attrs["dims"])
     d0 = dims[0]
     chunked = x.shape[:d0] + (sympy.Integer(s), x.shape[d0] / s) + x.shape[d0 + 1 :]
-    partial_dims = (d0 + 1,) + tuple(d + 1 for d in dims[1:])
+    _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0)
+
+
+def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int) -> None:
+    """Replace `node` by: x viewed as `chunked` (its S chunks at dim s_dim), reduced over
+    partial_dims into partials, then over the chunks."""
+    (x,) = node.inputs
+    out = node.out
+    kind = node.attrs["kind"]
     kept = [k for k in range(len(chunked)) if k not in partial_dims]
     partial_shape = tuple(chunked[k] for k in kept)
-    at_s = kept.index(d0)
+    at_s = kept.index(s_dim)
     final_shape = partial_shape[:at_s] + partial_shape[at_s + 1 :]
-    kind = node.attrs["kind"]
     with _InsertAt(graph, node) as add:
         view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
         partial = add(
             "reduce",
             [view],
@@ -151,25 +158,8 @@ class _InsertAt:
 def _rewrite(graph: Graph, node: Node, s: int) -> None:
     """sum over a contiguous run of dims = sum over S of sums over [S, R/S] chunks of the run."""
     (x,) = node.inputs
-    out = node.out
     dims = tuple(node.attrs["dims"])
     d0, d1 = dims[0], dims[-1]
     reduce = product(x.shape[d] for d in dims)
     chunked = x.shape[:d0] + (sympy.Integer(s), reduce / s) + x.shape[d1 + 1 :]
-    kind = node.attrs["kind"]
-    partial_shape = chunked[: d0 + 1] + chunked[d0 + 2 :]
-    final_shape = partial_shape[:d0] + partial_shape[d0 + 1 :]
-    with _InsertAt(graph, node) as add:
-        view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
-        # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
-        partial = add(
-            "reduce",
-            [view],
-            {"kind": kind, "dims": (d0 + 1,), "keepdim": False},
-            partial_shape,
-            dtypes.compute_dtype(out.dtype),
-        )
-        final = add("reduce", [partial], {"kind": kind, "dims": (d0,), "keepdim": False}, final_shape, out.dtype)
-        if node.attrs["keepdim"]:
-            final = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
-    graph.replace_uses(out, final)
+    _two_stages(graph, node, chunked, (d0 + 1,), d0)
