@@ -657,8 +657,8 @@ def _logical_and(ctx: Importer, a: Value, b: Value) -> Value:
 # slice); elements in the padding read -inf. The values are a chain of NaN-propagating
 # maximums; the indices follow eager's rule exactly (start at the first in-range element,
 # move to a later element when it is greater or NaN), and are computed only where something
-# reads them (training's backward), so inference writes no int64 index tensor. x's producer
-# (ResNet's batch norm + ReLU) is realized once and read kh*kw times from cache.
+# reads them (training's backward), so inference writes no int64 index tensor. A cheap producer
+# of x (ResNet's batch norm + ReLU) is recomputed per window element from cache, not stored.
 MAX_POOL_WINDOW = 49
 
 
@@ -711,27 +711,13 @@ def _max_pool2d_with_indices(ctx: Importer, node):
                     ):
                         inside = check if inside is None else _logical_and(ctx, inside, check)
             value = ctx.pointwise("where", [inside, window, float("-inf")], full) if inside is not None else window
-            if best is None:
-                # nothing beats -inf but NaN and larger values: the first element is the first best
-                take = ctx.pointwise(
-                    "logical_or",
-                    [
-                        ctx.pointwise("gt", [value, float("-inf")], ShapeDtype(out_shape, torch.bool)),
-                        ctx.pointwise("isnan", [value], ShapeDtype(out_shape, torch.bool)),
-                    ],
-                    ShapeDtype(out_shape, torch.bool),
-                )
-                best = value
-            else:
-                take = ctx.pointwise(
-                    "logical_or",
-                    [
-                        ctx.pointwise("gt", [value, best], ShapeDtype(out_shape, torch.bool)),
-                        ctx.pointwise("isnan", [value], ShapeDtype(out_shape, torch.bool)),
-                    ],
-                    ShapeDtype(out_shape, torch.bool),
-                )
-                best = ctx.pointwise("maximum", [value, best], full)
+            # eager moves to a later element when it is greater or NaN (nothing beats the first
+            # element's -inf start but larger values and NaN)
+            bools = ShapeDtype(out_shape, torch.bool)
+            previous = best if best is not None else float("-inf")
+            greater = ctx.pointwise("gt", [value, previous], bools)
+            take = ctx.pointwise("logical_or", [greater, ctx.pointwise("isnan", [value], bools)], bools)
+            best = value if best is None else ctx.pointwise("maximum", [value, best], full)
             index = ctx.pointwise("where", [take, flat(h, w), index], full_index)
     return best, index
 

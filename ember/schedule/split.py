@@ -78,7 +78,7 @@ def split_reductions(graph: Graph) -> int:
             s = _split_factor(int(outputs), int(reduce))
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
-            _rewrite(graph, node, s)
+            _rewrite_run(graph, node, s)
         else:
             s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]])
             if s < 2:
@@ -155,7 +155,7 @@ class _InsertAt:
         return False
 
 
-def _rewrite(graph: Graph, node: Node, s: int) -> None:
+def _rewrite_run(graph: Graph, node: Node, s: int) -> None:
     """sum over a contiguous run of dims = sum over S of sums over [S, R/S] chunks of the run."""
     (x,) = node.inputs
     dims = tuple(node.attrs["dims"])
