@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-timeout-s", type=float, default=600.0)
     p.add_argument("--no-timing", action="store_true", help="only compile times (e.g. to merge with another run)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many seconds")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="timing rounds per case, taking turns; each row is the median over them"
+    )
     p.add_argument("--cpu-budget-s", type=float, default=1.0, help="CPU: seconds of timed calls per variant")
     p.add_argument("--out", default=None, help="results folder (default results/bench-DATE-TIME)")
     p.add_argument("--from-jsonl", nargs="+", default=None, help="re-render (and merge) these JSON-lines files")
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             compile_time=compile_keys,
             compile_timeout_s=args.compile_timeout_s,
             deadline=time.time() + args.budget_s if args.budget_s else None,
+            rounds=max(1, args.rounds),
             emit=emit,
             progress=progress.line,
         )

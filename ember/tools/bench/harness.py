@@ -1,9 +1,11 @@
 """The benchmark run: for each case, eager and each compiler in one process, then compile times.
 
 Per case: build the workload (seeded), compute a float32 reference and eager's output, count the
-limit (bytes, FLOPs), time eager; then for each compiler: compile and run once (its first call),
-check its outputs against the reference (a mismatch is recorded and not timed), time it, take its
-peak memory. ember's reports say how many kernels and externs it made and which graphs fell back
+limit (bytes, FLOPs); then for each compiler: compile and run once (its first call), check its
+outputs against the reference (a mismatch is recorded and not timed). Then time eager and every
+compiler that passed in `rounds` rounds that take turns (the order rotates each round), and report
+each one's median over the rounds: the device's speed drifts over seconds (clocks, other tenants
+of the host), and timing A then B once puts that drift into A/B. Last, each one's peak memory. ember's reports say how many kernels and externs it made and which graphs fell back
 to eager; a case where ember fell back is still timed, and says so. One JSON record per case.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -36,6 +39,7 @@ class Settings:
     emit: Callable[[dict], None] = print
     progress: Callable[[str], None] = lambda line: None
     notes: list[str] = field(default_factory=list)
+    rounds: int = 1  # timing rounds per case, taking turns among eager and the compilers
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.time() > self.deadline
@@ -94,11 +98,14 @@ def _ember_summary(report) -> dict:
     }
 
 
-def _run_compiler(case: Case, compiler: str, built, inputs, input_sets, ref, tol, s: Settings) -> dict:
+def _run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Settings) -> tuple[dict, object]:
+    """Compile, run once and check; returns the result and the step to time (None: not timed).
+
+    Compilers share Dynamo's cache here (no reset between them): its entries are guarded by
+    backend, so each compiled step keeps its own code while the rounds alternate."""
     from ember.report import collecting
 
     train = case.mode == "train"
-    torch._dynamo.reset()
     step = measure.Step(compile_time.compile_fn(built.fn, compiler), train, built.autocast, s.device)
     result: dict = {}
     try:
@@ -109,7 +116,7 @@ def _run_compiler(case: Case, compiler: str, built, inputs, input_sets, ref, tol
             result["first_call_s"] = time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - a compiler that crashes is a result, not the end of the run
         result.update(status="error", note=f"{type(e).__name__}: {str(e)[:300]}", trace=traceback.format_exc()[-2000:])
-        return result
+        return result, None
     if compiler.startswith("ember"):
         result.update(_ember_summary(report))
     err = measure.max_err(out, ref)
@@ -117,11 +124,19 @@ def _run_compiler(case: Case, compiler: str, built, inputs, input_sets, ref, tol
     result["err"], result["tol"] = err, tol
     if not err <= tol:  # NaN fails too
         result.update(status="mismatch", note=f"max rel err {err:.2e} > tol {tol:.2e}")
-        return result
+        return result, None
     result["status"] = "fell back" if result.get("fallbacks") else "ok"
-    result["ms"] = s.timer.time_step(step, input_sets)
-    result["peak_mb"] = measure.peak_memory_mb(step, inputs, s.device)
-    return result
+    return result, step
+
+
+def _time_in_rounds(steps: dict, input_sets, rounds: int, timer: measure.Timer) -> dict[str, list[float]]:
+    """Each step's time in every round; round r starts with the r-th step (the order rotates)."""
+    names = list(steps)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(timer.time_step(steps[name], input_sets))
+    return times
 
 
 def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
@@ -162,22 +177,30 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         n = measure.rotations(inputs, measure.cache_bytes(s.device)[0])
         record["rotations"] = n
         input_sets = measure.copies_of(inputs, n)
-        record["compilers"]["eager"] = {
-            "status": "ok",
-            "ms": s.timer.time_step(eager, input_sets),
-            "peak_mb": measure.peak_memory_mb(eager, inputs, s.device),
-        }
+        record["compilers"]["eager"] = {"status": "ok"}
     except Exception as e:  # noqa: BLE001 - reported in the case's row
         record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         record["trace"] = traceback.format_exc()[-2000:]
         _free(s.device)
         return record
     tol = measure.tolerance(w.compute_dtype, eager_err)
+    torch._dynamo.reset()
+    steps = {"eager": eager}
     for compiler in s.compilers:
         s.progress(f"{case.key}: {compiler}")
-        record["compilers"][compiler] = _run_compiler(case, compiler, built, inputs, input_sets, ref, tol, s)
+        record["compilers"][compiler], step = _run_compiler(case, compiler, built, inputs, ref, tol, s)
+        if step is not None:
+            steps[compiler] = step
         _free(s.device)
-    del built, inputs, input_sets, ref
+    s.progress(f"{case.key}: timing {len(steps)} in {s.rounds} round(s)")
+    for name, ms in _time_in_rounds(steps, input_sets, s.rounds, s.timer).items():
+        result = record["compilers"][name]
+        result["ms"] = statistics.median(ms)
+        if len(ms) > 1:
+            result["ms_rounds"] = ms
+        result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device)
+    del built, inputs, input_sets, ref, steps, eager
+    torch._dynamo.reset()
     _free(s.device)
     return record
 

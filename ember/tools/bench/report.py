@@ -83,6 +83,20 @@ def versus(case: dict, compiler: str, baseline: str = "inductor") -> float | Non
     return base / t if base and t else None
 
 
+def versus_by_round(case: dict, compiler: str, baseline: str = "inductor") -> list[float]:
+    """baseline ÷ compiler in each timing round (the rounds take turns, so each pair ran close
+    in time); empty where the case was timed in one round."""
+    comps = case.get("compilers", {})
+    if ms_of(case, baseline) is None or ms_of(case, compiler) is None:
+        return []
+    base, t = comps[baseline].get("ms_rounds", []), comps[compiler].get("ms_rounds", [])
+    return [b / x for b, x in zip(base, t)] if len(base) == len(t) else []
+
+
+def _range(vs: list[float]) -> str:
+    return f"{min(vs):.2f}–{max(vs):.2f}" if vs else "-"
+
+
 def fraction_of_limit(case: dict, compiler: str) -> float | None:
     floor, t = (case.get("limit") or {}).get("floor_ms"), ms_of(case, compiler)
     return floor / t if floor and t else None
@@ -140,6 +154,7 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
     header += [f"{label(c)} speed-up" for c in compilers]
     if "inductor" in compilers:
         header += [f"{label(c)} ÷ Inductor" for c in embers]
+        header += [f"{label(c)} ÷ Inductor, rounds min–max" for c in embers]
     header += ["limit ms"] + [f"% limit {label(c)}" for c in ["eager", *compilers]]
     header += [f"peak MB {label(c)}" for c in ["eager", *compilers]]
     header += [f"compile s {label(c)} cold / warm" for c in compilers]
@@ -158,6 +173,7 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
         row += [_x(speedup(case, c)) for c in compilers]
         if "inductor" in compilers:
             row += [_x(versus(case, c)) for c in embers]
+            row += [_range(versus_by_round(case, c)) for c in embers]
         limit = case.get("limit") or {}
         floor = limit.get("floor_ms")
         bound = ""
