@@ -1,0 +1,73 @@
+"""The static-launcher path of the Triton backend, without a GPU: which arguments reach the binary.
+
+Triton compiles constexprs (block sizes, ints specialized to 1) into the binary; the launcher must
+be given exactly the others, pointers as addresses, plus a null per scratch argument the binary
+declares. A fake `torch._C._StaticCudaLauncher` records what ember loads; the launch line is run
+against a fake launch to see the arguments it passes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+
+from ember import config
+from ember.backends import triton as triton_backend
+
+
+class FakeLauncher:
+    loaded: ClassVar[list] = []
+
+    @staticmethod
+    def _load_kernel(path, name, shared, device):
+        FakeLauncher.loaded.append((Path(path).read_bytes(), name, shared, device))
+        return (1234, 32, 0)  # torch 2.11's shape: (function, registers, spills)
+
+    @staticmethod
+    def _launch_kernel(*args):
+        raise AssertionError("the test calls the line's launch itself")
+
+
+def fake_compiled(signature: dict, **metadata):
+    md = SimpleNamespace(name="k", shared=0, num_warps=4, num_ctas=1, **metadata)
+    return SimpleNamespace(metadata=md, src=SimpleNamespace(signature=signature), asm={"cubin": b"\x7fELF fake"})
+
+
+def test_constexprs_dropped_pointers_as_addresses_scratch_null(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", FakeLauncher, raising=False)
+    with config.override(cache_dir=str(tmp_path)):
+        sig = {"in_ptr0": "*bf16", "out_ptr0": "*fp32", "ks0": "i32", "one": "constexpr", "XBLOCK": "constexpr"}
+        static = triton_backend._static_launch(fake_compiled(sig, global_scratch_size=0, profile_scratch_size=0), 0)
+    assert static is not None and static.function == 1234
+    assert FakeLauncher.loaded[-1] == (b"\x7fELF fake", "k", 0, 0)  # the cubin went through a file
+    line = static.line(3, ["a0", "buf1", "s0", "1", "1024"])
+    seen = []
+    namespace = {
+        "_static_launch": lambda *a: seen.append(a),
+        "a0": torch.ones(2),
+        "buf1": torch.ones(2),
+        "s0": 7,
+        "stream": 99,
+    }
+    exec(line, namespace)  # noqa: S102 - the generated statement, as the host program runs it
+    function, gx, gy, gz, warps, shared, codes, args, stream = seen[0]
+    assert (function, gx, gy, gz, warps, shared, stream) == (1234, 3, 1, 1, 4, 0, 99)
+    assert codes == "OOiOO"  # two pointers, one i32, then the two scratch pointers
+    assert args == (namespace["a0"].data_ptr(), namespace["buf1"].data_ptr(), 7, None, None)
+
+
+def test_what_it_cannot_launch_goes_to_tritons_launcher(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", FakeLauncher, raising=False)
+    sig = {"p": "*fp32", "n": "i32"}
+    with config.override(cache_dir=str(tmp_path)):
+        assert triton_backend._static_launch(fake_compiled(sig, global_scratch_size=64), 0) is None
+        assert triton_backend._static_launch(fake_compiled({"d": "nvTmaDesc"}), 0) is None
+        two_ctas = fake_compiled(sig)
+        two_ctas.metadata.num_ctas = 2
+        assert triton_backend._static_launch(two_ctas, 0) is None
+        assert triton_backend._static_launch(fake_compiled(sig), 0) is not None
+    monkeypatch.delattr(torch._C, "_StaticCudaLauncher")
+    assert triton_backend._static_launch(fake_compiled(sig), 0) is None  # a torch without it
