@@ -620,6 +620,27 @@ def _constant_pad_nd(ctx: Importer, node):
     return ctx.pointwise("where", [inside, result, value], out)
 
 
+@lowering(aten.slice_backward)
+def _slice_backward(ctx: Importer, node):
+    """The gradient of x[start:end] along dim: grad placed in zeros of x's shape. With step 1 that
+    is grad padded by zeros, which fuses into its reader (LLaMA's rotate_half backward: the two
+    halves' gradients meet in one add) instead of ATen's fill and copy per half."""
+    grad = ctx.arg(node.args[0])
+    out = ctx.out_meta()
+    rank = out.dim()
+    dim, start, _end, step = (ctx.arg(a) for a in node.args[2:6])
+    if not isinstance(grad, Value) or step != 1 or rank == 0 or any(s == 0 for s in grad.shape):
+        raise Unsupported("slice_backward with a step or an empty gradient")
+    dim %= rank
+    shape = tuple(as_expr(s) for s in out.shape)
+    before = _clamp_index(start, shape[dim])  # as the forward slice clamped it; end is start + len
+    after = shape[dim] - before - grad.shape[dim]
+    result, inside = _padded_view(ctx, ctx.cast(grad, out.dtype), {dim: (before, after)}, shape)
+    if inside is None:
+        return ctx.pointwise("mul", [result, 1], out)  # the slice was the whole dim: a copy
+    return ctx.pointwise("where", [inside, result, 0], out)
+
+
 def _padded_view(
     ctx: Importer, x: Value, widths: dict, shape: tuple, masked: bool = True
 ) -> tuple[Value, Value | None]:
