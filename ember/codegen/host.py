@@ -182,7 +182,10 @@ class HostWriter:
                 if v.id in self.names and v.node.op != "input" and v not in outputs and v not in self.handed_over:
                     # Python frees the memory when no view of it remains.
                     self.lines.append(f"    del {self.names[v.id]}")
-        outs = ", ".join(self._output(o) for o in g.outputs)
+        for inp, pos in g.mutations:
+            if inp not in self.plan.mutations_in_place:  # else the kernel wrote it there already
+                self.lines.append(f"    {self.names[inp.id]}.copy_({self._output(g.outputs[pos])})  # input mutation")
+        outs = ", ".join(self._output(o) for o in g.user_outputs())
         self.lines.append(f"    return [{outs}]")
         return HostProgram("\n".join(self.lines) + "\n", self.ns)
 
@@ -198,9 +201,13 @@ class HostWriter:
         arrive otherwise (a backward graph's saved tensors; static layouts only)."""
         if not self.check_input_layouts:
             return
+        mutated = {inp for inp, _ in self.graph.mutations}
         for k, inp in enumerate(self.graph.inputs):
             if not isinstance(inp, Value) or inp not in self.layout_sensitive or inp.stride is None:
                 continue
+            if inp in mutated:
+                # A copy in the promised layout would take the writes, not the caller's tensor.
+                raise NotImplementedError("a mutated input whose layout the program would have to fix")
             if all(e.is_Integer for e in (*inp.shape, *inp.stride)):
                 size, stride = self.arg(tuple(inp.shape)), self.arg(tuple(inp.stride))
                 self.lines.append(f"    a{k} = _fix_layout(a{k}, {size}, {stride})")

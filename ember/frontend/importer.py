@@ -62,6 +62,8 @@ class Importer:
         self.lowered: list[torch.fx.Node] = []
         limit = config.get("bisect_ops")
         self.limit = None if limit < 0 else limit
+        # Graph inputs the graph writes -> their new values (see _input_mutation).
+        self.mutations: dict[Value, Value] = {}
         # Floats computed from sizes (SymFloat), held as 0-d float64 values (see _sym_float).
         self.sym_floats: set[Value] = set()
 
@@ -77,6 +79,9 @@ class Importer:
                 self.env[node] = self._constant_tensor(node)
             elif node.op == "output":
                 self.graph.outputs = [self._output(a) for a in node.args[0]]
+                for inp, new in self.mutations.items():
+                    self.graph.mutations.append((inp, len(self.graph.outputs)))
+                    self.graph.outputs.append(new)
             else:
                 raise GraphUnsupported(f"FX op {node.op} ({node.target})")
         return self.graph
@@ -145,6 +150,8 @@ class Importer:
         ):
             # Size arithmetic (sym_size, operator.mul on SymInts): its value is an expression.
             return as_expr(val)
+        if node.target is torch.ops.aten.copy_.default:
+            return self._input_mutation(node)
         if node.target is operator.getitem:
             if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
                 return as_expr(val)  # an extern's integer result (e.g. cuDNN attention's max_q)
@@ -165,6 +172,28 @@ class Importer:
                     _take_permuted_layout(result, meta)
                 return result
         return self.extern(node)
+
+    def _input_mutation(self, node) -> Value:
+        """`copy_(input, src)`: AOTAutograd's in-graph mutation of a graph input (batch norm's running
+        statistics, compiled with keep_inference_input_mutations). The graph computes the new value
+        as an output; the host program leaves it in the input (memory plan: in place where the
+        kernel computing it is the input's last reader, else one copy at the end). Any other
+        copy_ (into an intermediate) is a mutation the scheduler does not order around."""
+        dst_node, src = node.args[0], self.arg(node.args[1])
+        dst = self.env.get(dst_node)
+        if dst_node.op != "placeholder" or not isinstance(dst, Value) or dst.device != self.graph.device:
+            raise GraphUnsupported("mutating op copy_ (into a value that is not a graph input on its device)")
+        if dst in self.mutations:
+            raise GraphUnsupported(f"input {dst_node.name} mutated twice")
+        if not isinstance(src, Value) or src.device != self.graph.device:
+            raise GraphUnsupported("copy_ from a value on another device")
+        new = self.cast(src, dst.dtype)
+        if tuple(new.shape) != tuple(dst.shape):
+            new = self.view("expand", new, shape=tuple(dst.shape))
+        if new.node.op in COMPUTED_OPS and new.stride is None and dst.stride is not None:
+            new.stride = tuple(dst.stride)  # computed in the input's layout, so it can be written there
+        self.mutations[dst] = new
+        return new  # what reads the copy_'s result reads the input's new value
 
     def _sym_float(self, node) -> Value:
         """A float computed from sizes (var's backward scales by 2.0 / (float(N) - 1.0)): a 0-d float64
@@ -337,7 +366,15 @@ class Importer:
 
 # Ops whose result size always depends on the data (the `dynamic_output_shape` tag also marks
 # index, one_hot and repeat_interleave, whose size is static for most arguments).
-_DATA_DEPENDENT_SIZE = {"_unique", "_unique2", "unique_dim", "unique_consecutive", "nonzero", "masked_select", "bincount"}
+_DATA_DEPENDENT_SIZE = {
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "nonzero",
+    "masked_select",
+    "bincount",
+}
 
 
 def _static_shape_promised_for_data_dependent(node: torch.fx.Node) -> bool:

@@ -99,6 +99,10 @@ class Graph:
         self.inputs: list[Value | Expr] = []
         # Graph outputs in order: a Value, a sympy expression (SymInt), or a Python constant / None.
         self.outputs: list[Any] = []
+        # Inputs the graph writes (AOTAutograd's in-graph input mutations: batch norm's running
+        # statistics): (the input, the position in `outputs` of its new value). Those outputs come
+        # last and are not returned; the host program leaves each new value in its input.
+        self.mutations: list[tuple[Value, int]] = []
         self._ids = itertools.count()
 
     # -- construction -------------------------------------------------------------------
@@ -140,6 +144,10 @@ class Graph:
                 node.attrs["kwargs"] = swap(node.attrs["kwargs"])
         self.outputs = [swap(o) for o in self.outputs]
 
+    def user_outputs(self) -> list[Any]:
+        """The outputs the compiled graph returns (the new values of mutated inputs are not)."""
+        return self.outputs[: len(self.outputs) - len(self.mutations)]
+
     # -- queries --------------------------------------------------------------------------
     def users(self) -> dict[Value, list[Node]]:
         users: dict[Value, list[Node]] = {}
@@ -164,7 +172,9 @@ class Graph:
             attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in node.attrs.items() if k != "target_args")
             sep = ", " if args and attrs else ""
             lines.append(f"  {outs} = {node.op}({args}{sep}{attrs})  # {types} {node.origin}".rstrip())
-        lines.append(f"  return ({', '.join(_fmt_arg(o) for o in self.outputs)})")
+        for inp, pos in self.mutations:
+            lines.append(f"  {_fmt_arg(inp)} <- {_fmt_arg(self.outputs[pos])}  # input mutation")
+        lines.append(f"  return ({', '.join(_fmt_arg(o) for o in self.user_outputs())})")
         return "\n".join(lines)
 
 

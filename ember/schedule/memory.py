@@ -9,6 +9,9 @@ Walking the schedule in order, each value a kernel writes takes, in this order o
    outputs only take one of exactly their layout: they are returned to the user);
 3. **fresh memory**.
 
+A mutated graph input's new value (graph.mutations) goes straight into the input where the
+kernel computing it is the input's last user (see writes_in_place).
+
 Buffers are freed after their last use, except storage that a view may still read (alias
 bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
 Extern results are ATen's allocations: counted toward the peak, never reused.
@@ -27,7 +30,7 @@ import sympy
 from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr
 from ember.schedule.cost import size_hint
-from ember.schedule.kernel import Kernel, KLoad, walk
+from ember.schedule.kernel import Kernel, KLoad, KNode, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
 
 
@@ -36,6 +39,7 @@ class MemoryPlan:
     # value -> the value whose memory it takes (in place or a dead buffer)
     reuse: dict[Value, Value] = field(default_factory=dict)
     inplace: set[Value] = field(default_factory=set)
+    mutations_in_place: set[Value] = field(default_factory=set)  # mutated inputs written by a kernel
     peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
 
@@ -46,6 +50,7 @@ class MemoryPlan:
         return (
             f"planned peak {mb(self.peak_bytes)} (eager {mb(self.eager_peak_bytes)}); "
             f"{len(self.reuse) - len(self.inplace)} buffers reused, {len(self.inplace)} in place"
+            + (f", {len(self.mutations_in_place)} mutated inputs written in place" if self.mutations_in_place else "")
         )
 
 
@@ -75,12 +80,32 @@ def same_layout(donor: Value, v: Value) -> bool:
 
 def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
     """Whether every load of buf in kernel reads the element the store of out writes, and no
-    pass over the row after the store's reads buf again (a looped reduction re-reads rows)."""
+    pass over the row after the store's reads buf again (a looped reduction re-reads rows).
+
+    A store before the last pass is safe only for a row value (one element per row, as batch
+    norm's running statistics) whose loads of buf feed nothing but that store: code generation
+    evaluates such a load before the store that needs it, and nothing later asks for it."""
     (store,) = [s for s in kernel.stores if s.buffer is out]
-    if store.phase < kernel.num_phases - 1:
-        return False
     loads = [n for n in walk(kernel) if isinstance(n, KLoad) and n.buffer is buf]
-    return bool(loads) and all(n.index == store.index and n.full == store.full for n in loads)
+    if not loads or not all(n.index == store.index and n.full == store.full for n in loads):
+        return False
+    if store.phase == kernel.num_phases - 1:
+        return True
+    if store.full:
+        return False
+    elsewhere = {id(n) for other in kernel.stores if other is not store for n in _subtree(other.value)}
+    return not any(id(n) in elsewhere for n in loads)
+
+
+def _subtree(node: KNode) -> list[KNode]:
+    seen: dict[int, KNode] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if id(n) not in seen:
+            seen[id(n)] = n
+            stack.extend(n.args())
+    return list(seen.values())
 
 
 def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -> MemoryPlan:
@@ -100,6 +125,22 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
     def recyclable(v: Value) -> bool:
         return v.node.op != "input" and v not in outputs and v not in shared
 
+    # A mutated input's new value is written straight into the input when the kernel computing it
+    # is the last step to use the input (reading it, if at all, element for element) and nothing
+    # else needs the value in its own memory; otherwise the host program copies it in at the end.
+    user_outputs = [o for o in graph.user_outputs() if isinstance(o, Value)]
+    mutated = {graph.outputs[pos]: inp for inp, pos in graph.mutations}
+    if len(mutated) < len(graph.mutations):
+        mutated = {}  # one value for two inputs: each gets a copy
+
+    def writes_in_place(v: Value, step: KernelStep, pos: int) -> Value | None:
+        inp = mutated.get(v)
+        if inp is None or v in user_outputs or inp in shared or not same_layout(inp, v):
+            return None
+        if last.get(inp, -1) > pos or (last.get(inp) == pos and not _elementwise_reader(step.kernel, inp, v)):
+            return None
+        return inp
+
     holder: dict[Value, Value] = {}  # value -> the value that first allocated its memory
     born: dict[Value, int] = {}  # memory holder -> step that allocates it
     free: list[Value] = []  # dead kernel outputs whose memory a later output may take
@@ -107,6 +148,13 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
         if isinstance(step, KernelStep):
             taken: set[Value] = set()  # buffers an output of this kernel already writes over in place
             for v in step.kernel.writes:
+                inp = writes_in_place(v, step, pos)
+                if inp is not None:
+                    plan.reuse[v] = inp
+                    plan.inplace.add(v)
+                    plan.mutations_in_place.add(inp)
+                    holder[v] = inp  # the caller's memory: not counted in the peak
+                    continue
                 donor = None
                 if recyclable(v):
                     donor = next(
