@@ -21,28 +21,32 @@ def bn_model():
     )
 
 
-def check_batch_norm(autocast: bool, channels_last: bool) -> bool:
+def check_batch_norm(autocast: bool, channels_last: bool, backend=ember_backend) -> bool:
     torch.manual_seed(0)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model = bn_model().cuda().train().to(memory_format=fmt)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend=ember_backend)
+    compiled = torch.compile(model, backend=backend)
     with collecting() as report:
         for _ in range(4):
             x = torch.randn(8, 16, 32, 32, device="cuda").contiguous(memory_format=fmt)
             with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
                 compiled(x).float().square().mean().backward()
                 reference(x).float().square().mean().backward()
-    worst = 0.0
-    for (_, got), (_, want) in zip(model.named_buffers(), reference.named_buffers()):
-        worst = max(worst, float((got.double() - want.double()).abs().max() / (want.double().abs().max() + 1e-12)))
-    for p, q in zip(model.parameters(), reference.parameters()):
-        worst = max(worst, float((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12)) / 10)
+    errors = {}
+    for (name, got), (_, want) in zip(model.named_buffers(), reference.named_buffers()):
+        errors[name] = float((got.double() - want.double()).abs().max() / (want.double().abs().max() + 1e-12))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        errors[f"{name}.grad"] = float((p.grad - q.grad).norm() / (q.grad.norm() + 1e-12))
+    worst = max(errors.values())
     memory = [g.memory for g in report.graphs if g.kind == "forward"]
     fallbacks = [g.fallback for g in report.graphs if g.fallback]
-    ok = worst < (2e-2 if autocast else 1e-4) and not fallbacks
-    print(f"{'ok  ' if ok else 'FAIL'} batch norm autocast={autocast} channels_last={channels_last}: "
+    ok = worst < (2e-2 if autocast else 1e-3) and not fallbacks
+    name = backend if isinstance(backend, str) else "ember"
+    print(f"{'ok  ' if ok else 'FAIL'} {name} batch norm autocast={autocast} channels_last={channels_last}: "
           f"worst {worst:.1e}; {memory}; fallbacks {fallbacks}")  # fmt: skip
+    if not ok:
+        print("     ", {k: f"{v:.1e}" for k, v in errors.items()})
     return ok
 
 
@@ -69,5 +73,6 @@ def check_user_mutation(fn) -> bool:
 
 if __name__ == "__main__":
     results = [check_batch_norm(a, c) for a in (False, True) for c in (False, True)]
+    check_batch_norm(False, False, "inductor")  # the same comparison for Inductor: what noise looks like
     results += [check_user_mutation(f) for f in (accumulate, overwrite)]
     print(f"{results.count(False)} failure(s)")
