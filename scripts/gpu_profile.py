@@ -21,10 +21,12 @@ import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
 from ember.frontend.backend import ember_backend
+from ember.report import collecting
 from ember.tools.bench.workloads import WORKLOADS
 
 
 TRAIN = False  # --train: forward + backward of out.float().mean()
+TOP = 25  # --top: kernels listed per compiler
 
 
 def _run(fn, inputs, autocast):
@@ -58,7 +60,7 @@ def _profile(fn, inputs, autocast, calls: int = 5) -> dict:
             k[0] += 1
             k[1] += e.device_time
     total = sum(v[1] for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
     return {
         "wall_us_per_call": wall_us,
         "gpu_us_per_call": total / calls,
@@ -72,9 +74,10 @@ def main() -> None:
     p.add_argument("--workloads", default="resnet50,hf_bert,hf_gpt2,tiny_mlp_b1")
     p.add_argument("--out", default="profile.json")
     p.add_argument("--train", action="store_true")
+    p.add_argument("--top", type=int, default=25)
     args = p.parse_args()
-    global TRAIN
-    TRAIN = args.train
+    global TRAIN, TOP
+    TRAIN, TOP = args.train, args.top
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
@@ -84,7 +87,14 @@ def main() -> None:
             torch._dynamo.reset()
             try:
                 fn = torch.compile(built.fn, backend=backend)
-                row[compiler] = _profile(fn, built.inputs, built.autocast)
+                with collecting() as report:
+                    row[compiler] = _profile(fn, built.inputs, built.autocast)
+                if compiler == "ember":  # what each of ember's kernels computes, to read the list by
+                    row[compiler]["kernels"] = [
+                        {"graph": g.kind, "kernel": k.name, "ops": k.ops[:12], "bytes": k.bytes}
+                        for g in report.graphs
+                        for k in g.kernels
+                    ]
             except Exception as e:  # noqa: BLE001 - one workload's failure is a result, not the end
                 row[compiler] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             r = row[compiler]
