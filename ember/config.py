@@ -141,6 +141,14 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "recompute",
+            bool,
+            True,
+            "training: let AOTAutograd's min-cut partitioner (Inductor's) choose what the forward saves "
+            "and what the backward recomputes from fewer saved tensors (off: its default partitioner, "
+            "which saves every intermediate the backward reads)",
+        ),
+        Setting(
             "patterns",
             bool,
             True,

@@ -37,6 +37,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     options = config.validate(dict(options or {}), "torch.compile options")
     config.check_environment()
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     with config.override(**options):
         if config.get("patterns"):
@@ -47,6 +48,9 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
     from ember.frontend.decompositions import decomposition_table
 
+    with config.override(**options):
+        recompute = config.get("recompute")
+    partition = {"partition_fn": min_cut_rematerialization_partition} if recompute else {}
     compiler = aot_autograd(
         fw_compiler=_compiler("forward", options),
         bw_compiler=_compiler("backward", options),
@@ -57,6 +61,11 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         # Without it AOTAutograd copies each one after the graph: ResNet-50's training step made
         # 159 extra copy launches.
         keep_inference_input_mutations=True,
+        # The min-cut partitioner saves fewer, smaller tensors and has the backward recompute cheap
+        # pointwise work from them (which ember fuses into the backward's kernels): less memory
+        # written and read, and a lower peak (the default saved every intermediate the backward
+        # reads: hf_gpt2's training step peaked at 6.2 GB vs eager's 5.3 and Inductor's 4.2).
+        **partition,
     )
     try:
         return compiler(gm, example_inputs)
