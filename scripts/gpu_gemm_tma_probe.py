@@ -39,22 +39,10 @@ def _epilogue(acc, bias_ptr, offs_n, N):
 
 
 @triton.jit
-def gemm_tma_persistent(
-    a_desc,
-    b_desc,
-    c_desc,
-    bias_ptr,
-    M,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_SMS: tl.constexpr,
-    WS: tl.constexpr,
-    SUBTILE: tl.constexpr,
-):
+def gemm_tma_persistent(a_desc, b_desc, c_desc, bias_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WS: tl.constexpr,
+                        SUBTILE: tl.constexpr):  # fmt: skip
+    """One program per SM walking output tiles (WS: Triton's warp specialization of the loop)."""
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -81,19 +69,9 @@ def gemm_tma_persistent(
 
 
 @triton.jit
-def gemm_tma(
-    a_desc,
-    b_desc,
-    c_desc,
-    bias_ptr,
-    M,
-    N,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
+def gemm_tma(a_desc, b_desc, c_desc, bias_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # fmt: skip
+    """One program per output tile."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
@@ -172,61 +150,23 @@ def main() -> None:
         c_desc = TensorDescriptor.from_tensor(out, [bm, bn])
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
 
-        def plain(
-            a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, grid=grid, bm=bm, bn=bn, bk=bk, stages=stages, warps=warps
-        ):
-            gemm_tma[grid](
-                a_desc,
-                b_desc,
-                c_desc,
-                bias,
-                M,
-                N,
-                K,
-                BLOCK_M=bm,
-                BLOCK_N=bn,
-                BLOCK_K=bk,
-                GROUP_M=8,
-                num_stages=stages,
-                num_warps=warps,
-            )
+        # The launch arguments both kernels share: operands, sizes and the tile.
+        shared = {"bias_ptr": bias, "M": M, "N": N, "K": K, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+        shared.update(GROUP_M=8, num_stages=stages, num_warps=warps)
+
+        def plain(a_desc=a_desc, b_desc=b_desc, c_desc=c_desc, grid=grid, shared=shared):
+            gemm_tma[grid](a_desc, b_desc, c_desc, **shared)
             return out
 
         bench("tma", plain, **cfg)
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         for ws in (False, True):
             for sub in (False, True):
                 csub = TensorDescriptor.from_tensor(out, [bm, bn // 2]) if sub else c_desc
 
-                def persistent(
-                    a_desc=a_desc,
-                    b_desc=b_desc,
-                    c_desc=csub,
-                    bm=bm,
-                    bn=bn,
-                    bk=bk,
-                    stages=stages,
-                    warps=warps,
-                    ws=ws,
-                    sub=sub,
-                ):
-                    nt = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-                    gemm_tma_persistent[(min(sms, nt),)](
-                        a_desc,
-                        b_desc,
-                        c_desc,
-                        bias,
-                        M,
-                        N,
-                        K,
-                        BLOCK_M=bm,
-                        BLOCK_N=bn,
-                        BLOCK_K=bk,
-                        GROUP_M=8,
-                        NUM_SMS=sms,
-                        WS=ws,
-                        SUBTILE=sub,
-                        num_stages=stages,
-                        num_warps=warps,
+                def persistent(a_desc=a_desc, b_desc=b_desc, c_desc=csub, ws=ws, sub=sub, shared=shared, tiles=tiles):
+                    gemm_tma_persistent[(min(sms, tiles),)](
+                        a_desc, b_desc, c_desc, NUM_SMS=sms, WS=ws, SUBTILE=sub, **shared
                     )
                     return out
 
