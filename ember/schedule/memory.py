@@ -170,7 +170,13 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
                         plan.inplace.add(v)
                         taken.add(donor)
                 if donor is None:
-                    fitting = [u for u in free if (_fits(u, v) if recyclable(v) else same_layout(u, v))]
+                    # An output takes only memory allocated at exactly its layout: the caller keeps the
+                    # whole allocation alive (a batch-norm weight's 32-float gradient once pinned a
+                    # 1 MB activation buffer it had been handed down through a chain of reuses).
+                    fitting = [
+                        u for u in free
+                        if (_fits(u, v) if recyclable(v) else same_layout(u, v) and same_layout(holder[u], v))
+                    ]  # fmt: skip
                     if fitting:
                         donor = min(fitting, key=lambda u: size_hint(extent(u)))
                         free.remove(donor)

@@ -61,6 +61,24 @@ def test_dead_buffer_reused_by_a_smaller_one():
     assert graph.peak_bytes <= graph.eager_peak_bytes, f"{graph}\n{line}"
 
 
+def test_an_output_takes_no_bigger_allocation():
+    """A graph output keeps its whole allocation alive in the caller's hands: a small output placed
+    in a dead buffer that had itself been handed a bigger one pinned the bigger one (a batch-norm
+    weight's gradient held a 1 MB activation buffer in a ResNet backward)."""
+
+    def shrink_then_return(x, w1, w2, w3):
+        a = torch.relu(x @ w1)  # [32, 128]
+        s = torch.relu(a @ w2) * 2  # [32, 64]: takes a's memory, a is dead
+        r = s @ w3  # s dies here: the free list holds s, in a's [32, 128] allocation
+        return torch.relu(r) + 1  # [32, 64], s's exact layout
+
+    inputs = (torch.randn(32, 64), torch.randn(64, 128), torch.randn(128, 64), torch.randn(64, 64))
+    graph, line = _run(shrink_then_return, *inputs)
+    torch._dynamo.reset()
+    out = ember_compile(shrink_then_return, "cpp")(*inputs)
+    assert out.untyped_storage().nbytes() == out.numel() * out.element_size(), f"{graph.host_source}\n{line}"
+
+
 def _refusals(graph) -> str:
     return "\n".join(f.reason for f in graph.rejected)
 
