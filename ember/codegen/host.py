@@ -154,11 +154,15 @@ class HostWriter:
                 self.names[inp.id] = name
         if params:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
+            # AOTAutograd's boxed convention: the list is ours to empty, so an input (a backward's
+            # saved activation) is freed at its last use here, not when the whole program returns.
+            self.lines.append("    args.clear()")
         self._bind_symbols()
         self._fix_input_layouts()
         self.lines += [f"    {line}" for line in self.launcher.prologue()]
         last_use = self._last_uses()
         outputs = {o for o in g.outputs if isinstance(o, Value)}
+        mutated = {inp for inp, _ in g.mutations}  # copied into at the end, when not written in place
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
                 for v in step.kernel.writes:
@@ -179,8 +183,9 @@ class HostWriter:
                     f"    {name} = _alias({self.names[step.base.id]}, {size}, {stride}, {self.py(step.offset)})"
                 )
             for v in [v for v, p in last_use.items() if p == pos]:
-                if v.id in self.names and v.node.op != "input" and v not in outputs and v not in self.handed_over:
-                    # Python frees the memory when no view of it remains.
+                if v.id in self.names and v not in outputs and v not in self.handed_over and v not in mutated:
+                    # Python frees the memory when no view of it remains (an input: when the caller
+                    # holds it no more either).
                     self.lines.append(f"    del {self.names[v.id]}")
         for inp, pos in g.mutations:
             if inp not in self.plan.mutations_in_place:  # else the kernel wrote it there already
