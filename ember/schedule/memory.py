@@ -14,7 +14,8 @@ kernel computing it is the input's last user (see writes_in_place).
 
 Buffers are freed after their last use, except storage that a view may still read (alias
 bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
-Extern results are ATen's allocations: counted toward the peak, never reused.
+Extern results are ATen's allocations, counted toward the peak; those of matrix products and
+convolutions (fresh memory by contract) are reused like kernel outputs, others never.
 
 The planned peak is compared with eager's: the same graph run op by op, every non-view op
 materializing its result, each freed after its last use. Both count intermediates and
@@ -108,6 +109,25 @@ def _subtree(node: KNode) -> list[KNode]:
     return list(seen.values())
 
 
+# Externs whose every result is a fresh allocation ATen made for it (no storage shared with an
+# input, none kept by ATen): the matrix products and convolutions whose results epilogues read.
+_FRESH_RESULTS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward"}
+
+
+def _fresh_extern_result(v: Value, device) -> bool:
+    """Whether an extern's result is memory the program may write over once it is dead: produced
+    by an op known to allocate it, on the graph's device, not empty. Others (views without alias
+    annotations like `_unsafe_view`, constants, philox seeds on the CPU) are never reused."""
+    target = v.node.attrs.get("target")
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    return (
+        name in _FRESH_RESULTS
+        and not may_alias(v.node)
+        and v.device == device
+        and not any(sympy.sympify(s).is_Integer and int(s) == 0 for s in v.shape)
+    )
+
+
 def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -> MemoryPlan:
     outputs = {o for o in graph.outputs if isinstance(o, Value)}
     last: dict[Value, int] = {}
@@ -124,6 +144,11 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
 
     def recyclable(v: Value) -> bool:
         return v.node.op != "input" and v not in outputs and v not in shared
+
+    def reusable(v: Value) -> bool:
+        """A kernel's output, or a matrix product's or convolution's result (an epilogue after
+        cuBLAS writes over the product, as Inductor's does: linear_bias_gelu's peak was 2x)."""
+        return v.node.op != "extern" or _fresh_extern_result(v, graph.device)
 
     # A mutated input's new value is written straight into the input when the kernel computing it
     # is the last step to use the input (reading it, if at all, element for element) and nothing
@@ -155,28 +180,27 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
                     plan.mutations_in_place.add(inp)
                     holder[v] = inp  # the caller's memory: not counted in the peak
                     continue
-                donor = None
-                if recyclable(v):
-                    donor = next(
-                        (
-                            u
-                            for u in step.kernel.reads
-                            if u in holder and last[u] == pos and recyclable(u) and u.node.op != "extern"
-                            and u not in taken and _fits(u, v) and _elementwise_reader(step.kernel, u, v)
-                        ),
-                        None,
-                    )  # fmt: skip
-                    if donor is not None:
-                        plan.inplace.add(v)
-                        taken.add(donor)
+
+                # An output takes only memory allocated at exactly its layout: the caller keeps the
+                # whole allocation alive (a batch-norm weight's 32-float gradient once pinned a 1 MB
+                # activation buffer it had been handed down through a chain of reuses).
+                def room(u: Value, v: Value = v) -> bool:
+                    return _fits(u, v) if recyclable(v) else same_layout(u, v) and same_layout(holder[u], v)
+
+                donor = next(
+                    (
+                        u
+                        for u in step.kernel.reads
+                        if u in holder and last[u] == pos and recyclable(u) and reusable(u)
+                        and u not in taken and room(u) and _elementwise_reader(step.kernel, u, v)
+                    ),
+                    None,
+                )  # fmt: skip
+                if donor is not None:
+                    plan.inplace.add(v)
+                    taken.add(donor)
                 if donor is None:
-                    # An output takes only memory allocated at exactly its layout: the caller keeps the
-                    # whole allocation alive (a batch-norm weight's 32-float gradient once pinned a
-                    # 1 MB activation buffer it had been handed down through a chain of reuses).
-                    fitting = [
-                        u for u in free
-                        if (_fits(u, v) if recyclable(v) else same_layout(u, v) and same_layout(holder[u], v))
-                    ]  # fmt: skip
+                    fitting = [u for u in free if room(u)]
                     if fitting:
                         donor = min(fitting, key=lambda u: size_hint(extent(u)))
                         free.remove(donor)
@@ -193,7 +217,7 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
                 holder[v] = v
                 born[v] = pos
         for v in step_inputs(step) + step_outputs(step):
-            if last[v] == pos and recyclable(v) and v.node.op != "extern" and v in holder:
+            if last[v] == pos and recyclable(v) and reusable(v) and v in holder:
                 if not any(plan.reuse.get(w) is v for w in step_outputs(step)):
                     free.append(v)
 
