@@ -146,8 +146,9 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
         return v.node.op != "input" and v not in outputs and v not in shared
 
     def reusable(v: Value) -> bool:
-        """A kernel's output, or a matrix product's or convolution's result (an epilogue after
-        cuBLAS writes over the product, as Inductor's does: linear_bias_gelu's peak was 2x)."""
+        """A kernel's output, or a matrix product's or convolution's result: an epilogue after
+        cuBLAS or cuDNN may write over the product, as Inductor's does (ResNet-50's batch norm and
+        ReLU over each convolution's result)."""
         return v.node.op != "extern" or _fresh_extern_result(v, graph.device)
 
     # A mutated input's new value is written straight into the input when the kernel computing it
