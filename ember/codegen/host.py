@@ -16,6 +16,7 @@ aliases): only those can start at an address that is not 16-byte aligned.
 
 from __future__ import annotations
 
+import keyword
 import math
 from collections.abc import Callable
 from typing import Any
@@ -278,7 +279,7 @@ class HostWriter:
 
     def _extern(self, step: ExternStep) -> None:
         node = step.node
-        call = f"{self.constant(node.attrs['target'])}(*{self.arg(tuple(node.attrs['args']))}, **{self.arg(node.attrs['kwargs'])})"
+        call = f"{self.constant(node.attrs['target'])}({self._call_args(node.attrs['args'], node.attrs['kwargs'])})"
         if not node.attrs["tuple_result"]:
             if node.outputs:
                 self._bind_extern_output(node.outputs[0], call)
@@ -291,6 +292,18 @@ class HostWriter:
             self._bind_extern_output(v, f"{result}[{pos}]")
         if node.outputs:
             self.lines.append(f"    del {result}")  # the tuple would keep every result alive
+
+    def _call_args(self, args, kwargs: dict) -> str:
+        """`a, b, key=c`: spelled out, a call skips building a tuple and a dict to unpack (0.25 us
+        of a 5 us ATen call on the CPU machine). A keyword Python reserves (aten's `from`) goes
+        through `**{...}`."""
+        parts = [self.arg(a) for a in args]
+        plain = {k: v for k, v in kwargs.items() if k.isidentifier() and not keyword.iskeyword(k)}
+        parts += [f"{k}={self.arg(v)}" for k, v in plain.items()]
+        rest = {k: v for k, v in kwargs.items() if k not in plain}
+        if rest:
+            parts.append(f"**{self.arg(rest)}")
+        return ", ".join(parts)
 
     def _bind_extern_output(self, v: Value, src: str) -> None:
         name = f"buf{v.id}"
