@@ -165,18 +165,17 @@ class TritonBackend:
         grid = f"triton.cdiv({xnumel}, {r.launch.xblock})"
         keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
         slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps}, enable_fp_fusion={_fp_fusion()})"
-        blocks = (
-            -(-int(sympy.sympify(r.xnumel)) // r.launch.xblock) if name in self.direct or name in self.static else 0
-        )
+        if name not in self.static and name not in self.direct:
+            return slow
+        # Direct launches are of static sizes only: the grid is a number, every parameter in order.
+        blocks = -(-int(sympy.sympify(r.xnumel)) // r.launch.xblock)
+        every = parts + [str(v) for v in consts.values()]
         if name in self.static:
-            direct = self.static[name].line(blocks, parts + [str(v) for v in consts.values()])
-        elif name in self.direct:
+            direct = self.static[name].line(blocks, every)
+        else:
             # Triton's launcher takes every parameter in order, constexprs included, after grid,
             # stream, function, packed metadata, launch metadata and the enter/exit hooks.
-            direct_args = ", ".join(parts + [str(v) for v in consts.values()])
-            direct = f"{name}_run({blocks}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {direct_args})"
-        else:
-            return slow
+            direct = f"{name}_run({blocks}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {', '.join(every)})"
         unaligned = args["maybe_unaligned"]
         if not unaligned:
             return direct

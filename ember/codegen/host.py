@@ -107,6 +107,8 @@ class HostWriter:
         self.device = self.graph.device
         self.plan: MemoryPlan = schedule.memory
         self.check_input_layouts = check_input_layouts
+        # Inputs the graph writes: kept to the end, where those not written in place are copied into.
+        self.mutated = {inp for inp, _ in self.graph.mutations}
         # Donors whose memory a later buffer takes: that buffer's line drops the old name.
         self.handed_over = {d for v, d in self.plan.reuse.items() if v not in self.plan.inplace}
         # Values whose memory layout must be the one the compile-time meta promised: kernels index
@@ -163,7 +165,6 @@ class HostWriter:
         self.lines += [f"    {line}" for line in self.launcher.prologue()]
         last_use = self._last_uses()
         outputs = {o for o in g.outputs if isinstance(o, Value)}
-        mutated = {inp for inp, _ in g.mutations}  # copied into at the end, when not written in place
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
                 for v in step.kernel.writes:
@@ -184,7 +185,7 @@ class HostWriter:
                     f"    {name} = _alias({self.names[step.base.id]}, {size}, {stride}, {self.py(step.offset)})"
                 )
             for v in [v for v, p in last_use.items() if p == pos]:
-                if v.id in self.names and v not in outputs and v not in self.handed_over and v not in mutated:
+                if v.id in self.names and v not in outputs and v not in self.handed_over and v not in self.mutated:
                     # Python frees the memory when no view of it remains (an input: when the caller
                     # holds it no more either).
                     self.lines.append(f"    del {self.names[v.id]}")
@@ -207,11 +208,10 @@ class HostWriter:
         arrive otherwise (a backward graph's saved tensors; static layouts only)."""
         if not self.check_input_layouts:
             return
-        mutated = {inp for inp, _ in self.graph.mutations}
         for k, inp in enumerate(self.graph.inputs):
             if not isinstance(inp, Value) or inp not in self.layout_sensitive or inp.stride is None:
                 continue
-            if inp in mutated:
+            if inp in self.mutated:
                 # A copy in the promised layout would take the writes, not the caller's tensor.
                 raise NotImplementedError("a mutated input whose layout the program would have to fix")
             if all(e.is_Integer for e in (*inp.shape, *inp.stride)):
