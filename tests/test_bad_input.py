@@ -22,6 +22,14 @@ def _special():
     return torch.tensor([[1.0, nan, 3.0], [inf, -inf, 0.0], [-1.0, 2.0, 0.5]])
 
 
+def _long_rows():
+    x = torch.randn(6, 101)
+    x[0, 37], x[1, 100], x[2, 0] = nan, nan, nan
+    x[3, :] = -inf
+    x[4, 50] = inf
+    return x
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable
@@ -39,6 +47,11 @@ CASES = {
     "nan_inf_max_min_clamp": Case(
         lambda x: (x.amax(1), x.amin(0), torch.maximum(x, x.t()), torch.minimum(x, x * 0), torch.clamp(x, -1, 1)),
         lambda: [_special()],
+    ),
+    # Rows long enough for vector loops and their tails: a NaN in the body, in the tail, first.
+    "nan_in_long_rows": Case(
+        lambda x: (x.amax(1), x.amin(1), torch.softmax(x, 1), x.bfloat16().amax(1), x.double().amin(1)),
+        lambda: [_long_rows()],
     ),
     "nan_relu": Case(lambda x: torch.relu(x) + 1, lambda: [_special()]),
     "nan_inf_reductions": Case(lambda x: (x.sum(1), x.mean(0), x.var(1), x.sum()), lambda: [_special()]),

@@ -76,6 +76,15 @@ _UPDATE = {
     "max": "{acc} = ember_maximum({acc}, {v});",
     "min": "{acc} = ember_minimum({acc}, {v});",
 }
+
+# A floating max/min keeps NaN in a flag of its own: the running value is OpenMP's plain max/min
+# (a compare and a select), and `flag |= v != v` is a second chain that does not wait on it. The
+# NaN-propagating select (`ember_maximum`) puts both tests in one loop-carried chain: a row max
+# over 512 × 50257 bf16 took 1.48 ms that way and 0.95 ms this way on the 2-core EPYC.
+_FLOAT_MINMAX = {
+    "max": ("max", "{acc} = {acc} < {v} ? {v} : {acc};"),
+    "min": ("min", "{acc} = {v} < {acc} ? {v} : {acc};"),
+}
 # Work below which a kernel runs on one thread (thread start-up costs more than it saves).
 PARALLEL_THRESHOLD = 32768
 
@@ -108,6 +117,10 @@ def _recompute_work(node: KNode, kept: dict[int, object]) -> int:
             work += 3  # rounding: several integer ops per element
         stack.extend(n.args())
     return work
+
+
+def _nan_flagged(r: KReduce) -> bool:
+    return r.kind in _FLOAT_MINMAX and r.dtype.is_floating_point
 
 
 def _phase_roots(kernel: Kernel, phase: int) -> list[KNode]:
@@ -294,7 +307,12 @@ class CppRenderer(Renderer):
             if pos == len(dims) - 1 and self._reduce_simd:
                 by_op: dict[str, list[str]] = {}
                 for r in reduces:
-                    by_op.setdefault(_SIMD_REDUCTION[r.kind], []).append(self._acc_names[id(r)])
+                    acc = self._acc_names[id(r)]
+                    if _nan_flagged(r):
+                        by_op.setdefault(_FLOAT_MINMAX[r.kind][0], []).append(acc)
+                        by_op.setdefault("|", []).append(f"{acc}_nan")
+                    else:
+                        by_op.setdefault(_SIMD_REDUCTION[r.kind], []).append(acc)
                 clause = "".join(f" reduction({op}:{', '.join(accs)})" for op, accs in by_op.items())
                 self.emit(f"#pragma omp simd{clause}")
             self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
@@ -317,12 +335,21 @@ class CppRenderer(Renderer):
         self._acc_names[id(r)] = acc
         ident = dtypes.reduction_identity(r.kind, r.dtype)
         self.emit(f"{CPP_DTYPE[r.dtype]} {acc} = {self.const(KConst(r.dtype, False, 0, ident))};")
+        if _nan_flagged(r):
+            self.emit(f"int {acc}_nan = 0;")
 
     def reduce_update(self, acc: str, r: KReduce) -> None:
-        self.emit(_UPDATE[r.kind].format(acc=acc, v=self.ref(r.arg)))
+        v = self.ref(r.arg)
+        if _nan_flagged(r):
+            self.emit(_FLOAT_MINMAX[r.kind][1].format(acc=acc, v=v))
+            self.emit(f"{acc}_nan |= ({v} != {v});")
+        else:
+            self.emit(_UPDATE[r.kind].format(acc=acc, v=v))
 
     def reduce_finalize(self, name: str, acc: str, r: KReduce) -> None:
-        self.emit(f"{CPP_DTYPE[r.dtype]} {name} = {acc};")
+        t = CPP_DTYPE[r.dtype]
+        value = f"({acc}_nan ? static_cast<{t}>(NAN) : {acc})" if _nan_flagged(r) else acc
+        self.emit(f"{t} {name} = {value};")
 
     def render(self) -> str:
         self._acc_names: dict[int, str] = {}
