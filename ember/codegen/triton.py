@@ -119,11 +119,16 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
     rnumel = product(red)
     if _reduces_across_rows(kernel):
-        # Column sums (e.g. a bias gradient): memory is contiguous along x, so tile [XBLOCK, RBLOCK]
-        # with a wide x for coalesced loads, and loop over r in chunks deep enough to keep many
-        # loads in flight. Enough x-blocks to fill the SMs. (Split reductions: a later issue.)
-        xblock = 64 if xhint >= 64 * 132 else 32
-        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
+        # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
+        # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. 128 bytes of each row (one
+        # full line), 32 rows per step, 4 warps; a program walking a long chunk of rows (1024 or
+        # more) takes 32 columns, so that twice as many programs share the walk. Measured on the
+        # H100 (scripts/gpu_column_reduction_sweep.py, device time; the old [64, 128] x 8 warps in
+        # brackets): LayerNorm weight+bias gradients, bf16 [16384, 768]: 35.1 us (44.6); fp32
+        # [8192, 768]: 23.1 (33.8); a bf16 [16384, 3072] bias gradient: 38.5 (41.2).
+        rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
+        xblock = 32 if rhint >= 1024 or _widest_full_load(kernel) >= 4 else 64
+        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 32, 4, False)
     if is_persistent(kernel):  # the cost model's rule: it counts one read of such rows
         rblock = _next_pow2(int(rnumel))
         # Several short rows per program; keep about 4K elements per program in flight.
@@ -165,31 +170,43 @@ def _unclamped(index, loop_vars: set) -> tuple[object, list[str]]:
     return strip(index), conditions
 
 
-def _reduces_across_rows(kernel: Kernel) -> bool:
-    """Whether the kernel's full-size loads are contiguous along x rather than along r.
-
-    Only loads that vary along both x and r vote: a per-row statistic read along r (a LayerNorm
-    weight gradient's mean and rstd, indexed by the row alone) is the same for every x of the
-    tile and costs one short vector per program whatever the tiling. Letting those two vote once
-    outweighed the two [rows, 768] inputs: the kernel was tiled for rows contiguous along r, 8
-    columns wide, and read 16-byte pieces (H100, gpt2_blocks training: 1200 GB/s)."""
+def _tile_loads(kernel: Kernel) -> list[tuple[KLoad, object, object]]:
+    """The full-size loads that vary along both the innermost x and the innermost r loop
+    variable, with their index's coefficients of each. Those decide a reduction's tiling: a load
+    that varies along one only (a per-row statistic, a per-column weight) is one short vector
+    per program whatever the tiling."""
     xs = [v for v, r in zip(kernel.index_vars, kernel.loop_reduce) if not r]
     rs = [v for v, r in zip(kernel.index_vars, kernel.loop_reduce) if r]
     if not xs or not rs:
-        return False
-    inner_x, inner_r = xs[-1], rs[-1]
-    votes = 0
+        return []
+    loads = []
     for node in walk(kernel):
         if isinstance(node, KLoad) and node.full:
             expr = sympy.expand(kernel.index(node.index))
-            cx, cr = expr.coeff(inner_x), expr.coeff(inner_r)
-            if cx == 0 or cr == 0:
-                continue
-            if cx == 1:
-                votes += 1
-            elif cr == 1:
-                votes -= 1
+            cx, cr = expr.coeff(xs[-1]), expr.coeff(rs[-1])
+            if cx != 0 and cr != 0:
+                loads.append((node, cx, cr))
+    return loads
+
+
+def _reduces_across_rows(kernel: Kernel) -> bool:
+    """Whether the kernel's tile loads are contiguous along x rather than along r.
+
+    Before only tile loads voted, a LayerNorm weight gradient's mean and rstd (indexed by the row
+    alone) outvoted its two [rows, 768] inputs: the kernel was tiled for rows contiguous along
+    r, 8 columns wide, and read 16-byte pieces (H100, gpt2_blocks training: 1200 GB/s)."""
+    votes = 0
+    for _, cx, cr in _tile_loads(kernel):
+        if cx == 1:
+            votes += 1
+        elif cr == 1:
+            votes -= 1
     return votes > 0
+
+
+def _widest_full_load(kernel: Kernel) -> int:
+    """The largest element size, in bytes, among the tile loads."""
+    return max((load.buffer.dtype.itemsize for load, _, _ in _tile_loads(kernel)), default=4)
 
 
 def _pow2_floor(n: int) -> int:
