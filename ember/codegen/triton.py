@@ -183,9 +183,10 @@ def _tile_loads(kernel: Kernel) -> list[tuple[KLoad, object, object]]:
     for node in walk(kernel):
         if isinstance(node, KLoad) and node.full:
             expr = sympy.expand(kernel.index(node.index))
-            cx, cr = expr.coeff(xs[-1]), expr.coeff(rs[-1])
-            if cx != 0 and cr != 0:
-                loads.append((node, cx, cr))
+            # Depending on a variable is not having a coefficient for it: a split over two dims
+            # reads `3072 * (r % 1024)`, whose coefficient of r is 0.
+            if {xs[-1], rs[-1]} <= expr.free_symbols:
+                loads.append((node, expr.coeff(xs[-1]), expr.coeff(rs[-1])))
     return loads
 
 
