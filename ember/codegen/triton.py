@@ -120,14 +120,22 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
     rnumel = product(red)
     if _reduces_across_rows(kernel):
         # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
-        # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. 128 bytes of each row (one
-        # full line), 32 rows per step, 4 warps; a program walking a long chunk of rows (1024 or
-        # more) takes 32 columns, so that twice as many programs share the walk. Measured on the
-        # H100 (scripts/gpu_column_reduction_sweep.py, device time; the old [64, 128] x 8 warps in
-        # brackets): LayerNorm weight+bias gradients, bf16 [16384, 768]: 35.1 us (44.6); fp32
-        # [8192, 768]: 23.1 (33.8); a bf16 [16384, 3072] bias gradient: 38.5 (41.2).
+        # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. Measured on the H100
+        # (scripts/gpu_column_reduction_sweep.py for device time per kernel, gpt2_blocks training
+        # for the sums in place):
+        # - one tile input (a bias gradient): 64 columns (32 when there are too few for 4 programs
+        #   an SM), 128 rows a step, 8 warps. Smaller tiles measured slower in the model.
+        # - several (a LayerNorm's weight and bias gradients read x and the gradient): 128 bytes
+        #   of each row, 32 rows a step, 4 warps, and 32 columns when a program walks a chunk of
+        #   1024 rows or more. bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]:
+        #   23.1, was 33.8. In gpt2_blocks training the 8 of them took 287 us, were 374.
+        tiles = _tile_loads(kernel)
+        if len(tiles) < 2:
+            xblock = 64 if xhint >= 64 * 132 else 32
+            return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
         rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
-        xblock = 32 if rhint >= 1024 or _widest_full_load(kernel) >= 4 else 64
+        widest = max(load.buffer.dtype.itemsize for load, _, _ in tiles)
+        xblock = 32 if rhint >= 1024 or widest >= 4 else 64
         return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 32, 4, False)
     if is_persistent(kernel):  # the cost model's rule: it counts one read of such rows
         rblock = _next_pow2(int(rnumel))
@@ -203,11 +211,6 @@ def _reduces_across_rows(kernel: Kernel) -> bool:
         elif cr == 1:
             votes -= 1
     return votes > 0
-
-
-def _widest_full_load(kernel: Kernel) -> int:
-    """The largest element size, in bytes, among the tile loads."""
-    return max((load.buffer.dtype.itemsize for load, _, _ in _tile_loads(kernel)), default=4)
 
 
 def _pow2_floor(n: int) -> int:
