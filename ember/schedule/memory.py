@@ -121,7 +121,7 @@ def _fresh_extern_result(v: Value, device) -> bool:
     target = v.node.attrs.get("target")
     name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
     return (
-        name in _FRESH_RESULTS
+        (name in _FRESH_RESULTS or getattr(target, "fresh_result", False))
         and not may_alias(v.node)
         and v.device == device
         and not any(sympy.sympify(s).is_Integer and int(s) == 0 for s in v.shape)

@@ -75,7 +75,11 @@ def step_outputs(step: Step) -> list[Value]:
 
 
 def may_alias(node: Node) -> bool:
-    """Whether an extern's results may share storage with its inputs (a view-returning op)."""
+    """Whether an extern's results may share storage with its inputs (a view-returning op).
+    ember's own targets say so with `fresh_result`; an ATen op by its schema's alias
+    annotations; anything else may."""
+    if getattr(node.attrs["target"], "fresh_result", False):
+        return False
     schema = getattr(node.attrs["target"], "_schema", None)
     if schema is None:
         return True
