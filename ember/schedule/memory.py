@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from ember.ir.graph import Graph, Value, layout_of
-from ember.ir.sizes import Expr
+from ember.ir.sizes import Expr, product
 from ember.schedule.cost import size_hint
 from ember.schedule.kernel import Kernel, KLoad, KNode, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
@@ -77,6 +77,15 @@ def same_layout(donor: Value, v: Value) -> bool:
         and tuple(layout_of(donor)) == tuple(layout_of(v))
         and (donor.dtype == v.dtype)
     )
+
+
+def _same_footprint(a: Value, b: Value) -> bool:
+    """Same dtype and element count, each dense in its own layout: the same bytes of storage, the
+    same shape or not ([2048, 3072] and [4, 512, 3072])."""
+    if a.dtype != b.dtype:
+        return False
+    numel_a, numel_b = product(a.shape), product(b.shape)
+    return bool(sympy.expand(numel_a - numel_b) == 0 and extent(a) == numel_a and extent(b) == numel_b)
 
 
 def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
@@ -182,11 +191,15 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
                     holder[v] = inp  # the caller's memory: not counted in the peak
                     continue
 
-                # An output takes only memory allocated at exactly its layout: the caller keeps the
-                # whole allocation alive (a batch-norm weight's 32-float gradient once pinned a 1 MB
-                # activation buffer it had been handed down through a chain of reuses).
+                # An output (or a value a view keeps) takes only memory allocated at its own size:
+                # the caller keeps the whole allocation alive (a batch-norm weight's 32-float
+                # gradient once pinned a 1 MB activation buffer handed down through a chain of
+                # reuses). Same footprint, other shape is fine: a GELU over a [2048, 3072] product
+                # written as [4, 512, 3072] (each BERT layer's feed-forward took a second 100 MB).
                 def room(u: Value, v: Value = v) -> bool:
-                    return _fits(u, v) if recyclable(v) else same_layout(u, v) and same_layout(holder[u], v)
+                    if recyclable(v):
+                        return _fits(u, v)
+                    return _same_footprint(u, v) and _same_footprint(holder[u], v)
 
                 donor = next(
                     (
