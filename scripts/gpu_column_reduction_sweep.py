@@ -35,7 +35,7 @@ def ln_grads(x, mean, rstd, g):
 
 
 def bias_grad(g):
-    return g.float().sum(0)
+    return (g.float().sum(0),)  # a tuple, as ln_grads returns
 
 
 def _cases(dev):
@@ -100,7 +100,7 @@ def main() -> None:
 
                 def patched(kernel, cfg=cfg):
                     base = original(kernel)
-                    if cfg is None or not tcg._reduces_across_rows(kernel):
+                    if cfg is None or not tcg._reduces_across_rows(tcg._tile_loads(kernel)):
                         return base
                     return tcg.LaunchConfig(cfg[0], cfg[1], cfg[2], False)
 

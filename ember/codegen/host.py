@@ -32,8 +32,8 @@ from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
 
 # ATen ops whose torch-level function is the same op with the same signature, reached through
 # the Python argument parser instead of OpOverload.__call__: torch.addmm takes 4.97 us where
-# aten.addmm.default takes 5.7-6.4 (2-core CPU machine, [1, 256] @ [256, 256]). Keywords other
-# than these pass through unchanged only when the op keeps them (the overload's own names).
+# aten.addmm.default takes 5.7-6.4 (2-core CPU machine, [1, 256] @ [256, 256]). A call with any
+# other keyword keeps the ATen overload.
 _TORCH_FUNCTIONS = {
     torch.ops.aten.mm.default: (torch.mm, frozenset()),
     torch.ops.aten.addmm.default: (torch.addmm, frozenset({"beta", "alpha"})),

@@ -118,18 +118,19 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         xblock = min(1024, _next_pow2(max(xhint, 1)))
         return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
     rnumel = product(red)
-    if _reduces_across_rows(kernel):
+    tiles = _tile_loads(kernel)
+    if _reduces_across_rows(tiles):
         # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
         # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. Measured on the H100
         # (scripts/gpu_column_reduction_sweep.py for device time per kernel, gpt2_blocks training
         # for the sums in place):
-        # - one tile input (a bias gradient): 64 columns (32 when there are too few for 4 programs
-        #   an SM), 128 rows a step, 8 warps. Smaller tiles measured slower in the model.
-        # - several (a LayerNorm's weight and bias gradients read x and the gradient): 128 bytes
-        #   of each row, 32 rows a step, 4 warps, and 32 columns when a program walks a chunk of
-        #   1024 rows or more. bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]:
-        #   23.1, was 33.8. In gpt2_blocks training the 8 of them took 287 us, were 374.
-        tiles = _tile_loads(kernel)
+        # - one tile input (a bias gradient): 64 columns (32 when that leaves fewer x-programs
+        #   than SMs), 128 rows a step, 8 warps. Smaller tiles measured slower in the model.
+        # - several (a LayerNorm's weight and bias gradients read x and the gradient): 64 columns
+        #   when every tile input is 1 or 2 bytes wide (128 bytes of a bf16 row), else 32, and 32
+        #   also when a program walks a chunk of 1024 rows or more; 32 rows a step, 4 warps.
+        #   bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]: 23.1, was 33.8. In
+        #   gpt2_blocks training the 8 of them took 287 us, were 374.
         if len(tiles) < 2:
             xblock = 64 if xhint >= 64 * 132 else 32
             return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
@@ -198,15 +199,14 @@ def _tile_loads(kernel: Kernel) -> list[tuple[KLoad, object, object]]:
     return loads
 
 
-def _reduces_across_rows(kernel: Kernel) -> bool:
-    """Whether the kernel's tile loads are contiguous along x rather than along r.
-
-    Before only tile loads voted, a LayerNorm weight gradient's mean and rstd (indexed by the row
-    alone) outvoted its two [rows, 768] inputs: the kernel was tiled for rows contiguous along
-    r, 8 columns wide, and read 16-byte pieces (H100, gpt2_blocks training: 1200 GB/s)."""
+def _reduces_across_rows(tiles: list[tuple[KLoad, object, object]]) -> bool:
+    """Whether a reduction's tile loads (`_tile_loads`) are contiguous along x rather than along
+    r: each votes by its index's coefficients. Loads along one variable only do not vote: with
+    them, a LayerNorm weight gradient's per-row mean and rstd outvoted its two [rows, 768] inputs
+    and the kernel read 16-byte pieces of each row (H100, gpt2_blocks training: 1200 GB/s)."""
     votes = 0
-    for _, cx, cr in _tile_loads(kernel):
-        if cx == 1:
+    for _, cx, cr in tiles:
+        if cx == 1 and cr != 1:
             votes += 1
         elif cr == 1:
             votes -= 1

@@ -6,7 +6,8 @@ Walking the schedule in order, each value a kernel writes takes, in this order o
    load of it reads exactly the element the store writes (so no program reads an element
    another has overwritten), with the same dtype and room enough;
 2. **a dead buffer**: the smallest freed buffer of the same dtype with room enough (graph
-   outputs only take one of exactly their layout: they are returned to the user);
+   outputs, and values a view keeps, only take one of their own footprint, the same bytes in
+   any shape: the user holds an output's whole allocation);
 3. **fresh memory**.
 
 A mutated graph input's new value (graph.mutations) goes straight into the input where the
@@ -15,7 +16,8 @@ kernel computing it is the input's last user (see writes_in_place).
 Buffers are freed after their last use, except storage that a view may still read (alias
 bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
 Extern results are ATen's allocations, counted toward the peak; those of matrix products and
-convolutions (fresh memory by contract) are reused like kernel outputs, others never.
+convolutions (fresh memory by contract) and of ember's targets marked `fresh_result` are reused
+like kernel outputs, others never.
 
 The planned peak is compared with eager's: the same graph run op by op, every non-view op
 materializing its result, each freed after its last use. Both count intermediates and
@@ -85,7 +87,7 @@ def _same_footprint(a: Value, b: Value) -> bool:
     if a.dtype != b.dtype:
         return False
     numel_a, numel_b = product(a.shape), product(b.shape)
-    return bool(sympy.expand(numel_a - numel_b) == 0 and extent(a) == numel_a and extent(b) == numel_b)
+    return all(sympy.expand(d) == 0 for d in (numel_a - numel_b, extent(a) - numel_a, extent(b) - numel_b))
 
 
 def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
