@@ -50,3 +50,22 @@ def test_unit_stride_mask_and_cpu_graphs_are_left_alone():
     keep = torch.rand(2, 8) > 0.3
     assert dense_sdpa_masks(_capture(_attention_positional, q, k, v, keep)[0], devices=("cpu",)) == []
     assert dense_sdpa_masks(_capture(_attention, q, k, v, keep)[0]) == []  # CUDA only by default
+
+
+def _two_layers(q, k, v, keep):
+    mask = keep[:, None, :, None].expand(q.shape[0], 1, q.shape[2], k.shape[2])
+    h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(h, k, v, attn_mask=mask)
+
+
+def test_one_dense_copy_per_mask():
+    # BERT's layers share one mask: a copy per layer kept 12 of them (201 MB) alive at once.
+    q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
+    keep = torch.rand(2, 8) > 0.3
+    gm, inputs = _capture(_two_layers, q, k, v, keep)
+    made = dense_sdpa_masks(gm, devices=("cpu",))
+    sdpas = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+    copies = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+    assert len(made) == 2 and len(sdpas) == 2 and len(copies) == 1, gm.graph
+    assert all(n.kwargs["attn_mask"] is copies[0] for n in sdpas)
+    torch.testing.assert_close(gm(*inputs)[0], _two_layers(q, k, v, keep))
