@@ -125,6 +125,16 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "column_partial_programs",
+            int,
+            0,
+            "programs of a Triton row kernel that also sums its rows' columns (a LayerNorm backward's "
+            "weight gradients); the column sums are split into that many chunks. 0: two per SM; "
+            "-1: never (column sums get kernels of their own)",
+            check=lambda v: v >= -1,
+            codegen=True,
+        ),
+        Setting(
             "max_kernel_buffers",
             int,
             48,

@@ -141,12 +141,17 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
         padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
         log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
-        split_reductions(graph)
-        _check(graph, "split_reductions")
         backend = select_backend(device)
         report.backend = backend.name
+        # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
+        # programs such a kernel should have; the split sizes the sums' chunks for it.
+        row_programs = backend.row_programs() if hasattr(backend, "row_programs") else 0
+        split_reductions(graph, row_programs)
+        _check(graph, "split_reductions")
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
-        sched = schedule(graph, eager_peak, online_softmax=backend.name == "triton", gemm=gemm)
+        sched = schedule(
+            graph, eager_peak, online_softmax=backend.name == "triton", gemm=gemm, column_partials=bool(row_programs)
+        )
         namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
         # come from ember's forward, whose layout need not be the one AOTAutograd recorded.

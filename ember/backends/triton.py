@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import sympy
+import torch
 
 from ember import config
 from ember.backends.gemm_tuning import choose as choose_gemm
@@ -52,6 +53,15 @@ class TritonBackend:
         self.direct: set[str] = set()  # kernels launched through Triton's compiled launcher
         self.static: dict[str, StaticLaunch] = {}  # kernels launched through torch's static launcher
         self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
+
+    def row_programs(self) -> int:
+        """How many programs a row kernel that accumulates column sums should have (split.py sizes
+        their chunks for it): two per SM keeps every SM busy while one program drains."""
+        if config.get("column_partial_programs"):
+            return max(0, config.get("column_partial_programs"))  # -1: none
+        if self.device is not None and self.device.type == "cuda":
+            return 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return 256  # Triton's CPU interpreter (tests): an H100's count
 
     def gemm_chooser(self, problem, epilogue_bytes: int):
         """schedule/gemm.py's GemmChooser: the template or ATen for one matrix product."""
@@ -162,13 +172,14 @@ class TritonBackend:
         if r.launch.rblock:
             parts.append(print_index(r.rnumel, "//"))
             consts["RBLOCK"] = r.launch.rblock
-        grid = f"triton.cdiv({xnumel}, {r.launch.xblock})"
+        per_program = r.launch.rows_per_program or r.launch.xblock
+        grid = f"triton.cdiv({xnumel}, {per_program})"
         keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
         slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps}, enable_fp_fusion={_fp_fusion()})"
         if name not in self.static and name not in self.direct:
             return slow
         # Direct launches are of static sizes only: the grid is a number, every parameter in order.
-        blocks = -(-int(sympy.sympify(r.xnumel)) // r.launch.xblock)
+        blocks = -(-int(sympy.sympify(r.xnumel)) // per_program)
         every = parts + [str(v) for v in consts.values()]
         if name in self.static:
             direct = self.static[name].line(blocks, every)

@@ -397,5 +397,7 @@ class CppRenderer(Renderer):
 
 
 def render_cpp(kernel: Kernel) -> tuple[str, list]:
+    if kernel.column_partials:  # the scheduler fuses them only for targets that render them
+        raise NotImplementedError("column sums accumulated by a row kernel are rendered for Triton only")
     r = CppRenderer(kernel)
     return r.render(), r.params

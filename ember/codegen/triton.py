@@ -102,6 +102,9 @@ class LaunchConfig:
     rblock: int  # 0 for pointwise kernels
     num_warps: int
     persistent: bool
+    # Rows each program walks, XBLOCK at a time, when the kernel accumulates column sums
+    # (kernel.KColumnPartial: one chunk of rows per program); 0: XBLOCK rows per program.
+    rows_per_program: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -118,6 +121,12 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         xblock = min(1024, _next_pow2(max(xhint, 1)))
         return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
     rnumel = product(red)
+    if kernel.column_partials:  # the scheduler fused them only into persistent rows
+        # One program per chunk of rows, walked XBLOCK rows at a time (both powers of two).
+        rblock, rows = _next_pow2(int(rnumel)), kernel.column_partials[0].rows
+        xblock = max(1, min(4096 // rblock, rows))
+        num_warps = _pow2_floor(max(2, min(16, xblock * rblock // 512)))
+        return LaunchConfig(xblock, rblock, num_warps, True, rows)
     tiles = _tile_loads(kernel)
     if _reduces_across_rows(tiles):
         # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
@@ -406,6 +415,9 @@ class TritonRenderer(Renderer):
         self.emit(f"def {k.name}({', '.join(args)}):")
         self.indent += 1
         pid = "tl.program_id(0).to(tl.int64)" if self.wide_index else "tl.program_id(0)"
+        if k.column_partials:
+            self._render_column_partials(pid)
+            return "\n".join(self.lines)
         self.emit(f"xoffset = {pid} * XBLOCK")
         if self.reduction:
             self.emit("xindex = xoffset + tl.arange(0, XBLOCK)[:, None]")
@@ -423,6 +435,43 @@ class TritonRenderer(Renderer):
         self.body()
         self.emit("return")
         return "\n".join(self.lines)
+
+    def _render_column_partials(self, pid: str) -> None:
+        """A row kernel that also reduces its rows' columns (kernel.KColumnPartial): each program
+        walks one chunk of rows, XBLOCK at a time, holding a whole row (persistent), and adds each
+        column sum's terms into an [XBLOCK, RBLOCK] accumulator; the rows of the accumulator are
+        combined once, after the chunk, and stored as the chunk's partial row."""
+        k, rows = self.kernel, self.launch.rows_per_program
+        assert self.persistent and rows % self.launch.xblock == 0, "a chunk is whole row blocks"
+        self.emit(f"chunk = {pid}")
+        cast = ".to(tl.int64)" if self.wide_index else ""
+        self.emit(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+        self.emit("rindex = rbase")
+        self.emit("rmask = rindex < rnumel")
+        self._emit_loop_vars(reduce=True)
+        accs = [self.fresh("colacc") for _ in k.column_partials]
+        for acc, c in zip(accs, k.column_partials):
+            ident = self.const(KConst(c.arg.dtype, False, 0, dtypes.reduction_identity(c.kind, c.arg.dtype)))
+            self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TRITON_DTYPE[c.arg.dtype]})")
+        self.emit(f"for xstep in range(0, {rows}, XBLOCK):")
+        self.indent += 1
+        self.emit(f"xindex = chunk * {rows} + xstep + tl.arange(0, XBLOCK)[:, None]")
+        self.emit("xmask = xindex < xnumel")
+        self._emit_loop_vars(reduce=False)
+        self.body()
+        for acc, c in zip(accs, k.column_partials):
+            self.emit_node(c.arg)
+            ident = self.const(KConst(c.arg.dtype, False, 0, dtypes.reduction_identity(c.kind, c.arg.dtype)))
+            masked = f"tl.where(xmask & rmask, {self._tensor(c.arg, True)}, {ident})"
+            self.emit(f"{acc} = {_COMBINE[c.kind].format(a=acc, b=masked)}")
+        self.indent -= 1
+        for acc, c in zip(accs, k.column_partials):
+            total = self.fresh("colsum")
+            self.emit(f"{total} = ember_reduce_{c.kind}({acc}, 0)")
+            ptr = self.buffer_name(c.buffer)
+            offset = f"chunk * {print_index(c.chunk_stride, '//')} + {self.index_of(c.column)}"
+            self.emit(f"tl.store({ptr} + {offset}, {total}.to({TRITON_DTYPE[c.buffer.dtype]}), rmask)")
+        self.emit("return")
 
 
 @dataclass

@@ -123,12 +123,21 @@ def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | No
         ),
         sympy.Integer(0),
     )
+    # Column sums accumulated by the row loop write one partial row per chunk of rows.
+    written += sum(
+        (
+            product(c.buffer.shape) * c.buffer.dtype.itemsize
+            for c in kernel.column_partials
+            if stored is None or c.buffer in stored
+        ),
+        sympy.Integer(0),
+    )
 
     flops = sympy.Integer(0)
     for p in passes:
         flops += numel * sum(ops.POINTWISE[n.fn].flops for n in p if isinstance(n, KOp))
     flops += outer * sum(ops.POINTWISE[n.fn].flops for n in nodes if isinstance(n, KOp) and not n.full)
-    flops += numel * len(kernel.reduces)
+    flops += numel * (len(kernel.reduces) + len(kernel.column_partials))
     cost = KernelCost(sympy.sympify(read), sympy.sympify(written), sympy.sympify(flops))
     extra = getattr(kernel, "extra_cost", None)  # work its expression DAG does not show (a GEMM's K loop)
     return cost + extra() if extra is not None else cost

@@ -22,9 +22,9 @@ from ember import config
 from ember.ir.graph import Graph, Node, Value, layout_of
 from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
-from ember.schedule.cost import KernelCost, kernel_cost, size_hint
+from ember.schedule.cost import KernelCost, is_persistent, kernel_cost, size_hint
 from ember.schedule.gemm import GemmChooser, GemmGroups, build_gemm_kernel, plan_gemms
-from ember.schedule.kernel import Domain, Kernel, NotFusable, build_kernel
+from ember.schedule.kernel import Domain, Kernel, NotFusable, COLUMN_PARTIAL_MAX_ROW, build_kernel, column_partial_input
 from ember.schedule.online import fold_online_softmax
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import nbytes, plan_memory
@@ -98,8 +98,12 @@ def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple |
 
 
 class Scheduler:
-    def __init__(self, graph: Graph, online_softmax: bool = False, gemm: GemmChooser | None = None):
+    def __init__(
+        self, graph: Graph, online_softmax: bool = False, gemm: GemmChooser | None = None, column_partials: bool = False
+    ):
         self.graph = graph
+        # The target renders column sums accumulated by a row kernel (kernel.KColumnPartial).
+        self.column_partials = column_partials
         self.gemm_chooser = gemm  # the backend's template-or-ATen choice (None: no GEMM template)
         self.gemm_plans: dict = {}  # id(extern node) -> GemmOp, for products run as the template
         self.gemms = GemmGroups()
@@ -236,7 +240,8 @@ class Scheduler:
         if gid in self.gemms.by_group:
             stored = list(roots) if stored is None else stored
             return build_gemm_kernel(f"k{gid}", domain, gid, roots, stored, self.owner, self.gemms.by_group[gid])
-        kernel = build_kernel(f"k{gid}", domain, gid, roots, list(roots) if stored is None else stored, self.owner)
+        stored = list(roots) if stored is None else stored
+        kernel = build_kernel(f"k{gid}", domain, gid, roots, stored, self.owner, self.column_partials)
         if self.online_softmax:
             fold_online_softmax(kernel)
         return kernel
@@ -290,6 +295,10 @@ class Scheduler:
             return self.gemms.merged_domain(a, b)
         if a.domain == b.domain:
             return a.domain
+        if self.column_partials:
+            for rows, sums in ((a, b), (b, a)):
+                if all(column_partial_input(v, rows.domain) is not None for v in sums.roots):
+                    return rows.domain  # the row kernel accumulates the column sums
         red, pw = (a, b) if a.domain.reduce_dims else (b, a)
         if not red.domain.reduce_dims or pw.domain.reduce_dims:
             return None
@@ -402,6 +411,8 @@ class Scheduler:
             buffers = len(set(kernel.reads) | set(kernel.writes))
             if buffers > config.get("max_kernel_buffers"):
                 raise NotFusable(f"too many buffers: {buffers} > max_kernel_buffers={config.get('max_kernel_buffers')}")
+            if kernel.column_partials:
+                _check_column_partials(kernel)
         except NotFusable as e:
             self.owner = saved_owner
             self._decide(names, False, str(e))
@@ -426,6 +437,9 @@ class Scheduler:
         )
         if first.id in self.gemms.by_group:
             why = f"epilogue fused into the GEMM template: {' + '.join(kernel.origins)}"
+        elif kernel.column_partials:
+            sums = ", ".join(f"%{c.buffer.name}" for c in kernel.column_partials)
+            why = f"merged over {domain}: the row kernel also sums its rows' columns ({sums}), reading them once"
         self._decide(names, True, why, before_bytes - after_bytes)
         return True
 
@@ -479,6 +493,14 @@ class Scheduler:
         return [a for a in self.aliases.values() if a.base in outs]
 
 
+def _check_column_partials(kernel: Kernel) -> None:
+    rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
+    if not is_persistent(kernel) or not rnumel.is_Integer or int(rnumel) > COLUMN_PARTIAL_MAX_ROW:
+        raise NotFusable(
+            f"column sums need the whole row in registers (rows of {rnumel}, at most {COLUMN_PARTIAL_MAX_ROW})"
+        )
+
+
 def _describe(step: Step) -> str:
     if isinstance(step, KernelStep):
         return step.kernel.name
@@ -493,20 +515,26 @@ PEAK_SLACK_BYTES = 1 << 20
 
 
 def schedule(
-    graph: Graph, eager_peak: int | None = None, online_softmax: bool = False, gemm: GemmChooser | None = None
+    graph: Graph,
+    eager_peak: int | None = None,
+    online_softmax: bool = False,
+    gemm: GemmChooser | None = None,
+    column_partials: bool = False,
 ) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
     a sibling merged early keeps its output alive longer. `online_softmax`: fold a long row's
     max and sum of exp into one pass (schedule/online.py), for targets that render it. `gemm`:
-    the backend's choice between its GEMM template and ATen per matrix product (schedule/gemm.py)."""
+    the backend's choice between its GEMM template and ATen per matrix product (schedule/gemm.py).
+    `column_partials`: let row kernels accumulate split column sums (kernel.KColumnPartial), for
+    targets that render them."""
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
-    sched = Scheduler(graph, online_softmax, gemm).run(eager_peak)
+    sched = Scheduler(graph, online_softmax, gemm, column_partials).run(eager_peak)
     plan = sched.memory
     limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
     if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
-        alone = Scheduler(graph, online_softmax, gemm).run(eager_peak, siblings=False)
+        alone = Scheduler(graph, online_softmax, gemm, column_partials).run(eager_peak, siblings=False)
         if alone.memory.peak_bytes < plan.peak_bytes:
             alone.decisions.append(
                 FusionDecision(

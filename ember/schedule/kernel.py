@@ -189,6 +189,26 @@ class KStore:
     full: bool
 
 
+@dataclass(eq=False)
+class KColumnPartial:
+    """A reduction over the kernel's rows, not its reduce dims: the first stage of a split column
+    sum (schedule/split.py) computed by a row kernel that already loads its input, as Inductor's
+    "mix-order" reductions are. A LayerNorm's backward reads x and the gradient once for the input
+    gradient (a row reduction) and for the weight and bias gradients (column sums) together.
+
+    Rows [s * rows, (s + 1) * rows) reduce into row s of `buffer`, at `column` (an offset over the
+    reduce dims' variables) plus s * `chunk_stride`. `row` is the flat row index over the domain's
+    outer variables, row-major; the target walks each chunk's rows in one program."""
+
+    buffer: Value
+    kind: str
+    arg: KNode
+    rows: int
+    row: Expr
+    column: Expr
+    chunk_stride: Expr
+
+
 @dataclass
 class Kernel:
     """One generated kernel: its domain, what it stores, and what it reads."""
@@ -206,10 +226,11 @@ class Kernel:
     loop_reduce: list[bool] = field(default_factory=list)
     # Original index expression -> expression over the merged loop variables.
     rewritten: dict = field(default_factory=dict)
+    column_partials: list[KColumnPartial] = field(default_factory=list)
 
     @property
     def writes(self) -> list[Value]:
-        return [s.buffer for s in self.stores]
+        return [s.buffer for s in self.stores] + [c.buffer for c in self.column_partials]
 
     @property
     def writes_nothing(self) -> bool:
@@ -245,6 +266,8 @@ def walk(kernel: Kernel) -> list[KNode]:
         visit(s.value)
     for r in kernel.reduces:
         visit(r)
+    for c in kernel.column_partials:
+        visit(c.arg)
     return list(seen.values())
 
 
@@ -269,6 +292,7 @@ class KernelBuilder:
         self.reduces: list[KReduce] = []
         self.reads: dict[Value, None] = {}
         self.origins: dict[str, None] = {}
+        self.column_partials: list[KColumnPartial] = []
 
     # Interning: identical expressions are one node.
     def _intern(self, key: tuple, make) -> KNode:
@@ -419,6 +443,25 @@ class KernelBuilder:
         self.reduces.append(red)
         return red
 
+    def column_partial(self, value: Value) -> None:
+        """Accumulate `value`, a chunked column reduction (`column_partial_input`), over the rows."""
+        x = column_partial_input(value, self.domain)
+        if x is None:
+            raise NotFusable(f"%{value.name} is not a column sum over the rows of {self.domain}")
+        acc = dtypes.compute_dtype(value.dtype)
+        arg = self.convert(self.expr(x, self.domain.vars()), acc)
+        v = self.domain.vars()
+        row, inner = sympy.Integer(0), sympy.Integer(1)
+        for d in reversed(self.domain.outer_dims):
+            row, inner = row + v[d] * inner, inner * self.domain.shape[d]
+        strides = layout_of(value)
+        column = sum((v[d] * st for d, st in zip(self.domain.reduce_dims, strides[1:])), sympy.Integer(0))
+        rows = int(value.node.inputs[0].shape[1])
+        self.column_partials.append(
+            KColumnPartial(value, value.node.attrs["kind"], arg, rows, row, sympy.expand(column), strides[0])
+        )
+        self.origins.setdefault(value.node.origin, None)
+
     def store(self, value: Value) -> KStore:
         index = self.domain.index_for(value.shape)
         if index is None:
@@ -436,11 +479,56 @@ class KernelBuilder:
         return KStore(value, offset, stored, result.ready, full)
 
 
-def build_kernel(name: str, domain: Domain, group_id: int, roots: list[Value], stored: list[Value], owner) -> Kernel:
-    """Build the kernel computing `roots` (reductions included) and storing `stored`."""
+# Column reductions a row kernel may accumulate (KColumnPartial): each has an identity to mask with.
+COLUMN_PARTIAL_KINDS = ("sum", "max", "min")
+# A row kernel accumulating column sums holds, per sum, a tile of the row's width in registers
+# besides the row itself: wider rows than this would spill.
+COLUMN_PARTIAL_MAX_ROW = 4096
+
+
+def column_partial_input(value: Value, domain: Domain) -> Value | None:
+    """The [rows..., row] value whose chunks `value` reduces, if `value` is the first stage of a
+    split column reduction over `domain`'s rows: `domain` reduces its trailing dims (a row kernel),
+    and `value` reduces dim 1 of that value reshaped to [S, rows / S, row...] (split.py's form)."""
+    node = value.node
+    if node.op != "reduce" or node.attrs["kind"] not in COLUMN_PARTIAL_KINDS or tuple(node.attrs["dims"]) != (1,):
+        return None
+    outer = len(domain.outer_dims)
+    if not domain.reduce_dims or outer == 0 or domain.reduce_dims != tuple(range(outer, len(domain.shape))):
+        return None
+    (chunks,) = node.inputs
+    if chunks.node.op != "view" or chunks.node.attrs["kind"] != "reshape":
+        return None
+    (x,) = chunks.node.inputs
+    row = tuple(domain.shape[outer:])
+    if tuple(x.shape) != tuple(domain.shape) or tuple(chunks.shape[2:]) != row or len(chunks.shape) != 2 + len(row):
+        return None
+    if not chunks.shape[1].is_Integer or sympy.expand(product(chunks.shape[:2]) - product(domain.outer_shape)) != 0:
+        return None
+    return x
+
+
+def build_kernel(
+    name: str,
+    domain: Domain,
+    group_id: int,
+    roots: list[Value],
+    stored: list[Value],
+    owner,
+    column_partials: bool = False,
+) -> Kernel:
+    """Build the kernel computing `roots` (reductions included) and storing `stored`.
+    `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
+    over this domain's rows are accumulated by the row loop."""
     b = KernelBuilder(domain, group_id, owner)
-    stores = [b.store(v) for v in stored]
+    partial = [v for v in roots if column_partial_input(v, domain) is not None] if column_partials else []
+    stores = [b.store(v) for v in stored if v not in partial]
+    for v in partial:
+        if v in stored:
+            b.column_partial(v)
     for v in roots:
+        if v in partial:
+            continue
         if v.node.op == "reduce":
             b.reduction(v)
         elif v not in stored:
@@ -455,8 +543,20 @@ def build_kernel(name: str, domain: Domain, group_id: int, roots: list[Value], s
         reads=list(b.reads),
         origins=list(b.origins),
         num_phases=num_phases,
+        column_partials=b.column_partials,
     )
     merge_dims(kernel)
+    if len({c.rows for c in kernel.column_partials}) > 1:
+        raise NotFusable("column sums over chunks of different sizes")
+    for c in kernel.column_partials:
+        # The target gives each program one chunk of rows by its flat row index: the outer loop
+        # dims must still walk the rows in row-major order after merging.
+        outer = [(v, size) for v, size, r in zip(kernel.index_vars, kernel.loop_sizes, kernel.loop_reduce) if not r]
+        flat, inner = sympy.Integer(0), sympy.Integer(1)
+        for v, size in reversed(outer):
+            flat, inner = flat + v * inner, inner * size
+        if sympy.expand(kernel.index(c.row) - flat) != 0:
+            raise NotFusable(f"column sum %{c.buffer.name}: the row loop does not walk rows in order")
     return kernel
 
 
@@ -475,6 +575,7 @@ def merge_dims(kernel: Kernel) -> None:
     dims = [(v, s, d in dom.reduce_dims) for d, (v, s) in enumerate(zip(dom.vars(), dom.shape))]
     exprs = {s.index for s in kernel.stores} | {n.index for n in walk(kernel) if isinstance(n, KLoad)}
     exprs |= {n.expr for n in walk(kernel) if isinstance(n, KIndex) and n.expr.free_symbols & set(dom.vars())}
+    exprs |= {e for c in kernel.column_partials for e in (c.row, c.column)}
     current = {e: e for e in exprs}
     # Drop size-1 dims.
     for v, s, _ in dims:

@@ -97,7 +97,10 @@ def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
     A store before the last pass is safe only for a row value (one element per row, as batch
     norm's running statistics) whose loads of buf feed nothing but that store: code generation
     evaluates such a load before the store that needs it, and nothing later asks for it."""
-    (store,) = [s for s in kernel.stores if s.buffer is out]
+    stores = [s for s in kernel.stores if s.buffer is out]
+    if len(stores) != 1:
+        return False  # a column sum's partials (kernel.KColumnPartial) are written after every row
+    (store,) = stores
     loads = [n for n in walk(kernel) if isinstance(n, KLoad) and n.buffer is buf]
     if not loads or not all(n.index == store.index and n.full == store.full for n in loads):
         return False

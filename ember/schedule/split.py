@@ -19,6 +19,7 @@ import sympy
 from ember.ir import dtypes
 from ember.ir.graph import Graph, Node
 from ember.ir.sizes import product
+from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW
 
 # Split when the reduction has fewer outputs than this ...
 MAX_OUTPUTS = 8192
@@ -27,6 +28,10 @@ MIN_REDUCE = 4096
 MIN_CHUNK = 256
 # Aim for about this many independent partial results in the first stage.
 TARGET_PARTIALS = 32768
+# Chunks of a column sum a row kernel accumulates: at least a few row blocks per program, and few
+# enough rows that the program count fills the machine.
+MIN_COLUMN_CHUNK = 16
+MAX_COLUMN_CHUNK = 256
 
 
 def _split_factor(outputs: int, reduce: int) -> int:
@@ -58,8 +63,24 @@ def _normalizes(graph: Graph, node: Node) -> bool:
     return False
 
 
-def split_reductions(graph: Graph) -> int:
-    """Rewrite qualifying reductions in place; returns how many were split."""
+def _column_chunk(rows: int, row: int, row_programs: int) -> int:
+    """Rows per chunk for a column sum that a row kernel may accumulate (kernel.KColumnPartial):
+    each chunk is one program of that row kernel, so there should be about `row_programs` of them.
+    0 when the sum is not of that form."""
+    if row > COLUMN_PARTIAL_MAX_ROW:
+        return 0
+    chunk = MIN_COLUMN_CHUNK
+    while chunk < MAX_COLUMN_CHUNK and rows // (chunk * 2) >= row_programs:
+        chunk *= 2
+    return chunk if rows % chunk == 0 and rows // chunk >= 2 else 0
+
+
+def split_reductions(graph: Graph, row_programs: int = 0) -> int:
+    """Rewrite qualifying reductions in place; returns how many were split.
+
+    `row_programs` (targets that render kernel.KColumnPartial): a sum over the leading dims of
+    rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
+    accumulate, about that many of them, rather than for a column kernel of its own."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "reduce" or node.attrs["kind"] not in ("sum", "max", "min"):
@@ -75,7 +96,8 @@ def split_reductions(graph: Graph) -> int:
         if list(dims) == list(range(dims[0], dims[0] + len(dims))):
             # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
             # are read back (softmax, layer norm) stay one kernel over the rows.
-            s = _split_factor(int(outputs), int(reduce))
+            chunk = _column_chunk(int(reduce), int(outputs), row_programs) if row_programs and dims[0] == 0 else 0
+            s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce))
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
             _rewrite_run(graph, node, s)

@@ -1,0 +1,93 @@
+"""Column sums accumulated by a row kernel (kernel.KColumnPartial, Inductor's "mix-order" reduction).
+
+A LayerNorm's backward needs the input gradient (a reduction along each row) and the weight and
+bias gradients (sums down the columns) of the same x and upstream gradient. On the Triton target
+one kernel walks each chunk of rows once for all three; the C++ target keeps a column kernel of
+its own. Compiled through Triton's CPU interpreter, checked against eager; the sizes are the
+smallest the split of long column sums (schedule/split.py) applies to.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.schedule.split import MIN_REDUCE
+from tests.helpers import assert_close, assert_not_worse, ember_compile, forward_backward, fresh_inputs, reports, repro
+
+F32 = 4
+N, C = MIN_REDUCE, 64
+
+
+def _layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b) * 2.0
+
+
+def _rmsnorm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _inputs(*shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=gen) for s in shapes]
+
+
+def _backward_report(fn, inputs, backend):
+    with reports() as rep:
+        forward_backward(ember_compile(fn, backend), [], inputs, grad_seed=1, train=True)
+    (graph,) = [g for g in rep.graphs if g.kind == "backward"]
+    return graph
+
+
+def test_layer_norm_backward_reads_its_rows_once():
+    x, w, b = fresh_inputs(_inputs((N, C), (C,), (C,)))
+    graph = _backward_report(_layer_norm, [x, w, b], "triton")
+    # One row kernel (input gradient, and the weight and bias gradients' partial sums per chunk of
+    # 16 rows: 256 chunks), then one kernel summing the partials.
+    chunks = N // 16
+    row_kernel = 3 * N * C * F32 + 2 * N * F32 + C * F32 + 2 * chunks * C * F32  # x, dy, dx; mean, rstd; w
+    final = 2 * chunks * C * F32 + 2 * C * F32
+    assert len(graph.kernels) == 2, [k.name for k in graph.kernels]
+    assert graph.bytes == row_kernel + final, (graph.bytes, row_kernel + final)
+    # The C++ target reads x and dy again in a column kernel of its own.
+    x, w, b = fresh_inputs(_inputs((N, C), (C,), (C,)))
+    assert len(_backward_report(_layer_norm, [x, w, b], "cpp").kernels) == 3
+
+
+# name, function, input shapes, train (forward and backward) or inference
+CASES = [
+    ("layer_norm", _layer_norm, [(N, C), (C,), (C,)], True),
+    ("layer_norm_3d", _layer_norm, [(2, N // 2, C), (C,), (C,)], True),
+    ("rmsnorm", _rmsnorm, [(N, C), (C,)], True),
+    # A column max next to a row softmax over the same x. (Training, the backward's x == max
+    # needs the column max before the row kernel: a cycle, refused.)
+    ("softmax_and_column_max", lambda x: (x.softmax(-1), x.amax(0)), [(N, 32)], False),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,train", CASES, ids=[c[0] for c in CASES])
+def test_matches_eager_fp32(name, fn, shapes, train):
+    inputs = _inputs(*shapes)
+    ref_outs, ref_grads = forward_backward(fn, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
+    line = repro(case=name)
+    with reports() as rep:
+        compiled = ember_compile(fn, "triton")
+        outs, grads = forward_backward(compiled, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
+    assert any("colacc" in k.source for g in rep.graphs for k in g.kernels), f"no row kernel sums columns\n{line}"
+    # The weight gradients are fp32 sums of 4096 terms of magnitude ~2 in another order than
+    # eager's (chunks of 16 rows, then the chunks): differences of 1e-4 are rounding.
+    for k, (a, e) in enumerate(zip(outs + grads, ref_outs + ref_grads)):
+        assert_close(a, e, rtol=1e-4, atol=1e-3, what=f"{name} result {k}", line=line)
+
+
+def test_layer_norm_bf16_against_fp32_reference():
+    inputs = _inputs((N, C), (C,), (C,), seed=3)
+    ref_outs, ref_grads = forward_backward(_layer_norm, [], fresh_inputs(inputs), grad_seed=1, train=True)
+    eager = forward_backward(_layer_norm, [], fresh_inputs(inputs, torch.bfloat16), grad_seed=1, train=True)
+    compiled_fn = ember_compile(_layer_norm, "triton")
+    compiled = forward_backward(compiled_fn, [], fresh_inputs(inputs, torch.bfloat16), grad_seed=1, train=True)
+    line = repro(case="layer_norm bf16")
+    pairs = zip(compiled[0] + compiled[1], eager[0] + eager[1], ref_outs + ref_grads)
+    for k, (c, e, r) in enumerate(pairs):
+        assert_not_worse(c, e, r, what=f"result {k}", line=line)
