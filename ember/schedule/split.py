@@ -75,6 +75,34 @@ def _column_chunk(rows: int, row: int, row_programs: int) -> int:
     return chunk if rows % chunk == 0 and rows // chunk >= 2 else 0
 
 
+def _row_kernel_beside(graph: Graph, node: Node) -> bool:
+    """Whether a reduction along the rows of the column sum's input reads a buffer that input is
+    computed from (a LayerNorm backward's input gradient beside its weight gradient): only then can
+    a row kernel accumulate the sum, and only then are its chunks sized for one. A bias gradient
+    alone keeps the chunks sized for a column kernel of its own."""
+    (x,) = node.inputs
+    leaves: dict = {}
+
+    def sources(v) -> frozenset:
+        """The buffers a value is computed from through pointwise ops and views."""
+        if v not in leaves:
+            n = v.node
+            if n.op in ("pointwise", "cast", "view"):
+                leaves[v] = frozenset().union(*(sources(u) for u in n.value_inputs()))
+            else:
+                leaves[v] = frozenset({v})
+        return leaves[v]
+
+    mine = {b for b in sources(x) if b.shape == x.shape}
+    trailing = tuple(range(len(x.shape) - 1, len(x.shape)))
+    for other in graph.nodes:
+        if other is node or other.op != "reduce" or tuple(other.attrs["dims"]) != trailing:
+            continue
+        if tuple(other.inputs[0].shape) == tuple(x.shape) and mine & sources(other.inputs[0]):
+            return True
+    return False
+
+
 def split_reductions(graph: Graph, row_programs: int = 0) -> int:
     """Rewrite qualifying reductions in place; returns how many were split.
 
@@ -96,7 +124,9 @@ def split_reductions(graph: Graph, row_programs: int = 0) -> int:
         if list(dims) == list(range(dims[0], dims[0] + len(dims))):
             # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
             # are read back (softmax, layer norm) stay one kernel over the rows.
-            chunk = _column_chunk(int(reduce), int(outputs), row_programs) if row_programs and dims[0] == 0 else 0
+            chunk = 0
+            if row_programs and dims[0] == 0 and _row_kernel_beside(graph, node):
+                chunk = _column_chunk(int(reduce), int(outputs), row_programs)
             s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce))
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
