@@ -129,7 +129,7 @@ SETTINGS: dict[str, Setting] = {
             int,
             0,
             "programs of a Triton row kernel that also sums its rows' columns (a LayerNorm backward's "
-            "weight gradients); the column sums are split into that many chunks. 0: two per SM; "
+            "weight gradients); the column sums are split into one to two times that many chunks. 0: one per SM; "
             "-1: never (column sums get kernels of their own)",
             check=lambda v: v >= -1,
             codegen=True,

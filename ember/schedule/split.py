@@ -65,8 +65,9 @@ def _normalizes(graph: Graph, node: Node) -> bool:
 
 def _column_chunk(rows: int, row: int, row_programs: int) -> int:
     """Rows per chunk for a column sum that a row kernel may accumulate (kernel.KColumnPartial):
-    each chunk is one program of that row kernel, so there should be about `row_programs` of them.
-    0 when the sum is not of that form."""
+    each chunk is one program of that row kernel: the largest chunk (a power of two) that leaves
+    at least `row_programs` of them, within [MIN_COLUMN_CHUNK, MAX_COLUMN_CHUNK]. 0 when the rows
+    are too wide to accumulate or do not divide into chunks."""
     if row > COLUMN_PARTIAL_MAX_ROW:
         return 0
     chunk = MIN_COLUMN_CHUNK
@@ -108,7 +109,7 @@ def split_reductions(graph: Graph, row_programs: int = 0) -> int:
 
     `row_programs` (targets that render kernel.KColumnPartial): a sum over the leading dims of
     rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
-    accumulate, about that many of them, rather than for a column kernel of its own."""
+    accumulate, at least that many of them, rather than for a column kernel of its own."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "reduce" or node.attrs["kind"] not in ("sum", "max", "min"):
