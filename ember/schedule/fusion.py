@@ -494,6 +494,8 @@ class Scheduler:
 
 
 def _check_column_partials(kernel: Kernel) -> None:
+    if not any(kernel.loop_reduce):  # rows of one element: merge_dims left no reduce loop to render
+        raise NotFusable("column sums need a row loop (every reduce dim has size 1)")
     rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
     if not is_persistent(kernel) or not rnumel.is_Integer or int(rnumel) > COLUMN_PARTIAL_MAX_ROW:
         raise NotFusable(

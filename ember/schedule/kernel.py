@@ -505,6 +505,9 @@ def column_partial_input(value: Value, domain: Domain) -> Value | None:
         return None
     if not chunks.shape[1].is_Integer or sympy.expand(product(chunks.shape[:2]) - product(domain.outer_shape)) != 0:
         return None
+    rows = int(chunks.shape[1])
+    if rows & (rows - 1):
+        return None  # a program walks its chunk in power-of-two row blocks, which must tile it
     return x
 
 

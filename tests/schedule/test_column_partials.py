@@ -91,3 +91,40 @@ def test_layer_norm_bf16_against_fp32_reference():
     pairs = zip(compiled[0] + compiled[1], eager[0] + eager[1], ref_outs + ref_grads)
     for k, (c, e, r) in enumerate(pairs):
         assert_not_worse(c, e, r, what=f"result {k}", line=line)
+
+
+def _sum_beside_rmsnorm(x, a, b):
+    g = a @ b  # a product read by nothing but the column sum
+    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    return y, (x * g).sum(0)
+
+
+def test_no_output_written_over_a_buffer_only_the_column_sum_reads():
+    # The column sum's terms are computed after the row's stores: y written in place of g (dead
+    # after this kernel) once made the sum read y. Off by ~5e3 before the fix.
+    x, a, b = _inputs((N, C), (N, 16), (16, C))
+    line = repro(case="sum beside rmsnorm")
+    with reports() as rep:
+        got = ember_compile(_sum_beside_rmsnorm, "triton")(x, a, b)
+    assert any("colacc" in k.source for g in rep.graphs for k in g.kernels), f"no row kernel sums columns\n{line}"
+    for k, (a_, e) in enumerate(zip(got, _sum_beside_rmsnorm(x, a, b))):
+        assert_close(a_, e, rtol=1e-4, atol=1e-3, what=f"result {k}", line=line)
+
+
+# Forms the row kernel refuses (a chunk that is not a power of two: 5000 rows split in 8 chunks of
+# 625; rows of one element, which leave no row loop): each once crashed the compile.
+REFUSED = [
+    ("layer_norm_5000_rows", _layer_norm, [(5000, C), (C,), (C,)], True),
+    ("softmax_and_column_sum_of_width_1", lambda x: (x.softmax(-1), x.sum(0)), [(N, 1)], False),
+]
+
+
+@pytest.mark.parametrize("name,fn,shapes,train", REFUSED, ids=[c[0] for c in REFUSED])
+def test_refused_forms_match_eager(name, fn, shapes, train):
+    inputs = _inputs(*shapes)
+    ref_outs, ref_grads = forward_backward(fn, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
+    line = repro(case=name)
+    compiled = ember_compile(fn, "triton")
+    outs, grads = forward_backward(compiled, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
+    for k, (a, e) in enumerate(zip(outs + grads, ref_outs + ref_grads)):
+        assert_close(a, e, rtol=1e-4, atol=1e-3, what=f"{name} result {k}", line=line)
