@@ -103,10 +103,14 @@ def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
     (store,) = stores
     loads = [n for n in walk(kernel) if isinstance(n, KLoad) and n.buffer is buf]
     # A column sum's terms are computed after the row's stores (codegen/triton.py): a load feeding
-    # them would read what the store just wrote over it.
+    # only them would read what the store just wrote over it. One the row's own values share is
+    # loaded before the stores, and the terms reuse it.
     summed = {id(n) for c in kernel.column_partials for n in _subtree(c.arg)}
-    if any(id(n) in summed for n in loads):
-        return False
+    if summed:
+        row_roots = [s.value for s in kernel.stores] + [r.arg for r in kernel.reduces]
+        summed -= {id(n) for root in row_roots for n in _subtree(root)}
+        if any(id(n) in summed for n in loads):
+            return False
     if not loads or not all(n.index == store.index and n.full == store.full for n in loads):
         return False
     if store.phase == kernel.num_phases - 1:
