@@ -126,7 +126,10 @@ def split_reductions(graph: Graph, row_programs: int = 0) -> int:
             # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
             # are read back (softmax, layer norm) stay one kernel over the rows.
             chunk = 0
-            if row_programs and dims[0] == 0 and _row_kernel_beside(graph, node):
+            # A column sum: the leading dims reduced, some trailing dims kept (a whole-tensor sum
+            # has no columns, and keeps the chunks its sibling sums share).
+            columns = dims[0] == 0 and dims[-1] < len(x.shape) - 1
+            if row_programs and columns and _row_kernel_beside(graph, node):
                 chunk = _column_chunk(int(reduce), int(outputs), row_programs)
             s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce))
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
