@@ -426,15 +426,22 @@ class TritonRenderer(Renderer):
         self.emit("xmask = xindex < xnumel")
         self._emit_loop_vars(reduce=False)
         if self.reduction:
-            cast = ".to(tl.int64)" if self.wide_index else ""
-            self.emit(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+            self._emit_rbase()
             if self.persistent:
-                self.emit("rindex = rbase")
-                self.emit("rmask = rindex < rnumel")
-                self._emit_loop_vars(reduce=True)
+                self._emit_whole_row()
         self.body()
         self.emit("return")
         return "\n".join(self.lines)
+
+    def _emit_rbase(self) -> None:
+        cast = ".to(tl.int64)" if self.wide_index else ""
+        self.emit(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
+
+    def _emit_whole_row(self) -> None:
+        """A persistent row: the whole of it is one block of RBLOCK lanes."""
+        self.emit("rindex = rbase")
+        self.emit("rmask = rindex < rnumel")
+        self._emit_loop_vars(reduce=True)
 
     def _render_column_partials(self, pid: str) -> None:
         """A row kernel that also reduces its rows' columns (kernel.KColumnPartial): each program
@@ -444,14 +451,14 @@ class TritonRenderer(Renderer):
         k, rows = self.kernel, self.launch.rows_per_program
         assert self.persistent and rows % self.launch.xblock == 0, "a chunk is whole row blocks"
         self.emit(f"chunk = {pid}")
-        cast = ".to(tl.int64)" if self.wide_index else ""
-        self.emit(f"rbase = tl.arange(0, RBLOCK)[None, :]{cast}")
-        self.emit("rindex = rbase")
-        self.emit("rmask = rindex < rnumel")
-        self._emit_loop_vars(reduce=True)
+        self._emit_rbase()
+        self._emit_whole_row()
         accs = [self.fresh("colacc") for _ in k.column_partials]
-        for acc, c in zip(accs, k.column_partials):
-            ident = self.const(KConst(c.arg.dtype, False, 0, dtypes.reduction_identity(c.kind, c.arg.dtype)))
+        idents = [
+            self.const(KConst(c.arg.dtype, False, 0, dtypes.reduction_identity(c.kind, c.arg.dtype)))
+            for c in k.column_partials
+        ]
+        for acc, ident, c in zip(accs, idents, k.column_partials):
             self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TRITON_DTYPE[c.arg.dtype]})")
         self.emit(f"for xstep in range(0, {rows}, XBLOCK):")
         self.indent += 1
@@ -459,9 +466,8 @@ class TritonRenderer(Renderer):
         self.emit("xmask = xindex < xnumel")
         self._emit_loop_vars(reduce=False)
         self.body()
-        for acc, c in zip(accs, k.column_partials):
+        for acc, ident, c in zip(accs, idents, k.column_partials):
             self.emit_node(c.arg)
-            ident = self.const(KConst(c.arg.dtype, False, 0, dtypes.reduction_identity(c.kind, c.arg.dtype)))
             masked = f"tl.where(xmask & rmask, {self._tensor(c.arg, True)}, {ident})"
             self.emit(f"{acc} = {_COMBINE[c.kind].format(a=acc, b=masked)}")
         self.indent -= 1

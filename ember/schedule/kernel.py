@@ -198,7 +198,8 @@ class KColumnPartial:
 
     Rows [s * rows, (s + 1) * rows) reduce into row s of `buffer`, at `column` (an offset over the
     reduce dims' variables) plus s * `chunk_stride`. `row` is the flat row index over the domain's
-    outer variables, row-major; the target walks each chunk's rows in one program."""
+    outer variables, row-major (the same for every sum of a kernel); the target walks each chunk's
+    rows in one program."""
 
     buffer: Value
     kind: str
@@ -443,17 +444,12 @@ class KernelBuilder:
         self.reduces.append(red)
         return red
 
-    def column_partial(self, value: Value) -> None:
-        """Accumulate `value`, a chunked column reduction (`column_partial_input`), over the rows."""
-        x = column_partial_input(value, self.domain)
-        if x is None:
-            raise NotFusable(f"%{value.name} is not a column sum over the rows of {self.domain}")
+    def column_partial(self, value: Value, x: Value) -> None:
+        """Accumulate `value`, a chunked column reduction of `x` (`column_partial_input`), over the rows."""
         acc = dtypes.compute_dtype(value.dtype)
         arg = self.convert(self.expr(x, self.domain.vars()), acc)
         v = self.domain.vars()
-        row, inner = sympy.Integer(0), sympy.Integer(1)
-        for d in reversed(self.domain.outer_dims):
-            row, inner = row + v[d] * inner, inner * self.domain.shape[d]
+        row = _row_major([(v[d], self.domain.shape[d]) for d in self.domain.outer_dims])
         strides = layout_of(value)
         column = sum((v[d] * st for d, st in zip(self.domain.reduce_dims, strides[1:])), sympy.Integer(0))
         rows = int(value.node.inputs[0].shape[1])
@@ -524,11 +520,12 @@ def build_kernel(
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
     over this domain's rows are accumulated by the row loop."""
     b = KernelBuilder(domain, group_id, owner)
-    partial = [v for v in roots if column_partial_input(v, domain) is not None] if column_partials else []
+    summed = {v: column_partial_input(v, domain) for v in roots} if column_partials else {}
+    partial = {v: x for v, x in summed.items() if x is not None}
     stores = [b.store(v) for v in stored if v not in partial]
-    for v in partial:
+    for v, x in partial.items():
         if v in stored:
-            b.column_partial(v)
+            b.column_partial(v, x)
     for v in roots:
         if v in partial:
             continue
@@ -549,18 +546,24 @@ def build_kernel(
         column_partials=b.column_partials,
     )
     merge_dims(kernel)
-    if len({c.rows for c in kernel.column_partials}) > 1:
-        raise NotFusable("column sums over chunks of different sizes")
-    for c in kernel.column_partials:
+    if kernel.column_partials:
+        if len({c.rows for c in kernel.column_partials}) > 1:
+            raise NotFusable("column sums over chunks of different sizes")
         # The target gives each program one chunk of rows by its flat row index: the outer loop
         # dims must still walk the rows in row-major order after merging.
-        outer = [(v, size) for v, size, r in zip(kernel.index_vars, kernel.loop_sizes, kernel.loop_reduce) if not r]
-        flat, inner = sympy.Integer(0), sympy.Integer(1)
-        for v, size in reversed(outer):
-            flat, inner = flat + v * inner, inner * size
-        if sympy.expand(kernel.index(c.row) - flat) != 0:
-            raise NotFusable(f"column sum %{c.buffer.name}: the row loop does not walk rows in order")
+        loop = zip(kernel.index_vars, kernel.loop_sizes, kernel.loop_reduce)
+        flat = _row_major([(v, size) for v, size, r in loop if not r])
+        if sympy.expand(kernel.index(kernel.column_partials[0].row) - flat) != 0:
+            raise NotFusable("column sums: the row loop does not walk rows in order")
     return kernel
+
+
+def _row_major(dims: list[tuple[Expr, Expr]]) -> Expr:
+    """The flat index of (variable, size) dims, the last one contiguous."""
+    flat, inner = sympy.Integer(0), sympy.Integer(1)
+    for v, size in reversed(dims):
+        flat, inner = flat + v * inner, inner * size
+    return flat
 
 
 def _no_fit(v, domain):

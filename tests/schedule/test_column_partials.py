@@ -66,19 +66,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,fn,shapes,train", CASES, ids=[c[0] for c in CASES])
-def test_matches_eager_fp32(name, fn, shapes, train):
+def _compare_with_eager(name, fn, shapes, train):
+    """Compile fn for Triton, run it (forward and backward if train) and compare every result with
+    eager's. The weight gradients are fp32 sums of 4096 terms of magnitude ~2 in another order than
+    eager's (chunks of 16 rows, then the chunks): differences of 1e-4 are rounding. Returns the
+    compile reports and the repro line."""
     inputs = _inputs(*shapes)
     ref_outs, ref_grads = forward_backward(fn, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
     line = repro(case=name)
     with reports() as rep:
         compiled = ember_compile(fn, "triton")
         outs, grads = forward_backward(compiled, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
-    assert any("colacc" in k.source for g in rep.graphs for k in g.kernels), f"no row kernel sums columns\n{line}"
-    # The weight gradients are fp32 sums of 4096 terms of magnitude ~2 in another order than
-    # eager's (chunks of 16 rows, then the chunks): differences of 1e-4 are rounding.
     for k, (a, e) in enumerate(zip(outs + grads, ref_outs + ref_grads)):
         assert_close(a, e, rtol=1e-4, atol=1e-3, what=f"{name} result {k}", line=line)
+    return rep, line
+
+
+@pytest.mark.parametrize("name,fn,shapes,train", CASES, ids=[c[0] for c in CASES])
+def test_matches_eager_fp32(name, fn, shapes, train):
+    rep, line = _compare_with_eager(name, fn, shapes, train)
+    assert any("colacc" in k.source for g in rep.graphs for k in g.kernels), f"no row kernel sums columns\n{line}"
 
 
 def test_layer_norm_bf16_against_fp32_reference():
@@ -121,10 +128,4 @@ REFUSED = [
 
 @pytest.mark.parametrize("name,fn,shapes,train", REFUSED, ids=[c[0] for c in REFUSED])
 def test_refused_forms_match_eager(name, fn, shapes, train):
-    inputs = _inputs(*shapes)
-    ref_outs, ref_grads = forward_backward(fn, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
-    line = repro(case=name)
-    compiled = ember_compile(fn, "triton")
-    outs, grads = forward_backward(compiled, [], fresh_inputs(inputs, grad=train), grad_seed=1, train=train)
-    for k, (a, e) in enumerate(zip(outs + grads, ref_outs + ref_grads)):
-        assert_close(a, e, rtol=1e-4, atol=1e-3, what=f"{name} result {k}", line=line)
+    _compare_with_eager(name, fn, shapes, train)
