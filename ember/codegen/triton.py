@@ -105,6 +105,9 @@ class LaunchConfig:
     # Rows each program walks, XBLOCK at a time, when the kernel accumulates column sums
     # (kernel.KColumnPartial: one chunk of rows per program); 0: XBLOCK rows per program.
     rows_per_program: int = 0
+    # Software-pipelining stages of that walk over the rows (Triton's `tl.range(num_stages=)`:
+    # the next rows' loads are issued while this row computes); 0: a plain loop.
+    loop_stages: int = 0
 
 
 def _next_pow2(n: int) -> int:
@@ -460,7 +463,9 @@ class TritonRenderer(Renderer):
         ]
         for acc, ident, c in zip(accs, idents, k.column_partials):
             self.emit(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TRITON_DTYPE[c.arg.dtype]})")
-        self.emit(f"for xstep in range(0, {rows}, XBLOCK):")
+        stages = self.launch.loop_stages
+        walk = f"tl.range(0, {rows}, XBLOCK, num_stages={stages})" if stages else f"range(0, {rows}, XBLOCK)"
+        self.emit(f"for xstep in {walk}:")
         self.indent += 1
         self.emit(f"xindex = chunk * {rows} + xstep + tl.arange(0, XBLOCK)[:, None]")
         self.emit("xmask = xindex < xnumel")
