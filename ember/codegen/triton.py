@@ -105,8 +105,10 @@ class LaunchConfig:
     # Rows each program walks, XBLOCK at a time, when the kernel accumulates column sums
     # (kernel.KColumnPartial: one chunk of rows per program); 0: XBLOCK rows per program.
     rows_per_program: int = 0
-    # Software-pipelining stages of that walk over the rows (Triton's `tl.range(num_stages=)`:
-    # the next rows' loads are issued while this row computes); 0: a plain loop.
+    # Software-pipelining stages of the kernel's loop (a looped reduction's walk over RBLOCK
+    # chunks, or a column-partial kernel's walk over its chunk of rows), as Triton's
+    # `tl.range(num_stages=)`: the next step's loads are issued while this one computes.
+    # 0: a plain loop.
     loop_stages: int = 0
 
 
@@ -338,7 +340,9 @@ class TritonRenderer(Renderer):
     def open_phase(self, phase: int) -> None:
         if self.persistent:
             return
-        self.emit("for roffset in range(0, rnumel, RBLOCK):")
+        stages = self.launch.loop_stages
+        walk = f"tl.range(0, rnumel, RBLOCK, num_stages={stages})" if stages else "range(0, rnumel, RBLOCK)"
+        self.emit(f"for roffset in {walk}:")
         self.indent += 1
         self.emit("rindex = roffset + rbase")
         self.emit("rmask = rindex < rnumel")
