@@ -84,6 +84,14 @@ SETTINGS = [
     {"partials": 131072, "xblock": 32, "rblock": 128, "warps": 4, "stages": 0},
     {"partials": 131072, "xblock": 64, "rblock": 128, "warps": 8, "stages": 2},
     {"partials": 65536, "xblock": 128, "rblock": 32, "warps": 4, "stages": 0},
+    # Inductor's "outer" reduction config (64 columns by 8 rows a step, 4 warps) and around it
+    {"partials": 131072, "xblock": 64, "rblock": 8, "warps": 4, "stages": 0},
+    {"partials": 262144, "xblock": 64, "rblock": 8, "warps": 4, "stages": 0},
+    {"partials": 131072, "xblock": 64, "rblock": 16, "warps": 4, "stages": 0},
+    {"partials": 131072, "xblock": 64, "rblock": 8, "warps": 2, "stages": 0},
+    {"partials": 131072, "xblock": 128, "rblock": 8, "warps": 4, "stages": 0},
+    {"partials": 131072, "xblock": 64, "rblock": 8, "warps": 4, "stages": 2},
+    {"partials": 32768, "xblock": 64, "rblock": 8, "warps": 4, "stages": 0},
 ]
 
 
