@@ -130,7 +130,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     from ember.frontend.padding import pad_matmul_layouts
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
-    from ember.schedule.split import split_reductions
+    from ember.schedule.split import TARGET_PARTIALS, split_reductions
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
@@ -146,7 +146,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
         # programs such a kernel should have; the split sizes the sums' chunks for it.
         row_programs = backend.row_programs() if hasattr(backend, "row_programs") else 0
-        split_reductions(graph, row_programs)
+        split_reductions(graph, row_programs, getattr(backend, "split_partials", TARGET_PARTIALS))
         _check(graph, "split_reductions")
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
         sched = schedule(

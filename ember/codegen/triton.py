@@ -141,18 +141,23 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
     if _reduces_across_rows(tiles):
         # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
         # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. Measured on the H100
-        # (scripts/gpu_column_reduction_sweep.py for device time per kernel, gpt2_blocks training
-        # for the sums in place):
-        # - one tile input (a bias gradient): 64 columns (32 when that leaves fewer x-programs
-        #   than SMs), 128 rows a step, 8 warps. Smaller tiles measured slower in the model.
+        # (scripts/gpu_column_reduction_sweep.py for device time per kernel, and
+        # scripts/gpu_column_sum_sweep.py for gpt2_blocks training as a whole):
+        # - one tile input (a bias gradient): 64 columns by 8 rows a step, 4 warps: many small
+        #   programs in flight, as Inductor's "outer" reduction config. gpt2_blocks training, with
+        #   the Triton backend's split_partials: fc bias gradient [16384, 3072] 41.0 -> 36.3 us,
+        #   qkv [16384, 2304] 33.7 -> 26.5 (was 128 rows a step, 8 warps). When 64 columns leave
+        #   fewer x-programs than SMs (the small second stage of a split): 32 columns, 128 rows a
+        #   step, 8 warps.
         # - several (a LayerNorm's weight and bias gradients read x and the gradient): 64 columns
         #   when every tile input is 1 or 2 bytes wide (128 bytes of a bf16 row), else 32, and 32
         #   also when a program walks a chunk of 1024 rows or more; 32 rows a step, 4 warps.
         #   bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]: 23.1, was 33.8. In
         #   gpt2_blocks training the 8 of them took 287 us, were 374.
         if len(tiles) < 2:
-            xblock = 64 if xhint >= 64 * 132 else 32
-            return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 128, 8, False)
+            if xhint >= 64 * 132:
+                return LaunchConfig(64, 8, 4, False)
+            return LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
         rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
         widest = max(load.buffer.dtype.itemsize for load, _, _ in tiles)
         xblock = 32 if rhint >= 1024 or widest >= 4 else 64

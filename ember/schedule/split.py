@@ -26,7 +26,8 @@ MAX_OUTPUTS = 8192
 # ... and at least this many elements per output; each chunk keeps at least MIN_CHUNK.
 MIN_REDUCE = 4096
 MIN_CHUNK = 256
-# Aim for about this many independent partial results in the first stage.
+# Aim for about this many independent partial results in the first stage (a target may ask for
+# more: split_reductions' `target_partials`).
 TARGET_PARTIALS = 32768
 # Chunks of a column sum a row kernel accumulates: at least a few row blocks per program, and few
 # enough rows that the program count fills the machine.
@@ -34,9 +35,9 @@ MIN_COLUMN_CHUNK = 16
 MAX_COLUMN_CHUNK = 256
 
 
-def _split_factor(outputs: int, reduce: int) -> int:
+def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS) -> int:
     s = 1
-    while reduce % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= TARGET_PARTIALS:
+    while reduce % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
         s *= 2
     return s
 
@@ -104,8 +105,11 @@ def _row_kernel_beside(graph: Graph, node: Node) -> bool:
     return False
 
 
-def split_reductions(graph: Graph, row_programs: int = 0) -> int:
+def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int = TARGET_PARTIALS) -> int:
     """Rewrite qualifying reductions in place; returns how many were split.
+
+    `target_partials`: how many partial results the first stage of a split over a contiguous run
+    of dims aims for (more chunks of fewer rows: more programs in flight for a column sum).
 
     `row_programs` (targets that render kernel.KColumnPartial): a sum over the leading dims of
     rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
@@ -131,7 +135,7 @@ def split_reductions(graph: Graph, row_programs: int = 0) -> int:
             columns = dims[0] == 0 and dims[-1] < len(x.shape) - 1
             if row_programs and columns and _row_kernel_beside(graph, node):
                 chunk = _column_chunk(int(reduce), int(outputs), row_programs)
-            s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce))
+            s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce), target_partials)
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
             _rewrite_run(graph, node, s)

@@ -47,9 +47,26 @@ def test_bias_gradient_split_across_two_dims_is_tiled_across_rows():
     b = G()
     g = b.input(16, 1024, 3072, dtype=BF16)
     db = b.reduce("sum", _cast(b, g), (0, 1))
-    k = _big_reader(_split_and_schedule(b, db), g)
-    cfg = launch_config(k)
-    assert not cfg.persistent and (cfg.xblock, cfg.rblock, cfg.num_warps) == (64, 128, 8)  # one tile input
+    kernels = _split_and_schedule(b, db)
+    cfg = launch_config(_big_reader(kernels, g))
+    # One tile input: 64 columns by 8 rows a step, many small programs in flight.
+    assert not cfg.persistent and (cfg.xblock, cfg.rblock, cfg.num_warps) == (64, 8, 4)
+    # The second stage sums a few partial rows into 3072 outputs: 64 columns would leave fewer
+    # programs than SMs, so it takes narrower, taller tiles.
+    (second,) = [k for k in kernels if g not in k.reads]
+    assert (launch_config(second).xblock, launch_config(second).rblock) == (32, 128)
+
+
+def test_target_partials_sizes_the_chunks_of_a_column_sum():
+    # The Triton backend asks for 131072 partial results: a bias gradient over 16384 rows of 768
+    # is summed in 64 chunks of 256 rows (the default target, 32768, gives 32 chunks of 512).
+    for target, chunks in ((32768, 32), (131072, 64)):
+        b = G()
+        g = b.input(16384, 768, dtype=BF16)
+        b.g.outputs = [b.reduce("sum", _cast(b, g), (0,))]
+        assert split_reductions(b.g, target_partials=target) == 1
+        shapes = [tuple(int(d) for d in n.out.shape) for n in b.g.nodes if n.op == "reduce"]
+        assert (chunks, 768) in shapes, shapes
 
 
 def test_row_reduction_stays_persistent():
