@@ -2,6 +2,7 @@
 
     import_graph  ATen FX graph -> ember Graph          (frontend/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
+    cse           a computation written twice, kept once (ir/cse.py)
     split         long reductions with few outputs -> two stages  (schedule/split.py)
     schedule      realize, group, fuse, order            (schedule/)
     build         render kernels, run the toolchain      (codegen/ + backends/)
@@ -128,6 +129,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     from ember.codegen.host import write_host
     from ember.frontend.importer import import_graph
     from ember.frontend.padding import pad_matmul_layouts
+    from ember.ir.cse import eliminate_common_subexpressions
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.split import TARGET_PARTIALS, split_reductions
@@ -139,6 +141,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         graph = import_graph(gm, device)
         _check(graph, "import")
         eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
+        merged = eliminate_common_subexpressions(graph)
+        log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
+        _check(graph, "cse")
         padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
         log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
         backend = select_backend(device)
