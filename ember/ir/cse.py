@@ -57,23 +57,48 @@ def _node_key(node: Node) -> tuple | None:
         return None
 
 
+def _returned(graph: Graph) -> set[int]:
+    """Values the graph returns, and every value a returned one is a view of: merged, two
+    returned views of two duplicates would share one buffer."""
+    seen: set[int] = set()
+    for out in graph.outputs:
+        v = out
+        while isinstance(v, Value) and id(v) not in seen:
+            seen.add(id(v))
+            v = v.node.inputs[0] if v.node.op == "view" else None
+    return seen
+
+
+def _substitute(x: Any, subst: dict[int, Value]) -> Any:
+    if isinstance(x, Value):
+        return subst.get(id(x), x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_substitute(y, subst) for y in x)
+    if isinstance(x, dict):
+        return {k: _substitute(v, subst) for k, v in x.items()}
+    return x
+
+
 def eliminate_common_subexpressions(graph: Graph) -> int:
-    """Merge duplicate pure nodes in place; returns how many were removed."""
-    returned = {id(o) for o in graph.outputs if isinstance(o, Value)}
-    returned |= {id(v) for v, _ in graph.mutations}
+    """Merge duplicate pure nodes in place; returns how many were removed. One walk in graph
+    order: each node's inputs are rewritten before its key is taken."""
+    returned = _returned(graph)
     first: dict[tuple, Node] = {}
-    dropped: set[int] = set()
+    subst: dict[int, Value] = {}  # a dropped node's output -> the kept node's
+    kept_nodes = []
     for node in graph.nodes:
-        if node.op not in _PURE_OPS:
-            continue
-        key = _node_key(node)
-        if key is None:
-            continue
-        kept = first.setdefault(key, node)
+        if subst:
+            node.inputs = _substitute(node.inputs, subst)
+            if node.op == "extern":
+                node.attrs["args"] = _substitute(node.attrs["args"], subst)
+                node.attrs["kwargs"] = _substitute(node.attrs["kwargs"], subst)
+        key = _node_key(node) if node.op in _PURE_OPS else None
+        kept = first.setdefault(key, node) if key is not None else node
         if kept is node or any(id(v) in returned for v in node.outputs):
+            kept_nodes.append(node)
             continue
-        for old, new in zip(node.outputs, kept.outputs):
-            graph.replace_uses(old, new)
-        dropped.add(id(node))
-    graph.nodes = [n for n in graph.nodes if id(n) not in dropped]
-    return len(dropped)
+        subst.update((id(old), new) for old, new in zip(node.outputs, kept.outputs))
+    graph.outputs = _substitute(graph.outputs, subst)
+    dropped = len(graph.nodes) - len(kept_nodes)
+    graph.nodes = kept_nodes
+    return dropped

@@ -2,8 +2,8 @@
 
 On the GPU this is what lets cuBLAS use its aligned kernels for a 50257-wide vocabulary head.
 Here the same layouts are exercised on the CPU (the pass is enabled for "cpu" in the test): the
-product is computed on N padded (the weight copied with zero columns) and kept as a view with
-padded rows, kernels downstream index them, and matrices ember computes for a product (the
+product is written into padded rows (an aligned product over the first N8 columns, a thin one
+over the rest) and kept as a view of them, kernels downstream index them, and matrices ember computes for a product (the
 logits' gradient) are laid out padded from the start.
 """
 

@@ -49,6 +49,26 @@ def test_returned_values_stay_two_tensors():
     assert eliminate_common_subexpressions(b.g) == 0
 
 
+def test_values_returned_through_views_stay_apart():
+    # a.t() and b.t() returned: merging a and b would make the two outputs one buffer.
+    b = G()
+    x = b.input(4, 8)
+    y1, y2 = b.pw("exp", x), b.pw("exp", x)
+    b.g.outputs = [b.view("permute", y1, dims=(1, 0)), b.view("permute", y2, dims=(1, 0))]
+    assert eliminate_common_subexpressions(b.g) == 0
+
+
+def test_compiled_outputs_through_views_are_two_tensors():
+    def f(x):
+        return (x * 2).t(), (x * 2).t()
+
+    x = torch.randn(4, 8)
+    a, c = torch.compile(f, backend="ember", options={"strict": True})(x)
+    assert a.data_ptr() != c.data_ptr()
+    a.add_(100.0)  # the caller writes one output; the other must not change
+    assert_close(c, (x * 2).t(), rtol=0, atol=0, what="second output", line=repro())
+
+
 def test_externs_are_not_merged():
     b = G()
     x = b.input(4, 4)
