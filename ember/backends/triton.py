@@ -47,9 +47,10 @@ class TritonBackend:
     name = "triton"
     # Partial results the first stage of a split reduction aims for (split.py): a bias gradient
     # over 16384 rows is summed in 64 chunks of 256 rows when 768 wide (32 of 512 at the default
-    # target), 16 of 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer rows. H100, gpt2_blocks training, with the column-sum tiles of
-    # codegen/triton.py: 7683 us of GPU time per step at 131072, 7771 at 32768, 7711 at 262144
-    # (scripts/gpu_column_sum_sweep.py, docs/bench/gpu/h100/session9).
+    # target), 16 of 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer
+    # rows. H100, gpt2_blocks training, with the column-sum tiles of codegen/triton.py: 7683 us of
+    # GPU time per step at 131072, 7771 at 32768, 7711 at 262144 (scripts/gpu_column_sum_sweep.py,
+    # docs/bench/gpu/h100/session9).
     split_partials = 131072
 
     def __init__(self, device=None):

@@ -8,9 +8,10 @@ pays that; Inductor pads (its `pad_mm`).
 ember runs every large half- or single-precision product through `AlignedProduct`: an
 unaligned N is written into padded rows (the first N8 columns by one aligned product, the last
 few by a thin one) and the result is the view of the first N columns; the logical shape is
-unchanged, the row stride is larger, and kernels index any layout. An unaligned K (the head's input gradient, K = 50257) is split into an aligned
-product plus a thin rank-few update; an unaligned M that is A's contiguous dim (the head's weight
-gradient, A = grad_logits.t()) into two row blocks. Matrices ember computes itself that a product
+unchanged, the row stride is larger, and kernels index any layout. An unaligned K (the head's
+input gradient, K = 50257) is split into an aligned product plus a thin rank-few update; an
+unaligned M that is A's contiguous dim (the head's weight gradient, A = grad_logits.t()) into
+two row blocks. Matrices ember computes itself that a product
 reads, or reads transposed, are laid out with padded rows, so their leading dimension is aligned.
 Values a training graph returns stay dense: AOTAutograd recorded their strides for the backward.
 """

@@ -10,8 +10,8 @@ additive float mask at every call, so BERT's 12 layers computed 12 identical [32
 bf16 masks, fused into one kernel at the first layer (201 MB alive at once; H100 inference peak
 336 MB against eager's 277).
 
-Kept apart: nodes whose value the graph returns (two outputs must stay two tensors: the caller
-may write one) and ATen externs (a call may have effects). Fusion still recomputes a cheap
+Kept apart: nodes whose value the graph returns, itself or through views (two outputs must stay
+two tensors: the caller may write one), and ATen externs (a call may have effects). Fusion still recomputes a cheap
 merged value in each kernel that reads it where that saves a round trip through memory.
 """
 
