@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ember.ir.graph import COMPUTED_OPS, Graph, Node, Value
+from ember.ir.graph import COMPUTED_OPS, Graph, Node, Value, substituted
 
 _PURE_OPS = (*COMPUTED_OPS, "view")
 
@@ -69,16 +69,6 @@ def _returned(graph: Graph) -> set[int]:
     return seen
 
 
-def _substitute(x: Any, subst: dict[int, Value]) -> Any:
-    if isinstance(x, Value):
-        return subst.get(id(x), x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_substitute(y, subst) for y in x)
-    if isinstance(x, dict):
-        return {k: _substitute(v, subst) for k, v in x.items()}
-    return x
-
-
 def eliminate_common_subexpressions(graph: Graph) -> int:
     """Merge duplicate pure nodes in place; returns how many were removed. One walk in graph
     order: each node's inputs are rewritten before its key is taken."""
@@ -88,17 +78,14 @@ def eliminate_common_subexpressions(graph: Graph) -> int:
     kept_nodes = []
     for node in graph.nodes:
         if subst:
-            node.inputs = _substitute(node.inputs, subst)
-            if node.op == "extern":
-                node.attrs["args"] = _substitute(node.attrs["args"], subst)
-                node.attrs["kwargs"] = _substitute(node.attrs["kwargs"], subst)
+            graph.substitute(subst, [node])
         key = _node_key(node) if node.op in _PURE_OPS else None
         kept = first.setdefault(key, node) if key is not None else node
         if kept is node or any(id(v) in returned for v in node.outputs):
             kept_nodes.append(node)
             continue
         subst.update((id(old), new) for old, new in zip(node.outputs, kept.outputs))
-    graph.outputs = _substitute(graph.outputs, subst)
+    graph.outputs = substituted(graph.outputs, subst)
     dropped = len(graph.nodes) - len(kept_nodes)
     graph.nodes = kept_nodes
     return dropped

@@ -127,22 +127,16 @@ class Graph:
 
     def replace_uses(self, old: Value, new: Value) -> None:
         """Point every use of `old` (node inputs, extern argument trees, outputs) at `new`."""
+        self.substitute({id(old): new}, self.nodes)
+        self.outputs = substituted(self.outputs, {id(old): new})
 
-        def swap(x):
-            if x is old:
-                return new
-            if isinstance(x, (list, tuple)):
-                return type(x)(swap(y) for y in x)
-            if isinstance(x, dict):
-                return {k: swap(v) for k, v in x.items()}
-            return x
-
-        for node in self.nodes:
-            node.inputs = [swap(x) for x in node.inputs]
+    def substitute(self, subst: dict[int, Value], nodes: list[Node]) -> None:
+        """In `nodes`, point each use of a Value whose id is in `subst` at its replacement."""
+        for node in nodes:
+            node.inputs = substituted(node.inputs, subst)
             if node.op == "extern":
-                node.attrs["args"] = swap(node.attrs["args"])
-                node.attrs["kwargs"] = swap(node.attrs["kwargs"])
-        self.outputs = [swap(o) for o in self.outputs]
+                node.attrs["args"] = substituted(node.attrs["args"], subst)
+                node.attrs["kwargs"] = substituted(node.attrs["kwargs"], subst)
 
     def user_outputs(self) -> list[Any]:
         """The outputs the compiled graph returns (the new values of mutated inputs are not)."""
@@ -176,6 +170,17 @@ class Graph:
             lines.append(f"  {_fmt_arg(inp)} <- {_fmt_arg(self.outputs[pos])}  # input mutation")
         lines.append(f"  return ({', '.join(_fmt_arg(o) for o in self.user_outputs())})")
         return "\n".join(lines)
+
+
+def substituted(x: Any, subst: dict[int, Value]) -> Any:
+    """x with each Value whose id is in `subst` replaced, through lists, tuples and dicts."""
+    if isinstance(x, Value):
+        return subst.get(id(x), x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(substituted(y, subst) for y in x)
+    if isinstance(x, dict):
+        return {k: substituted(v, subst) for k, v in x.items()}
+    return x
 
 
 def _fmt_arg(x: Any) -> str:
