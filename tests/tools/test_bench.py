@@ -120,6 +120,19 @@ def test_mismatch_is_reported_not_timed():
     assert not measure.max_err([torch.full((2,), math.nan)], [torch.ones(2)]) <= 1.0
 
 
+def test_host_bound_gpu_time_is_marked():
+    """On a GPU a call's time is the larger of its device and steady times; the table marks a
+    host-bound one."""
+    case = {
+        "compilers": {
+            "eager": {"status": "ok", "ms": 0.5, "device_ms": 0.3, "steady_ms": 0.5},
+            "ember": {"status": "ok", "ms": 0.4, "device_ms": 0.4, "steady_ms": 0.39},
+        }
+    }
+    assert report._cell_ms(case, "eager") == "0.500 (host)"
+    assert report._cell_ms(case, "ember") == "0.400"
+
+
 def test_missing_optional_package_skips_with_a_note(monkeypatch):
     w = WORKLOADS["hf_bert"]
     monkeypatch.setattr("importlib.import_module", lambda name: (_ for _ in ()).throw(ImportError(name)))

@@ -129,13 +129,16 @@ def _run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Setting
     return result, step
 
 
-def _time_in_rounds(steps: dict, input_sets, rounds: int, timer: measure.Timer) -> dict[str, list[float]]:
-    """Each step's time in every round; round r starts with the r-th step (the order rotates)."""
+def _time_in_rounds(steps: dict, input_sets, rounds: int, timer: measure.Timer) -> dict[str, list]:
+    """Each step's time in every round, and on a GPU its device and host parts (`Timer.last`);
+    round r starts with the r-th step (the order rotates)."""
     names = list(steps)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, list] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(timer.time_step(steps[name], input_sets))
+            timer.last = None
+            ms = timer.time_step(steps[name], input_sets)
+            times[name].append((ms, timer.last))
     return times
 
 
@@ -193,11 +196,16 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
             steps[compiler] = step
         _free(s.device)
     s.progress(f"{case.key}: timing {len(steps)} in {s.rounds} round(s)")
-    for name, ms in _time_in_rounds(steps, input_sets, s.rounds, s.timer).items():
+    for name, timed in _time_in_rounds(steps, input_sets, s.rounds, s.timer).items():
         result = record["compilers"][name]
+        ms = [t for t, _ in timed]
         result["ms"] = statistics.median(ms)
         if len(ms) > 1:
             result["ms_rounds"] = ms
+        parts = [p for _, p in timed if p]
+        if parts:  # GPU: the call's time is the larger of these two
+            result["device_ms"] = statistics.median(p["device_ms"] for p in parts)
+            result["steady_ms"] = statistics.median(p["steady_ms"] for p in parts)
         result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device)
     del built, inputs, input_sets, ref, steps, eager
     torch._dynamo.reset()

@@ -1,7 +1,9 @@
 """Measuring: one step of a workload, timing, device ceilings, input rotation, peak memory, limits.
 
-GPU times are device-event medians (`triton.testing.do_bench`, which also flushes L2 before each
-call); CPU times are `time.perf_counter` medians over enough calls to fill a time budget. When a
+GPU times: the larger of a call's device time (the median of device events around it, each call
+after an L2 flush and a device-side wait that covers the host's latency) and its steady time
+(wall time per call over back-to-back calls): see `Timer`. CPU times are
+`time.perf_counter` medians over enough calls to fill a time budget. When a
 workload's inputs fit in the last-level cache (L2 on a GPU), calls rotate among several copies of
 them, so a call does not find its inputs already in cache. Ceilings are measured at the start of
 a run, never taken from datasheets: a large copy for bandwidth, a large matmul per dtype for FLOP/s.
@@ -178,19 +180,47 @@ def copies_of(inputs: tuple, n: int) -> list[tuple]:
     return out
 
 
+_FLUSH_BYTES = 256 << 20  # larger than any GPU's L2 (50 MB on the H100), as triton's do_bench
+
+
 @dataclass
 class Timer:
+    """Median times of calls.
+
+    On a GPU, `triton.testing.do_bench` alone (flush L2, record an event, call, record an event)
+    mixes in the host in a way that depends on the flush: the device idles between the events
+    whenever the host needs longer to launch the call's first kernel than the device needs for
+    the flush (~0.09 ms on an H100), and for a host-bound call it times the launches after the
+    flush ended. On the H100 machine (`scripts/gpu_timing_method_probe.py`,
+    docs/bench/gpu/h100/session10): eager addmm + gelu 0.431 ms by do_bench, 0.407 with the
+    host's latency hidden, 0.402 back to back; a 16-layer MLP at batch 1 (host-bound) 0.49 ms by
+    do_bench for ember, 0.65 ms per call back to back. So a call is measured twice:
+
+    - device: before each call, the L2 flush and then `torch.cuda._sleep` for longer than the
+      host needs to launch it, so the call's kernels are queued before the device reaches them;
+      device events around the call; the median;
+    - steady: wall time per call over back-to-back calls (the host runs ahead of the device
+      unless it is the bottleneck), synchronized at the end;
+
+    and the call's time is the larger: the device's time when it is the bottleneck, the host's
+    when that is. `last` keeps both. Ceilings (best=True) are do_bench's fastest call, as before.
+    """
+
     device: torch.device
     cpu_budget_s: float = 1.0  # CPU: time each variant for about this long
     gpu_rep_ms: int = 200
+    last: dict | None = None
+    _flush: torch.Tensor | None = None
+    _cycles_per_ms: float | None = None
 
     def median_ms(self, fn: Callable[[], object], best: bool = False) -> float:
         """Median ms of fn() (the fastest call instead, with best=True: for ceilings)."""
         if self.device.type == "cuda":
-            import triton.testing
+            if best:
+                import triton.testing
 
-            mode = "min" if best else "median"
-            return float(triton.testing.do_bench(fn, warmup=25, rep=self.gpu_rep_ms, return_mode=mode))
+                return float(triton.testing.do_bench(fn, warmup=25, rep=self.gpu_rep_ms, return_mode="min"))
+            return self._gpu_ms(fn)
         for _ in range(2):
             fn()
         times: list[float] = []
@@ -202,6 +232,56 @@ class Timer:
             times.append(dt * 1000)
             spent += dt
         return min(times) if best else statistics.median(times)
+
+    def _sleep_cycles_per_ms(self) -> float:
+        if self._cycles_per_ms is None:
+            cycles = 10_000_000
+            torch.cuda._sleep(cycles)  # the first call may load a module
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._cycles_per_ms = cycles / start.elapsed_time(end)
+        return self._cycles_per_ms
+
+    def _gpu_ms(self, fn: Callable[[], object]) -> float:
+        if self._flush is None:
+            self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
+        fn()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < 0.025:  # warm up for ~25 ms, as do_bench
+            fn()
+        # The host's latency (single calls, the device idle), to size the wait before each timed call.
+        latency = 0.0
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            latency = max(latency, (time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        # Steady: back to back for ~50 ms (at least 5 calls).
+        calls, begin = 0, time.perf_counter()
+        while calls < 5 or (time.perf_counter() - begin < 0.05 and calls < 1000):
+            fn()
+            calls += 1
+        torch.cuda.synchronize()
+        steady_ms = (time.perf_counter() - begin) * 1e3 / calls
+        # Device: each call after the flush and a wait of twice the host's latency (at most 50 ms).
+        wait = int(min(50.0, 2 * latency + 0.05) * self._sleep_cycles_per_ms())
+        reps = max(5, min(1000, int(self.gpu_rep_ms / (steady_ms + 2 * latency + 0.15))))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            self._flush.zero_()
+            torch.cuda._sleep(wait)
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        device_ms = statistics.median(start.elapsed_time(end) for start, end in events)
+        self.last = {"device_ms": device_ms, "steady_ms": steady_ms}
+        return max(device_ms, steady_ms)
 
     def time_step(self, step: Callable, input_sets: list[tuple]) -> float:
         """Median ms of step(*inputs), cycling through the input sets."""
