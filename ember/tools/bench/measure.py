@@ -2,7 +2,7 @@
 
 GPU times: the larger of a call's device time (the median of device events around it, each call
 after an L2 flush and a device-side wait that covers the host's latency) and its steady time
-(wall time per call over back-to-back calls): see `Timer`. CPU times are
+(per call over back-to-back calls): see `Timer`. CPU times are
 `time.perf_counter` medians over enough calls to fill a time budget. When a
 workload's inputs fit in the last-level cache (L2 on a GPU), calls rotate among several copies of
 them, so a call does not find its inputs already in cache. Ceilings are measured at the start of
@@ -199,8 +199,8 @@ class Timer:
     - device: before each call, the L2 flush and then `torch.cuda._sleep` for longer than the
       host needs to launch it, so the call's kernels are queued before the device reaches them;
       device events around the call; the median;
-    - steady: wall time per call over back-to-back calls (the host runs ahead of the device
-      unless it is the bottleneck), synchronized at the end;
+    - steady: device events around 5-50 calls back to back: the device's time per call when it
+      is the bottleneck, the host's when the device waits for its launches;
 
     and the call's time is the larger: the device's time when it is the bottleneck, the host's
     when that is. `last` keeps both. Ceilings (best=True) are do_bench's fastest call, as before.
@@ -261,13 +261,24 @@ class Timer:
             fn()
             latency = max(latency, (time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
-        # Steady: back to back for ~50 ms (at least 5 calls).
-        calls, begin = 0, time.perf_counter()
-        while calls < 5 or (time.perf_counter() - begin < 0.05 and calls < 1000):
+        # Device time of one call, for the number of calls below.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        estimate = max(start.elapsed_time(end), 1e-3)
+        # Steady: device events around 5-50 calls back to back (~30 ms), few enough that the host
+        # need not wait for room in the launch queue. (The host's clock around up to 1000 calls,
+        # ~50 ms of launching, measured eager addmm + gelu at 0.45 ms per call; events around 50
+        # calls, 0.40, as its device time.)
+        calls = max(5, min(50, int(30 / estimate)))
+        start.record()
+        for _ in range(calls):
             fn()
-            calls += 1
-        torch.cuda.synchronize()
-        steady_ms = (time.perf_counter() - begin) * 1e3 / calls
+        end.record()
+        end.synchronize()
+        steady_ms = start.elapsed_time(end) / calls
         # Device: each call after the flush and a wait of twice the host's latency (at most 50 ms).
         wait = int(min(50.0, 2 * latency + 0.05) * self._sleep_cycles_per_ms())
         reps = max(5, min(1000, int(self.gpu_rep_ms / (steady_ms + 2 * latency + 0.15))))
