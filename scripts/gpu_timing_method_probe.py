@@ -9,8 +9,8 @@ call three ways:
 - `do_bench`: as the harness (256 MB flush, median);
 - `big_flush`: the same with a 2 GB flush (~0.7 ms of GPU work: hides any host latency);
 - `back_to_back`: CUDA events around 50 calls in a row (no flush; the host runs ahead);
-- `timer`: the harness's `measure.Timer` (device time with the host hidden, and steady time back to
-  back; the larger reported).
+- `timer`: the harness's `measure.Timer` (device time with the host hidden, and host time per
+  call launched back to back; the larger reported).
 
 If `do_bench` is above `big_flush` for a compiler, the harness measured its host latency too.
 

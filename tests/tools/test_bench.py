@@ -121,12 +121,11 @@ def test_mismatch_is_reported_not_timed():
 
 
 def test_host_bound_gpu_time_is_marked():
-    """On a GPU a call's time is the larger of its device and steady times; the table marks a
-    host-bound one."""
+    """On a GPU a call's time is the larger of its device and host times; the table says which."""
     case = {
         "compilers": {
-            "eager": {"status": "ok", "ms": 0.5, "device_ms": 0.3, "steady_ms": 0.5},
-            "ember": {"status": "ok", "ms": 0.4, "device_ms": 0.4, "steady_ms": 0.39},
+            "eager": {"status": "ok", "ms": 0.5, "device_ms": 0.3, "host_ms": 0.5},
+            "ember": {"status": "ok", "ms": 0.4, "device_ms": 0.4, "host_ms": 0.1},
         }
     }
     assert report._cell_ms(case, "eager") == "0.500 (host)"

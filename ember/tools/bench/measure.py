@@ -1,8 +1,8 @@
 """Measuring: one step of a workload, timing, device ceilings, input rotation, peak memory, limits.
 
 GPU times: the larger of a call's device time (the median of device events around it, each call
-after an L2 flush and a device-side wait that covers the host's latency) and its steady time
-(per call over back-to-back calls): see `Timer`. CPU times are
+after an L2 flush and a device-side wait that covers the host's latency) and its host time
+(the host's clock around calls launched back to back): see `Timer`. CPU times are
 `time.perf_counter` medians over enough calls to fill a time budget. When a
 workload's inputs fit in the last-level cache (L2 on a GPU), calls rotate among several copies of
 them, so a call does not find its inputs already in cache. Ceilings are measured at the start of
@@ -190,20 +190,20 @@ class Timer:
     On a GPU, `triton.testing.do_bench` alone (flush L2, record an event, call, record an event)
     mixes in the host in a way that depends on the flush: the device idles between the events
     whenever the host needs longer to launch the call's first kernel than the device needs for
-    the flush (~0.09 ms on an H100), and for a host-bound call it times the launches after the
-    flush ended. On the H100 machine (`scripts/gpu_timing_method_probe.py`,
+    the flush (~0.09 ms on an H100), and for a host-bound call it times only the launches made
+    after the flush ended. On the H100 machine (`scripts/gpu_timing_method_probe.py`,
     docs/bench/gpu/h100/session10): eager addmm + gelu 0.431 ms by do_bench, 0.407 with the
     host's latency hidden, 0.402 back to back; a 16-layer MLP at batch 1 (host-bound) 0.49 ms by
-    do_bench for ember, 0.65 ms per call back to back. So a call is measured twice:
+    do_bench for ember, 0.52-0.65 ms per call back to back. So a call is measured twice:
 
     - device: before each call, the L2 flush and then `torch.cuda._sleep` for longer than the
       host needs to launch it, so the call's kernels are queued before the device reaches them;
       device events around the call; the median;
-    - steady: device events around 5-50 calls back to back: the device's time per call when it
-      is the bottleneck, the host's when the device waits for its launches;
+    - host: the host's clock around a few calls launched back to back onto an idle device, per
+      call;
 
-    and the call's time is the larger: the device's time when it is the bottleneck, the host's
-    when that is. `last` keeps both. Ceilings (best=True) are do_bench's fastest call, as before.
+    and the call's time is the larger: what each of many calls in a row takes when the host and
+    the device overlap. `last` keeps both. Ceilings (best=True) are do_bench's fastest call.
     """
 
     device: torch.device
@@ -261,27 +261,25 @@ class Timer:
             fn()
             latency = max(latency, (time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
-        # Device time of one call, for the number of calls below.
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         estimate = max(start.elapsed_time(end), 1e-3)
-        # Steady: device events around 5-50 calls back to back (~30 ms), few enough that the host
-        # need not wait for room in the launch queue. (The host's clock around up to 1000 calls,
-        # ~50 ms of launching, measured eager addmm + gelu at 0.45 ms per call; events around 50
-        # calls, 0.40, as its device time.)
-        calls = max(5, min(50, int(30 / estimate)))
-        start.record()
+        # Host: 3-20 calls back to back, few enough that no launch waits for room in the queue.
+        # (Device events around 50 such calls instead measured eager addmm + gelu at 0.455 ms per
+        # call right after the warm-up's sustained load, 0.395 without it: the clocks drop.)
+        calls = max(3, min(20, int(30 / estimate)))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         for _ in range(calls):
             fn()
-        end.record()
-        end.synchronize()
-        steady_ms = start.elapsed_time(end) / calls
+        host_ms = (time.perf_counter() - t) * 1e3 / calls
+        torch.cuda.synchronize()
         # Device: each call after the flush and a wait of twice the host's latency (at most 50 ms).
         wait = int(min(50.0, 2 * latency + 0.05) * self._sleep_cycles_per_ms())
-        reps = max(5, min(1000, int(self.gpu_rep_ms / (steady_ms + 2 * latency + 0.15))))
+        reps = max(5, min(1000, int(self.gpu_rep_ms / (estimate + 2 * latency + 0.15))))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
             self._flush.zero_()
@@ -291,8 +289,8 @@ class Timer:
             end.record()
         torch.cuda.synchronize()
         device_ms = statistics.median(start.elapsed_time(end) for start, end in events)
-        self.last = {"device_ms": device_ms, "steady_ms": steady_ms}
-        return max(device_ms, steady_ms)
+        self.last = {"device_ms": device_ms, "host_ms": host_ms}
+        return max(device_ms, host_ms)
 
     def time_step(self, step: Callable, input_sets: list[tuple]) -> float:
         """Median ms of step(*inputs), cycling through the input sets."""

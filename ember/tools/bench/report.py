@@ -113,9 +113,8 @@ def _cell_ms(case: dict, compiler: str) -> str:
     if c is None:
         return "-"
     status = c.get("status")
-    # On a GPU the time is the larger of the device's time and the steady (back-to-back) time;
-    # "(host)" marks a call whose steady time is well above its device time: the host's bound.
-    host = " (host)" if c.get("steady_ms", 0) > 1.05 * c.get("device_ms", math.inf) else ""
+    # On a GPU the time is the larger of the device's and the host's; "(host)" marks the host's.
+    host = " (host)" if c.get("host_ms", 0) > c.get("device_ms", math.inf) else ""
     if status == "ok":
         return f"{c['ms']:.3f}{host}"
     if status == "fell back":
