@@ -167,7 +167,10 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         # Several short rows per program; keep about 4K elements per program in flight.
         xblock = max(1, min(4096 // rblock, _next_pow2(max(1, xhint // 264))))
         elems = xblock * rblock
-        num_warps = max(2, min(16, elems // 512))
+        # One warp per 512 elements, up to 16; a row of 8192 or more gets 32 (H100, softmax over
+        # [8192, 8192] fp32: 0.1831 ms with 32 warps, 0.1837 with 16; Inductor 0.183;
+        # docs/bench/gpu/h100/session10/softmax_reduction_sweep.jsonl).
+        num_warps = 32 if elems >= 8192 else max(2, min(16, elems // 512))
         return LaunchConfig(xblock, rblock, _pow2_floor(num_warps), True)
     # An online softmax keeps two accumulators per lane: a smaller chunk, same warps (H100,
     # cross_entropy over 50257 columns: 0.619 ms at 1024 vs 0.655 at 2048; 4096 and 8192 slower;
