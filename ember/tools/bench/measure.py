@@ -2,7 +2,7 @@
 
 GPU times: the larger of a call's device time (the median of device events around it, each call
 after an L2 flush and a device-side wait that covers the host's latency) and its host time
-(the host's clock around calls launched back to back): see `Timer`. CPU times are
+(the host's clock around calls launched back to back while the device sleeps): see `Timer`. CPU times are
 `time.perf_counter` medians over enough calls to fill a time budget. When a
 workload's inputs fit in the last-level cache (L2 on a GPU), calls rotate among several copies of
 them, so a call does not find its inputs already in cache. Ceilings are measured at the start of
@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -199,8 +199,8 @@ class Timer:
     - device: before each call, the L2 flush and then `torch.cuda._sleep` for longer than the
       host needs to launch it, so the call's kernels are queued before the device reaches them;
       device events around the call; the median;
-    - host: the host's clock around a few calls launched back to back onto an idle device, per
-      call;
+    - host: the host's clock around up to 20 calls launched back to back while the device
+      sleeps (so no launch waits for it), per call;
 
     and the call's time is the larger: what each of many calls in a row takes when the host and
     the device overlap. `last` keeps both. Ceilings (best=True) are do_bench's fastest call.
@@ -210,8 +210,8 @@ class Timer:
     cpu_budget_s: float = 1.0  # CPU: time each variant for about this long
     gpu_rep_ms: int = 200
     last: dict | None = None
-    _flush: torch.Tensor | None = None
-    _cycles_per_ms: float | None = None
+    _flush: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _cycles_per_ms: float | None = field(default=None, init=False, repr=False, compare=False)
 
     def median_ms(self, fn: Callable[[], object], best: bool = False) -> float:
         """Median ms of fn() (the fastest call instead, with best=True: for ceilings)."""
@@ -220,7 +220,8 @@ class Timer:
                 import triton.testing
 
                 return float(triton.testing.do_bench(fn, warmup=25, rep=self.gpu_rep_ms, return_mode="min"))
-            return self._gpu_ms(fn)
+            with torch.cuda.device(self.device):
+                return self._gpu_ms(fn)
         for _ in range(2):
             fn()
         times: list[float] = []
@@ -245,6 +246,29 @@ class Timer:
             self._cycles_per_ms = cycles / start.elapsed_time(end)
         return self._cycles_per_ms
 
+    def _host_ms(self, fn: Callable[[], object], latency: float, single: float) -> float:
+        """The host's time per call: its clock around up to 20 calls launched back to back while
+        the device sleeps, so no launch waits for the device. If the launch queue fills (~1024
+        launches on the H100: a model's training step can make hundreds per call) the host blocks
+        until the device wakes; then fewer calls, down to one."""
+        calls = max(1, min(20, int(20 / max(latency, 1e-3))))  # ~20 ms of launching
+        while True:
+            asleep = calls * latency * 3 + 1.0  # ms
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(asleep * self._sleep_cycles_per_ms()))
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            spent = (time.perf_counter() - t) * 1e3
+            torch.cuda.synchronize()
+            if spent < 0.8 * asleep:
+                return spent / calls
+            if calls == 1:
+                # One call fills the queue by itself: it waited for the sleep. Take its time with
+                # the device awake (`single`); the device then sets the pace of its launches.
+                return single
+            calls //= 2
+
     def _gpu_ms(self, fn: Callable[[], object]) -> float:
         if self._flush is None:
             self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
@@ -253,30 +277,22 @@ class Timer:
         begin = time.perf_counter()
         while time.perf_counter() - begin < 0.025:  # warm up for ~25 ms, as do_bench
             fn()
-        # The host's latency (single calls, the device idle), to size the wait before each timed call.
-        latency = 0.0
+        # The host's latency (single calls, the device idle), to size the waits below.
+        singles = []
         for _ in range(5):
             torch.cuda.synchronize()
             t = time.perf_counter()
             fn()
-            latency = max(latency, (time.perf_counter() - t) * 1e3)
+            singles.append((time.perf_counter() - t) * 1e3)
         torch.cuda.synchronize()
+        latency = max(singles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
         estimate = max(start.elapsed_time(end), 1e-3)
-        # Host: 3-20 calls back to back, few enough that no launch waits for room in the queue.
-        # (Device events around 50 such calls instead measured eager addmm + gelu at 0.455 ms per
-        # call right after the warm-up's sustained load, 0.395 without it: the clocks drop.)
-        calls = max(3, min(20, int(30 / estimate)))
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host_ms = (time.perf_counter() - t) * 1e3 / calls
-        torch.cuda.synchronize()
+        host_ms = self._host_ms(fn, latency, statistics.median(singles))
         # Device: each call after the flush and a wait of twice the host's latency (at most 50 ms).
         wait = int(min(50.0, 2 * latency + 0.05) * self._sleep_cycles_per_ms())
         reps = max(5, min(1000, int(self.gpu_rep_ms / (estimate + 2 * latency + 0.15))))
