@@ -18,24 +18,9 @@ import json
 
 import torch
 import torch.nn.functional as F
+from gpu_sdpa_backend_probe import median_ms  # this directory is on sys.path when run as a script
 
 aten = torch.ops.aten
-
-
-def median_ms(fn, reps: int = 40) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main() -> None:
