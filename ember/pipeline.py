@@ -132,7 +132,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     from ember.ir.cse import eliminate_common_subexpressions
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
-    from ember.schedule.split import TARGET_PARTIALS, split_reductions
+    from ember.schedule.split import split_reductions
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
@@ -149,9 +149,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         backend = select_backend(device)
         report.backend = backend.name
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
-        # programs such a kernel should have; the split sizes the sums' chunks for it.
-        row_programs = backend.row_programs() if hasattr(backend, "row_programs") else 0
-        split_reductions(graph, row_programs, getattr(backend, "split_partials", TARGET_PARTIALS))
+        # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
+        row_programs = backend.row_programs()
+        split_reductions(graph, row_programs, backend.split_partials)
         _check(graph, "split_reductions")
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
         sched = schedule(

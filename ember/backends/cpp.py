@@ -21,6 +21,7 @@ from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.render import print_index
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import Kernel
+from ember.schedule.split import TARGET_PARTIALS
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -98,6 +99,11 @@ def _host_cpu() -> str:
 
 class CppBackend:
     name = "cpp"
+    split_partials = TARGET_PARTIALS  # split.py's default: C++ reduces columns in loops of its own
+
+    def row_programs(self) -> int:
+        """0: C++ does not render row kernels that also sum columns (kernel.KColumnPartial)."""
+        return 0
 
     def __init__(self):
         self.cxx = config.get("cxx")
