@@ -116,6 +116,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# A column sum of fewer columns leaves few programs of 32 columns (under 4 per H100 SM): each
+# takes longer steps (launch_config).
+FEW_COLUMNS = 16384
+
+
 def launch_config(kernel: Kernel) -> LaunchConfig:
     """Block sizes from sizes alone (no autotuning yet): big enough to fill the machine."""
     outer = [s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r]
@@ -154,10 +159,19 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   also when a program walks a chunk of 1024 rows or more; 32 rows a step, 4 warps.
         #   bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]: 23.1, was 33.8. In
         #   gpt2_blocks training the 8 of them took 287 us, were 374.
+        # - batch norm's statistics and gradient sums (channels-last [64, C, H, W] split by image,
+        #   scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11) take 32 columns by 128
+        #   rows a step with 8 warps: with one tile input (x for the mean) when a program walks
+        #   2048 rows or more ([64, 256, 56, 56]: mean and variance partials 65 + 124 -> 44 + 42
+        #   us); with several when there are fewer than FEW_COLUMNS ([64, 64, 112, 112]: the
+        #   gradient sums 233 -> 118 us). With more columns, 32 x 32 stays ([64, 256, 56, 56]: 110
+        #   us against 135).
+        long_steps = LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
         if len(tiles) < 2:
-            if xhint >= 64 * 132:
-                return LaunchConfig(64, 8, 4, False)
-            return LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
+            long_chunks = rnumel.is_Integer and int(rnumel) >= 2048
+            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and not long_chunks else long_steps
+        if xhint < FEW_COLUMNS:
+            return long_steps
         rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
         widest = max(load.buffer.dtype.itemsize for load, _, _ in tiles)
         xblock = 32 if rhint >= 1024 or widest >= 4 else 64

@@ -182,8 +182,9 @@ class Scheduler:
 
     def _shared_pointwise(self, realized: set[Value]) -> list[Value]:
         """Pointwise values worth computing once: read by several consumers, and built from
-        several buffers. Inlining those into every consumer would re-read all their inputs
-        each time (a residual stream inlined into each layer's norm grows with depth).
+        several buffers whose bytes outweigh the value's (`worth_storing`). Inlining those into
+        every consumer would re-read all their inputs each time (a residual stream inlined into
+        each layer's norm grows with depth).
         A realized value costs nothing when its consumers fuse with it: it is stored only if
         a kernel outside its own reads it.
         """
@@ -212,7 +213,7 @@ class Scheduler:
             # Buffers much smaller than v (batch norm's per-channel mean under x - mean) are re-read
             # from cache by each consumer: only buffers of about v's size make inlining costly.
             large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
-            if v in realized or (users.get(v, 0) >= 2 and len(large) >= 2):
+            if v in realized or worth_storing(users.get(v, 0), [b.dtype.itemsize for b in large], v.dtype.itemsize):
                 if v not in realized:
                     chosen.append(v)
                 reads[v] = frozenset({v})
@@ -491,6 +492,21 @@ class Scheduler:
     def _aliases_after(self, step: Step) -> list[AliasStep]:
         outs = set(step_outputs(step))
         return [a for a in self.aliases.values() if a.base in outs]
+
+
+def worth_storing(readers: int, large_itemsizes: list[int], itemsize: int) -> bool:
+    """Whether a pointwise value read by `readers` kernels is cheaper stored once than recomputed
+    in each, counting bytes per element: recomputing re-reads its large inputs in every reader;
+    storing reads them once, writes the value, and each reader but the one that fuses with it
+    (usually one does) reads it back. Ties store (a residual stream, x + a in bf16).
+
+    Batch norm's backward `where(relu_mask, 0, grad)` (1 + 2 bytes in, 2 out) is recomputed by
+    its two readers: after a split neither fuses with it, and storing it cost a write and two
+    reads of the gradient's size per layer. Two large inputs at least: one input is never worth a
+    buffer of its own."""
+    if readers < 2 or len(large_itemsizes) < 2:
+        return False
+    return (readers - 1) * sum(large_itemsizes) >= readers * itemsize
 
 
 def _check_column_partials(kernel: Kernel) -> None:

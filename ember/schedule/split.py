@@ -26,6 +26,8 @@ MAX_OUTPUTS = 8192
 # ... and at least this many elements per output; each chunk keeps at least MIN_CHUNK.
 MIN_REDUCE = 4096
 MIN_CHUNK = 256
+# ... or this many, for a column reduction on a target with row programs (a GPU): two chunks.
+MIN_COLUMN_REDUCE = 2 * MIN_CHUNK
 # Aim for about this many independent partial results in the first stage (a target may ask for
 # more: split_reductions' `target_partials`).
 TARGET_PARTIALS = 32768
@@ -77,6 +79,28 @@ def _column_chunk(rows: int, row: int, row_programs: int) -> int:
     return chunk if rows % chunk == 0 and rows // chunk >= 2 else 0
 
 
+def _sources(v, memo: dict) -> frozenset:
+    """The buffers a value is computed from through pointwise ops and views."""
+    if v not in memo:
+        n = v.node
+        if n.op in ("pointwise", "cast", "view"):
+            memo[v] = frozenset().union(*(_sources(u, memo) for u in n.value_inputs()))
+        else:
+            memo[v] = frozenset({v})
+    return memo[v]
+
+
+def _contiguous_dim(x) -> int:
+    """The dim of x along which memory runs: that of a buffer of x's shape it is computed from
+    (a channels-last activation's C), else the last."""
+    for b in _sources(x, {}):
+        if b.shape == x.shape and b.stride is not None:
+            ones = [k for k, st in enumerate(b.stride) if st == 1 and b.shape[k] != 1]
+            if len(ones) == 1:
+                return ones[0]
+    return len(x.shape) - 1
+
+
 def _row_kernel_beside(graph: Graph, node: Node) -> bool:
     """Whether a reduction along the rows of the column sum's input reads a buffer that input is
     computed from (a LayerNorm backward's input gradient beside its weight gradient): only then can
@@ -84,17 +108,7 @@ def _row_kernel_beside(graph: Graph, node: Node) -> bool:
     alone keeps the chunks sized for a column kernel of its own."""
     (x,) = node.inputs
     leaves: dict = {}
-
-    def sources(v) -> frozenset:
-        """The buffers a value is computed from through pointwise ops and views."""
-        if v not in leaves:
-            n = v.node
-            if n.op in ("pointwise", "cast", "view"):
-                leaves[v] = frozenset().union(*(sources(u) for u in n.value_inputs()))
-            else:
-                leaves[v] = frozenset({v})
-        return leaves[v]
-
+    sources = lambda v: _sources(v, leaves)
     mine = {b for b in sources(x) if b.shape == x.shape}
     trailing = tuple(range(len(x.shape) - 1, len(x.shape)))
     for other in graph.nodes:
@@ -124,7 +138,13 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
         outputs = product(s for k, s in enumerate(x.shape) if k not in dims)
         if not (reduce.is_Integer and outputs.is_Integer):
             continue
-        if int(outputs) >= MAX_OUTPUTS or int(reduce) < MIN_REDUCE:
+        # A column reduction (the contiguous dim kept) on a GPU gets a few dozen outputs per
+        # program (codegen/triton.py), not one: batch norm over ResNet-50's last stage (2048
+        # channels, 64 x 7 x 7 rows) made 64 programs walking 3136 rows each, 93 us per backward
+        # where the bytes take 4. Such reductions split from far fewer rows.
+        column = _contiguous_dim(x) not in dims
+        min_reduce = MIN_COLUMN_REDUCE if row_programs and column else MIN_REDUCE
+        if int(outputs) >= MAX_OUTPUTS or int(reduce) < min_reduce:
             continue
         if list(dims) == list(range(dims[0], dims[0] + len(dims))):
             # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
@@ -140,7 +160,7 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
                 continue
             _rewrite_run(graph, node, s)
         else:
-            s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]])
+            s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]], target_partials)
             if s < 2:
                 continue
             _rewrite_first_dim(graph, node, s)
@@ -148,12 +168,17 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
     return count
 
 
-def _split_factor_of_dim(outputs: int, reduce: int, size) -> int:
-    """The factor splitting one reduced dim of `size` (which must divide it)."""
+def _split_factor_of_dim(outputs: int, reduce: int, size, target_partials: int = TARGET_PARTIALS) -> int:
+    """The factor splitting one reduced dim of `size` (which must divide it).
+
+    Only the leading reduced dim splits. Splitting the next one too (batch norm over ResNet-50's
+    64-channel layers has only 64 images to split by) put the chunk dim after the channels, so
+    the partial kernel's outputs no longer ran along memory: 3-4x slower on the H100
+    (scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11)."""
     if not size.is_Integer:
         return 1
     s = 1
-    while int(size) % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= TARGET_PARTIALS:
+    while int(size) % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
         s *= 2
     return s
 

@@ -4,9 +4,11 @@ rows contiguous along the reduced dim stay persistent."""
 
 from __future__ import annotations
 
+import sympy
 import torch
 
-from ember.codegen.triton import launch_config
+from ember.backends.triton import TritonBackend
+from ember.codegen.triton import FEW_COLUMNS, launch_config
 from ember.schedule.split import split_reductions
 from tests.schedule.test_fusion import G
 
@@ -17,9 +19,10 @@ def _cast(b: G, x, dtype=torch.float32):
     return b.g.add("cast", [x], {"dtype": dtype}, [(x.shape, dtype, None)], origin="_to_copy").out
 
 
-def _split_and_schedule(b: G, out):
+def _split_and_schedule(b: G, out, row_programs: int = 0):
+    """Split as the pipeline does for the Triton backend (its target of partial results)."""
     b.g.outputs = [out]
-    assert split_reductions(b.g) == 1
+    assert split_reductions(b.g, row_programs, TritonBackend.split_partials) == 1
     return b.schedule(*b.g.outputs).kernels
 
 
@@ -55,6 +58,31 @@ def test_bias_gradient_split_across_two_dims_is_tiled_across_rows():
     # programs than SMs, so it takes narrower, taller tiles.
     (second,) = [k for k in kernels if g not in k.reads]
     assert (launch_config(second).xblock, launch_config(second).rblock) == (32, 128)
+
+
+def test_batch_norm_sums_take_long_steps():
+    # Batch norm's statistics over a channels-last [64, C, H, W] activation split by image: one
+    # program per 32 channels of one image. Reading x alone with chunks of 2048 rows or more, or
+    # several inputs with fewer than FEW_COLUMNS partial columns, a step covers 128 rows (8 warps).
+    def sums(c, hw, grads: bool):
+        b = G()
+        shape = tuple(sympy.Integer(v) for v in (64, c, hw, hw))
+        channels_last = tuple(sympy.Integer(v) for v in (hw * hw * c, 1, hw * c, c))
+        x = b.g.add_input(shape, BF16, channels_last)
+        xf = _cast(b, x)
+        if grads:
+            g = b.g.add_input(shape, BF16, channels_last)
+            xf = b.pw("mul", xf, _cast(b, g))
+        kernels = _split_and_schedule(b, b.reduce("sum", xf, (0, 2, 3)), row_programs=132)
+        cfg = launch_config(_big_reader(kernels, x))
+        return not cfg.persistent, (cfg.xblock, cfg.rblock, cfg.num_warps)
+
+    assert sums(256, 56, grads=False) == (True, (32, 128, 8))  # 64 chunks of 3136 rows
+    assert sums(64, 112, grads=True) == (True, (32, 128, 8))  # 64 x 64 partial columns
+    assert 256 * 64 >= FEW_COLUMNS and sums(256, 56, grads=True) == (True, (32, 32, 4))
+    # ResNet-50's last stage: 7 x 7 x 64 = 3136 rows per channel split although under MIN_REDUCE,
+    # as a column reduction on a target with row programs.
+    assert sums(2048, 7, grads=True)[0]
 
 
 def test_target_partials_sizes_the_chunks_of_a_column_sum():

@@ -228,3 +228,27 @@ def test_schedule_orders_producers_first():
     y = b.pw("add", x, s)  # not fusable (see above): the sum's kernel must come first
     steps = [st for st in b.schedule(y).steps if isinstance(st, KernelStep)]
     assert s in steps[0].kernel.writes and y in steps[1].kernel.writes
+
+
+def test_shared_pointwise_is_stored_only_when_that_moves_fewer_bytes():
+    # A value read by two kernels (a column sum and a pointwise consumer): realized (computed once,
+    # a kernel of its own when nothing fuses) when re-reading its inputs in both would move more
+    # bytes than writing it once and reading it back.
+    BF16, F32 = torch.bfloat16, torch.float32
+
+    def stored(dtype_in, dtype_out, mask: bool) -> bool:
+        b = G()
+        first = b.input(64, 256, dtype=torch.bool if mask else dtype_in)
+        second = b.input(64, 256, dtype=dtype_in)
+        if mask:  # batch norm backward's where(relu_mask, 0, grad)
+            v = b.pw("where", first, 0.0, second, dtype=dtype_out)
+        else:  # a residual sum
+            v = b.pw("add", first, second, dtype=dtype_out)
+        col = b.reduce("sum", v, (0,))
+        out = b.pw("mul", v, b.input(64, 256, dtype=dtype_out), dtype=dtype_out)
+        return any(v in k.writes for k in b.schedule(col, out, fuse=False).kernels)
+
+    assert not stored(BF16, BF16, mask=True)  # 1 + 2 bytes in, 2 out: recomputed by both readers
+    assert stored(F32, F32, mask=False)  # 4 + 4 bytes in, 4 out: a tie, stored
+    assert stored(BF16, BF16, mask=False)  # 2 + 2 in, 2 out: a tie, stored
+    assert not stored(F32, F32, mask=True)  # 1 + 4 in, 4 out
