@@ -353,7 +353,10 @@ class KernelBuilder:
 
     def load(self, value: Value, index: list[Expr]) -> KNode:
         offset = sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0))
-        offset = simplify_index(sympy.expand(offset), self.ranges)
+        # A loop of extent 1 is at 0: a load indexed by it does not vary along it (a split's
+        # [S, N/S] chunks with S = N read each chunk's first row once, not once per step).
+        ones = {v: 0 for v in offset.free_symbols if self.ranges.get(v) == 1}
+        offset = simplify_index(sympy.expand(offset.subs(ones) if ones else offset), self.ranges)
         self.reads.setdefault(value, None)
         full = bool(offset.free_symbols & self.reduce_vars)
         raw = self._intern(("load", value.id, offset), lambda: KLoad(value.dtype, full, 0, value, offset))

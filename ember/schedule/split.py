@@ -14,10 +14,12 @@ H100: 2 programs of 64 channels each walking 200,704 rows, 97 ms vs eager's 26 m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy
 
 from ember.ir import dtypes
-from ember.ir.graph import Graph, Node
+from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import product
 from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW
 
@@ -129,8 +131,14 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
     rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
     accumulate, at least that many of them, rather than for a column kernel of its own."""
     count = 0
+    splits: dict[Value, _Split] = {}  # by the value that replaced each split sum
     for node in list(graph.nodes):
         if node.op != "reduce" or node.attrs["kind"] not in ("sum", "max", "min"):
+            continue
+        mean_split = _split_mean_of_variance(node, splits)
+        if mean_split is not None:
+            _rewrite_variance(graph, node, mean_split)
+            count += 1
             continue
         (x,) = node.inputs
         dims = tuple(node.attrs["dims"])
@@ -158,12 +166,13 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce), target_partials)
             if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
-            _rewrite_run(graph, node, s)
+            done = _rewrite_run(graph, node, s)
         else:
             s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]], target_partials)
             if s < 2:
                 continue
-            _rewrite_first_dim(graph, node, s)
+            done = _rewrite_first_dim(graph, node, s)
+        splits[done.replaced_by] = done
         count += 1
     return count
 
@@ -183,16 +192,36 @@ def _split_factor_of_dim(outputs: int, reduce: int, size, target_partials: int =
     return s
 
 
-def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> None:
+def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> _Split:
     """sum over dims D of x = sum over S of (sum over D of x with D's first dim split [S, n/S])."""
     (x,) = node.inputs
     dims = tuple(node.attrs["dims"])
     d0 = dims[0]
     chunked = x.shape[:d0] + (sympy.Integer(s), x.shape[d0] / s) + x.shape[d0 + 1 :]
-    _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0)
+    return _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0)
 
 
-def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int) -> None:
+@dataclass(frozen=True)
+class _Split:
+    """A sum split in two stages: `x` viewed as `chunked` (`view`), summed over `partial_dims`
+    into `partial`, whose dim `at_s` (the chunks) `final` sums; `replaced_by` took the sum's
+    place (`final`, or its keepdim view)."""
+
+    x: Value
+    dims: tuple
+    view: Value
+    partial_dims: tuple
+    partial: Value
+    at_s: int
+    final: Value
+    replaced_by: Value
+
+    @property
+    def chunk_rows(self):
+        return product(self.view.shape[d] for d in self.partial_dims)
+
+
+def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int) -> _Split:
     """Replace `node` by: x viewed as `chunked` (its S chunks at dim s_dim), reduced over
     partial_dims into partials, then over the chunks."""
     (x,) = node.inputs
@@ -213,9 +242,85 @@ def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s
             dtypes.compute_dtype(out.dtype),
         )
         final = add("reduce", [partial], {"kind": kind, "dims": (at_s,), "keepdim": False}, final_shape, out.dtype)
+        replaced_by = final
         if node.attrs["keepdim"]:
-            final = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
-    graph.replace_uses(out, final)
+            replaced_by = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
+    graph.replace_uses(out, replaced_by)
+    return _Split(x, tuple(node.attrs["dims"]), view, partial_dims, partial, at_s, final, replaced_by)
+
+
+def _split_mean_of_variance(node: Node, splits: dict) -> _Split | None:
+    """When `node` sums (x - mean)^2 over the dims that `mean` averaged x over, and that mean's sum
+    was split: the split (var_mean's lowering, frontend/lowerings.py, as batch norm's training
+    statistics use it)."""
+    if node.attrs["kind"] != "sum":
+        return None
+    square = node.inputs[0].node
+    if square.op != "pointwise" or square.attrs.get("fn") != "mul" or square.inputs[0] is not square.inputs[1]:
+        return None
+    diff = square.inputs[0].node
+    if diff.op != "pointwise" or diff.attrs.get("fn") != "sub" or not all(isinstance(v, Value) for v in diff.inputs):
+        return None
+    x, mean = diff.inputs
+    if mean.node.op != "pointwise" or mean.node.attrs.get("fn") != "truediv":
+        return None
+    total, count = mean.node.inputs
+    split = splits.get(total)
+    if split is None or split.dims != tuple(node.attrs["dims"]) or split.final.node.attrs["kind"] != "sum":
+        return None
+    summed = split.x
+    if not (summed is x or (summed.node.op == "cast" and summed.node.inputs[0] is x)):
+        return None
+    rows = product(x.shape[d] for d in split.dims)
+    if isinstance(count, Value) or sympy.sympify(count) != rows:
+        return None
+    return split
+
+
+def _rewrite_variance(graph: Graph, node: Node, mean: _Split) -> None:
+    """sum over D of (x - mean)^2 from the chunks the mean's sum was split into, in the one pass
+    over x that already sums each chunk:
+
+    - each chunk's own squared deviations, from sums shifted by the chunk's first element k_i:
+      M2_i = sum (x - k_i)^2 - (sum (x - k_i))^2 / n_c. The shift keeps the cancellation small (k_i
+      is one of the chunk's values, so (mean_i - k_i)^2 is of the order of the chunk's variance);
+    - Chan et al.'s pairwise combination: sum_i M2_i + n_c * sum_i (mean_i - mean)^2.
+
+    The two-pass form read x twice: once for the mean, once for the variance about it (ResNet-50's
+    batch norm statistics on the H100: 102.8 MB read in 84 + 65 us for [64, 256, 56, 56])."""
+    out = node.out
+    acc = mean.partial.dtype
+    view, partial, final = mean.view, mean.partial, mean.final
+    rows = float(product(mean.x.shape[d] for d in mean.dims))
+    chunk_rows = float(mean.chunk_rows)
+    with _InsertAt(graph, node) as add:
+
+        def pw(fn, a, b, shape):
+            return add("pointwise", [a, b], {"fn": fn}, shape, acc)
+
+        def chunk_sum(v):
+            return add("reduce", [v], {"kind": "sum", "dims": mean.partial_dims, "keepdim": False}, partial.shape, acc)
+
+        first = view
+        for d in mean.partial_dims:
+            shape = first.shape[:d] + (sympy.Integer(1),) + first.shape[d + 1 :]
+            first = add("view", [first], {"kind": "slice", "dim": d, "start": 0, "end": 1, "step": 1}, shape, acc)
+        shifted = pw("sub", view, first, view.shape)
+        s1, s2 = chunk_sum(shifted), chunk_sum(pw("mul", shifted, shifted, view.shape))
+        chunk_m2 = pw(
+            "sub", s2, pw("truediv", pw("mul", s1, s1, partial.shape), chunk_rows, partial.shape), partial.shape
+        )
+        chunk_mean = pw("truediv", partial, chunk_rows, partial.shape)
+        total_mean = pw("truediv", final, rows, final.shape)
+        s_1 = final.shape[: mean.at_s] + (sympy.Integer(1),) + final.shape[mean.at_s :]
+        total_mean_1 = add("view", [total_mean], {"kind": "unsqueeze", "dim": mean.at_s}, s_1, acc)
+        shift = pw("sub", chunk_mean, total_mean_1, partial.shape)
+        between = pw("mul", pw("mul", shift, shift, partial.shape), chunk_rows, partial.shape)
+        terms = pw("add", chunk_m2, between, partial.shape)
+        m2 = add("reduce", [terms], {"kind": "sum", "dims": (mean.at_s,), "keepdim": False}, final.shape, out.dtype)
+        if node.attrs["keepdim"]:
+            m2 = add("view", [m2], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
+    graph.replace_uses(out, m2)
 
 
 class _InsertAt:
@@ -240,11 +345,11 @@ class _InsertAt:
         return False
 
 
-def _rewrite_run(graph: Graph, node: Node, s: int) -> None:
+def _rewrite_run(graph: Graph, node: Node, s: int) -> _Split:
     """sum over a contiguous run of dims = sum over S of sums over [S, R/S] chunks of the run."""
     (x,) = node.inputs
     dims = tuple(node.attrs["dims"])
     d0, d1 = dims[0], dims[-1]
     reduce = product(x.shape[d] for d in dims)
     chunked = x.shape[:d0] + (sympy.Integer(s), reduce / s) + x.shape[d1 + 1 :]
-    _two_stages(graph, node, chunked, (d0 + 1,), d0)
+    return _two_stages(graph, node, chunked, (d0 + 1,), d0)

@@ -57,3 +57,36 @@ def test_batch_norm_training_splits_its_statistics(backend, channels_last):
     assert stages, f"no reduction over the activation?\n{report.graphs}\n{line}"
     for k in stages:
         assert _outer_size(k.domain) == N * C, f"{k.name} over {k.domain}\n{report.graphs}\n{line}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_statistics_read_x_once(backend):
+    # var_mean over a split: each chunk's sum and its shifted sums in one pass (schedule/split.py:
+    # _rewrite_variance), then Chan's combination. The forward reads the activation twice in all:
+    # the statistics, then the normalization.
+    model = _model()
+    x = torch.randn(N, C, H, W).contiguous(memory_format=torch.channels_last)
+    line = f"repro: conv + BatchNorm2d + ReLU training forward, {backend}, [{N}, {C}, {H}, {W}] channels_last"
+    with reports() as report:
+        ember_compile(model.to(memory_format=torch.channels_last), backend)(x)
+    assert_no_fallback(report, line)
+    (forward,) = [g for g in report.graphs if g.kind == "forward"]
+    over_x = [k for k in forward.kernels if k.domain.endswith("r32, r32]") or k.domain == f"[{N}, {C}, {H}, {W}]"]
+    assert len(over_x) == 2, f"{[(k.name, k.domain, k.ops) for k in forward.kernels]}\n{line}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("offset", [0.0, 1e3, 1e5])
+def test_split_variance_is_accurate_far_from_zero(backend, offset):
+    # The shifted, chunked variance against float64, for data whose mean is far from 0 (where
+    # sum(x^2) - n * mean^2 in float32 would lose every digit): as close as float32 data allows.
+    torch.manual_seed(0)
+    x = (torch.randn(N, C, H, W) + offset).contiguous(memory_format=torch.channels_last)
+    fn = lambda t: torch.var_mean(t, dim=(0, 2, 3), correction=1)
+    line = f"repro: var_mean over (0, 2, 3), {backend}, offset {offset}"
+    var, mean = ember_compile(fn, backend)(x)
+    want_var, want_mean = (t.float() for t in fn(x.double()))
+    # float32 holds x itself to offset * 2^-24; the variance is ~1.
+    tol = max(1e-5, 4 * offset * 2**-24)
+    assert_close(var, want_var, rtol=tol, atol=tol, what="variance", line=line)
+    assert_close(mean, want_mean, rtol=1e-6, atol=tol, what="mean", line=line)
