@@ -161,15 +161,18 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   gpt2_blocks training the 8 of them took 287 us, were 374.
         # - batch norm's statistics and gradient sums (channels-last [64, C, H, W] split by image,
         #   scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11) take 32 columns by 128
-        #   rows a step with 8 warps: with one tile input (x for the mean) when a program walks
-        #   2048 rows or more ([64, 256, 56, 56]: mean and variance partials 65 + 124 -> 44 + 42
-        #   us); with several when there are fewer than FEW_COLUMNS ([64, 64, 112, 112]: the
+        #   rows a step with 8 warps: with one tile input (x, for the mean and the shifted sums of
+        #   schedule/split.py's variance) when there are several sums or a program walks 2048 rows
+        #   or more ([64, 256, 56, 56], the mean and variance partials of the two-pass form: 65 +
+        #   124 -> 44 + 42 us; [64, 2048, 7, 7], the one-pass statistics: 25.4 -> 14.6 us); with
+        #   several tile inputs when there are fewer than FEW_COLUMNS ([64, 64, 112, 112]: the
         #   gradient sums 233 -> 118 us). With more columns, 32 x 32 stays ([64, 256, 56, 56]: 110
         #   us against 135).
         long_steps = LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
         if len(tiles) < 2:
             long_chunks = rnumel.is_Integer and int(rnumel) >= 2048
-            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and not long_chunks else long_steps
+            one_sum = len(kernel.reduces) == 1  # a bias gradient, not batch norm's three statistics
+            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and one_sum and not long_chunks else long_steps
         if xhint < FEW_COLUMNS:
             return long_steps
         rhint = int(rnumel) if rnumel.is_Integer else 1 << 20

@@ -83,6 +83,20 @@ def test_batch_norm_sums_take_long_steps():
     # ResNet-50's last stage: 7 x 7 x 64 = 3136 rows per channel split although under MIN_REDUCE,
     # as a column reduction on a target with row programs.
     assert sums(2048, 7, grads=True)[0]
+    # There, the statistics (a sum and the variance's two shifted sums, one pass over x) take long
+    # steps too, where a lone sum of as many columns (a bias gradient) takes 64 x 8.
+    b = G()
+    shape = tuple(sympy.Integer(v) for v in (64, 2048, 7, 7))
+    x = b.g.add_input(shape, BF16, tuple(sympy.Integer(v) for v in (49 * 2048, 1, 7 * 2048, 2048)))
+    xf = _cast(b, x)
+    mean = b.pw("truediv", b.reduce("sum", xf, (0, 2, 3), keepdim=True), 3136)
+    diff = b.pw("sub", xf, mean)
+    var = b.reduce("sum", b.pw("mul", diff, diff), (0, 2, 3), keepdim=True)
+    b.g.outputs = [mean, var]
+    assert split_reductions(b.g, 132, TritonBackend.split_partials) == 2  # the mean's, then the variance's
+    (stats,) = [k for k in b.schedule(*b.g.outputs).kernels if x in k.reads and k.reduces]
+    cfg = launch_config(stats)
+    assert len(stats.reduces) == 3 and (cfg.xblock, cfg.rblock, cfg.num_warps) == (32, 128, 8)
 
 
 def test_target_partials_sizes_the_chunks_of_a_column_sum():
