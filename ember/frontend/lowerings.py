@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ember.frontend.importer import LOWERINGS, Importer, ShapeDtype, Unsupported, lowering
+from ember.ir import dtypes
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr, product
 
@@ -741,6 +742,82 @@ def _max_pool2d_with_indices(ctx: Importer, node):
             best = value if best is None else ctx.pointwise("maximum", [value, best], full)
             index = ctx.pointwise("where", [take, flat(h, w), index], full_index)
     return best, index
+
+
+@lowering(aten.max_pool2d_with_indices_backward)
+def _max_pool2d_with_indices_backward(ctx: Importer, node):
+    """The input's gradient as a gather, not eager's scatter: each input position (h, w) sums the
+    gradients of the outputs whose window holds it and whose index names it. Along h those outputs
+    are oh = (h + p) // s - j for j < ceil(k / s): grad_output repeated s times along h
+    (unsqueeze, expand, reshape) and shifted by j * s - p (replicate_pad) reads oh's gradient at h,
+    and 0 <= h + p - j * s < OH * s says oh exists; the same along w. Summed in eager's order
+    (ascending oh, then ow) in float. So it fuses with the gradient it feeds (ResNet-50's residual
+    add), and its int64 indices are read where they lie rather than by an ATen scatter."""
+    args = list(node.args) + [None] * (8 - len(node.args))
+    grad, x, indices = ctx.arg(args[0]), ctx.arg(args[1]), ctx.arg(args[7])
+    kernel = _pair(args[2])
+    stride = _pair(args[3]) if args[3] else kernel
+    padding = _pair(args[4] if args[4] is not None else 0)
+    dilation = _pair(args[5] if args[5] is not None else 1)
+    out = ctx.out_meta()
+    ctx.check_kernel_tensor(out)
+    if not all(isinstance(v, Value) for v in (grad, x, indices)) or not grad.dtype.is_floating_point:
+        raise Unsupported("max_pool2d backward operands")
+    if dilation != (1, 1) or indices.dtype != torch.int64:
+        raise Unsupported("max_pool2d backward with dilation")
+    rank = len(grad.shape)
+    dims = (rank - 2, rank - 1)
+    out_sizes, in_sizes = [grad.shape[d] for d in dims], [x.shape[d] for d in dims]
+    if not all(as_expr(v).is_Integer for v in out_sizes + in_sizes):
+        raise Unsupported("max_pool2d backward with symbolic sizes")
+    candidates = [-(-k // st) for k, st in zip(kernel, stride)]
+    if candidates[0] * candidates[1] > MAX_POOL_WINDOW:
+        raise Unsupported("max_pool2d backward window")
+    in_shape = tuple(as_expr(v) for v in out.shape)
+    acc = dtypes.compute_dtype(grad.dtype)
+
+    def repeated(v: Value) -> Value:
+        """v with each output position repeated `stride` times along h and w."""
+        for d, st in zip(dims, stride):
+            shape = v.shape[: d + 1] + (as_expr(st),) + v.shape[d + 1 :]
+            v = ctx.view("expand", ctx.view("unsqueeze", v, dim=d + 1), shape=shape)
+            v = ctx.reshape(v, shape[:d] + (shape[d] * shape[d + 1],) + shape[d + 2 :])
+        return v
+
+    def at_candidate(v: Value, js) -> Value:
+        for d, j, st, p in zip(dims, js, stride, padding):
+            v = ctx.view("replicate_pad", v, dim=d, before=as_expr(j * st - p), length=in_shape[d])
+        return v
+
+    grad_up, index_up = repeated(grad), repeated(indices)
+    pos = [_position_along(ctx, ShapeDtype(in_shape, torch.int64), d) for d in dims]
+    here = ctx.pointwise(
+        "add",
+        [ctx.pointwise("mul", [pos[0], in_sizes[1]], ShapeDtype(pos[0].shape, torch.int64)), pos[1]],
+        ShapeDtype(_broadcast_shapes(pos[0].shape, pos[1].shape), torch.int64),
+    )
+
+    def exists(d: int, j: int) -> Value:
+        """0 <= position + p - j * s < outputs * s along dims[d]: output (position + p) // s - j."""
+        shifted = ctx.pointwise("add", [pos[d], padding[d] - j * stride[d]], ShapeDtype(pos[d].shape, torch.int64))
+        bools = ShapeDtype(pos[d].shape, torch.bool)
+        return _logical_and(
+            ctx,
+            ctx.pointwise("ge", [shifted, 0], bools),
+            ctx.pointwise("lt", [shifted, as_expr(out_sizes[d] * stride[d])], bools),
+        )
+
+    total = None
+    full = ShapeDtype(in_shape, acc)
+    for jh in reversed(range(candidates[0])):  # ascending output rows, as eager sums them
+        for jw in reversed(range(candidates[1])):
+            picked = ctx.pointwise("eq", [at_candidate(index_up, (jh, jw)), here], ShapeDtype(in_shape, torch.bool))
+            take = _logical_and(ctx, _logical_and(ctx, exists(0, jh), exists(1, jw)), picked)
+            g = at_candidate(grad_up, (jh, jw))
+            g = ctx.cast(g, acc) if g.dtype != acc else g
+            term = ctx.pointwise("where", [take, g, 0.0], full)
+            total = term if total is None else ctx.pointwise("add", [total, term], full)
+    return ctx.cast(total, out.dtype)
 
 
 def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape) -> Value:
