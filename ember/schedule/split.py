@@ -93,13 +93,23 @@ def _sources(v, memo: dict) -> frozenset:
 
 
 def _contiguous_dim(x) -> int:
-    """The dim of x along which memory runs: that of a buffer of x's shape it is computed from
-    (a channels-last activation's C), else the last."""
-    for b in _sources(x, {}):
-        if b.shape == x.shape and b.stride is not None:
-            ones = [k for k, st in enumerate(b.stride) if st == 1 and b.shape[k] != 1]
-            if len(ones) == 1:
-                return ones[0]
+    """The dim of x along which memory runs: that of the first buffer (in graph order) x is
+    computed from elementwise, through pointwise ops and casts only, whose layout has one (a
+    channels-last activation's C); else the last. A view between would renumber the dims."""
+    frontier, buffers, seen = [x], [], set()
+    while frontier:
+        v = frontier.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.node.op in ("pointwise", "cast"):
+            frontier += [u for u in v.node.value_inputs() if u.shape == x.shape]
+        elif v.stride is not None:
+            buffers.append(v)
+    for b in sorted(buffers, key=lambda v: v.id):  # deterministic: sets of values hash by id
+        ones = [k for k, st in enumerate(b.stride) if st == 1 and b.shape[k] != 1]
+        if len(ones) == 1:
+            return ones[0]
     return len(x.shape) - 1
 
 
@@ -150,7 +160,7 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
         # program (codegen/triton.py), not one: batch norm over ResNet-50's last stage (2048
         # channels, 64 x 7 x 7 rows) made 64 programs walking 3136 rows each, 93 us per backward
         # where the bytes take 4. Such reductions split from far fewer rows.
-        column = _contiguous_dim(x) not in dims
+        column = node.attrs["kind"] == "sum" and _contiguous_dim(x) not in dims
         min_reduce = MIN_COLUMN_REDUCE if row_programs and column else MIN_REDUCE
         if int(outputs) >= MAX_OUTPUTS or int(reduce) < min_reduce:
             continue
@@ -264,12 +274,19 @@ def _split_mean_of_variance(node: Node, splits: dict) -> _Split | None:
     x, mean = diff.inputs
     if mean.node.op != "pointwise" or mean.node.attrs.get("fn") != "truediv":
         return None
+    # The mean kept its reduced dims (as 1s), so it lines up with x's kept dims when broadcast.
+    dims = tuple(node.attrs["dims"])
+    if tuple(mean.shape) != tuple(sympy.Integer(1) if k in dims else n for k, n in enumerate(x.shape)):
+        return None
     total, count = mean.node.inputs
     split = splits.get(total)
     if split is None or split.dims != tuple(node.attrs["dims"]) or split.final.node.attrs["kind"] != "sum":
         return None
     summed = split.x
-    if not (summed is x or (summed.node.op == "cast" and summed.node.inputs[0] is x)):
+    # The mean summed x itself, or x widened to the accumulation dtype (bf16 -> f32): a narrowing
+    # cast would make the rewrite's statistics those of another tensor.
+    widened = summed.node.op == "cast" and summed.node.inputs[0] is x and summed.dtype == dtypes.compute_dtype(x.dtype)
+    if not (summed is x or widened):
         return None
     rows = product(x.shape[d] for d in split.dims)
     if isinstance(count, Value) or sympy.sympify(count) != rows:
@@ -282,42 +299,50 @@ def _rewrite_variance(graph: Graph, node: Node, mean: _Split) -> None:
     over x that already sums each chunk:
 
     - each chunk's own squared deviations, from sums shifted by the chunk's first element k_i:
-      M2_i = sum (x - k_i)^2 - (sum (x - k_i))^2 / n_c. The shift keeps the cancellation small (k_i
-      is one of the chunk's values, so (mean_i - k_i)^2 is of the order of the chunk's variance);
-    - Chan et al.'s pairwise combination: sum_i M2_i + n_c * sum_i (mean_i - mean)^2.
+      M2_i = sum (x - k_i)^2 - (sum (x - k_i) / n_c) * sum (x - k_i). The shift keeps the
+      cancellation small (k_i is one of the chunk's values, so (mean_i - k_i)^2 is of the order of
+      the chunk's variance);
+    - Chan et al.'s pairwise combination, sum_i M2_i + n_c * sum_i (e_i - mean(e))^2, with each
+      chunk's mean taken relative to the first chunk's shift, e_i = (k_i - k_0) + sum (x - k_i) /
+      n_c: with x far from 0, mean_i - mean would subtract two large float32 numbers.
 
     The two-pass form read x twice: once for the mean, once for the variance about it (ResNet-50's
     batch norm statistics on the H100: 102.8 MB read in 84 + 65 us for [64, 256, 56, 56])."""
     out = node.out
     acc = mean.partial.dtype
     view, partial, final = mean.view, mean.partial, mean.final
-    rows = float(product(mean.x.shape[d] for d in mean.dims))
+    chunks = float(partial.shape[mean.at_s])
     chunk_rows = float(mean.chunk_rows)
     with _InsertAt(graph, node) as add:
 
-        def pw(fn, a, b, shape):
+        def pw(fn, a, b, shape=partial.shape):
             return add("pointwise", [a, b], {"fn": fn}, shape, acc)
 
         def chunk_sum(v):
             return add("reduce", [v], {"kind": "sum", "dims": mean.partial_dims, "keepdim": False}, partial.shape, acc)
 
+        def chunks_sum(v):
+            return add("reduce", [v], {"kind": "sum", "dims": (mean.at_s,), "keepdim": False}, final.shape, acc)
+
+        def slice_0(v, d):
+            shape = v.shape[:d] + (sympy.Integer(1),) + v.shape[d + 1 :]
+            return add("view", [v], {"kind": "slice", "dim": d, "start": 0, "end": 1, "step": 1}, shape, acc)
+
         first = view
         for d in mean.partial_dims:
-            shape = first.shape[:d] + (sympy.Integer(1),) + first.shape[d + 1 :]
-            first = add("view", [first], {"kind": "slice", "dim": d, "start": 0, "end": 1, "step": 1}, shape, acc)
+            first = slice_0(first, d)
         shifted = pw("sub", view, first, view.shape)
         s1, s2 = chunk_sum(shifted), chunk_sum(pw("mul", shifted, shifted, view.shape))
-        chunk_m2 = pw(
-            "sub", s2, pw("truediv", pw("mul", s1, s1, partial.shape), chunk_rows, partial.shape), partial.shape
-        )
-        chunk_mean = pw("truediv", partial, chunk_rows, partial.shape)
-        total_mean = pw("truediv", final, rows, final.shape)
+        chunk_m2 = pw("sub", s2, pw("mul", pw("truediv", s1, chunk_rows), s1))
+        shift = add("view", [first], {"kind": "squeeze", "dims": tuple(mean.partial_dims)}, partial.shape, acc)
+        rel_mean = pw("add", pw("sub", shift, slice_0(shift, mean.at_s)), pw("truediv", s1, chunk_rows))
         s_1 = final.shape[: mean.at_s] + (sympy.Integer(1),) + final.shape[mean.at_s :]
-        total_mean_1 = add("view", [total_mean], {"kind": "unsqueeze", "dim": mean.at_s}, s_1, acc)
-        shift = pw("sub", chunk_mean, total_mean_1, partial.shape)
-        between = pw("mul", pw("mul", shift, shift, partial.shape), chunk_rows, partial.shape)
-        terms = pw("add", chunk_m2, between, partial.shape)
-        m2 = add("reduce", [terms], {"kind": "sum", "dims": (mean.at_s,), "keepdim": False}, final.shape, out.dtype)
+        mean_of_rel = pw("truediv", chunks_sum(rel_mean), chunks, final.shape)
+        dev = pw("sub", rel_mean, add("view", [mean_of_rel], {"kind": "unsqueeze", "dim": mean.at_s}, s_1, acc))
+        terms = pw("add", chunk_m2, pw("mul", pw("mul", dev, dev), chunk_rows))
+        m2 = chunks_sum(terms)
+        if m2.dtype != out.dtype:
+            m2 = add("cast", [m2], {"dtype": out.dtype}, final.shape, out.dtype)
         if node.attrs["keepdim"]:
             m2 = add("view", [m2], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
     graph.replace_uses(out, m2)
