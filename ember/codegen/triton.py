@@ -162,18 +162,16 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         # - batch norm's statistics and gradient sums (channels-last [64, C, H, W] split by image,
         #   scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11) take 32 columns by 128
         #   rows a step with 8 warps: with one tile input (x, for the mean and the shifted sums of
-        #   schedule/split.py's variance) when there are several sums or a program walks 2048 rows
-        #   or more ([64, 256, 56, 56], the mean and variance partials of the two-pass form: 65 +
-        #   124 -> 44 + 42 us; [64, 2048, 7, 7], the one-pass statistics: 25.4 -> 14.6 us); with
-        #   several tile inputs when there are fewer than FEW_COLUMNS ([64, 64, 112, 112]: the
-        #   gradient sums 233 -> 118 us). With more columns, 32 x 32 stays ([64, 256, 56, 56]: 110
-        #   us against 135).
+        #   schedule/split.py's variance) when there are several sums ([64, 2048, 7, 7]: 25.4 ->
+        #   14.6 us; the two-pass form's separate partials at [64, 256, 56, 56] measured 65 + 124
+        #   -> 44 + 42); with several tile inputs when there are fewer than FEW_COLUMNS, known at
+        #   compile time ([64, 64, 112, 112]: the gradient sums 233 -> 118 us). With more columns,
+        #   32 x 32 stays ([64, 256, 56, 56]: 110 us against 135).
         long_steps = LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
         if len(tiles) < 2:
-            long_chunks = rnumel.is_Integer and int(rnumel) >= 2048
             one_sum = len(kernel.reduces) == 1  # a bias gradient, not batch norm's three statistics
-            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and one_sum and not long_chunks else long_steps
-        if xhint < FEW_COLUMNS:
+            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and one_sum else long_steps
+        if xnumel.is_Integer and xhint < FEW_COLUMNS:
             return long_steps
         rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
         widest = max(load.buffer.dtype.itemsize for load, _, _ in tiles)

@@ -724,8 +724,13 @@ def _max_pool2d_with_indices(ctx: Importer, node):
             w = ctx.pointwise("add", [start_w, kw], int_w)
             window = _window(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape)
             inside = None
-            for at, p, d in ((h, padding[0], h_dim), (w, padding[1], w_dim)):
-                if p:
+            for at, p, d, k, st in (
+                (h, padding[0], h_dim, kernel[0], stride[0]),
+                (w, padding[1], w_dim, kernel[1], stride[1]),
+            ):
+                # Windows reach outside x with padding, or with ceil_mode's partial last window.
+                beyond = as_expr((out_shape[d] - 1) * st + k - p) - x.shape[d]
+                if p or not (beyond.is_number and beyond <= 0):  # symbolic: checked
                     within = ShapeDtype(at.shape, torch.bool)
                     for check in (
                         ctx.pointwise("ge", [at, 0], within),

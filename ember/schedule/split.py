@@ -346,6 +346,20 @@ def _rewrite_variance(graph: Graph, node: Node, mean: _Split) -> None:
         if node.attrs["keepdim"]:
             m2 = add("view", [m2], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
     graph.replace_uses(out, m2)
+    # (x - mean)^2, then x - mean, left unread: the scheduler would still count them as readers.
+    square = node.inputs[0].node
+    _drop_if_unused(graph, square)
+    _drop_if_unused(graph, square.inputs[0].node)
+
+
+def _drop_if_unused(graph: Graph, node: Node) -> None:
+    """Remove a node whose values nothing reads and the graph does not return."""
+    outputs = {id(v) for v in graph.outputs if isinstance(v, Value)}
+    if any(id(v) in outputs for v in node.outputs):
+        return
+    if any(v in other.inputs for other in graph.nodes for v in node.outputs):
+        return
+    graph.nodes.remove(node)
 
 
 class _InsertAt:

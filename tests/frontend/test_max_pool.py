@@ -18,6 +18,10 @@ CASES = {
     "ceil_mode": ((1, 2, 7, 7), 3, 2, 1, True, False),
     "unbatched_rect": ((3, 10, 11), (3, 2), (1, 2), (1, 0), False, False),
     "stride_1": ((1, 2, 5, 6), 3, 1, 1, False, True),
+    # The backward's candidate windows: a kernel smaller than its stride (positions no window
+    # holds), and ceil_mode's partial last window without padding.
+    "k2s3p1": ((2, 3, 10, 9), 2, 3, 1, False, True),
+    "ceil_no_padding": ((1, 2, 8, 7), 3, 2, 0, True, False),
 }
 
 
@@ -38,8 +42,11 @@ def test_values_indices_and_gradient_equal_eager(backend, name):
     def pool(t):
         return F.max_pool2d(t, k, s, p, ceil_mode=ceil, return_indices=True)
 
+    # A random upstream gradient: a candidate that picks the wrong output row or column shows.
+    weight = torch.randn(pool(x)[0].shape, generator=torch.Generator().manual_seed(1))
+
     def loss(t):
-        return pool(t)[0].nan_to_num(0.0, 5.0, -5.0).mul(torch.arange(1.0, 2.0, 1e-3)[: pool(t)[0].shape[-1]]).sum()
+        return pool(t)[0].nan_to_num(0.0, 5.0, -5.0).mul(weight).sum()
 
     line = repro(case=name, backend=backend, inputs=[x])
     with reports() as report:

@@ -90,3 +90,25 @@ def test_split_variance_is_accurate_far_from_zero(backend, offset):
     want_var, want_mean = (t.float() for t in fn(x.double()))
     assert_close(var, want_var, rtol=1e-6, atol=1e-6, what="variance", line=line)
     assert_close(mean, want_mean, rtol=3e-7, atol=1e-6, what="mean", line=line)  # the mean's own rounding
+
+
+# Sums of squared differences that are not a variance about the split mean: the rewrite must
+# leave them to the two-pass form (a review found both rewritten, wrongly).
+NOT_A_VARIANCE = {
+    # The mean without keepdim broadcasts along the trailing dims, not the ones it reduced.
+    "mean_broadcast_elsewhere": lambda x: ((x - x.mean(dim=(0, 2))) ** 2).sum(dim=(0, 2)),
+    # The mean of x narrowed to half: the statistics of another tensor.
+    "mean_of_a_narrowed_copy": lambda x: ((x - x.half().sum((0, 2), keepdim=True) / 4096) ** 2).sum((0, 2)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(NOT_A_VARIANCE))
+def test_sums_that_are_not_a_variance_stay_exact(backend, name):
+    torch.manual_seed(0)
+    x = torch.randn(64, 64, 64) * 0.01 + torch.arange(64.0)[:, None]
+    fn = NOT_A_VARIANCE[name]
+    line = f"repro: {name}, {backend}, x [64, 64, 64]"
+    got = ember_compile(fn, backend)(x)
+    want = fn(x.double()).float()
+    assert_close(got, want, rtol=1e-4, atol=1e-3, what=name, line=line)
