@@ -163,10 +163,12 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11) take 32 columns by 128
         #   rows a step with 8 warps: with one tile input (x, for the mean and the shifted sums of
         #   schedule/split.py's variance) when there are several sums ([64, 2048, 7, 7]: 25.4 ->
-        #   14.6 us; the two-pass form's separate partials at [64, 256, 56, 56] measured 65 + 124
-        #   -> 44 + 42); with several tile inputs when there are fewer than FEW_COLUMNS, known at
+        #   14.6 us); with several tile inputs when there are fewer than FEW_COLUMNS, known at
         #   compile time ([64, 64, 112, 112]: the gradient sums 233 -> 118 us). With more columns,
-        #   32 x 32 stays ([64, 256, 56, 56]: 110 us against 135).
+        #   32 x 32 stays ([64, 256, 56, 56]: 110 us against 135). A lone sum of x keeps 64 x 8
+        #   even over long chunks, where the two-pass variance's separate mean partial had
+        #   measured faster with 32 x 128 (65 -> 44 us at [64, 256, 56, 56]): the one-pass form
+        #   leaves no such kernel in batch norm, and bias gradients were tuned for 64 x 8.
         long_steps = LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
         if len(tiles) < 2:
             one_sum = len(kernel.reduces) == 1  # a bias gradient, not batch norm's three statistics

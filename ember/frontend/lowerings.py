@@ -692,6 +692,7 @@ def _max_pool2d_with_indices(ctx: Importer, node):
     stride = _pair(args[2]) if args[2] else kernel
     padding = _pair(args[3] if args[3] is not None else 0)
     dilation = _pair(args[4] if args[4] is not None else 1)
+    ceil_mode = bool(args[5])
     values_meta, indices_meta = _meta_outputs(node)
     ctx.check_kernel_tensor(values_meta)
     ctx.check_kernel_tensor(indices_meta)
@@ -722,7 +723,7 @@ def _max_pool2d_with_indices(ctx: Importer, node):
         for kw in range(kernel[1]):
             h = ctx.pointwise("add", [start_h, kh], int_h)
             w = ctx.pointwise("add", [start_w, kw], int_w)
-            window = _window(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape)
+            window = _window(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape, ceil_mode)
             inside = None
             for at, p, d, k, st in (
                 (h, padding[0], h_dim, kernel[0], stride[0]),
@@ -730,7 +731,7 @@ def _max_pool2d_with_indices(ctx: Importer, node):
             ):
                 # Windows reach outside x with padding, or with ceil_mode's partial last window.
                 beyond = as_expr((out_shape[d] - 1) * st + k - p) - x.shape[d]
-                if p or not (beyond.is_number and beyond <= 0):  # symbolic: checked
+                if p or (ceil_mode and not (beyond.is_number and beyond <= 0)):  # symbolic: checked
                     within = ShapeDtype(at.shape, torch.bool)
                     for check in (
                         ctx.pointwise("ge", [at, 0], within),
@@ -825,14 +826,18 @@ def _max_pool2d_with_indices_backward(ctx: Importer, node):
     return ctx.cast(total, out.dtype)
 
 
-def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape) -> Value:
+def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape, ceil_mode: bool) -> Value:
     """x's elements at window offset `offsets` of every output position, as a view: padded by
     `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
-    stride."""
+    stride. With ceil_mode the last window may reach past x and its padding: the padded view then
+    ends at the last position read, so that position is clamped (C++) or masked (Triton) into x,
+    never read past its end (a review found C++ reading 6 elements past a [1, 2, 8, 7] input)."""
     padded_shape = list(x.shape)
-    for d, p in zip(dims, padding):
-        padded_shape[d] = x.shape[d] + 2 * p
-    widths = {d: (as_expr(p), as_expr(p)) for d, p in zip(dims, padding)}
+    widths = {}
+    for d, k, s, p in zip(dims, offsets, stride, padding):
+        after = as_expr(k) + (out_shape[d] - 1) * s + 1 - x.shape[d] - p if ceil_mode else as_expr(p)
+        widths[d] = (as_expr(p), after)
+        padded_shape[d] = x.shape[d] + p + after
     view, _ = _padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
     for d, k, s in zip(dims, offsets, stride):
         end = as_expr(k) + (out_shape[d] - 1) * s + 1

@@ -326,7 +326,7 @@ def _rewrite_variance(graph: Graph, node: Node, mean: _Split) -> None:
 
         def slice_0(v, d):
             shape = v.shape[:d] + (sympy.Integer(1),) + v.shape[d + 1 :]
-            return add("view", [v], {"kind": "slice", "dim": d, "start": 0, "end": 1, "step": 1}, shape, acc)
+            return add("view", [v], {"kind": "slice", "dim": d, "start": 0, "end": 1, "step": 1}, shape, v.dtype)
 
         first = view
         for d in mean.partial_dims:
@@ -334,7 +334,7 @@ def _rewrite_variance(graph: Graph, node: Node, mean: _Split) -> None:
         shifted = pw("sub", view, first, view.shape)
         s1, s2 = chunk_sum(shifted), chunk_sum(pw("mul", shifted, shifted, view.shape))
         chunk_m2 = pw("sub", s2, pw("mul", pw("truediv", s1, chunk_rows), s1))
-        shift = add("view", [first], {"kind": "squeeze", "dims": tuple(mean.partial_dims)}, partial.shape, acc)
+        shift = add("view", [first], {"kind": "squeeze", "dims": tuple(mean.partial_dims)}, partial.shape, first.dtype)
         rel_mean = pw("add", pw("sub", shift, slice_0(shift, mean.at_s)), pw("truediv", s1, chunk_rows))
         s_1 = final.shape[: mean.at_s] + (sympy.Integer(1),) + final.shape[mean.at_s :]
         mean_of_rel = pw("truediv", chunks_sum(rel_mean), chunks, final.shape)

@@ -83,3 +83,31 @@ def test_inference_writes_no_indices():
     assert conv_out + pooled <= pool.bytes <= conv_out + pooled + bn_params, graph
     with torch.no_grad():
         torch.testing.assert_close(ember_compile(model, "cpp")(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ceil_mode_reads_stay_inside_the_input(backend):
+    """ceil_mode's partial last window reaches past x when there is no padding: its value is
+    masked, and its load must not leave x either. x is placed to end right at an inaccessible
+    page, so a read past its end crashes the process (a review found the C++ kernel reading 6
+    elements past it)."""
+    import ctypes
+    import mmap
+
+    shape = (1, 2, 8, 7)
+
+    def pool(t):
+        return F.max_pool2d(t, 3, 2, 0, ceil_mode=True)
+
+    x0 = torch.randn(shape)
+    compiled = ember_compile(pool, backend)
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page)
+    buffer = (ctypes.c_char * (2 * page)).from_buffer(region)
+    libc = ctypes.CDLL(None)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(ctypes.addressof(buffer) + page, page, 0) == 0  # PROT_NONE
+    x = torch.frombuffer(buffer, dtype=torch.float32, count=x0.numel(), offset=page - 4 * x0.numel())
+    x.copy_(x0.reshape(-1))
+    torch.testing.assert_close(compiled(x.view(shape)), pool(x0), rtol=0, atol=0, msg=repro(backend=backend))
+    libc.mprotect(ctypes.addressof(buffer) + page, page, 3)  # PROT_READ | PROT_WRITE, for unmapping
