@@ -171,7 +171,7 @@ def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list, dyn
 
 
 def _importer(gm, limit: int | None, options: dict):
-    from ember.frontend import lowerings  # noqa: F401  (fills LOWERINGS)
+    from ember.frontend import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
     from ember.frontend.importer import Importer
     from ember.pipeline import graph_device
 
