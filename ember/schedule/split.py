@@ -81,17 +81,6 @@ def _column_chunk(rows: int, row: int, row_programs: int) -> int:
     return chunk if rows % chunk == 0 and rows // chunk >= 2 else 0
 
 
-def _sources(v, memo: dict) -> frozenset:
-    """The buffers a value is computed from through pointwise ops and views."""
-    if v not in memo:
-        n = v.node
-        if n.op in ("pointwise", "cast", "view"):
-            memo[v] = frozenset().union(*(_sources(u, memo) for u in n.value_inputs()))
-        else:
-            memo[v] = frozenset({v})
-    return memo[v]
-
-
 def _contiguous_dim(x) -> int:
     """The dim of x along which memory runs: that of the first buffer (in graph order) x is
     computed from elementwise, through pointwise ops and casts only, whose layout has one (a
@@ -120,7 +109,17 @@ def _row_kernel_beside(graph: Graph, node: Node) -> bool:
     alone keeps the chunks sized for a column kernel of its own."""
     (x,) = node.inputs
     leaves: dict = {}
-    sources = lambda v: _sources(v, leaves)
+
+    def sources(v) -> frozenset:
+        """The buffers a value is computed from through pointwise ops and views."""
+        if v not in leaves:
+            n = v.node
+            if n.op in ("pointwise", "cast", "view"):
+                leaves[v] = frozenset().union(*(sources(u) for u in n.value_inputs()))
+            else:
+                leaves[v] = frozenset({v})
+        return leaves[v]
+
     mine = {b for b in sources(x) if b.shape == x.shape}
     trailing = tuple(range(len(x.shape) - 1, len(x.shape)))
     for other in graph.nodes:
