@@ -442,7 +442,7 @@ def _check_in_range(ctx: Importer, index: Value, length, dim: int) -> None:
     ctx.extern_call(aten._assert_async.msg, (every, message), {}, None, origin="_assert_async")
 
 
-def _position_along(ctx: Importer, x: Value, dim: int) -> Value:
+def position_along(ctx: Importer, x: Value, dim: int) -> Value:
     """j: x's position along dim, shaped to broadcast against x (an iota, never stored)."""
     length = x.shape[dim]
     pos = ctx.graph.add("iota", [], {"start": 0, "step": 1}, [((length,), torch.int64, None)], ctx.origin).out
@@ -473,7 +473,7 @@ def _select_row(ctx: Importer, x: Value, dim: int, index: Value, memo: dict) -> 
     elif node.op == "cast":
         result = ctx.cast(_select_row(ctx, node.inputs[0], dim, index, memo), x.dtype)
     else:
-        hit = ctx.pointwise("eq", [_position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
+        hit = ctx.pointwise("eq", [position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
         picked = ctx.pointwise("where", [hit, x, 0], ShapeDtype(x.shape, x.dtype))
         result = ctx.reduce("sum", picked, [dim], True, x.dtype)
     memo[x.id] = result
@@ -506,7 +506,7 @@ def _scatter(ctx: Importer, node):
     if isinstance(src, Value) and tuple(src.shape) != tuple(index.shape):
         raise Unsupported("scatter source shaped unlike the index")
     out = ctx.out_meta()
-    hit = ctx.pointwise("eq", [_position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
+    hit = ctx.pointwise("eq", [position_along(ctx, x, dim), index], ShapeDtype(x.shape, torch.bool))
     result = ctx.pointwise("where", [hit, src, x], out)
     _check_in_range(ctx, index, x.shape[dim], dim)
     return result
@@ -562,7 +562,7 @@ def _cat(ctx: Importer, node):
         raise Unsupported("cat of buffers into an extern: ATen's copy")
     shape = tuple(as_expr(s) for s in out.shape)
     length = shape[dim]
-    position = _position_along(ctx, ShapeDtype(shape, torch.int64), dim)
+    position = position_along(ctx, ShapeDtype(shape, torch.int64), dim)
     starts = [as_expr(0)]
     for p in pieces[:-1]:
         starts.append(starts[-1] + p.shape[dim])
@@ -614,7 +614,7 @@ def _constant_pad_nd(ctx: Importer, node):
         raise Unsupported("constant_pad_nd of an empty tensor")
     pads = [as_expr(ctx.arg(p)) for p in node.args[1]]
     widths = {len(x.shape) - 1 - k: (pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)}
-    result, inside = _padded_view(ctx, x, widths, tuple(as_expr(s) for s in out.shape))
+    result, inside = padded_view(ctx, x, widths, tuple(as_expr(s) for s in out.shape))
     if inside is None:
         return ctx.pointwise("mul", [result, 1], out)  # only crops: a copy of the slice
     return ctx.pointwise("where", [inside, result, value], out)
@@ -635,15 +635,13 @@ def _slice_backward(ctx: Importer, node):
     shape = tuple(as_expr(s) for s in out.shape)
     before = _clamp_index(start, shape[dim])  # as the forward slice clamped it; end is start + len
     after = shape[dim] - before - grad.shape[dim]
-    result, inside = _padded_view(ctx, ctx.cast(grad, out.dtype), {dim: (before, after)}, shape)
+    result, inside = padded_view(ctx, ctx.cast(grad, out.dtype), {dim: (before, after)}, shape)
     if inside is None:
         return ctx.pointwise("mul", [result, 1], out)  # the slice was the whole dim: a copy
     return ctx.pointwise("where", [inside, result, 0], out)
 
 
-def _padded_view(
-    ctx: Importer, x: Value, widths: dict, shape: tuple, masked: bool = True
-) -> tuple[Value, Value | None]:
+def padded_view(ctx: Importer, x: Value, widths: dict, shape: tuple, masked: bool = True) -> tuple[Value, Value | None]:
     """x padded by widths {dim: (before, after)} to `shape`, as a replicate_pad view, and a bool
     value (broadcasting to shape) that is True where the view reads x itself: None if everywhere.
     A negative width crops."""
@@ -654,7 +652,7 @@ def _padded_view(
         result = ctx.view("replicate_pad", result, dim=dim, before=before, length=shape[dim])
         if not masked:
             continue
-        position = _position_along(ctx, ShapeDtype(shape, torch.int64), dim)
+        position = position_along(ctx, ShapeDtype(shape, torch.int64), dim)
         checks = []
         if not (before.is_Integer and int(before) <= 0):
             checks.append(ctx.pointwise("ge", [position, before], ShapeDtype(position.shape, torch.bool)))
@@ -663,11 +661,11 @@ def _padded_view(
                 ctx.pointwise("lt", [position, before + x.shape[dim]], ShapeDtype(position.shape, torch.bool))
             )
         for check in checks:
-            inside = check if inside is None else _logical_and(ctx, inside, check)
+            inside = check if inside is None else logical_and(ctx, inside, check)
     return result, inside
 
 
-def _logical_and(ctx: Importer, a: Value, b: Value) -> Value:
+def logical_and(ctx: Importer, a: Value, b: Value) -> Value:
     """a & b for bool values shaped as positions along different dims (each dim 1 in one of them)."""
     shape = tuple(y if x == 1 else x for x, y in zip(a.shape, b.shape))
     return ctx.pointwise("logical_and", [a, b], ShapeDtype(shape, torch.bool))

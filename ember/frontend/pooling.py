@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ember.frontend.importer import Importer, ShapeDtype, Unsupported, lowering
-from ember.frontend.lowerings import _logical_and, _padded_view, _position_along
+from ember.frontend.lowerings import logical_and, padded_view, position_along
 from ember.ir import dtypes
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr
@@ -48,8 +48,8 @@ def _max_pool2d_with_indices(ctx: Importer, node):
     h_dim, w_dim = rank - 2, rank - 1
     out_shape = tuple(as_expr(s) for s in values_meta.shape)
     size_w = x.shape[w_dim]
-    pos_h = _position_along(ctx, ShapeDtype(out_shape, torch.int64), h_dim)
-    pos_w = _position_along(ctx, ShapeDtype(out_shape, torch.int64), w_dim)
+    pos_h = position_along(ctx, ShapeDtype(out_shape, torch.int64), h_dim)
+    pos_w = position_along(ctx, ShapeDtype(out_shape, torch.int64), w_dim)
     int_h, int_w = ShapeDtype(pos_h.shape, torch.int64), ShapeDtype(pos_w.shape, torch.int64)
     start_h = ctx.pointwise("add", [ctx.pointwise("mul", [pos_h, stride[0]], int_h), -padding[0]], int_h)
     start_w = ctx.pointwise("add", [ctx.pointwise("mul", [pos_w, stride[1]], int_w), -padding[1]], int_w)
@@ -81,7 +81,7 @@ def _max_pool2d_with_indices(ctx: Importer, node):
                         ctx.pointwise("ge", [at, 0], within),
                         ctx.pointwise("lt", [at, x.shape[d]], within),
                     ):
-                        inside = check if inside is None else _logical_and(ctx, inside, check)
+                        inside = check if inside is None else logical_and(ctx, inside, check)
             value = ctx.pointwise("where", [inside, window, float("-inf")], full) if inside is not None else window
             # eager moves to a later element when it is greater or NaN (nothing beats the first
             # element's -inf start but larger values and NaN)
@@ -140,7 +140,7 @@ def _max_pool2d_with_indices_backward(ctx: Importer, node):
         return v
 
     grad_up, index_up = repeated(grad), repeated(indices)
-    pos = [_position_along(ctx, ShapeDtype(in_shape, torch.int64), d) for d in dims]
+    pos = [position_along(ctx, ShapeDtype(in_shape, torch.int64), d) for d in dims]
     here = ctx.pointwise(
         "add",
         [ctx.pointwise("mul", [pos[0], in_sizes[1]], ShapeDtype(pos[0].shape, torch.int64)), pos[1]],
@@ -151,7 +151,7 @@ def _max_pool2d_with_indices_backward(ctx: Importer, node):
         """0 <= position + p - j * s < outputs * s along dims[d]: output (position + p) // s - j."""
         shifted = ctx.pointwise("add", [pos[d], padding[d] - j * stride[d]], ShapeDtype(pos[d].shape, torch.int64))
         bools = ShapeDtype(pos[d].shape, torch.bool)
-        return _logical_and(
+        return logical_and(
             ctx,
             ctx.pointwise("ge", [shifted, 0], bools),
             ctx.pointwise("lt", [shifted, as_expr(out_sizes[d] * stride[d])], bools),
@@ -162,7 +162,7 @@ def _max_pool2d_with_indices_backward(ctx: Importer, node):
     for jh in reversed(range(candidates[0])):  # ascending output rows, as eager sums them
         for jw in reversed(range(candidates[1])):
             picked = ctx.pointwise("eq", [at_candidate(index_up, (jh, jw)), here], ShapeDtype(in_shape, torch.bool))
-            take = _logical_and(ctx, _logical_and(ctx, exists(0, jh), exists(1, jw)), picked)
+            take = logical_and(ctx, logical_and(ctx, exists(0, jh), exists(1, jw)), picked)
             g = at_candidate(grad_up, (jh, jw))
             g = ctx.cast(g, acc) if g.dtype != acc else g
             term = ctx.pointwise("where", [take, g, 0.0], full)
@@ -182,7 +182,7 @@ def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape, 
         after = as_expr(k) + (out_shape[d] - 1) * s + 1 - x.shape[d] - p if ceil_mode else as_expr(p)
         widths[d] = (as_expr(p), after)
         padded_shape[d] = x.shape[d] + p + after
-    view, _ = _padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
+    view, _ = padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
     for d, k, s in zip(dims, offsets, stride):
         end = as_expr(k) + (out_shape[d] - 1) * s + 1
         view = ctx.view("slice", view, dim=d, start=as_expr(k), end=end, step=as_expr(s))
