@@ -125,6 +125,10 @@ def _fusion_log(report: GraphReport) -> str:
     return "\n".join(lines)
 
 
+# A training step's two graphs name their kernels apart, so a profile says which graph ran each.
+KERNEL_PREFIX = {"inference": "k", "forward": "fk", "backward": "bk"}
+
+
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
     from ember.codegen.host import write_host
     from ember.frontend.importer import import_graph
@@ -155,7 +159,12 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         _check(graph, "split_reductions")
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
         sched = schedule(
-            graph, eager_peak, online_softmax=backend.name == "triton", gemm=gemm, column_partials=bool(row_programs)
+            graph,
+            eager_peak,
+            online_softmax=backend.name == "triton",
+            gemm=gemm,
+            column_partials=bool(row_programs),
+            kernel_prefix=KERNEL_PREFIX.get(kind, "k"),
         )
         namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors

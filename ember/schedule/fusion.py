@@ -99,9 +99,17 @@ def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple |
 
 class Scheduler:
     def __init__(
-        self, graph: Graph, online_softmax: bool = False, gemm: GemmChooser | None = None, column_partials: bool = False
+        self,
+        graph: Graph,
+        online_softmax: bool = False,
+        gemm: GemmChooser | None = None,
+        column_partials: bool = False,
+        kernel_prefix: str = "k",
     ):
         self.graph = graph
+        # Kernel names are `prefix` + group id: a training step's forward and backward graphs
+        # name theirs apart ("fk3", "bk3"), so a profile's kernel names say which graph ran them.
+        self.kernel_prefix = kernel_prefix
         # The target renders column sums accumulated by a row kernel (kernel.KColumnPartial).
         self.column_partials = column_partials
         self.gemm_chooser = gemm  # the backend's template-or-ATen choice (None: no GEMM template)
@@ -121,6 +129,9 @@ class Scheduler:
         self._failed: set[tuple] = set()
         self._readers: dict[Value, set[int]] = {}
         self.read_outside_static: set[Value] = set()
+
+    def kernel_name(self, gid: int) -> str:
+        return f"{self.kernel_prefix}{gid}"
 
     def run(self, eager_peak: int | None, siblings: bool = True) -> Schedule:
         self._realize()
@@ -240,9 +251,11 @@ class Scheduler:
     def _build(self, domain: Domain, gid: int, roots: list[Value], stored: list[Value] | None = None) -> Kernel:
         if gid in self.gemms.by_group:
             stored = list(roots) if stored is None else stored
-            return build_gemm_kernel(f"k{gid}", domain, gid, roots, stored, self.owner, self.gemms.by_group[gid])
+            return build_gemm_kernel(
+                self.kernel_name(gid), domain, gid, roots, stored, self.owner, self.gemms.by_group[gid]
+            )
         stored = list(roots) if stored is None else stored
-        kernel = build_kernel(f"k{gid}", domain, gid, roots, stored, self.owner, self.column_partials)
+        kernel = build_kernel(self.kernel_name(gid), domain, gid, roots, stored, self.owner, self.column_partials)
         if self.online_softmax:
             fold_online_softmax(kernel)
         return kernel
@@ -388,7 +401,7 @@ class Scheduler:
         return True
 
     def _merge(self, a: Group, b: Group) -> bool:
-        names = (f"k{b.id}", f"k{a.id}")
+        names = (self.kernel_name(b.id), self.kernel_name(a.id))
         refusal = self.gemms.merge_refusal(a, b)
         if refusal is not None:
             self._decide(names, False, refusal)
@@ -538,6 +551,7 @@ def schedule(
     online_softmax: bool = False,
     gemm: GemmChooser | None = None,
     column_partials: bool = False,
+    kernel_prefix: str = "k",
 ) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them:
@@ -545,14 +559,14 @@ def schedule(
     max and sum of exp into one pass (schedule/online.py), for targets that render it. `gemm`:
     the backend's choice between its GEMM template and ATen per matrix product (schedule/gemm.py).
     `column_partials`: let row kernels accumulate split column sums (kernel.KColumnPartial), for
-    targets that render them."""
+    targets that render them. `kernel_prefix` starts every kernel's name."""
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
-    sched = Scheduler(graph, online_softmax, gemm, column_partials).run(eager_peak)
+    sched = Scheduler(graph, online_softmax, gemm, column_partials, kernel_prefix).run(eager_peak)
     plan = sched.memory
     limit = None if plan.eager_peak_bytes is None else plan.eager_peak_bytes * 1.01 + PEAK_SLACK_BYTES
     if plan.peak_bytes is not None and limit is not None and plan.peak_bytes > limit:
-        alone = Scheduler(graph, online_softmax, gemm, column_partials).run(eager_peak, siblings=False)
+        alone = Scheduler(graph, online_softmax, gemm, column_partials, kernel_prefix).run(eager_peak, siblings=False)
         if alone.memory.peak_bytes < plan.peak_bytes:
             alone.decisions.append(
                 FusionDecision(
