@@ -13,7 +13,11 @@ kernels that reduce across rows (codegen/triton.py's column sums), by patching t
   of two large inputs stored whatever the bytes);
 - default: the code as it is;
 - cfg XxRxW: default, with column-sum kernels of X columns by R rows a step and W warps;
-- chunk64: default, with chunks of 64 rows at least.
+- chunk64: default, with chunks of 64 rows at least;
+- second N: default, with the second reduced dim (H) split into at most N chunks when the batch
+  is split whole (split.MAX_SECOND_SPLIT; second1: only the batch splits, as in session 11);
+- longfinal: default, with the second stage of a split walked in steps of 128 rows as the first
+  (codegen/triton.py's SHORT_COLUMNS off).
 """
 
 from __future__ import annotations
@@ -79,18 +83,31 @@ def main() -> None:
     from ember.schedule import fusion, split
 
     dev = torch.device("cuda")
-    originals = (tcg.launch_config, fusion.worth_storing, split.MIN_COLUMN_REDUCE, split.MIN_CHUNK)
+    originals = (
+        tcg.launch_config,
+        fusion.worth_storing,
+        split.MIN_COLUMN_REDUCE,
+        split.MIN_CHUNK,
+        split.MAX_SECOND_SPLIT,
+    )
     factor = split._split_factor_of_dim
 
     def apply(variant: str) -> None:
-        tcg.launch_config, fusion.worth_storing, split.MIN_COLUMN_REDUCE, split.MIN_CHUNK = originals
+        tcg.launch_config, fusion.worth_storing, split.MIN_COLUMN_REDUCE, split.MIN_CHUNK, split.MAX_SECOND_SPLIT = (
+            originals
+        )
         split._split_factor_of_dim = factor
         if variant == "before":
             split.MIN_COLUMN_REDUCE = split.MIN_REDUCE
+            split.MAX_SECOND_SPLIT = 1
             split._split_factor_of_dim = lambda o, r, size, target: factor(o, r, size)
             fusion.worth_storing = lambda readers, large, itemsize: readers >= 2 and len(large) >= 2
         elif variant == "chunk64":
             split.MIN_CHUNK = 64
+        elif variant == "longfinal":
+            tcg.SHORT_COLUMNS = 0
+        elif variant.startswith("second"):
+            split.MAX_SECOND_SPLIT = int(variant[len("second") :])
         elif variant.startswith("cfg"):
             xb, rb, w = (int(v) for v in variant[3:].split("x"))
 

@@ -45,6 +45,8 @@ class MemoryPlan:
     mutations_in_place: set[Value] = field(default_factory=set)  # mutated inputs written by a kernel
     peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
+    # Values whose memory is allocated at the step where the peak is reached (empty if symbolic).
+    peak_live: frozenset = frozenset()
 
     def __str__(self) -> str:
         def mb(b):
@@ -258,25 +260,30 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
             continue  # a view of a graph input: the caller's memory
         stop = end if v in outputs else last.get(v, born[h])
         died[h] = max(died.get(h, born[h]), stop)
-    plan.peak_bytes = _peak([(nbytes(h), born[h], died[h]) for h in born], len(steps))
+    plan.peak_bytes, at = _peak([(nbytes(h), born[h], died[h]) for h in born], len(steps))
+    if at is not None:
+        plan.peak_live = frozenset(v for v, h in holder.items() if h in born and born[h] <= at <= died[h])
     plan.eager_peak_bytes = eager_peak_bytes
     return plan
 
 
-def _peak(intervals: list[tuple[Expr, int, int]], length: int) -> int | None:
-    """Max over positions of the bytes of intervals [start, stop] covering it; None if symbolic."""
+def _peak(intervals: list[tuple[Expr, int, int]], length: int) -> tuple[int | None, int | None]:
+    """Max over positions of the bytes of intervals [start, stop] covering it, and the first
+    position where it is reached; (None, None) if symbolic."""
     delta = [0] * (length + 2)
     for size, start, stop in intervals:
         size = sympy.sympify(size)
         if not size.is_Integer:
-            return None
+            return None, None
         delta[start] += int(size)
         delta[stop + 1] -= int(size)
     peak = live = 0
-    for d in delta:
+    at = None
+    for pos, d in enumerate(delta):
         live += d
-        peak = max(peak, live)
-    return peak
+        if live > peak:
+            peak, at = live, pos
+    return peak, at
 
 
 def eager_peak(graph: Graph) -> int | None:
@@ -298,4 +305,4 @@ def eager_peak(graph: Graph) -> int | None:
         if node.op not in ("view", "input")
         for v in node.outputs
     ]
-    return _peak(intervals, end)
+    return _peak(intervals, end)[0]

@@ -37,6 +37,14 @@ TARGET_PARTIALS = 32768
 # enough rows that the program count fills the machine.
 MIN_COLUMN_CHUNK = 16
 MAX_COLUMN_CHUNK = 256
+# A column sum whose leading reduced dim is split whole, leaving at most one program per SM of
+# the GPU's column kernels (COLUMNS_PER_PROGRAM wide, codegen/triton.py), splits its next
+# reduced dim into at most MAX_SECOND_SPLIT chunks too (`_rewrite_two_dims`). Batch norm + ReLU
+# training on the H100 (scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session12):
+# [64, 64, 112, 112] 425.9 -> 377.5 us, [64, 64, 56, 56] 124.6 -> 119.8; with 128 channels or
+# more the same split measured slower ([64, 128, 28, 28] 58.5 -> 61.6, [64, 256, 56, 56] 388 -> 412).
+COLUMNS_PER_PROGRAM = 32
+MAX_SECOND_SPLIT = 8
 
 
 def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS) -> int:
@@ -180,19 +188,24 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]], target_partials)
             if s < 2:
                 continue
-            done = _rewrite_first_dim(graph, node, s)
+            s_next = 1
+            few = int(outputs) * s <= COLUMNS_PER_PROGRAM * row_programs
+            if row_programs and column and len(dims) > 1 and s == x.shape[dims[0]] and few:
+                # The leading dim is split whole and still leaves at most one program per SM (64
+                # images for ResNet-50's 64-channel batch norms): split the next reduced dim too.
+                cap = min(target_partials, int(outputs) * s * MAX_SECOND_SPLIT)
+                s_next = _split_factor_of_dim(int(outputs) * s, int(reduce) // s, x.shape[dims[1]], cap)
+            if s_next >= 2:
+                done = _rewrite_two_dims(graph, node, s_next)
+            else:
+                done = _rewrite_first_dim(graph, node, s)
         splits[done.replaced_by] = done
         count += 1
     return count
 
 
 def _split_factor_of_dim(outputs: int, reduce: int, size, target_partials: int = TARGET_PARTIALS) -> int:
-    """The factor splitting one reduced dim of `size` (which must divide it).
-
-    Only the leading reduced dim splits. Splitting the next one too (batch norm over ResNet-50's
-    64-channel layers has only 64 images to split by) put the chunk dim after the channels, so
-    the partial kernel's outputs no longer ran along memory: 3-4x slower on the H100
-    (scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11)."""
+    """The factor splitting one reduced dim of `size` (which must divide it)."""
     if not size.is_Integer:
         return 1
     s = 1
@@ -208,6 +221,31 @@ def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> _Split:
     d0 = dims[0]
     chunked = x.shape[:d0] + (sympy.Integer(s), x.shape[d0] / s) + x.shape[d0 + 1 :]
     return _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0)
+
+
+def _rewrite_two_dims(graph: Graph, node: Node, s: int) -> _Split:
+    """sum over D of x, D's first dim d0 (N) taken whole as chunks and its second d1 (H) split
+    into [s, H/s]: each chunk is one (n, h-block). The chunk dims are moved together before the
+    kept dims and merged into one of N * s, so the partials are [N * s, kept...] with the kept
+    dims in x's order: a channels-last batch norm's partials run along C, as its input does.
+
+    (Session 11 split H in place instead: the partials were [N, C, s], the chunk dim after the
+    channels, and the column kernel's outputs no longer ran along memory: 3-4x slower on the
+    H100, scripts/gpu_batch_norm_sweep.py.)
+
+    The view is x reshaped to [.., N, .., s, H/s, ..], permuted to [.., N, s, .., H/s, ..] and
+    reshaped to [.., N * s, .., H/s, ..]: x's shape with N replaced by N * s and H by H/s, so
+    the partial dims are D's other dims, at their own positions."""
+    (x,) = node.inputs
+    dims = tuple(node.attrs["dims"])
+    d0, d1 = dims[0], dims[1]
+    shape = tuple(x.shape)
+    split_h = shape[:d1] + (sympy.Integer(s), shape[d1] / s) + shape[d1 + 1 :]
+    order = tuple(range(d0 + 1)) + (d1,) + tuple(k for k in range(d0 + 1, len(split_h)) if k != d1)
+    permuted = tuple(split_h[k] for k in order)
+    chunked = shape[:d0] + (shape[d0] * s,) + tuple(permuted[d0 + 2 :])
+    views = (({"kind": "reshape", "shape": split_h}, split_h), ({"kind": "permute", "dims": order}, permuted))
+    return _two_stages(graph, node, chunked, dims[1:], d0, views)
 
 
 @dataclass(frozen=True)
@@ -230,9 +268,10 @@ class _Split:
         return product(self.view.shape[d] for d in self.partial_dims)
 
 
-def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int) -> _Split:
+def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int, views=()) -> _Split:
     """Replace `node` by: x viewed as `chunked` (its S chunks at dim s_dim), reduced over
-    partial_dims into partials, then over the chunks."""
+    partial_dims into partials, then over the chunks. `views`: (attrs, shape) of views taken of
+    x before the reshape to `chunked`."""
     (x,) = node.inputs
     out = node.out
     kind = node.attrs["kind"]
@@ -241,7 +280,10 @@ def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s
     at_s = kept.index(s_dim)
     final_shape = partial_shape[:at_s] + partial_shape[at_s + 1 :]
     with _InsertAt(graph, node) as add:
-        view = add("view", [x], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        view = x
+        for attrs, shape in views:
+            view = add("view", [view], attrs, shape, x.dtype)
+        view = add("view", [view], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
         # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
         partial = add(
             "reduce",

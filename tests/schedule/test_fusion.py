@@ -252,3 +252,28 @@ def test_shared_pointwise_is_stored_only_when_that_moves_fewer_bytes():
     assert stored(F32, F32, mask=False)  # 4 + 4 bytes in, 4 out: a tie, stored
     assert stored(BF16, BF16, mask=False)  # 2 + 2 in, 2 out: a tie, stored
     assert not stored(F32, F32, mask=True)  # 1 + 4 in, 4 out
+
+
+def test_only_the_sibling_merges_live_at_a_raised_peak_are_refused():
+    # q = -x feeds a chain of big externs; p = exp(x) is read only at the end. Merged as siblings
+    # (both read x), p would be computed with q and held through the chain: 12 MB where eager
+    # peaks at 8. The row sum and max of x are siblings too, but small and not live at the peak:
+    # they stay one kernel (refusing every sibling merge once split them).
+    b = G()
+    n = 1024
+    x = b.input(n, n)
+    q = b.pw("neg", x)
+    e1 = b.extern(q, shape=(I(n), I(n)))
+    e3 = b.extern(e1, shape=(I(n), I(n)))
+    e4 = b.extern(e3, shape=(I(n), I(1)))
+    p = b.pw("exp", x)
+    e2 = b.extern(p, shape=(I(n), I(1)))
+    total, largest = b.reduce("sum", x, (1,)), b.reduce("max", x, (1,))
+    sched = b.schedule(e4, e2, total, largest)
+    assert sched.memory.peak_bytes <= sched.memory.eager_peak_bytes * 1.01 + (1 << 20), sched.memory
+    kernels = sched.kernels
+    by_value = {v: k for k in kernels for v in k.writes}
+    assert by_value[q] is not by_value[p], [(k.name, k.origins) for k in kernels]
+    assert by_value[total] is by_value[largest], [(k.name, k.origins) for k in kernels]
+    refusals = [d.reason for d in sched.decisions if "sibling merges refused" in d.reason]
+    assert refusals and all("live at the peak" in r for r in refusals), refusals
