@@ -375,6 +375,10 @@ class Scheduler:
     def sibling_merged_groups(self) -> list[Group]:
         return [g for gid, g in self.groups.items() if gid in self.sibling_merged]
 
+    def moved_earlier(self, v: Value, g: Group) -> bool:
+        """Whether group g computes v before v's own place in the graph."""
+        return self.position.get(id(v.node), g.first) > g.first
+
     def _needed_outside(self, v: Value, members: set[int]) -> bool:
         """Whether a kernel made of `members` must store v: someone outside reads it."""
         return v in self.read_outside_static or bool(self._readers.get(v, set()) - members)
@@ -596,10 +600,16 @@ def schedule(
     for _ in range(PEAK_RETRIES):
         if not over(sched.memory):
             break
-        # The largest values live at the peak that sibling-merged kernels compute, until they
-        # cover the excess; their groups take no siblings in the next schedule.
+        # A sibling merge runs the later sibling's work at the earlier one's place, so its values
+        # are held longer. The largest such values live at the peak, until they cover the excess:
+        # their groups take no siblings in the next schedule.
         live = sched.memory.peak_live
-        held = {v: g for g in scheduler.sibling_merged_groups() for v in g.roots if v in live}
+        held = {
+            v: g
+            for g in scheduler.sibling_merged_groups()
+            for v in g.roots
+            if v in live and scheduler.moved_earlier(v, g)
+        }
         if not held:
             break
         excess, chosen = sched.memory.peak_bytes - limit, []
