@@ -16,6 +16,8 @@ kernels that reduce across rows (codegen/triton.py's column sums), by patching t
 - chunk64: default, with chunks of 64 rows at least;
 - second N: default, with the second reduced dim (H) split into at most N chunks when the batch
   is split whole (split.MAX_SECOND_SPLIT; second1: only the batch splits, as in session 11);
+- anychannels: default, with H split at any channel count (not only when the batch split
+  leaves at most one program per SM);
 - longfinal: default, with the second stage of a split walked in steps of 128 rows as the first
   (codegen/triton.py's SHORT_COLUMNS off).
 """
@@ -104,6 +106,8 @@ def main() -> None:
             fusion.worth_storing = lambda readers, large, itemsize: readers >= 2 and len(large) >= 2
         elif variant == "chunk64":
             split.MIN_CHUNK = 64
+        elif variant == "anychannels":
+            split.COLUMNS_PER_PROGRAM = 1 << 30
         elif variant == "longfinal":
             tcg.SHORT_COLUMNS = 0
         elif variant.startswith("second"):
