@@ -43,8 +43,11 @@ MAX_COLUMN_CHUNK = 256
 # training on the H100 (scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session12):
 # [64, 64, 112, 112] 425.9 -> 377.5 us, [64, 64, 56, 56] 124.6 -> 119.8; with 128 channels or
 # more the same split measured slower ([64, 128, 28, 28] 58.5 -> 61.6, [64, 256, 56, 56] 388 -> 412).
+# Off (1) for now: in ResNet-50's training step its schedule raised the backward's planned peak
+# over eager's (899 MB vs 821), and the sibling merges refused to bring it down cost more than
+# the split saved (GPU time per step 13248 -> 14041 us; docs/bench/gpu/h100/session12).
 COLUMNS_PER_PROGRAM = 32
-MAX_SECOND_SPLIT = 8
+MAX_SECOND_SPLIT = 1
 
 
 def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from ember.backends.triton import TritonBackend
 from ember.codegen.triton import FEW_COLUMNS, launch_config
+from ember.schedule import split
 from ember.schedule.split import split_reductions
 from tests.schedule.test_fusion import G
 
@@ -62,7 +63,7 @@ def test_bias_gradient_split_across_two_dims_is_tiled_across_rows():
     assert cfg.persistent and cfg.xblock == 32 and cfg.rblock >= rows, (rows, cfg)
 
 
-def test_batch_norm_sums_take_long_steps():
+def test_batch_norm_sums_take_long_steps(monkeypatch):
     # Batch norm's sums over a channels-last [64, C, H, W] activation split by image: one program
     # per 32 channels of one image. Several inputs with fewer than FEW_COLUMNS partial columns: a
     # step covers 128 rows (8 warps). A lone sum of x with many columns is tiled as a bias gradient.
@@ -80,10 +81,13 @@ def test_batch_norm_sums_take_long_steps():
         return not cfg.persistent, (cfg.xblock, cfg.rblock, cfg.num_warps)
 
     assert sums(256, 56, grads=False) == (True, (64, 8, 4))  # 64 chunks of 3136 rows
-    assert sums(128, 28, grads=True) == (True, (32, 128, 8))  # 64 x 128 partial columns
-    # 64 channels split H in 8 as well (split.py: _rewrite_two_dims): 512 x 64 partial columns
-    # of 1568 rows, tiled as other many-column sums.
+    assert sums(64, 112, grads=True) == (True, (32, 128, 8))  # 64 x 64 partial columns
+    # With H split in 8 as well (split.py: _rewrite_two_dims, off by default): 512 x 64 partial
+    # columns of 1568 rows, tiled as other many-column sums.
+    monkeypatch.setattr(split, "MAX_SECOND_SPLIT", 8)
     assert sums(64, 112, grads=True) == (True, (32, 32, 4))
+    assert sums(128, 28, grads=True) == (True, (32, 128, 8))  # 64 x 128: one program per SM or more
+    monkeypatch.undo()
     assert 256 * 64 >= FEW_COLUMNS and sums(256, 56, grads=True) == (True, (32, 32, 4))
     # ResNet-50's last stage: 7 x 7 x 64 = 3136 rows per channel split although under MIN_REDUCE,
     # as a column reduction on a target with row programs.
