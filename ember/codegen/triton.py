@@ -175,7 +175,9 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   even over long chunks, where the two-pass variance's separate mean partial had
         #   measured faster with 32 x 128 (65 -> 44 us at [64, 256, 56, 56]): the one-pass form
         #   leaves no such kernel in batch norm, and bias gradients were tuned for 64 x 8.
-        if rnumel.is_Integer and xhint * int(rnumel) <= SHORT_COLUMNS:
+        short = rnumel.is_Integer and int(rnumel) <= SHORT_COLUMNS_TILE and xhint * int(rnumel) <= SHORT_COLUMNS
+        # (An online softmax was folded for a looped kernel: it stays looped; review, session 12.)
+        if short and is_persistent(kernel) and not any(r.kind == "sumexp" for r in kernel.reduces):
             # The second stage of a split (batch norm's 64-4096 chunks of C partial sums): each
             # program holds its columns whole, so each of its sums is one load and one reduce.
             # In steps of 128 rows over 2 programs, [512, 64] took 9.9 us where Inductor's

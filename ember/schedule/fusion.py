@@ -336,7 +336,8 @@ class Scheduler:
             candidates.sort()
             for _, _, aid, bid in candidates:
                 if self._try_merge(self.groups[aid], self.groups[bid]):
-                    if frozenset((aid, bid)) in self._sibling_pairs:
+                    # the survivor (aid or bid) stays marked when it later absorbs another group
+                    if frozenset((aid, bid)) in self._sibling_pairs or {aid, bid} & self.sibling_merged:
                         self.sibling_merged |= {aid, bid}
                     break
             else:
@@ -361,7 +362,8 @@ class Scheduler:
             near |= {gid for p in out for v in p.roots for gid in self._readers.get(v, ())}
             consumers = {gid for v in b.roots for gid in self._readers.get(v, ())} - {b.id}
             near |= {pid for c in consumers if c in self.groups for pid in self._producers(self.groups[c])}
-            for gid in sorted(near - producers - {b.id}):
+            # (A consumer of b that reads b's inputs too is not a sibling: it merges as a consumer.)
+            for gid in sorted(near - producers - consumers - {b.id}):
                 g = self.groups[gid]
                 if {g.id, b.id} & set(self.gemms.by_group):
                     continue  # a GEMM template takes epilogues only, never siblings
@@ -608,7 +610,7 @@ def schedule(
             v: g
             for g in scheduler.sibling_merged_groups()
             for v in g.roots
-            if v in live and scheduler.moved_earlier(v, g)
+            if v in live and v not in refused and scheduler.moved_earlier(v, g)
         }
         if not held:
             break
@@ -621,8 +623,11 @@ def schedule(
         was = sched.memory.peak_bytes
         names = ", ".join(dict.fromkeys(scheduler.kernel_name(held[v].id) for v in chosen))
         refused |= set(chosen)
-        scheduler = Scheduler(graph, online_softmax, gemm, column_partials, kernel_prefix, frozenset(refused))
-        sched = scheduler.run(eager_peak)
+        retry_scheduler = Scheduler(graph, online_softmax, gemm, column_partials, kernel_prefix, frozenset(refused))
+        retry = retry_scheduler.run(eager_peak)
+        if retry.memory.peak_bytes >= was:
+            continue  # no lower: keep the best schedule so far; the next retry refuses other values
+        scheduler, sched = retry_scheduler, retry
         notes.append(
             FusionDecision(
                 "*", names, False,

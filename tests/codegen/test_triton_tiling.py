@@ -129,3 +129,21 @@ def test_row_reduction_stays_persistent():
     (k,) = b.schedule(y).kernels
     cfg = launch_config(k)
     assert cfg.persistent and cfg.rblock == 1024
+
+
+def test_short_column_softmax_stays_looped():
+    # A softmax down 20001 rows of 8 columns: under SHORT_COLUMNS, but the scheduler folded its
+    # max and sum of exp into one online pass for a looped kernel; held whole it failed to render
+    # (review, session 12). Compared with eager through the Triton interpreter.
+    from tests.helpers import assert_close, ember_compile
+
+    x = torch.randn(20001, 8)
+    got = ember_compile(lambda t: torch.softmax(t, 0), "triton")(x)
+    assert_close(
+        got,
+        torch.softmax(x, 0),
+        rtol=1e-5,
+        atol=1e-6,
+        what="softmax over dim 0",
+        line="repro: softmax(x, 0), x [20001, 8]",
+    )
