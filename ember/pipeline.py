@@ -125,6 +125,18 @@ def _fusion_log(report: GraphReport) -> str:
     return "\n".join(lines)
 
 
+class _StageClock:
+    """Records the seconds since the previous stage ended under each stage's name."""
+
+    def __init__(self, into: dict[str, float], start: float):
+        self.into, self.last = into, start
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = self.into.get(name, 0.0) + now - self.last
+        self.last = now
+
+
 # A training step's two graphs name their kernels apart, so a profile says which graph ran each.
 KERNEL_PREFIX = {"inference": "k", "forward": "fk", "backward": "bk"}
 
@@ -140,16 +152,20 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+    stage = _StageClock(report.stage_seconds, start)
     try:
         device = graph_device(gm, example_inputs)
         graph = import_graph(gm, device)
         _check(graph, "import")
+        stage("import")
         eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
         merged = eliminate_common_subexpressions(graph)
         log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
         _check(graph, "cse")
+        stage("cse")
         padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
         log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
+        stage("pad")
         backend = select_backend(device)
         report.backend = backend.name
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
@@ -157,6 +173,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         row_programs = backend.row_programs()
         split_reductions(graph, row_programs, backend.split_partials)
         _check(graph, "split_reductions")
+        stage("split")
         gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
         sched = schedule(
             graph,
@@ -166,7 +183,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
             column_partials=bool(row_programs),
             kernel_prefix=KERNEL_PREFIX.get(kind, "k"),
         )
+        stage("schedule")
         namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
+        stage("build")
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
         # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
         host = write_host(sched, backend, check_input_layouts=kind == "backward")
@@ -177,6 +196,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         _report_schedule(report, sched, backend, device)
         log.artifact("fusion", kind, lambda: _fusion_log(report))
         report.host_source = host.source
+        stage("host")
         result: Callable = CompiledGraph(host.call, report)
     except Exception as e:
         if config.get("strict"):

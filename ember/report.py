@@ -50,6 +50,8 @@ class GraphReport:
     externs: list[str] = field(default_factory=list)
     fallback: str | None = None
     compile_seconds: float = 0.0
+    # Seconds per pipeline stage, in order ("import", "schedule", "build", ...): where compile time goes.
+    stage_seconds: dict[str, float] = field(default_factory=dict)
     num_nodes: int = 0
     fusion: list[FusionReport] = field(default_factory=list)
     host_source: str = ""
@@ -72,8 +74,13 @@ class GraphReport:
             return f"{self.kind} graph: ran eagerly ({self.fallback})"
         return (
             f"{self.kind} graph: {self.num_nodes} ATen ops -> {len(self.kernels)} {self.backend} kernels "
-            f"+ {len(self.externs)} externs in {self.compile_seconds * 1000:.0f} ms"
+            f"+ {len(self.externs)} externs in {self.compile_seconds * 1000:.0f} ms{self._stages()}"
         )
+
+    def _stages(self) -> str:
+        if not self.stage_seconds:
+            return ""
+        return " (" + ", ".join(f"{name} {s * 1000:.0f}" for name, s in self.stage_seconds.items()) + ")"
 
     def __str__(self) -> str:
         lines = [self.summary()]
