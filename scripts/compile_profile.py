@@ -3,7 +3,9 @@
 Prints each compiled graph's stage times (`GraphReport.stage_seconds`: import, cse, pad, split,
 schedule, build, host), the first step's wall time (Dynamo, AOTAutograd, ember, the run itself),
 and the ember functions with the most cumulative and own time. Writes the pstats file to --out.
-ember's and Triton's caches point at a fresh temporary folder, so nothing is reused.
+ember's and Triton's caches point at a fresh temporary folder, so nothing is reused, unless
+--cache names one (run twice with the same --cache for a cold then a warm compile). --no-cprofile
+times without the profiler, which inflates Python-heavy stages about twofold.
 
     PYTHONPATH=. python scripts/compile_profile.py --workload resnet50 --mode train --out DIR
 """
@@ -26,8 +28,10 @@ def main() -> None:
     p.add_argument("--scale", default="auto", help="auto: gpu on cuda, else cpu")
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--out", default=None)
+    p.add_argument("--cache", default=None, help="cache folder to use (and keep); default: a fresh one")
+    p.add_argument("--no-cprofile", action="store_true")
     args = p.parse_args()
-    cache = tempfile.mkdtemp(prefix="ember-compile-profile-")
+    cache = args.cache or tempfile.mkdtemp(prefix="ember-compile-profile-")
     for var in ("EMBER_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         os.environ[var] = os.path.join(cache, var.lower())
 
@@ -47,12 +51,14 @@ def main() -> None:
     prof = cProfile.Profile()
     with collecting() as report:
         t = time.perf_counter()
-        prof.enable()
+        if not args.no_cprofile:
+            prof.enable()
         step(*inputs)
         measure.sync(device)
         prof.disable()
         first = time.perf_counter() - t
-    print(f"{args.workload} {args.mode} on {device}: first step {first:.2f} s (profiled)")
+    how = "unprofiled" if args.no_cprofile else "profiled"
+    print(f"{args.workload} {args.mode} on {device}: first step {first:.2f} s ({how}; cache {cache})")
     for g in report.graphs:
         print(" ", g.summary())
     stages: dict[str, float] = {}
@@ -60,6 +66,9 @@ def main() -> None:
         for name, s in g.stage_seconds.items():
             stages[name] = stages.get(name, 0.0) + s
     print("  ember stages, all graphs:", ", ".join(f"{n} {s:.2f} s" for n, s in stages.items()))
+    print(f"  ember in all: {sum(g.compile_seconds for g in report.graphs):.2f} s")
+    if args.no_cprofile:
+        return
     for key in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats(key).print_stats("ember/|triton/", args.top)
