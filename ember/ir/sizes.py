@@ -66,8 +66,10 @@ def divides(b: Expr, term: Expr) -> bool:
     )
 
 
+@functools.cache
 def index_symbol(name: str) -> sympy.Symbol:
-    """A symbol for a loop index or a size: integer and non-negative, so sympy simplifies safely."""
+    """A symbol for a loop index or a size: integer and non-negative, so sympy simplifies safely.
+    Kept per name: the scheduler asks for the same few names hundreds of thousands of times."""
     return sympy.Symbol(name, integer=True, nonnegative=True)
 
 

@@ -98,6 +98,10 @@ def _static_alias_layout(chain: list[Node], root: Value, root_stride) -> tuple |
 
 
 class Scheduler:
+    # Re-rank every group's pairs after each merge instead of only those near it (the tests
+    # compare the two: the same merges must come out).
+    rank_every_pair = False
+
     def __init__(
         self,
         graph: Graph,
@@ -132,6 +136,9 @@ class Scheduler:
         # Merges that failed, keyed by both groups' ids and sizes: a group that has not grown
         # since cannot merge now either, and retrying would rebuild the same kernel.
         self._failed: set[tuple] = set()
+        # The merged domain of a pair, keyed like _failed: groups only grow, so (id, roots) is a state.
+        self._domains: dict[tuple, Domain | None] = {}
+        self._changed: set[Value] = set()  # set by the last merge (_absorbed)
         self._readers: dict[Value, set[int]] = {}
         self.read_outside_static: set[Value] = set()
 
@@ -270,31 +277,29 @@ class Scheduler:
         """Groups whose buffers g loads directly."""
         return {self.owner[v] for v in g.kernel.reads if v in self.owner}
 
+    def _needs(self, values) -> set:
+        """The steps computing `values`: ("g", group id) or ("e", extern node id)."""
+        out = set()
+        for v in values:
+            if v not in self.owner:
+                v = view_chain(v)[0]
+            if v in self.owner:
+                out.add(("g", self.owner[v]))
+            elif v.node.op == "extern":
+                out.add(("e", id(v.node)))
+        return out
+
     def _step_deps(self) -> dict:
         """The dependency graph over steps: ("g", group id) and ("e", extern node id) -> what it needs."""
-        deps: dict = {}
-
-        def needs(values) -> set:
-            out = set()
-            for v in values:
-                if v not in self.owner:
-                    v = view_chain(v)[0]
-                if v in self.owner:
-                    out.add(("g", self.owner[v]))
-                elif v.node.op == "extern":
-                    out.add(("e", id(v.node)))
-            return out
-
-        for gid, g in self.groups.items():
-            deps[("g", gid)] = needs(g.kernel.reads)
+        deps: dict = {("g", gid): self._needs(g.kernel.reads) for gid, g in self.groups.items()}
         for node in self.graph.nodes:
             if node.op == "extern":
-                deps[("e", id(node))] = needs(node.value_inputs())
+                deps[("e", id(node))] = self._needs(node.value_inputs())
         return deps
 
     def _reaches(self, src: int, dst: int, skip_direct: bool) -> bool:
         """Whether dst depends on src through a path of at least one other step."""
-        if self._deps is None:  # rebuilt only after a merge changes the groups
+        if self._deps is None:  # built once; _absorbed keeps it current
             self._deps = self._step_deps()
         deps = self._deps
         stack = [d for d in deps[("g", dst)] if not (skip_direct and d == ("g", src))]
@@ -310,6 +315,12 @@ class Scheduler:
         return False
 
     def _merged_domain(self, a: Group, b: Group) -> Domain | None:
+        key = (a.id, len(a.roots), b.id, len(b.roots))
+        if key not in self._domains:
+            self._domains[key] = self._merged_domain_of(a, b)
+        return self._domains[key]
+
+    def _merged_domain_of(self, a: Group, b: Group) -> Domain | None:
         if a.id in self.gemms.by_group or b.id in self.gemms.by_group:
             return self.gemms.merged_domain(a, b)
         if a.domain == b.domain:
@@ -327,21 +338,61 @@ class Scheduler:
 
     def _fuse(self, siblings: bool = True) -> None:
         """Best first: merge the candidate pair that saves the most bytes, until none saves any."""
+        self._readers = self._reader_map()  # kept current by _merge
+        # Each group's candidate pairs, ranked, kept between merges: a merge changes the pairs of
+        # the groups near it only (_near_merge), and recomputing every group's after every merge
+        # made scheduling quadratic in the graph's size.
+        pairs: dict[int, list[tuple]] = {}
+        stale = set(self.groups)
         while True:
-            self._readers = self._reader_map()
-            candidates = []
-            for b in self.groups.values():
-                for a in self._candidates(b, siblings):
-                    candidates.append((-self._estimate_saving(a, b), min(a.first, b.first), a.id, b.id))
-            candidates.sort()
-            for _, _, aid, bid in candidates:
+            for bid in stale:
+                b = self.groups.get(bid)
+                if b is None:
+                    pairs.pop(bid, None)
+                    continue
+                pairs[bid] = [
+                    (-self._estimate_saving(a, b), min(a.first, b.first), a.id, b.id)
+                    for a in self._candidates(b, siblings)
+                ]
+            for _, _, aid, bid in sorted(p for ranked in pairs.values() for p in ranked):
                 if self._try_merge(self.groups[aid], self.groups[bid]):
                     # the survivor (aid or bid) stays marked when it later absorbs another group
                     if frozenset((aid, bid)) in self._sibling_pairs or {aid, bid} & self.sibling_merged:
                         self.sibling_merged |= {aid, bid}
+                    if self.rank_every_pair:
+                        pairs.clear()
+                        stale = set(self.groups)
+                    else:
+                        stale = self._near_merge({aid, bid})
                     break
             else:
                 return
+
+    def _near_merge(self, merged: set[int]) -> set[int]:
+        """The groups whose candidate pairs or their savings the last merge may have changed.
+
+        A pair (a, b) depends on both groups, on who reads and who owns the values they read or
+        compute, and on groups at most two steps from b (a producer's other readers, a
+        consumer's other producers). The merge changed one group, removed another, and changed
+        the readers or owner of `_changed` values only: every group touching those is
+        affected, and so is every group within two steps of one of them."""
+        near = {gid for gid in merged if gid in self.groups}
+        for v in self._changed:
+            near |= self._readers.get(v, set())
+            if v in self.owner and self.owner[v] in self.groups:
+                near.add(self.owner[v])
+        frontier = set(near)
+        for _ in range(2):
+            reached: set[int] = set()
+            for gid in frontier:
+                g = self.groups[gid]
+                for v in list(g.kernel.reads) + list(g.roots):
+                    reached |= self._readers.get(v, set())
+                    if v in self.owner:
+                        reached.add(self.owner[v])
+            frontier = {gid for gid in reached if gid in self.groups} - near
+            near |= frontier
+        return near | (merged - set(self.groups))
 
     def _reader_map(self) -> dict[Value, set[int]]:
         readers: dict[Value, set[int]] = {}
@@ -416,8 +467,31 @@ class Scheduler:
         if not self._merge(a, b):
             self._failed.add(attempt)
             return False
-        self._deps = None
         return True
+
+    def _absorbed(self, first: Group, second: Group, old_reads: list) -> None:
+        """Bring the reader map and the step dependencies up to date after `first` absorbed
+        `second` (old_reads: both groups' reads before). Only their entries change: the other
+        groups read the same values, and what `second` owned `first` now owns. Rebuilding both
+        after every merge took most of a ResNet-50 schedule's time."""
+        for v in old_reads:
+            readers = self._readers.get(v)
+            if readers is not None:
+                readers -= {first.id, second.id}
+        for v in first.kernel.reads:
+            self._readers.setdefault(v, set()).add(first.id)
+        # Values whose readers or owner changed (second's now belong to first), and the values
+        # of the changed groups themselves.
+        self._changed = set(old_reads) | set(first.kernel.reads) | set(first.roots)
+        if self._deps is None:
+            return
+        gone, now = ("g", second.id), ("g", first.id)
+        del self._deps[gone]
+        for needs in self._deps.values():
+            if gone in needs:
+                needs.discard(gone)
+                needs.add(now)
+        self._deps[now] = self._needs(first.kernel.reads)
 
     def _merge(self, a: Group, b: Group) -> bool:
         names = (self.kernel_name(b.id), self.kernel_name(a.id))
@@ -460,8 +534,10 @@ class Scheduler:
                 names, False, f"would move more bytes ({before_bytes / 1e6:.3g} MB -> {after_bytes / 1e6:.3g} MB)"
             )
             return False
+        old_reads = list(first.kernel.reads) + list(second.kernel.reads)
         first.roots, first.domain, first.kernel = roots, domain, kernel
         del self.groups[second.id]
+        self._absorbed(first, second, old_reads)
         # Equal bytes still saves a launch (disjoint slices of one buffer, read side by side).
         why = (
             f"merged over {domain}"

@@ -83,10 +83,27 @@ class Domain:
         return tuple(sympy.Integer(1) if d in self.reduce_dims else s for d, s in enumerate(self.shape))
 
     def vars(self) -> list[sympy.Symbol]:
-        return [index_symbol(f"d{k}") for k in range(len(self.shape))]
+        return list(self._vars)
+
+    @functools.cached_property
+    def _vars(self) -> tuple[sympy.Symbol, ...]:
+        return tuple(index_symbol(f"d{k}") for k in range(len(self.shape)))
+
+    @functools.cached_property
+    def _fits(self) -> dict:
+        return {}
 
     def index_for(self, shape: tuple[Expr, ...]) -> list[Expr] | None:
-        """The domain index at which a value of `shape` is produced, or None if it does not fit."""
+        """The domain index at which a value of `shape` is produced, or None if it does not fit.
+        Kept per shape: fusion asks it of every candidate pair after each merge."""
+        shape = tuple(shape)
+        if shape not in self._fits:
+            index = self._fit(shape)
+            self._fits[shape] = None if index is None else tuple(index)
+        fit = self._fits[shape]
+        return None if fit is None else list(fit)
+
+    def _fit(self, shape: tuple[Expr, ...]) -> list[Expr] | None:
         v = self.vars()
         if tuple(shape) == self.shape:
             return v
