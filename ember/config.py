@@ -208,6 +208,14 @@ SETTINGS: dict[str, Setting] = {
             "threads used to compile a graph's Triton kernels in parallel",
             check=lambda v: v >= 1,
         ),
+        Setting(
+            "compile_workers",
+            int,
+            min(16, os.cpu_count() or 1),
+            "worker processes that compile Triton kernels ahead of the threads (0: threads only); "
+            "started once per process, for graphs of at least 16 kernels",
+            check=lambda v: v >= 0,
+        ),
     ]
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from pathlib import Path
 import sympy
 import torch
 
-from ember import config
+from ember import config, log
 from ember.backends.gemm_tuning import choose as choose_gemm
 from ember.backends.gemm_tuning import precompile_gemms
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
@@ -41,6 +42,11 @@ from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
+
+
+# Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
+# fewer compile in this process's threads in about the time workers would take to start.
+WORKERS_FROM_KERNELS = 16
 
 
 class TritonBackend:
@@ -142,11 +148,37 @@ class TritonBackend:
         if not jobs:
             return {}
         compiled = {jobs[0][0]: _warmup(*jobs[0][1:])}  # first alone: Triton sets up per-device state once
-        threads = min(config.get("compile_threads"), len(jobs) - 1)
-        if threads:
-            with ThreadPoolExecutor(threads) as pool:
-                futures = {job[0]: pool.submit(_warmup, *job[1:]) for job in jobs[1:]}
-                compiled.update({name: future.result() for name, future in futures.items()})
+        rest = jobs[1:]
+        threads = min(config.get("compile_threads"), len(rest))
+        if not threads:
+            return compiled
+        workers = None
+        if len(rest) >= WORKERS_FROM_KERNELS:
+            from triton.runtime import driver
+
+            from ember.backends import compile_workers
+
+            t = driver.active.get_current_target()
+            workers = compile_workers.get(config.get("compile_workers"), (t.backend, t.arch, t.warp_size))
+        by_name = {job[0]: job for job in rest}
+        futures: dict = {}
+        with ThreadPoolExecutor(threads) as pool:
+            if workers is None:
+                futures = {name: pool.submit(_warmup, *job[1:]) for name, job in by_name.items()}
+            else:
+                # Workers compile into Triton's disk cache; as each batch ends, this process loads
+                # it (a cache hit) or compiles what a worker could not.
+                lock = threading.Lock()
+
+                def loaded(names: list[str]) -> None:
+                    with lock:
+                        futures.update({n: pool.submit(_warmup, *by_name[n][1:]) for n in names})
+
+                worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
+                workers.compile(self._module_name, self._module_path, worker_jobs, loaded)
+                if workers.failures:
+                    log.artifact("cache", "compile workers", "\n".join(workers.failures))
+            compiled.update({name: future.result() for name, future in futures.items()})
         return compiled
 
     def _load(self, source: str):
@@ -157,6 +189,7 @@ class TritonBackend:
         entry = cache.get("triton", key) or cache.put("triton", key, {"kernels.py": source.encode()})
         path = Path(entry) / "kernels.py"
         name = f"ember_kernels_{key[:16]}"
+        self._module_name, self._module_path = name, str(path)  # for the compile workers
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)

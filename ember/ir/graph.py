@@ -133,7 +133,8 @@ class Graph:
     def substitute(self, subst: dict[int, Value], nodes: list[Node]) -> None:
         """In `nodes`, point each use of a Value whose id is in `subst` at its replacement."""
         for node in nodes:
-            node.inputs = substituted(node.inputs, subst)
+            if _may_mention(node.inputs, subst):
+                node.inputs = substituted(node.inputs, subst)
             if node.op == "extern":
                 node.attrs["args"] = substituted(node.attrs["args"], subst)
                 node.attrs["kwargs"] = substituted(node.attrs["kwargs"], subst)
@@ -170,6 +171,18 @@ class Graph:
             lines.append(f"  {_fmt_arg(inp)} <- {_fmt_arg(self.outputs[pos])}  # input mutation")
         lines.append(f"  return ({', '.join(_fmt_arg(o) for o in self.user_outputs())})")
         return "\n".join(lines)
+
+
+def _may_mention(inputs: list, subst: dict[int, Value]) -> bool:
+    """Whether a node's inputs may hold a Value in `subst` (a nested container: maybe). Checked
+    before rebuilding them: the split pass replaces uses one value at a time, over every node."""
+    for x in inputs:
+        if isinstance(x, Value):
+            if id(x) in subst:
+                return True
+        elif isinstance(x, (list, tuple, dict)):
+            return True
+    return False
 
 
 def substituted(x: Any, subst: dict[int, Value]) -> Any:

@@ -1,0 +1,189 @@
+"""Triton compiles in worker processes, so that a graph's kernels compile without sharing a GIL.
+
+Triton's front end (the AST walk that emits TTIR) is Python and holds the GIL. On the H100
+machine ResNet-50's 478 training kernels took 86 s to compile in one thread, 25 s in 8 and
+23 s in 16 (scripts/compile_profile.py). Workers are separate processes, started once per
+process and kept; each compiles the kernels it is sent through Triton's own `warmup`, for the
+parent's GPU target, so the results land in Triton's disk cache under the keys the parent's
+warmup then looks up. The parent still warms up (loads) every kernel itself: a worker that
+fails, dies or computes another key costs time, never a kernel or a wrong one.
+
+Workers are plain subprocesses (`python -m ember.backends.compile_workers`), not
+multiprocessing: a spawned multiprocessing child re-imports the user's `__main__` script. They
+talk over stdin/stdout in length-prefixed pickles; their stderr is discarded. A worker never
+creates a CUDA context: Triton's driver is told the target instead of asking the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Kernels per message: small enough to spread a graph's kernels evenly over the workers.
+BATCH = 4
+
+
+def _send(stream, obj) -> None:
+    data = pickle.dumps(obj)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream):
+    header = stream.read(8)
+    if len(header) < 8:
+        raise EOFError("compile worker closed its pipe")
+    (size,) = struct.unpack("<Q", header)
+    return pickle.loads(stream.read(size))
+
+
+class CompileWorkers:
+    """A fixed set of worker processes compiling Triton kernels for one GPU target."""
+
+    def __init__(self, count: int, target: tuple):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.target = target
+        self.procs = []
+        for _ in range(count):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ember.backends.compile_workers"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+            _send(proc.stdin, {"target": target})
+            self.procs.append(proc)
+        self.alive = len(self.procs)
+        self.failures: list[str] = []  # kernels a worker could not compile, with why
+
+    def compile(self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None]) -> None:
+        """Compile `jobs` ((kernel name, args, constexprs, num_warps, fp_fusion), for the kernels of
+        the module at `path`) across the workers; `done(names)` is called as each batch ends, also
+        when it failed. Returns when every batch has."""
+        batches: queue.Queue = queue.Queue()
+        for k in range(0, len(jobs), BATCH):
+            batches.put(jobs[k : k + BATCH])
+
+        def serve(proc) -> None:
+            while True:
+                try:
+                    batch = batches.get_nowait()
+                except queue.Empty:
+                    return
+                names = [job[0] for job in batch]
+                try:
+                    if proc.poll() is not None:
+                        raise EOFError("compile worker exited")
+                    _send(proc.stdin, (module_name, path, batch))
+                    for name, error in _receive(proc.stdout):
+                        if error:
+                            self.failures.append(f"{name}: {error}")
+                except (OSError, EOFError, pickle.PickleError) as e:
+                    self.failures.append(f"worker {proc.pid}: {type(e).__name__}: {e}")
+                    done(names)
+                    self._drain(batches, done)  # this worker is gone: the parent compiles the rest
+                    return
+                done(names)
+
+        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in self.procs if p.poll() is None]
+        self.alive = len(threads)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._drain(batches, done)  # no worker left alive
+
+    @staticmethod
+    def _drain(batches: queue.Queue, done: Callable[[list[str]], None]) -> None:
+        while True:
+            try:
+                batch = batches.get_nowait()
+            except queue.Empty:
+                return
+            done([job[0] for job in batch])
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+_workers: CompileWorkers | None = None
+_lock = threading.Lock()
+
+
+def get(count: int, target: tuple) -> CompileWorkers | None:
+    """The process's workers (started on first use), or None where there are none to be had."""
+    global _workers
+    if count < 1:
+        return None
+    with _lock:
+        if _workers is not None and (_workers.target != target or _workers.alive == 0):
+            _workers.close()
+            _workers = None
+        if _workers is None:
+            try:
+                _workers = CompileWorkers(count, target)
+            except OSError:
+                return None
+            import atexit
+
+            atexit.register(_workers.close)
+        return _workers
+
+
+# -- the worker ---------------------------------------------------------------------------------
+
+
+def _serve() -> None:
+    # Replies go out on the original stdout; anything else printing to fd 1 goes to stderr.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    inp = sys.stdin.buffer
+    setup = _receive(inp)
+    import importlib.util
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    target = GPUTarget(*setup["target"])
+    active = driver.active
+    active.get_current_target = lambda: target
+    active.get_current_device = lambda: 0
+    active.get_current_stream = lambda *args: 0
+    modules: dict = {}
+    while True:
+        try:
+            module_name, path, batch = _receive(inp)
+        except EOFError:
+            return
+        module = modules.get(path)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[module_name] = module
+            spec.loader.exec_module(module)
+            modules[path] = module
+        results = []
+        for name, args, consts, num_warps, fp_fusion in batch:
+            try:
+                getattr(module, name).warmup(
+                    *args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts
+                )
+                results.append((name, None))
+            except Exception as e:  # the parent compiles it again and reports what fails
+                results.append((name, f"{type(e).__name__}: {e}"[:300]))
+        _send(out, results)
+
+
+if __name__ == "__main__":
+    _serve()

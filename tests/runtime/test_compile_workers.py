@@ -1,0 +1,67 @@
+"""The Triton compile workers (ember/backends/compile_workers.py): every kernel sent is handed
+back to the parent, whether its worker compiled it, failed on it or died."""
+
+from __future__ import annotations
+
+import threading
+
+from ember.backends.compile_workers import CompileWorkers
+
+
+def _run(workers: CompileWorkers, jobs: list[tuple], path: str) -> list[str]:
+    handed_back: list[str] = []
+    lock = threading.Lock()
+
+    def done(names):
+        with lock:
+            handed_back.extend(names)
+
+    workers.compile("ember_kernels_test", path, jobs, done)
+    return handed_back
+
+
+def test_a_worker_that_cannot_start_hands_every_kernel_back(tmp_path):
+    # Without a GPU no Triton driver is active and the workers exit while setting the target up;
+    # with one, the empty module has none of these kernels. Either way the parent gets them all.
+    module = tmp_path / "kernels.py"
+    module.write_text("")
+    workers = CompileWorkers(2, ("cuda", 90, 32))
+    try:
+        jobs = [(f"k{i}", [], {}, 4, True) for i in range(11)]
+        handed_back = _run(workers, jobs, str(module))
+        assert sorted(handed_back) == sorted(f"k{i}" for i in range(11))
+        assert workers.failures
+    finally:
+        workers.close()
+
+
+def test_a_kernel_a_worker_fails_on_is_handed_back_and_reported(tmp_path, monkeypatch):
+    # A stand-in for Triton's driver lets the worker start; the module's "kernels" raise.
+    stub = tmp_path / "stub"
+    (stub / "triton" / "backends").mkdir(parents=True)
+    (stub / "triton" / "runtime").mkdir(parents=True)
+    (stub / "triton" / "__init__.py").write_text("")
+    (stub / "triton" / "backends" / "__init__.py").write_text("")
+    (stub / "triton" / "backends" / "compiler.py").write_text(
+        "class GPUTarget:\n    def __init__(self, *a):\n        self.a = a\n"
+    )
+    (stub / "triton" / "runtime" / "__init__.py").write_text("from .driver import driver\n")
+    (stub / "triton" / "runtime" / "driver.py").write_text("class _D:\n    pass\n\nclass driver:\n    active = _D()\n")
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    module = tmp_path / "kernels.py"
+    module.write_text(
+        "class _K:\n"
+        "    def __init__(self, ok):\n        self.ok = ok\n"
+        "    def warmup(self, *args, **kwargs):\n"
+        "        if not self.ok:\n            raise ValueError('no')\n"
+        "good = _K(True)\nbad = _K(False)\n"
+    )
+    workers = CompileWorkers(1, ("cuda", 90, 32))
+    try:
+        jobs = [("good", [1], {"XBLOCK": 8}, 4, True), ("bad", [2], {}, 4, False)] * 3
+        handed_back = _run(workers, jobs, str(module))
+        assert sorted(handed_back) == sorted(["good", "bad"] * 3)
+        assert workers.failures == ["bad: ValueError: no"] * 3
+        assert workers.procs[0].poll() is None  # still serving
+    finally:
+        workers.close()
