@@ -180,7 +180,7 @@ def _serve() -> None:
                     *args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts
                 )
                 results.append((name, None))
-            except Exception as e:  # the parent compiles it again and reports what fails
+            except Exception as e:  # noqa: BLE001  (any failure: the parent compiles it again and reports it)
                 results.append((name, f"{type(e).__name__}: {e}"[:300]))
         _send(out, results)
 

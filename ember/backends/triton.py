@@ -43,7 +43,6 @@ from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
 
-
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start.
 WORKERS_FROM_KERNELS = 16
