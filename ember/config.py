@@ -211,9 +211,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "compile_workers",
             int,
-            min(16, os.cpu_count() or 1),
+            min(15, (os.cpu_count() or 1) - 1),
             "worker processes that compile Triton kernels ahead of the threads (0: threads only); "
-            "started once per process, for graphs of at least 16 kernels",
+            "started once per process, for graphs of at least 16 kernels; one core is left to the caller",
             check=lambda v: v >= 0,
         ),
     ]

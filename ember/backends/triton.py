@@ -46,6 +46,8 @@ from ember.schedule.kernel import Kernel
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start.
 WORKERS_FROM_KERNELS = 16
+# Graphs of at least this many nodes start the workers before scheduling (about 16 kernels).
+WORKERS_FROM_NODES = 200
 
 
 class TritonBackend:
@@ -65,6 +67,7 @@ class TritonBackend:
         self.direct: set[str] = set()  # kernels launched through Triton's compiled launcher
         self.static: dict[str, StaticLaunch] = {}  # kernels launched through torch's static launcher
         self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
+        self._module_seen = False  # the kernel module was in ember's cache already (_load)
 
     def row_programs(self) -> int:
         """How many programs a row kernel that accumulates column sums should have at least
@@ -151,14 +154,7 @@ class TritonBackend:
         threads = min(config.get("compile_threads"), len(rest))
         if not threads:
             return compiled
-        workers = None
-        if len(rest) >= WORKERS_FROM_KERNELS:
-            from triton.runtime import driver
-
-            from ember.backends import compile_workers
-
-            t = driver.active.get_current_target()
-            workers = compile_workers.get(config.get("compile_workers"), (t.backend, t.arch, t.warp_size))
+        workers = self._workers() if len(rest) >= WORKERS_FROM_KERNELS and not self._module_seen else None
         by_name = {job[0]: job for job in rest}
         futures: dict = {}
         with ThreadPoolExecutor(threads) as pool:
@@ -180,12 +176,34 @@ class TritonBackend:
             compiled.update({name: future.result() for name, future in futures.items()})
         return compiled
 
+    def prepare(self, graph_nodes: int) -> None:
+        """Start the compile workers now if this graph is large enough to use them: they take
+        seconds to start, which then overlap with scheduling."""
+        if graph_nodes >= WORKERS_FROM_NODES and _device_index(self.device) is not None:
+            self._workers()
+
+    def _workers(self):
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return None
+        from triton.runtime import driver
+
+        from ember.backends import compile_workers
+
+        t = driver.active.get_current_target()
+        return compile_workers.get(config.get("compile_workers"), (t.backend, t.arch, t.warp_size))
+
     def _load(self, source: str):
         import triton
 
         key = content_key("triton", source, triton.__version__)
         cache = DiskCache()
-        entry = cache.get("triton", key) or cache.put("triton", key, {"kernels.py": source.encode()})
+        entry = cache.get("triton", key)
+        # Compiled before: Triton's own cache most likely holds its kernels, and workers would only
+        # slow the loading down (they start in seconds; a cache hit loads in milliseconds).
+        self._module_seen = entry is not None
+        entry = entry or cache.put("triton", key, {"kernels.py": source.encode()})
         path = Path(entry) / "kernels.py"
         name = f"ember_kernels_{key[:16]}"
         self._module_name, self._module_path = name, str(path)  # for the compile workers
