@@ -168,8 +168,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         stage("pad")
         backend = select_backend(device)
         report.backend = backend.name
-        if hasattr(backend, "prepare"):
-            backend.prepare(len(graph.nodes))  # slow resources it will need, started before scheduling
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
         # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
         row_programs = backend.row_programs()

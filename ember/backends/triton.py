@@ -44,10 +44,10 @@ from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
-# fewer compile in this process's threads in about the time workers would take to start.
+# fewer compile in this process's threads in about the time workers would take to start. The
+# workers start at the first such build, not earlier: started before scheduling ResNet-50's
+# forward graph, their imports slowed the scheduling on the H100 host's 16 cores from 3.2 to 6.6 s.
 WORKERS_FROM_KERNELS = 16
-# Graphs of at least this many nodes start the workers before scheduling (about 16 kernels).
-WORKERS_FROM_NODES = 200
 
 
 class TritonBackend:
@@ -175,12 +175,6 @@ class TritonBackend:
                     log.artifact("cache", "compile workers", "\n".join(workers.failures))
             compiled.update({name: future.result() for name, future in futures.items()})
         return compiled
-
-    def prepare(self, graph_nodes: int) -> None:
-        """Start the compile workers now if this graph is large enough to use them: they take
-        seconds to start, which then overlap with scheduling."""
-        if graph_nodes >= WORKERS_FROM_NODES and _device_index(self.device) is not None:
-            self._workers()
 
     def _workers(self):
         import os
