@@ -2,8 +2,9 @@
 
 Stages: render (Triton source) -> module file in the content cache -> import -> Triton's
 own stages (ttir -> ttgir -> llir -> ptx -> cubin), which Triton caches on disk by source.
-The kernels of a graph are compiled ahead of the first call, in parallel threads (Triton
-spends most of that time in MLIR passes and ptxas, outside the GIL).
+The kernels of a graph are compiled ahead of the first call: by worker processes into Triton's
+disk cache for large graphs (compile_workers.py: Triton's front end holds the GIL), then loaded,
+or compiled, by this process's threads (MLIR passes and ptxas run outside the GIL).
 
 Launch. `kernel[grid](...)` costs tens of microseconds of Python per call: Triton binds the
 arguments, recomputes their specialization (pointer alignment, ints equal to 1 or divisible
@@ -128,8 +129,10 @@ class TritonBackend:
         Triton's `warmup` compiles for given argument types without launching: buffers are
         passed as dtypes (aligned mock pointers, as fresh allocations are) and sizes as their
         static values, so the specialization matches the real launch. Kernels with symbolic
-        sizes compile at first launch instead. Triton spends most of a compile in MLIR passes
-        and ptxas, which do not hold the GIL. Returns the compiled kernel of each static one.
+        sizes compile at first launch instead. MLIR passes and ptxas do not hold the GIL, but
+        Triton's front end does: a large graph's kernels go to the compile workers first, and
+        each thread then loads a kernel from Triton's cache as soon as its worker is done.
+        Returns the compiled kernel of each static one.
         """
         import os
 
