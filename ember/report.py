@@ -80,7 +80,7 @@ class GraphReport:
     def _stages(self) -> str:
         if not self.stage_seconds:
             return ""
-        return " (" + ", ".join(f"{name} {s * 1000:.0f}" for name, s in self.stage_seconds.items()) + ")"
+        return " (ms: " + ", ".join(f"{name} {s * 1000:.0f}" for name, s in self.stage_seconds.items()) + ")"
 
     def __str__(self) -> str:
         lines = [self.summary()]

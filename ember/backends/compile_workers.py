@@ -16,9 +16,11 @@ creates a CUDA context: Triton's driver is told the target instead of asking the
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue
+import select
 import struct
 import subprocess
 import sys
@@ -28,6 +30,8 @@ from collections.abc import Callable
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Kernels per message: small enough to spread a graph's kernels evenly over the workers.
 BATCH = 4
+# A worker that has not answered a batch in this long is stopped (its kernels go back to the parent).
+BATCH_TIMEOUT_S = 300.0
 
 
 def _send(stream, obj) -> None:
@@ -48,27 +52,38 @@ class CompileWorkers:
     """A fixed set of worker processes compiling Triton kernels for one GPU target."""
 
     def __init__(self, count: int, target: tuple):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = _ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.target = target
         self.procs = []
         for _ in range(count):
+            # Started in ember's own root, which `-m` puts first on sys.path: this ember is the one
+            # imported, whatever the caller's working directory holds.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "ember.backends.compile_workers"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
-                env=env,
+                cwd=_ROOT,
             )
             _send(proc.stdin, {"target": target})
             self.procs.append(proc)
         self.alive = len(self.procs)
-        self.failures: list[str] = []  # kernels a worker could not compile, with why
+        self.failures: list[str] = []  # the last compile's kernels a worker could not compile, with why
+        self._lock = threading.Lock()  # one compile at a time: the pipes carry one exchange each
 
     def compile(self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None]) -> None:
         """Compile `jobs` ((kernel name, args, constexprs, num_warps, fp_fusion), for the kernels of
         the module at `path`) across the workers; `done(names)` is called as each batch ends, also
         when it failed. Returns when every batch has."""
+        with self._lock:
+            self.failures = []
+            try:
+                self._compile(module_name, path, jobs, done)
+            except BaseException:
+                # Interrupted while serve threads may still talk to the workers: never reuse them.
+                self.close()
+                raise
+
+    def _compile(self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None]) -> None:
         batches: queue.Queue = queue.Queue()
         for k in range(0, len(jobs), BATCH):
             batches.put(jobs[k : k + BATCH])
@@ -84,13 +99,18 @@ class CompileWorkers:
                     if proc.poll() is not None:
                         raise EOFError("compile worker exited")
                     _send(proc.stdin, (module_name, path, batch))
+                    ready, _, _ = select.select([proc.stdout], [], [], BATCH_TIMEOUT_S)
+                    if not ready:
+                        raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:.0f} s")
                     for name, error in _receive(proc.stdout):
                         if error:
                             self.failures.append(f"{name}: {error}")
-                except (OSError, EOFError, pickle.PickleError) as e:
+                except Exception as e:  # noqa: BLE001  (any failure: this worker is done; the parent compiles)
                     self.failures.append(f"worker {proc.pid}: {type(e).__name__}: {e}")
+                    proc.kill()
+                    proc.wait()
                     done(names)
-                    self._drain(batches, done)  # this worker is gone: the parent compiles the rest
+                    self._drain(batches, done)
                     return
                 done(names)
 
@@ -101,6 +121,7 @@ class CompileWorkers:
         for t in threads:
             t.join()
         self._drain(batches, done)  # no worker left alive
+        self.alive = sum(p.poll() is None for p in self.procs)
 
     @staticmethod
     def _drain(batches: queue.Queue, done: Callable[[list[str]], None]) -> None:
@@ -112,9 +133,16 @@ class CompileWorkers:
             done([job[0] for job in batch])
 
     def close(self) -> None:
+        self.alive = 0
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
 
 
 _workers: CompileWorkers | None = None
@@ -122,9 +150,10 @@ _lock = threading.Lock()
 
 
 def get(count: int, target: tuple) -> CompileWorkers | None:
-    """The process's workers (started on first use), or None where there are none to be had."""
+    """The process's workers (started on first use), or None where there are none to be had.
+    Fewer than two is none: one worker compiles serially, slower than this process's threads."""
     global _workers
-    if count < 1:
+    if count < 2:
         return None
     with _lock:
         if _workers is not None and (_workers.target != target or _workers.alive == 0):
@@ -135,10 +164,15 @@ def get(count: int, target: tuple) -> CompileWorkers | None:
                 _workers = CompileWorkers(count, target)
             except OSError:
                 return None
-            import atexit
-
-            atexit.register(_workers.close)
         return _workers
+
+
+def _close_at_exit() -> None:
+    if _workers is not None:
+        _workers.close()
+
+
+atexit.register(_close_at_exit)
 
 
 # -- the worker ---------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+from ember.backends import compile_workers
 from ember.backends.compile_workers import CompileWorkers
 
 
@@ -35,8 +36,8 @@ def test_a_worker_that_cannot_start_hands_every_kernel_back(tmp_path):
         workers.close()
 
 
-def test_a_kernel_a_worker_fails_on_is_handed_back_and_reported(tmp_path, monkeypatch):
-    # A stand-in for Triton's driver lets the worker start; the module's "kernels" raise.
+def _stub_triton(tmp_path, monkeypatch) -> None:
+    """A stand-in for Triton's driver, so that a worker starts on a machine without a GPU."""
     stub = tmp_path / "stub"
     (stub / "triton" / "backends").mkdir(parents=True)
     (stub / "triton" / "runtime").mkdir(parents=True)
@@ -48,6 +49,10 @@ def test_a_kernel_a_worker_fails_on_is_handed_back_and_reported(tmp_path, monkey
     (stub / "triton" / "runtime" / "__init__.py").write_text("from .driver import driver\n")
     (stub / "triton" / "runtime" / "driver.py").write_text("class _D:\n    pass\n\nclass driver:\n    active = _D()\n")
     monkeypatch.setenv("PYTHONPATH", str(stub))
+
+
+def test_a_kernel_a_worker_fails_on_is_handed_back_and_reported(tmp_path, monkeypatch):
+    _stub_triton(tmp_path, monkeypatch)  # the module's "kernels" raise
     module = tmp_path / "kernels.py"
     module.write_text(
         "class _K:\n"
@@ -63,5 +68,20 @@ def test_a_kernel_a_worker_fails_on_is_handed_back_and_reported(tmp_path, monkey
         assert sorted(handed_back) == sorted(["good", "bad"] * 3)
         assert workers.failures == ["bad: ValueError: no"] * 3
         assert workers.procs[0].poll() is None  # still serving
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_does_not_answer_is_stopped_and_its_kernels_handed_back(tmp_path, monkeypatch):
+    _stub_triton(tmp_path, monkeypatch)
+    module = tmp_path / "kernels.py"
+    module.write_text("import time\nclass _K:\n    def warmup(self, *a, **k):\n        time.sleep(30)\nslow = _K()\n")
+    monkeypatch.setattr(compile_workers, "BATCH_TIMEOUT_S", 1.0)
+    workers = CompileWorkers(1, ("cuda", 90, 32))
+    try:
+        handed_back = _run(workers, [("slow", [], {}, 4, True)] * 6, str(module))
+        assert sorted(handed_back) == ["slow"] * 6
+        assert len(workers.failures) == 1 and "TimeoutError" in workers.failures[0]
+        assert workers.alive == 0
     finally:
         workers.close()
