@@ -129,8 +129,10 @@ def is_static(e: Expr) -> bool:
     return not e.free_symbols
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def affine_split(expr: Expr, var: sympy.Symbol) -> tuple[Expr, Expr] | None:
-    """(c, rest) with expr == c*var + rest and neither c nor rest using var; None if not affine in var."""
+    """(c, rest) with expr == c*var + rest and neither c nor rest using var; None if not affine in var.
+    Kept: fusion rebuilds a kernel per candidate merge, splitting the same index expressions."""
     expr = sympy.expand(expr)
     if not expr.has(var):
         return sympy.Integer(0), expr
