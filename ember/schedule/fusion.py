@@ -24,11 +24,11 @@ from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import KernelCost, is_persistent, kernel_cost, size_hint
 from ember.schedule.gemm import GemmChooser, GemmGroups, build_gemm_kernel, plan_gemms
-from ember.schedule.kernel import Domain, Kernel, NotFusable, COLUMN_PARTIAL_MAX_ROW, build_kernel, column_partial_input
-from ember.schedule.online import fold_online_softmax
+from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW, Domain, Kernel, NotFusable, build_kernel, column_partial_input
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import nbytes, plan_memory
-from ember.schedule.steps import (  # noqa: F401  (re-exported: the schedule's types)
+from ember.schedule.online import fold_online_softmax
+from ember.schedule.steps import (  # some re-exported: the schedule's types
     AliasStep,
     ExternStep,
     FusionDecision,
@@ -189,7 +189,7 @@ class Scheduler:
     def _plan_gemms(self) -> list[Value]:
         """Matrix products run by the GEMM template (schedule/gemm.py): each is a group of its own,
         whose kernel computes the product; pointwise consumers may then fuse into it."""
-        operand_strides = lambda v: self.aliases[v].stride if v in self.aliases else layout_of(v)  # noqa: E731
+        operand_strides = lambda v: self.aliases[v].stride if v in self.aliases else layout_of(v)
         self.gemm_plans, notes = plan_gemms(self.graph.nodes, self.gemm_chooser, operand_strides, self.graph.device)
         for what, chosen, why in notes:
             self.decisions.append(FusionDecision(what, "GEMM template" if chosen else "ATen", chosen, why))
