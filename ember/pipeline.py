@@ -171,6 +171,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
         # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
         row_programs = backend.row_programs()
+        stage("backend")  # imports the toolchain and queries the device on first use
         split_reductions(graph, row_programs, backend.split_partials)
         _check(graph, "split_reductions")
         stage("split")

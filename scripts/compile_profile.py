@@ -1,6 +1,6 @@
 """Where ember's compile time goes: the first step of a bench workload, from empty caches, under cProfile.
 
-Prints each compiled graph's stage times (`GraphReport.stage_seconds`: import, cse, pad, split,
+Prints each compiled graph's stage times (`GraphReport.stage_seconds`: import, cse, pad, backend, split,
 schedule, build, host), the first step's wall time (Dynamo, AOTAutograd, ember, the run itself),
 and the ember functions with the most cumulative and own time. Writes the pstats file to --out.
 ember's and Triton's caches point at a fresh temporary folder, so nothing is reused, unless

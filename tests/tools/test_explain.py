@@ -40,7 +40,7 @@ def test_inference_kernel_count(name, backend):
         assert k.ops, f"kernel {k.name} reports no fused ops\n{line}"
     assert graph.compile_seconds > 0, line
     stages = graph.stage_seconds
-    assert list(stages) == ["import", "cse", "pad", "split", "schedule", "build", "host"], stages
+    assert list(stages) == ["import", "cse", "pad", "backend", "split", "schedule", "build", "host"], stages
     assert all(s >= 0 for s in stages.values()) and sum(stages.values()) <= graph.compile_seconds, stages
 
 
