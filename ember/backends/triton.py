@@ -111,7 +111,7 @@ class TritonBackend:
         gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
         precompile_gemms(self.gemm_kernels, gemm_fns)
         namespace.update(gemm_fns)
-        for name, compiled in self._precompile(fns).items():
+        for name, compiled in self._precompile(fns, module).items():
             static = _static_launch(compiled, index) if direct else None
             if static is not None:
                 self.static[name] = static
@@ -123,7 +123,7 @@ class TritonBackend:
                 namespace.update({f"{name}_run": handles[0], f"{name}_fn": handles[1], f"{name}_meta": handles[2]})
         return namespace
 
-    def _precompile(self, fns: dict) -> dict[str, object]:
+    def _precompile(self, fns: dict, module) -> dict[str, object]:
         """Compile every kernel now, in parallel threads, instead of one by one at first launch.
 
         Triton's `warmup` compiles for given argument types without launching: buffers are
@@ -132,7 +132,8 @@ class TritonBackend:
         sizes compile at first launch instead. MLIR passes and ptxas do not hold the GIL, but
         Triton's front end does: a large graph's kernels go to the compile workers first, and
         each thread then loads a kernel from Triton's cache as soon as its worker is done.
-        Returns the compiled kernel of each static one.
+        Returns the compiled kernel of each static one. `module`: the kernels' module, which the
+        workers import from its file.
         """
         import os
 
@@ -173,17 +174,13 @@ class TritonBackend:
                         futures.update({n: pool.submit(_warmup, *by_name[n][1:]) for n in names})
 
                 worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
-                workers.compile(self._module_name, self._module_path, worker_jobs, loaded)
+                workers.compile(module.__name__, module.__file__, worker_jobs, loaded)
                 if workers.failures:
                     log.artifact("cache", "compile workers", "\n".join(workers.failures))
             compiled.update({name: future.result() for name, future in futures.items()})
         return compiled
 
     def _workers(self):
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return None
         from triton.runtime import driver
 
         from ember.backends import compile_workers
@@ -203,7 +200,6 @@ class TritonBackend:
         entry = entry or cache.put("triton", key, {"kernels.py": source.encode()})
         path = Path(entry) / "kernels.py"
         name = f"ember_kernels_{key[:16]}"
-        self._module_name, self._module_path = name, str(path)  # for the compile workers
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, path)
