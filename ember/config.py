@@ -216,6 +216,13 @@ SETTINGS: dict[str, Setting] = {
             "started once per process, for graphs of at least 16 kernels; one core is left to the caller",
             check=lambda v: v >= 0,
         ),
+        Setting(
+            "cpu_huge_pages",
+            bool,
+            True,
+            "advise CPU buffers of 32 MiB or more to use transparent huge pages before their first "
+            "write (one page fault per 2 MiB, not per 4 KiB; only where the kernel's THP mode is madvise)",
+        ),
     ]
 }
 

@@ -24,9 +24,11 @@ from typing import Any
 import sympy
 import torch
 
+from ember import config
 from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr
+from ember.runtime.huge_pages import MIN_BYTES, huge_allocator
 from ember.schedule.memory import MemoryPlan, same_layout
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
 
@@ -91,6 +93,14 @@ def allocator(device: torch.device) -> Callable:
         return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     return empty
+
+
+def _may_be_huge(v: Value) -> bool:
+    """Whether `v`'s buffer can reach huge_pages.MIN_BYTES (a symbolic size may: checked per call)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(v.shape, layout_of(v)))
+    if not isinstance(extent, int) and not getattr(extent, "is_number", False):
+        return True
+    return int(extent) * v.dtype.itemsize >= MIN_BYTES
 
 
 def _fix_layout(t: torch.Tensor, size: tuple, stride: tuple) -> torch.Tensor:
@@ -166,6 +176,9 @@ class HostWriter:
         steps = self.schedule.steps
         self.ns["device"] = self.device
         self.ns["empty"] = allocator(self.device)
+        huge = huge_allocator(self.ns["empty"]) if self.device.type == "cpu" and config.get("cpu_huge_pages") else None
+        if huge is not None:
+            self.ns["empty_huge"] = huge
         self.lines.append("def call(args):")
         params = []
         for k, inp in enumerate(g.inputs):
@@ -281,7 +294,8 @@ class HostWriter:
         size, stride = self.arg(tuple(v.shape)), self.arg(tuple(layout_of(v)))
         donor = self.plan.reuse.get(v)
         if donor is None:
-            self.lines.append(f"    {name} = empty({size}, {stride}, {self.constant(v.dtype)})")
+            alloc = "empty_huge" if "empty_huge" in self.ns and _may_be_huge(v) else "empty"
+            self.lines.append(f"    {name} = {alloc}({size}, {stride}, {self.constant(v.dtype)})")
             self.allocated.add(name)
             return
         old = self.names[donor.id]
