@@ -26,17 +26,17 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import sympy
 import torch
 
 from ember import config, log
+from ember.backends import static_launch
 from ember.backends.gemm_tuning import choose as choose_gemm
 from ember.backends.gemm_tuning import precompile_gemms
+from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
@@ -69,6 +69,7 @@ class TritonBackend:
         self.static: dict[str, StaticLaunch] = {}  # kernels launched through torch's static launcher
         self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
         self._module_seen = False  # the kernel module was in ember's cache already (_load)
+        self._module_key = ""  # the kernel module's content key (_load)
 
     def row_programs(self) -> int:
         """How many programs a row kernel that accumulates column sums should have at least
@@ -111,46 +112,41 @@ class TritonBackend:
         gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
         precompile_gemms(self.gemm_kernels, gemm_fns)
         namespace.update(gemm_fns)
-        for name, compiled in self._precompile(fns, module).items():
-            static = _static_launch(compiled, index) if direct else None
+        jobs = _warmup_jobs(fns, self.rendered)
+        # A warm start loads each static kernel from its launch record, without Triton.
+        records = (
+            LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], _fp_fusion(), _target()) if direct else None
+        )
+        recorded = records.load() if records is not None else {}
+        for name, record in recorded.items():
+            static = static_launch.from_record(record, index) if name in fns else None
             if static is not None:
                 self.static[name] = static
-                namespace["_static_launch"] = static.launch
+        jobs = [j for j in jobs if j[0] not in self.static]
+        for name, compiled in self._precompile(jobs, module).items():
+            static = static_launch.from_compiled(compiled, index) if direct else None
+            if static is not None:
+                self.static[name] = static
                 continue
             handles = _launch_handles(compiled) if direct else None
             if handles is not None:
                 self.direct.add(name)
                 namespace.update({f"{name}_run": handles[0], f"{name}_fn": handles[1], f"{name}_meta": handles[2]})
+        if self.static:
+            namespace["_static_launch"] = next(iter(self.static.values())).launch
+        if records is not None and jobs and len(recorded) < len(self.static):
+            records.save({name: s.record for name, s in self.static.items()})
         return namespace
 
-    def _precompile(self, fns: dict, module) -> dict[str, object]:
-        """Compile every kernel now, in parallel threads, instead of one by one at first launch.
+    def _precompile(self, jobs: list[tuple], module) -> dict[str, object]:
+        """Compile the kernels of `jobs` (`_warmup_jobs`) now, in parallel threads, instead of one
+        by one at first launch.
 
-        Triton's `warmup` compiles for given argument types without launching: buffers are
-        passed as dtypes (aligned mock pointers, as fresh allocations are) and sizes as their
-        static values, so the specialization matches the real launch. Kernels with symbolic
-        sizes compile at first launch instead. MLIR passes and ptxas do not hold the GIL, but
-        Triton's front end does: a large graph's kernels go to the compile workers first, and
-        each thread then loads a kernel from Triton's cache as soon as its worker is done.
-        Returns the compiled kernel of each static one. `module`: the kernels' module, which the
-        workers import from its file.
+        MLIR passes and ptxas do not hold the GIL, but Triton's front end does: a large graph's
+        kernels go to the compile workers first, and each thread then loads a kernel from Triton's
+        cache as soon as its worker is done. Returns each kernel's compiled form. `module`: the
+        kernels' module, which the workers import from its file.
         """
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return {}
-        jobs = []
-        fp_fusion = _fp_fusion()  # read here: the settings in force are this thread's
-        for name, fn in fns.items():
-            r = self.rendered[name]
-            sizes = (
-                [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
-            )
-            if any(not sympy.sympify(x).is_Integer for x in sizes):
-                continue
-            args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [int(x) for x in sizes]
-            consts = {"XBLOCK": r.launch.xblock, **({"RBLOCK": r.launch.rblock} if r.launch.rblock else {})}
-            jobs.append((name, fn, args, consts, r.launch.num_warps, fp_fusion))
         if not jobs:
             return {}
         compiled = {jobs[0][0]: _warmup(*jobs[0][1:])}  # first alone: Triton sets up per-device state once
@@ -181,17 +177,15 @@ class TritonBackend:
         return compiled
 
     def _workers(self):
-        from triton.runtime import driver
-
         from ember.backends import compile_workers
 
-        t = driver.active.get_current_target()
-        return compile_workers.get(config.get("compile_workers"), (t.backend, t.arch, t.warp_size))
+        return compile_workers.get(config.get("compile_workers"), _target())
 
     def _load(self, source: str):
         import triton
 
         key = content_key("triton", source, triton.__version__)
+        self._module_key = key
         cache = DiskCache()
         entry = cache.get("triton", key)
         # Compiled before: Triton's own cache most likely holds its kernels, and workers would only
@@ -256,78 +250,39 @@ def _fp_fusion() -> bool:
     return bool(config.get("fp_contract"))
 
 
+def _warmup_jobs(fns: dict, rendered: dict[str, TritonKernelSource]) -> list[tuple]:
+    """(name, fn, args, constants, warps, contraction) for Triton's `warmup` of each kernel whose
+    sizes are all static; kernels with symbolic sizes compile at their first launch instead.
+
+    `warmup` compiles for given argument types without launching: buffers are passed as dtypes
+    (aligned mock pointers, as fresh allocations are) and sizes as their static values, so the
+    specialization matches the real launch. None under Triton's interpreter, which compiles nothing."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return []
+    jobs = []
+    fp_fusion = _fp_fusion()  # read here: the settings in force are this thread's
+    for name, fn in fns.items():
+        r = rendered[name]
+        sizes = [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
+        if any(not sympy.sympify(x).is_Integer for x in sizes):
+            continue
+        args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [int(x) for x in sizes]
+        consts = {"XBLOCK": r.launch.xblock, **({"RBLOCK": r.launch.rblock} if r.launch.rblock else {})}
+        jobs.append((name, fn, args, consts, r.launch.num_warps, fp_fusion))
+    return jobs
+
+
+def _target() -> tuple:
+    from triton.runtime import driver
+
+    t = driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
+
+
 def _warmup(fn, args, consts, num_warps, fp_fusion):
     return fn.warmup(*args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts)
-
-
-# Triton's scalar types -> _StaticCudaLauncher's argument codes (pointers are "O").
-_STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u32": "I", "u64": "K", "fp32": "f"}
-
-
-@dataclass(frozen=True)
-class StaticLaunch:
-    """A compiled kernel loaded through torch's static CUDA launcher."""
-
-    launch: Callable  # torch._C._StaticCudaLauncher._launch_kernel
-    function: int  # the CUfunction handle
-    num_warps: int
-    shared: int
-    params: tuple[str | None, ...]  # per Triton parameter: its argument code, None for a constexpr
-    scratch: int  # trailing scratch-pointer arguments the binary takes (null: sized 0)
-
-    def line(self, blocks: int, args: list[str]) -> str:
-        """The launch statement, given every parameter's Python expression in order. Pointers go
-        as integer addresses: the launcher then skips its per-pointer driver query."""
-        passed = [f"{a}.data_ptr()" if code == "O" else a for a, code in zip(args, self.params, strict=True) if code]
-        codes = "".join(c for c in self.params if c) + "O" * self.scratch
-        passed += ["None"] * self.scratch
-        return (
-            f"_static_launch({self.function}, {blocks}, 1, 1, {self.num_warps}, {self.shared}, "
-            f"{codes!r}, ({', '.join(passed)},), stream)"
-        )
-
-
-def _static_launch(compiled, device: int) -> StaticLaunch | None:
-    """Load a compiled kernel through torch's static launcher; None where this torch lacks it or
-    the kernel needs what it does not do (then Triton's own launcher runs it)."""
-    import torch
-
-    launcher = getattr(torch._C, "_StaticCudaLauncher", None)
-    md = compiled.metadata
-    if launcher is None or getattr(md, "num_ctas", 1) != 1 or _launch_hooks():
-        return None
-    if getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
-        return None
-    scratch = [f for f in ("global_scratch_size", "profile_scratch_size") if hasattr(md, f)]
-    if any(getattr(md, f) for f in scratch):
-        return None
-    params: list[str | None] = []
-    for ty in compiled.src.signature.values():
-        ty = str(ty)
-        code = None if ty == "constexpr" else "O" if ty.startswith("*") else _STATIC_TYPES.get(ty)
-        if code is None and ty != "constexpr":
-            return None
-        params.append(code)
-    cubin = compiled.asm.get("cubin")
-    if not cubin:
-        return None
-    # The launcher loads from a file: the binary goes into ember's cache, named by its content.
-    entry = DiskCache().put("cubin", content_key("cubin", cubin), {"kernel.cubin": cubin})
-    loaded = launcher._load_kernel(str(Path(entry) / "kernel.cubin"), md.name, md.shared, device)
-    # torch 2.11 returns (function, registers, spills); later ones put the module first.
-    function = loaded[0] if len(loaded) == 3 else loaded[1]
-    return StaticLaunch(launcher._launch_kernel, int(function), md.num_warps, md.shared, tuple(params), len(scratch))
-
-
-def _launch_hooks() -> bool:
-    """Whether Triton has launch hooks set (its profiler): only its own launcher calls them."""
-    try:
-        from triton import knobs
-
-        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    except (ImportError, AttributeError):
-        return True
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
 def _launch_handles(compiled) -> tuple | None:

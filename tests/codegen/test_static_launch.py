@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ember import config
-from ember.backends import triton as triton_backend
+from ember.backends import static_launch
 
 
 class FakeLauncher:
@@ -40,7 +40,7 @@ def test_constexprs_dropped_pointers_as_addresses_scratch_null(monkeypatch, tmp_
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", FakeLauncher, raising=False)
     with config.override(cache_dir=str(tmp_path)):
         sig = {"in_ptr0": "*bf16", "out_ptr0": "*fp32", "ks0": "i32", "one": "constexpr", "XBLOCK": "constexpr"}
-        static = triton_backend._static_launch(fake_compiled(sig, global_scratch_size=0, profile_scratch_size=0), 0)
+        static = static_launch.from_compiled(fake_compiled(sig, global_scratch_size=0, profile_scratch_size=0), 0)
     assert static is not None and static.function == 1234
     assert FakeLauncher.loaded[-1] == (b"\x7fELF fake", "k", 0, 0)  # the cubin went through a file
     line = static.line(3, ["a0", "buf1", "s0", "1", "1024"])
@@ -63,11 +63,32 @@ def test_what_it_cannot_launch_goes_to_tritons_launcher(monkeypatch, tmp_path):
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", FakeLauncher, raising=False)
     sig = {"p": "*fp32", "n": "i32"}
     with config.override(cache_dir=str(tmp_path)):
-        assert triton_backend._static_launch(fake_compiled(sig, global_scratch_size=64), 0) is None
-        assert triton_backend._static_launch(fake_compiled({"d": "nvTmaDesc"}), 0) is None
+        assert static_launch.from_compiled(fake_compiled(sig, global_scratch_size=64), 0) is None
+        assert static_launch.from_compiled(fake_compiled({"d": "nvTmaDesc"}), 0) is None
         two_ctas = fake_compiled(sig)
         two_ctas.metadata.num_ctas = 2
-        assert triton_backend._static_launch(two_ctas, 0) is None
-        assert triton_backend._static_launch(fake_compiled(sig), 0) is not None
+        assert static_launch.from_compiled(two_ctas, 0) is None
+        assert static_launch.from_compiled(fake_compiled(sig), 0) is not None
     monkeypatch.delattr(torch._C, "_StaticCudaLauncher")
-    assert triton_backend._static_launch(fake_compiled(sig), 0) is None  # a torch without it
+    assert static_launch.from_compiled(fake_compiled(sig), 0) is None  # a torch without it
+
+
+def test_a_launch_record_loads_the_same_binary_without_triton(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch._C, "_StaticCudaLauncher", FakeLauncher, raising=False)
+    sig = {"in_ptr0": "*fp32", "ks0": "i32", "XBLOCK": "constexpr"}
+    jobs = [("k", ["torch.float32", 4096], {"XBLOCK": 1024}, 4, True)]
+    with config.override(cache_dir=str(tmp_path)):
+        first = static_launch.from_compiled(fake_compiled(sig), 0)
+        records = static_launch.LaunchRecords("module-key", jobs, True, ("cuda", 90, 32))
+        assert records.load() == {}
+        records.save({"k": first.record})
+        ((name, record),) = records.load().items()  # a warm start: JSON from ember's cache
+        again = static_launch.from_record(record, 0)
+        assert again is not None and name == "k"
+        assert (again.params, again.scratch, again.num_warps, again.shared) == (first.params, 0, 4, 0)
+        assert FakeLauncher.loaded[-1] == FakeLauncher.loaded[-2] == (b"\x7fELF fake", "k", 0, 0)
+        # Another specialization (an int no longer divisible by 16) is another key: no records.
+        other = [("k", ["torch.float32", 4095], {"XBLOCK": 1024}, 4, True)]
+        assert static_launch.LaunchRecords("module-key", other, True, ("cuda", 90, 32)).load() == {}
+        # A record whose cubin is gone from the cache loads nothing (the kernel is compiled again).
+        assert static_launch.from_record({**record, "cubin": "0" * 64}, 0) is None
