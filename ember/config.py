@@ -217,6 +217,13 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: v >= 0,
         ),
         Setting(
+            "schedule_cache",
+            bool,
+            True,
+            "reuse a graph's schedule from the disk cache when the same ATen graph, input layouts, "
+            "settings and ember source were scheduled before (skips import through scheduling)",
+        ),
+        Setting(
             "cpu_huge_pages",
             bool,
             True,

@@ -141,8 +141,8 @@ class _StageClock:
 KERNEL_PREFIX = {"inference": "k", "forward": "fk", "backward": "bk"}
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
-    from ember.codegen.host import write_host
+def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
+    """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.frontend.importer import import_graph
     from ember.frontend.padding import pad_matmul_layouts
     from ember.ir.cse import eliminate_common_subexpressions
@@ -150,41 +150,60 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.split import split_reductions
 
+    graph = import_graph(gm, device)
+    _check(graph, "import")
+    stage("import")
+    eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
+    merged = eliminate_common_subexpressions(graph)
+    log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
+    _check(graph, "cse")
+    stage("cse")
+    padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
+    log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
+    stage("pad")
+    split_reductions(graph, row_programs, backend.split_partials)
+    _check(graph, "split_reductions")
+    stage("split")
+    gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
+    sched = schedule(
+        graph,
+        eager_peak,
+        online_softmax=backend.name == "triton",
+        gemm=gemm,
+        column_partials=bool(row_programs),
+        kernel_prefix=KERNEL_PREFIX.get(kind, "k"),
+    )
+    stage("schedule")
+    return sched
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
+    from ember.codegen.host import write_host
+    from ember.runtime.schedule_cache import load as load_schedule
+    from ember.runtime.schedule_cache import save as save_schedule
+    from ember.runtime.schedule_cache import schedule_key
+
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
     stage = _StageClock(report.stage_seconds, start)
     try:
         device = graph_device(gm, example_inputs)
-        graph = import_graph(gm, device)
-        _check(graph, "import")
-        stage("import")
-        eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
-        merged = eliminate_common_subexpressions(graph)
-        log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
-        _check(graph, "cse")
-        stage("cse")
-        padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
-        log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
-        stage("pad")
         backend = select_backend(device)
         report.backend = backend.name
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
         # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
         row_programs = backend.row_programs()
         stage("backend")  # imports the toolchain and queries the device on first use
-        split_reductions(graph, row_programs, backend.split_partials)
-        _check(graph, "split_reductions")
-        stage("split")
-        gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
-        sched = schedule(
-            graph,
-            eager_peak,
-            online_softmax=backend.name == "triton",
-            gemm=gemm,
-            column_partials=bool(row_programs),
-            kernel_prefix=KERNEL_PREFIX.get(kind, "k"),
-        )
-        stage("schedule")
+        key = schedule_key(gm, kind, (backend.name, row_programs, backend.split_partials))
+        sched = load_schedule(key) if key is not None else None
+        if sched is not None:
+            stage("cached schedule")
+            log.artifact("cache", f"{kind} schedule", "loaded: import through scheduling skipped")
+        else:
+            sched = _schedule(gm, device, kind, backend, row_programs, stage)
+            if key is not None:
+                save_schedule(key, sched)
+                stage("cache write")
         namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
         stage("build")
         # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors

@@ -17,7 +17,6 @@ Scalars (Python numbers) may appear directly as pointwise inputs.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,14 +102,15 @@ class Graph:
         # statistics): (the input, the position in `outputs` of its new value). Those outputs come
         # last and are not returned; the host program leaves each new value in its input.
         self.mutations: list[tuple[Value, int]] = []
-        self._ids = itertools.count()
+        self._next_id = 0  # an int, not itertools.count: a graph is pickled (runtime/schedule_cache.py)
 
     # -- construction -------------------------------------------------------------------
     def add(self, op: str, inputs, attrs, out_types, origin: str = "") -> Node:
         """Append a node; out_types is a list of (shape, dtype, stride-or-None)."""
         node = Node(op, list(inputs), dict(attrs), origin=origin)
         for shape, dtype, stride in out_types:
-            node.outputs.append(Value(next(self._ids), shape, dtype, node, self.device, stride))
+            node.outputs.append(Value(self._next_id, shape, dtype, node, self.device, stride))
+            self._next_id += 1
         self.nodes.append(node)
         return node
 

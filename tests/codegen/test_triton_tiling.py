@@ -85,6 +85,7 @@ def test_batch_norm_sums_take_long_steps(monkeypatch):
     # With H split in 8 as well (split.py: _rewrite_two_dims, off by default): 512 x 64 partial
     # columns of 1568 rows, tiled as other many-column sums.
     monkeypatch.setattr(split, "MAX_SECOND_SPLIT", 8)
+    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # a patched pass: schedule, do not load
     assert sums(64, 112, grads=True) == (True, (32, 32, 4))
     assert sums(128, 28, grads=True) == (True, (32, 128, 8))  # 64 x 128: one program per SM or more
     monkeypatch.undo()

@@ -48,6 +48,7 @@ def _cases(backend: str):
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_ranking_near_each_merge_matches_ranking_every_pair(backend, monkeypatch):
+    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # both rankings must schedule, not load
     for name, model, inputs in _cases(backend):
         near = _fingerprint(explain_strict(model, *inputs, backend=backend))
         monkeypatch.setattr(Scheduler, "rank_every_pair", True)

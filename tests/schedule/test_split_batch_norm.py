@@ -44,6 +44,7 @@ def _size(domain: str) -> int:
 def test_batch_norm_training_splits_its_statistics(backend, channels_last, second_split, monkeypatch):
     # split.MAX_SECOND_SPLIT is off (1) by default; with 8, a GPU splits H as well (_rewrite_two_dims)
     monkeypatch.setattr(split, "MAX_SECOND_SPLIT", second_split)
+    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # a patched pass: schedule, do not load
     model = _model()
     reference = copy.deepcopy(model)
     fmt = torch.channels_last if channels_last else torch.contiguous_format

@@ -1,0 +1,160 @@
+"""A graph's schedule on disk, so that compiling the same graph again skips import through scheduling.
+
+A warm start of ResNet-50's training step spent about 5 s of its 25 on the H100 host importing
+and scheduling graphs it had scheduled before (session 13). The schedule is a pure function of
+what the key holds:
+
+- the ATen graph's code (its ops, their arguments and order) and every placeholder's shape,
+  strides, dtype and device, and the bytes of every constant it captures;
+- the graph's kind, the backend and what it tells the passes (its name, programs per row kernel,
+  split size);
+- every setting but those that only change logging, caching or the compile's parallelism;
+- the source of every ember module, and the torch and Python versions.
+
+Graphs with symbolic sizes are not cached (their symbols' assumptions live in Dynamo's shape
+environment, not in the graph), nor are graphs compiled with `gemm=auto`/`template` (the choice
+is measured) or with the passes' own logs on (`EMBER_LOGS=graph,schedule`, `EMBER_DEBUG=3`), which
+the cached path would not print.
+
+The schedule is pickled; ATen operators, which do not pickle, are stored by name and looked up
+again. Loading runs code from the cache, like loading a cached binary does: the cache is the
+user's own, 0700, and checksummed (`runtime/cache.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import pickle
+import platform
+from pathlib import Path
+
+import torch
+
+from ember import config, log
+from ember.runtime.cache import DiskCache, content_key
+
+# Settings that cannot change a schedule: what is printed, where and whether things are cached,
+# how many threads and processes compile, how kernels are launched.
+_IRRELEVANT = frozenset(
+    {
+        "strict",
+        "debug",
+        "logs",
+        "check",
+        "cache",
+        "cache_dir",
+        "compile_threads",
+        "compile_workers",
+        "direct_launch",
+        "cpu_huge_pages",
+        "schedule_cache",
+    }
+)
+
+
+@functools.cache
+def _ember_source_hash() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _placeholder_meta(val) -> tuple | None:
+    """A placeholder's meta as plain ints and names; None where a size is symbolic."""
+    if isinstance(val, torch.Tensor):
+        sizes = (*val.shape, *val.stride(), val.storage_offset())
+        if not all(isinstance(s, int) for s in sizes):
+            return None
+        return (tuple(val.shape), tuple(val.stride()), val.storage_offset(), str(val.dtype), str(val.device))
+    if isinstance(val, (int, float, bool)) or val is None:
+        return (type(val).__name__, val)
+    return None  # a SymInt or something this key does not know how to describe
+
+
+def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> str | None:
+    """The content key of this graph's schedule, or None where it must not be cached."""
+    if not config.get("schedule_cache") or not config.get("cache") or config.get("gemm") != "aten":
+        return None
+    logs = {name.strip() for name in config.get("logs").split(",")}
+    if logs & {"graph", "schedule"} or config.get("debug") >= 3:
+        return None
+    metas, constants = [], []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            meta = _placeholder_meta(node.meta.get("val"))
+            if meta is None:
+                return None
+            metas.append(meta)
+        elif node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if not isinstance(value, torch.Tensor) or not _placeholder_meta(value):
+                return None
+            data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
+            constants.append((node.target, _placeholder_meta(value), hashlib.sha256(data).hexdigest()))
+    settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
+    return content_key(
+        "schedule",
+        gm.code,
+        metas,
+        constants,
+        kind,
+        backend_facts,
+        settings,
+        _ember_source_hash(),
+        torch.__version__,
+        platform.python_version(),
+    )
+
+
+def _operator(namespace: str, name: str, overload: str | None):
+    packet = getattr(getattr(torch.ops, namespace), name)
+    return packet if overload is None else getattr(packet, overload)
+
+
+class _SchedulePickler(pickle.Pickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch._ops.OpOverload):
+            namespace, name = obj._schema.name.split("::", 1)
+            return _operator, (namespace, name, obj._overloadname)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            namespace, name = obj._qualified_op_name.split("::", 1)
+            return _operator, (namespace, name, None)
+        return NotImplemented
+
+
+def dumps(schedule) -> bytes:
+    """The pickled schedule. The graph's nodes are pickled in order, each after the values it
+    reads, so the pickler's recursion stays shallow (ResNet-50's training graphs fit Python's
+    default limit); a RecursionError would only leave the schedule uncached (`save`)."""
+    buffer = io.BytesIO()
+    _SchedulePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(schedule)
+    return buffer.getvalue()
+
+
+def loads(blob: bytes):
+    return pickle.loads(blob)  # ember's own cache entry, owned by this user and checksummed
+
+
+def load(key: str):
+    """The schedule stored under `key`, or None (absent, damaged, or from an unreadable pickle)."""
+    entry = DiskCache().get("schedule", key)
+    if entry is None:
+        return None
+    try:
+        return loads((entry / "schedule.pickle").read_bytes())
+    except Exception as e:  # noqa: BLE001 - any failure to load is a miss: the graph is scheduled again
+        log.artifact("cache", "schedule", f"{entry}: not loaded ({type(e).__name__}: {e})"[:300])
+        return None
+
+
+def save(key: str, schedule) -> None:
+    try:
+        blob = dumps(schedule)
+    except Exception as e:  # noqa: BLE001 - a schedule that does not pickle is compiled, just not cached
+        log.artifact("cache", "schedule", f"not cached ({type(e).__name__}: {e})"[:300])
+        return
+    DiskCache().put("schedule", key, {"schedule.pickle": blob})
