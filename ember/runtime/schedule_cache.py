@@ -75,6 +75,20 @@ def _placeholder_meta(val) -> tuple | None:
     return None  # a SymInt or something this key does not know how to describe
 
 
+def _constant_digest(value) -> tuple | None:
+    """A captured constant's meta and the SHA-256 of its bytes; None for anything else."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.is_meta:
+        return None
+    meta = _placeholder_meta(value)
+    if meta is None:
+        return None
+    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode; these bytes are real
+        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
+    return (*meta, hashlib.sha256(data).hexdigest())
+
+
 def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> str | None:
     """The content key of this graph's schedule, or None where it must not be cached."""
     if not config.get("schedule_cache") or not config.get("cache") or config.get("gemm") != "aten":
@@ -90,11 +104,10 @@ def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> s
                 return None
             metas.append(meta)
         elif node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if not isinstance(value, torch.Tensor) or not _placeholder_meta(value):
+            digest = _constant_digest(getattr(gm, node.target, None))
+            if digest is None:
                 return None
-            data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
-            constants.append((node.target, _placeholder_meta(value), hashlib.sha256(data).hexdigest()))
+            constants.append((node.target, digest))
     settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
     return content_key(
         "schedule",
@@ -130,13 +143,21 @@ def dumps(schedule) -> bytes:
     """The pickled schedule. The graph's nodes are pickled in order, each after the values it
     reads, so the pickler's recursion stays shallow (ResNet-50's training graphs fit Python's
     default limit); a RecursionError would only leave the schedule uncached (`save`)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     buffer = io.BytesIO()
-    _SchedulePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(schedule)
+    with unset_fake_temporarily():
+        _SchedulePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(schedule)
     return buffer.getvalue()
 
 
 def loads(blob: bytes):
-    return pickle.loads(blob)  # ember's own cache entry, owned by this user and checksummed
+    """The schedule again. Outside AOTAutograd's fake mode, which compilers run under: a captured
+    constant rebuilt inside it would be a fake tensor with no memory behind its data pointer."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return pickle.loads(blob)  # ember's own cache entry, owned by this user and checksummed
 
 
 def load(key: str):

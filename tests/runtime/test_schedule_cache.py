@@ -121,3 +121,18 @@ def test_an_entry_that_does_not_unpickle_is_a_miss(tmp_path):
         DiskCache().put("schedule", key, {"schedule.pickle": b"not a pickle"})
         assert schedule_cache.load(key) is None
         assert _scheduled(fn, x)
+
+
+def test_a_captured_constant_comes_back_as_real_memory(tmp_path):
+    # The graph captures the index tensor (FX get_attr). Loaded under AOTAutograd's fake mode it
+    # came back a fake tensor, and the kernel reading it crashed the process.
+    def fn(x):
+        return x[torch.tensor([1, 2])] * 2
+
+    x = torch.randn(5, 5, 5)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _scheduled(fn, x)
+        assert not _scheduled(fn, x)
+        torch._dynamo.reset()
+        with ember.config.override(strict=True, backend="cpp"):
+            torch.testing.assert_close(torch.compile(fn, backend="ember")(x), fn(x))

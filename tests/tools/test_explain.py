@@ -23,11 +23,11 @@ def test_pinned_workloads_are_the_documented_ones():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", PINNED)
-def test_inference_kernel_count(name, backend):
+def test_inference_kernel_count(name, backend, tmp_path):
     scale = SCALE[backend]
     fn, inputs = WORKLOADS[name].make(scale, torch.float32, "cpu")
     line = repro(workload=name, backend=backend, scale=scale, dtype=torch.float32, dynamic=False)
-    with torch.no_grad():
+    with torch.no_grad(), ember.config.override(cache_dir=str(tmp_path)):  # an empty cache: every pass runs
         report = explain_strict(fn, *inputs, backend=backend)
     assert [g.kind for g in report.graphs] == ["inference"], f"{report}\n{line}"
     (graph,) = report.graphs
@@ -40,8 +40,14 @@ def test_inference_kernel_count(name, backend):
         assert k.ops, f"kernel {k.name} reports no fused ops\n{line}"
     assert graph.compile_seconds > 0, line
     stages = graph.stage_seconds
-    assert list(stages) == ["import", "cse", "pad", "backend", "split", "schedule", "build", "host"], stages
+    passes = ["backend", "import", "cse", "pad", "split", "schedule", "cache write", "build", "host"]
+    assert list(stages) == passes, stages
     assert all(s >= 0 for s in stages.values()) and sum(stages.values()) <= graph.compile_seconds, stages
+    torch._dynamo.reset()
+    with torch.no_grad(), ember.config.override(cache_dir=str(tmp_path)):  # the same graph again: loaded
+        (again,) = explain_strict(fn, *inputs, backend=backend).graphs
+    assert list(again.stage_seconds) == ["backend", "cached schedule", "build", "host"], again.stage_seconds
+    assert [k.source for k in again.kernels] == [k.source for k in graph.kernels], line
 
 
 def test_kernel_reports_name_the_fused_ops():
