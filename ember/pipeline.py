@@ -1,8 +1,11 @@
 """Compile one ATen graph: the list of passes, and the fail-safe around them.
 
+    select_backend  the code generator and what it tells the passes
+    (schedule cache: a graph scheduled before loads its schedule, skipping the next six; runtime/)
     import_graph  ATen FX graph -> ember Graph          (frontend/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
     cse           a computation written twice, kept once (ir/cse.py)
+    pad           aligned matrix-product layouts        (frontend/padding.py)
     split         long reductions with few outputs -> two stages  (schedule/split.py)
     schedule      realize, group, fuse, order            (schedule/)
     build         render kernels, run the toolchain      (codegen/ + backends/)

@@ -50,8 +50,8 @@ class GraphReport:
     externs: list[str] = field(default_factory=list)
     fallback: str | None = None
     compile_seconds: float = 0.0
-    # Seconds per pipeline stage, in order (import, cse, pad, backend, split, schedule, build, host):
-    # where compile time goes.
+    # Seconds per pipeline stage, in order (backend, import, cse, pad, split, schedule, cache write,
+    # build, host; or backend, cached schedule, build, host): where compile time goes.
     stage_seconds: dict[str, float] = field(default_factory=dict)
     num_nodes: int = 0
     fusion: list[FusionReport] = field(default_factory=list)
