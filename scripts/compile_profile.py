@@ -2,7 +2,8 @@
 
 Prints each compiled graph's stage times (`GraphReport.stage_seconds`: backend, import, cse, pad,
 split, schedule, cache write, build, host; a cached schedule replaces import through cache write),
-the first step's wall time (Dynamo, AOTAutograd, ember, the run itself), and the ember functions with the most cumulative and own time. Writes the pstats file to --out.
+the first step's wall time (Dynamo, AOTAutograd, ember, the run itself), and the ember functions
+with the most cumulative and own time. Writes the pstats file to --out.
 ember's and Triton's caches point at a fresh temporary folder, so nothing is reused, unless
 --cache names one (run twice with the same --cache for a cold then a warm compile). --no-cprofile
 times without the profiler, which inflates Python-heavy stages about twofold.
