@@ -224,6 +224,13 @@ SETTINGS: dict[str, Setting] = {
             "settings and ember source were scheduled before (skips import through scheduling)",
         ),
         Setting(
+            "aot_cache",
+            bool,
+            True,
+            "let AOTAutograd's cache keep ember's compiled graphs, so that a warm start also skips "
+            "AOTAutograd's tracing and partitioning (only where schedule_cache applies)",
+        ),
+        Setting(
             "cpu_huge_pages",
             bool,
             True,

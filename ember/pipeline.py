@@ -37,6 +37,7 @@ class CompiledGraph:
         self._boxed_call = True
         self._call = call
         self.report = report
+        self.schedule = None  # set by compile_graph when the schedule may be cached
 
     def __call__(self, args: list) -> list:
         return self._call(args)
@@ -181,7 +182,6 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
-    from ember.codegen.host import write_host
     from ember.runtime.schedule_cache import load as load_schedule
     from ember.runtime.schedule_cache import save as save_schedule
     from ember.runtime.schedule_cache import schedule_key
@@ -200,6 +200,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         key = schedule_key(gm, kind, (backend.name, row_programs, backend.split_partials))
         sched = load_schedule(key) if key is not None else None
         if sched is not None:
+            _check(sched.graph, "cached schedule")
             stage("cached schedule")
             log.artifact("cache", f"{kind} schedule", "loaded: import through scheduling skipped")
         else:
@@ -207,26 +208,62 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
             if key is not None:
                 save_schedule(key, sched)
                 stage("cache write")
-        namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
-        stage("build")
-        # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
-        # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
-        host = write_host(sched, backend, check_input_layouts=kind == "backward")
-        host.namespace.update(namespace)
-        log.artifact("code", f"{kind} kernels", backend.full_source)
-        log.artifact("code", f"{kind} host program", host.source)
-        log.artifact("schedule", kind, host.source)
-        _report_schedule(report, sched, backend, device)
-        log.artifact("fusion", kind, lambda: _fusion_log(report))
-        report.host_source = host.source
-        stage("host")
-        result: Callable = CompiledGraph(host.call, report)
+        result: Callable = _finish(sched, backend, kind, device, report, stage)
+        # What AOTAutograd's cache keeps of this graph (frontend/aot_cache.py): only a schedule
+        # that could be keyed (static sizes, no pass logs asked for) is one to keep.
+        result.schedule = sched if key is not None else None
     except Exception as e:
         if config.get("strict"):
             raise
-        report.fallback = f"{type(e).__name__}: {e}".strip()[:500]
-        warnings.warn(f"ember: running a {kind} graph eagerly: {report.fallback}", stacklevel=2)
-        result = EagerGraph(gm, report)
+        result = _fallback(gm, kind, report, e)
+    return _published(result, report, start)
+
+
+def compile_from_schedule(sched, kind: str, device: torch.device, num_nodes: int, load_seconds: float) -> Callable:
+    """A graph whose schedule came from AOTAutograd's cache (frontend/aot_cache.py): build and
+    write the host program, as compile_graph does after scheduling. `load_seconds`: the time the
+    schedule took to load, reported as its stage. No fallback: a failure here is AOTAutograd's to
+    handle (it recompiles the graph)."""
+    start = time.perf_counter() - load_seconds
+    report = GraphReport(kind=kind, num_nodes=num_nodes)
+    stage = _StageClock(report.stage_seconds, time.perf_counter())
+    backend = select_backend(device)
+    report.backend = backend.name
+    backend.row_programs()
+    stage("backend")
+    report.stage_seconds["cached schedule"] = load_seconds
+    _check(sched.graph, "cached schedule")
+    log.artifact("cache", f"{kind} schedule", "loaded from AOTAutograd's cache: tracing through scheduling skipped")
+    return _published(_finish(sched, backend, kind, device, report, stage), report, start)
+
+
+def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport, stage) -> CompiledGraph:
+    """Build the kernels and write the host program of a schedule; fill the report."""
+    from ember.codegen.host import write_host
+
+    namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
+    stage("build")
+    # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
+    # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
+    host = write_host(sched, backend, check_input_layouts=kind == "backward")
+    host.namespace.update(namespace)
+    log.artifact("code", f"{kind} kernels", backend.full_source)
+    log.artifact("code", f"{kind} host program", host.source)
+    log.artifact("schedule", kind, host.source)
+    _report_schedule(report, sched, backend, device)
+    log.artifact("fusion", kind, lambda: _fusion_log(report))
+    report.host_source = host.source
+    stage("host")
+    return CompiledGraph(host.call, report)
+
+
+def _fallback(gm: torch.fx.GraphModule, kind: str, report: GraphReport, e: Exception) -> EagerGraph:
+    report.fallback = f"{type(e).__name__}: {e}".strip()[:500]
+    warnings.warn(f"ember: running a {kind} graph eagerly: {report.fallback}", stacklevel=3)
+    return EagerGraph(gm, report)
+
+
+def _published(result: Callable, report: GraphReport, start: float) -> Callable:
     report.compile_seconds = time.perf_counter() - start
     log.summary(report.summary())
     publish(report)

@@ -11,6 +11,7 @@ per module and specialization in ember's cache; `from_record` loads a kernel fro
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ember import log
 from ember.runtime.cache import DiskCache, content_key
 
 # Triton's scalar types -> _StaticCudaLauncher's argument codes (pointers are "O").
@@ -89,8 +91,12 @@ def from_record(record: dict, device: int) -> StaticLaunch | None:
     launcher cannot be used now."""
     if _launcher() is None or launch_hooks():
         return None
-    entry = DiskCache().get("cubin", record["cubin"])
-    return None if entry is None else _load(entry / "kernel.cubin", record, device)
+    try:
+        entry = DiskCache().get("cubin", record["cubin"])
+        return None if entry is None else _load(entry / "kernel.cubin", record, device)
+    except (KeyError, TypeError, RuntimeError) as e:  # a malformed record or a binary the driver refuses
+        log.artifact("cache", "launch record", f"not loaded ({type(e).__name__}: {e})"[:300])
+        return None
 
 
 def _load(path: Path, record: dict, device: int) -> StaticLaunch:
@@ -129,14 +135,20 @@ class LaunchRecords:
 
     The key holds everything that picks the binary Triton would compile: the module's source
     (its content key), each kernel's warm-up arguments and constants (their specialization),
-    contraction, the GPU target, Triton's version and the environment variables that steer
-    Triton's and its compilers' passes. A record whose cubin is gone is simply compiled again."""
+    contraction, the GPU target, Triton's version, the environment variables that steer Triton's
+    and its compilers' passes, this module's source and torch's version. A record whose cubin is
+    gone is simply compiled again."""
 
     def __init__(self, module_key: str, jobs: list[tuple], fp_fusion: bool, target: tuple):
         import triton
 
         env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_")))
-        self.key = content_key("launch", module_key, jobs, fp_fusion, target, triton.__version__, env)
+        # This file's source and torch's version: a record holds this code's reading of the binary
+        # (argument codes, what the launcher can run) for that torch's launcher.
+        reader = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+        self.key = content_key(
+            "launch", module_key, jobs, fp_fusion, target, triton.__version__, env, reader, torch.__version__
+        )
 
     def load(self) -> dict[str, dict]:
         entry = DiskCache().get("launch", self.key)

@@ -19,16 +19,28 @@ from ember import config
 KNOWN_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-def _compiler(kind: str, options: dict[str, Any]):
+def _compiler(kind: str, options: dict[str, Any], cached: bool):
+    """The compiler of one graph kind; `cached`: one whose results AOTAutograd's cache may keep
+    (frontend/aot_cache.py)."""
+
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
         from ember.pipeline import compile_graph
 
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
         # caller's options here so they apply to it too.
         with config.override(**options):
-            return compile_graph(gm, example_inputs, kind)
+            program = compile_graph(gm, example_inputs, kind)
+        if not cached:
+            return program
+        from ember.frontend import aot_cache
 
-    return compile_one
+        return aot_cache.wrap(program, gm, kind, options)
+
+    if not cached:
+        return compile_one
+    from ember.frontend import aot_cache
+
+    return aot_cache.serializable(compile_one)
 
 
 def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
@@ -50,11 +62,12 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
     with config.override(**options):
         recompute = config.get("recompute")
+        cached = _aot_cache_usable()
     partition = {"partition_fn": min_cut_rematerialization_partition} if recompute else {}
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", options),
-        bw_compiler=_compiler("backward", options),
-        inference_compiler=_compiler("inference", options),
+        fw_compiler=_compiler("forward", options, cached),
+        bw_compiler=_compiler("backward", options, cached),
+        inference_compiler=_compiler("inference", options, cached),
         decompositions=decomposition_table(),
         # Input mutations (batch norm's running statistics) stay in the graph as copy_ into the
         # input, which ember writes from the kernel computing the new value (importer: mutations).
@@ -68,7 +81,12 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         **partition,
     )
     try:
-        return compiler(gm, example_inputs)
+        if not cached:
+            return compiler(gm, example_inputs)
+        from ember.frontend import aot_cache
+
+        with aot_cache.in_force(options):
+            return compiler(gm, example_inputs)
     except _DYNAMO_HANDLES:
         raise  # data-dependent ops: Dynamo breaks the graph there and compiles the pieces
     except Exception as e:
@@ -76,6 +94,22 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             if config.get("strict"):
                 raise
         return _eager_after_trace_failure(gm, e)
+
+
+def _aot_cache_usable() -> bool:
+    """AOTAutograd's cache for this compile: where ember would cache the schedules, and where this
+    torch has what frontend/aot_cache.py uses."""
+    from ember.runtime.schedule_cache import cacheable_settings
+
+    if not config.get("aot_cache") or not cacheable_settings():
+        return False
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
+        from torch._inductor.output_code import OutputCode  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(functorch_config, f) for f in ("bundled_autograd_cache", "force_non_lazy_backward_lowering"))
 
 
 def _dynamo_handles() -> tuple:

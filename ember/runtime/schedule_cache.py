@@ -30,6 +30,7 @@ import pickle
 import platform
 from pathlib import Path
 
+import sympy
 import torch
 
 from ember import config, log
@@ -50,6 +51,7 @@ _IRRELEVANT = frozenset(
         "direct_launch",
         "cpu_huge_pages",
         "schedule_cache",
+        "aot_cache",
     }
 )
 
@@ -63,16 +65,28 @@ def _ember_source_hash() -> str:
     return h.hexdigest()
 
 
-def _placeholder_meta(val) -> tuple | None:
-    """A placeholder's meta as plain ints and names; None where a size is symbolic."""
+class _Symbolic(Exception):
+    """A meta this key cannot describe by plain values (a SymInt, an unknown object)."""
+
+
+def _meta(val) -> tuple | int | float | bool | str | None:
+    """A node's meta as plain values: a tensor's sizes, strides, offset, dtype and device; a tuple
+    of those for several outputs. Raises _Symbolic where a size is symbolic."""
     if isinstance(val, torch.Tensor):
         sizes = (*val.shape, *val.stride(), val.storage_offset())
         if not all(isinstance(s, int) for s in sizes):
-            return None
+            raise _Symbolic
         return (tuple(val.shape), tuple(val.stride()), val.storage_offset(), str(val.dtype), str(val.device))
-    if isinstance(val, (int, float, bool)) or val is None:
-        return (type(val).__name__, val)
-    return None  # a SymInt or something this key does not know how to describe
+    if isinstance(val, (list, tuple)):
+        return tuple(_meta(v) for v in val)
+    if val is None or isinstance(val, (int, float, bool, str, torch.dtype, torch.device)):
+        return val if not isinstance(val, (torch.dtype, torch.device)) else str(val)
+    raise _Symbolic
+
+
+# Captured constants are pickled by value and hashed on every compile: a graph holding more than
+# this many bytes of them is not cached.
+MAX_CONSTANT_BYTES = 16 << 20
 
 
 def _constant_digest(value) -> tuple | None:
@@ -81,46 +95,55 @@ def _constant_digest(value) -> tuple | None:
 
     if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.is_meta:
         return None
-    meta = _placeholder_meta(value)
-    if meta is None:
+    if value.layout != torch.strided or value.is_quantized or type(value) is not torch.Tensor:
         return None
-    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode; these bytes are real
-        data = value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
-    return (*meta, hashlib.sha256(data).hexdigest())
+    try:
+        meta = _meta(value)
+        with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode; these bytes are real
+            flat = value.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+            data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    except (_Symbolic, RuntimeError, TypeError):
+        return None
+    return (meta, len(data), hashlib.sha256(data).hexdigest())
+
+
+def cacheable_settings() -> bool:
+    """Whether the settings in force let a schedule be cached (see the module's docstring)."""
+    if not config.get("schedule_cache") or not config.get("cache") or config.get("gemm") != "aten":
+        return False
+    logs = {name.strip() for name in config.get("logs").split(",")}
+    return not (logs & {"graph", "schedule"} or config.get("debug") >= 3)
+
+
+def ember_key() -> str:
+    """What of ember a schedule depends on: its settings, its source, torch's and Python's versions."""
+    settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
+    return content_key(
+        settings, _ember_source_hash(), torch.__version__, sympy.__version__, platform.python_version()
+    )
 
 
 def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> str | None:
     """The content key of this graph's schedule, or None where it must not be cached."""
-    if not config.get("schedule_cache") or not config.get("cache") or config.get("gemm") != "aten":
-        return None
-    logs = {name.strip() for name in config.get("logs").split(",")}
-    if logs & {"graph", "schedule"} or config.get("debug") >= 3:
+    if not cacheable_settings():
         return None
     metas, constants = [], []
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            meta = _placeholder_meta(node.meta.get("val"))
-            if meta is None:
-                return None
-            metas.append(meta)
-        elif node.op == "get_attr":
-            digest = _constant_digest(getattr(gm, node.target, None))
-            if digest is None:
-                return None
-            constants.append((node.target, digest))
-    settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
-    return content_key(
-        "schedule",
-        gm.code,
-        metas,
-        constants,
-        kind,
-        backend_facts,
-        settings,
-        _ember_source_hash(),
-        torch.__version__,
-        platform.python_version(),
-    )
+    try:
+        for node in gm.graph.nodes:
+            # Every node's meta, not only the inputs': the importer reads each one's shape and strides
+            # (extern results, outputs), and a fake implementation (a convolution's output layout
+            # under cuDNN's flags, a custom op's) decides them.
+            metas.append(_meta(node.meta.get("val")))
+            if node.op == "get_attr":
+                digest = _constant_digest(getattr(gm, node.target, None))
+                if digest is None:
+                    return None
+                constants.append((node.target, digest))
+    except _Symbolic:
+        return None
+    if sum(size for _, (_, size, _) in constants) > MAX_CONSTANT_BYTES:
+        return None
+    return content_key("schedule", gm.code, metas, constants, kind, backend_facts, ember_key())
 
 
 def _operator(namespace: str, name: str, overload: str | None):

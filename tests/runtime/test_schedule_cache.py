@@ -1,5 +1,7 @@
 """A graph scheduled before is loaded from the disk cache: the kernels, fusion decisions, memory plan
-and host program must be exactly those that scheduling it again gives, and its results eager's."""
+and host program must be exactly those that scheduling it again gives, and its results eager's.
+AOTAutograd's cache, which would serve these graphs before ember's schedule cache is asked, is off
+here (tests/frontend/test_aot_cache.py covers it)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from ember.runtime.cache import DiskCache
 from tests.helpers import assert_no_fallback, explain_strict, forward_backward, fresh_inputs, params_of, reports
 from tests.schedule.test_fusion_ranking import ConvBlocks
 from tests.schedule.test_fusion_ranking import _cases as training_cases
+
+
+@pytest.fixture(autouse=True)
+def _schedule_cache_alone(monkeypatch):
+    monkeypatch.setenv("EMBER_AOT_CACHE", "0")
 
 
 def _fingerprint(report) -> list:
@@ -136,3 +143,13 @@ def test_a_captured_constant_comes_back_as_real_memory(tmp_path):
         torch._dynamo.reset()
         with ember.config.override(strict=True, backend="cpp"):
             torch.testing.assert_close(torch.compile(fn, backend="ember")(x), fn(x))
+
+
+def test_a_zero_dim_constant_is_hashed_and_a_checked_load_verifies(tmp_path):
+    def fn(x):
+        return x * torch.tensor(2.5) + torch.tensor(1, dtype=torch.int64)
+
+    x = torch.randn(8, 8)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _scheduled(fn, x)
+        assert not _scheduled(fn, x, check=True)  # loaded, and the IR verifier ran on it

@@ -1,0 +1,75 @@
+"""AOTAutograd's cache keeps ember's compiled graphs (frontend/aot_cache.py): a second compile of the
+same model skips AOTAutograd's tracing and ember's scheduling, and trains as eager does; what ember
+could not keep (symbolic sizes), or compiled under other settings, is compiled anew."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import ember
+from tests.helpers import assert_no_fallback, forward_backward, fresh_inputs, params_of, reports
+from tests.schedule.test_fusion_ranking import ConvBlocks
+
+
+def _hits() -> int:
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _train_step(model, x, **options):
+    torch._dynamo.reset()
+    with reports() as report, ember.config.override(strict=True, backend="cpp", **options):
+        compiled = torch.compile(model, backend="ember")
+        out, grads = forward_backward(compiled, params_of(model), fresh_inputs([x]), grad_seed=1, train=True)
+    assert_no_fallback(report, "conv blocks")
+    return report, out, grads
+
+
+def test_a_second_compile_loads_both_graphs_and_trains_as_eager(tmp_path):
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        first, _, _ = _train_step(model, x)
+        before = _hits()
+        second, out, grads = _train_step(model, x)
+    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+    assert [g.kind for g in second.graphs] == ["forward", "backward"]
+    assert all(list(g.stage_seconds) == ["backend", "cached schedule", "build", "host"] for g in second.graphs)
+    assert [[k.source for k in g.kernels] for g in second.graphs] == [
+        [k.source for k in g.kernels] for g in first.graphs
+    ]
+    assert [g.host_source for g in second.graphs] == [g.host_source for g in first.graphs]
+    ref_out, ref_grads = forward_backward(model, params_of(model), fresh_inputs([x]), grad_seed=1, train=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_other_settings_or_the_setting_off_compile_anew(tmp_path):
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        _train_step(model, x)
+        before = _hits()
+        unfused, _, _ = _train_step(model, x, fuse=False)  # ember's part of the key differs
+        off, _, _ = _train_step(model, x, aot_cache=False)
+    assert _hits() == before
+    assert all("schedule" in g.stage_seconds for g in unfused.graphs)
+    assert all("cached schedule" in g.stage_seconds for g in off.graphs)  # ember's own schedule cache
+
+
+def test_symbolic_sizes_are_not_kept(tmp_path):
+    def fn(x):
+        return torch.relu(x) * 2
+
+    with ember.config.override(cache_dir=str(tmp_path), strict=True, backend="cpp"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            before = _hits()
+            x = torch.randn(6, 5)
+            with reports() as report:
+                out = torch.compile(fn, backend="ember", dynamic=True)(x)
+            torch.testing.assert_close(out, fn(x))
+            assert _hits() == before
+            assert all("schedule" in g.stage_seconds for g in report.graphs)
