@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -79,7 +80,10 @@ class EmberGraphCode(OutputCode):
         from ember.pipeline import compile_from_schedule
         from ember.runtime.schedule_cache import loads
 
-        with config.override(**self.options):
+        # The settings of the compile that loads it: the stored ones are the saving compile's, which
+        # agree on everything in the key but may differ in what only logs (debug, logs, strict).
+        options = getattr(_loading, "options", None)
+        with config.override(**(self.options if options is None else options)):
             start = time.perf_counter()
             sched = loads(self.schedule_blob)
             self.program = compile_from_schedule(
@@ -113,6 +117,9 @@ def serializable(compile_fn):
     return SerializableAOTDispatchCompiler(EmberGraphCode, compile_fn)
 
 
+_loading = threading.local()  # the options of the compile in progress (in_force)
+
+
 @contextlib.contextmanager
 def in_force(options: dict) -> Iterator[None]:
     """AOTAutograd's settings for a bundled cache of ember's graphs, and ember's part of the key."""
@@ -130,4 +137,9 @@ def in_force(options: dict) -> Iterator[None]:
         ),
         torch.compiler.config.patch(cache_key_tag=f"{old}|ember:{tag}"),
     ):
-        yield
+        outer = getattr(_loading, "options", None)
+        _loading.options = options
+        try:
+            yield
+        finally:
+            _loading.options = outer

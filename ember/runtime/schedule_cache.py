@@ -4,14 +4,16 @@ A warm start of ResNet-50's training step spent about 5 s of its 25 on the H100 
 and scheduling graphs it had scheduled before (session 13). The schedule is a pure function of
 what the key holds:
 
-- the ATen graph's code (its ops, their arguments and order) and every placeholder's shape,
-  strides, dtype and device, and the bytes of every constant it captures;
+- the ATen graph's code (its ops, their arguments and order), every node's shape, strides, dtype
+  and device (the importer reads each one's, and fake implementations decide them: a
+  convolution's output layout follows cuDNN's flags), and the bytes of every constant it captures
+  (16 MiB at most);
 - the graph's kind, the backend and what it tells the passes (its name, programs per row kernel,
   split size);
 - every setting but those that only change logging, caching or the compile's parallelism;
-- the source of every ember module, and the torch and Python versions.
+- the source of every ember module, and the torch, sympy and Python versions.
 
-Graphs with symbolic sizes are not cached (their symbols' assumptions live in Dynamo's shape
+Graphs with symbolic sizes anywhere are not cached (their symbols' assumptions live in Dynamo's shape
 environment, not in the graph), nor are graphs compiled with `gemm=auto`/`template` (the choice
 is measured) or with the passes' own logs on (`EMBER_LOGS=graph,schedule`, `EMBER_DEBUG=3`), which
 the cached path would not print.
