@@ -37,7 +37,7 @@ class CompiledGraph:
         self._boxed_call = True
         self._call = call
         self.report = report
-        self.schedule = None  # set by compile_graph when the schedule may be cached
+        self.kept = None  # compile_graph(keep_schedule=True): what AOTAutograd's cache keeps
 
     def __call__(self, args: list) -> list:
         return self._call(args)
@@ -181,7 +181,9 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     return sched
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callable:
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool = False) -> Callable:
+    """`keep_schedule`: leave (the schedule's pickle, device, backend facts) on the result as
+    `kept`, for AOTAutograd's cache (frontend/aot_cache.py), where the schedule could be cached."""
     from ember.runtime.schedule_cache import load as load_schedule
     from ember.runtime.schedule_cache import save as save_schedule
     from ember.runtime.schedule_cache import schedule_key
@@ -197,21 +199,22 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
         # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
         row_programs = backend.row_programs()
         stage("backend")  # imports the toolchain and queries the device on first use
-        key = schedule_key(gm, kind, (backend.name, row_programs, backend.split_partials))
-        sched = load_schedule(key) if key is not None else None
-        if sched is not None:
+        facts = (backend.name, row_programs, backend.split_partials)
+        key = schedule_key(gm, kind, facts)
+        loaded = load_schedule(key) if key is not None else None
+        if loaded is not None:
+            sched, blob = loaded
             _check(sched.graph, "cached schedule")
             stage("cached schedule")
             log.artifact("cache", f"{kind} schedule", "loaded: import through scheduling skipped")
         else:
             sched = _schedule(gm, device, kind, backend, row_programs, stage)
+            blob = save_schedule(key, sched) if key is not None else None
             if key is not None:
-                save_schedule(key, sched)
                 stage("cache write")
         result: Callable = _finish(sched, backend, kind, device, report, stage)
-        # What AOTAutograd's cache keeps of this graph (frontend/aot_cache.py): only a schedule
-        # that could be keyed (static sizes, no pass logs asked for) is one to keep.
-        result.schedule = sched if key is not None else None
+        if keep_schedule and blob is not None:
+            result.kept = (blob, str(device), facts)
     except Exception as e:
         if config.get("strict"):
             raise
@@ -219,22 +222,44 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str) -> Callab
     return _published(result, report, start)
 
 
-def compile_from_schedule(sched, kind: str, device: torch.device, num_nodes: int, load_seconds: float) -> Callable:
+def compile_from_schedule(
+    sched,
+    kind: str,
+    device: torch.device,
+    num_nodes: int,
+    load_seconds: float,
+    backend_facts: tuple,
+    publish: bool = True,
+) -> Callable:
     """A graph whose schedule came from AOTAutograd's cache (frontend/aot_cache.py): build and
     write the host program, as compile_graph does after scheduling. `load_seconds`: the time the
     schedule took to load, reported as its stage. No fallback: a failure here is AOTAutograd's to
-    handle (it recompiles the graph)."""
+    handle (it compiles the graph anew). `publish`: False leaves the report to publish_loaded,
+    once every graph of the compile has loaded."""
     start = time.perf_counter() - load_seconds
     report = GraphReport(kind=kind, num_nodes=num_nodes)
     stage = _StageClock(report.stage_seconds, time.perf_counter())
     backend = select_backend(device)
     report.backend = backend.name
-    backend.row_programs()
+    facts = (backend.name, backend.row_programs(), backend.split_partials)
+    if facts != tuple(backend_facts):
+        raise RuntimeError(f"the schedule was made for {backend_facts}, this target is {facts}")
     stage("backend")
     report.stage_seconds["cached schedule"] = load_seconds
     _check(sched.graph, "cached schedule")
     log.artifact("cache", f"{kind} schedule", "loaded from AOTAutograd's cache: tracing through scheduling skipped")
-    return _published(_finish(sched, backend, kind, device, report, stage), report, start)
+    program = _finish(sched, backend, kind, device, report, stage)
+    if not publish:
+        report.compile_seconds = time.perf_counter() - start
+        return program
+    return _published(program, report, start)
+
+
+def publish_loaded(programs: list) -> None:
+    """Publish the reports of graphs loaded from AOTAutograd's cache, once all of them loaded."""
+    for program in programs:
+        log.summary(program.report.summary())
+        publish(program.report)
 
 
 def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport, stage) -> CompiledGraph:

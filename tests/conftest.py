@@ -2,8 +2,9 @@
 
 * Triton runs through its CPU interpreter: TRITON_INTERPRET must be set before triton is
   imported anywhere, so it is set here, at conftest import time.
-* ember's disk cache lives in a temporary directory for the whole session, never in
-  ~/.cache (tests that need a fresh cache override `cache_dir` themselves).
+* ember's disk cache, and Inductor's (where AOTAutograd's cache keeps ember's graphs), live in a
+  temporary directory for the whole session, never in ~/.cache or /tmp/torchinductor_* (tests
+  that need a fresh cache override `cache_dir` themselves).
 * Every test starts from a fresh Dynamo state and the same random seed.
 """
 
@@ -16,6 +17,8 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 _SESSION_CACHE = tempfile.mkdtemp(prefix="ember-test-cache-")
 os.environ["EMBER_CACHE_DIR"] = _SESSION_CACHE
+# AOTAutograd's cache (which keeps ember's graphs: frontend/aot_cache.py) and Inductor's, per session.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_SESSION_CACHE, "torchinductor")
 
 import pytest
 import torch

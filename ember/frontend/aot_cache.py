@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
+import uuid
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch._inductor.output_code import OutputCode
 
 from ember import config
-
-
-def enabled() -> bool:
-    from ember.runtime.schedule_cache import cacheable_settings
-
-    return cacheable_settings()
 
 
 @dataclasses.dataclass
@@ -52,9 +50,10 @@ class EmberGraphCode(OutputCode):
     kind: str = ""
     device: str = ""
     num_nodes: int = 0
+    backend_facts: tuple = ()  # what the backend told the passes (checked again on a hit)
     options: dict = dataclasses.field(default_factory=dict)
-    schedule_blob: bytes | None = None
-    program: Any = None  # the CompiledGraph; never pickled
+    schedule_blob: bytes | None = dataclasses.field(default=None, repr=False)
+    program: Any = dataclasses.field(default=None, repr=False)  # the CompiledGraph; never pickled
 
     def __post_init__(self) -> None:
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
@@ -82,13 +81,30 @@ class EmberGraphCode(OutputCode):
 
         # The settings of the compile that loads it: the stored ones are the saving compile's, which
         # agree on everything in the key but may differ in what only logs (debug, logs, strict).
-        options = getattr(_loading, "options", None)
-        with config.override(**(self.options if options is None else options)):
-            start = time.perf_counter()
-            sched = loads(self.schedule_blob)
-            self.program = compile_from_schedule(
-                sched, self.kind, torch.device(self.device), self.num_nodes, time.perf_counter() - start
+        state = _loading.state if hasattr(_loading, "state") else None
+        try:
+            with config.override(**(self.options if state is None else state.options)):
+                start = time.perf_counter()
+                sched = loads(self.schedule_blob)
+                self.program = compile_from_schedule(
+                    sched,
+                    self.kind,
+                    torch.device(self.device),
+                    self.num_nodes,
+                    time.perf_counter() - start,
+                    self.backend_facts,
+                    publish=state is None,
+                )
+        except Exception as e:
+            # AOTAutograd catches this, logs it at INFO and compiles the graph anew: say so louder.
+            warnings.warn(
+                f"ember: a {self.kind} graph from AOTAutograd's cache did not load, compiling it anew: "
+                f"{type(e).__name__}: {e}"[:500],
+                stacklevel=2,
             )
+            raise
+        if state is not None:
+            state.loaded.append(self.program)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass  # ember's kernels live in its own cache
@@ -96,17 +112,21 @@ class EmberGraphCode(OutputCode):
 
 def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> EmberGraphCode:
     """The OutputCode of one compiled graph (a CompiledGraph or ember's eager fallback)."""
-    from ember.runtime.schedule_cache import dumps
-
-    sched = getattr(program, "schedule", None)
-    blob = None
-    if sched is not None:
-        with contextlib.suppress(Exception):  # one that does not pickle is just not kept
-            blob = dumps(sched)
-    device = str(sched.graph.device) if sched is not None else "cpu"
+    kept = getattr(program, "kept", None)  # (schedule pickle, device, backend facts) or None
+    if hasattr(program, "kept"):
+        program.kept = None  # the entry holds it from here
+    if hasattr(_loading, "state"):
+        _loading.state.compiled = True
     num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+    blob, device, facts = kept if kept is not None else (None, "cpu", ())
     return EmberGraphCode(
-        kind=kind, device=device, num_nodes=num_nodes, options=options, schedule_blob=blob, program=program
+        kind=kind,
+        device=device,
+        num_nodes=num_nodes,
+        backend_facts=facts,
+        options=options,
+        schedule_blob=blob,
+        program=program,
     )
 
 
@@ -117,29 +137,105 @@ def serializable(compile_fn):
     return SerializableAOTDispatchCompiler(EmberGraphCode, compile_fn)
 
 
-_loading = threading.local()  # the options of the compile in progress (in_force)
+def usable(gm: torch.fx.GraphModule) -> bool:
+    """AOTAutograd's cache for this compile: where ember would cache the schedules, where this
+    torch has what this module uses, and where the Dynamo graph captures no tensor constant
+    (AOTAutograd's key holds a captured tensor's shape, not its values)."""
+    from ember.runtime.schedule_cache import cacheable_settings
+
+    if not config.get("aot_cache") or not cacheable_settings():
+        return False
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
+    except ImportError:
+        return False
+    if not all(hasattr(functorch_config, f) for f in ("bundled_autograd_cache", "force_non_lazy_backward_lowering")):
+        return False
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(_attribute(gm, node.target), torch.Tensor):
+            return False
+    return True
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+class _Loading:
+    """The compile in progress (in_force): its options, the programs loaded from the cache, and
+    whether any graph was compiled anew (then AOTAutograd discarded the loaded ones)."""
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.loaded: list = []
+        self.compiled = False
+
+
+_loading = threading.local()
+
+
+def _generation() -> str:
+    """A token kept in ember's cache folder: clearing the folder (`ember cache clear`) starts a new
+    generation, so AOTAutograd's entries, which live in torch's cache folder, no longer match."""
+    root = Path(config.get("cache_dir"))
+    path = root / "aot-generation"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        pass
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token = uuid.uuid4().hex
+    tmp = root / f".aot-generation-{token}"
+    tmp.write_text(token)
+    os.replace(tmp, path)
+    return path.read_text().strip()
+
+
+def _state_tag() -> tuple:
+    """What changes ember's graphs but not AOTAutograd's key on every supported torch: the autocast
+    dtypes (torch 2.11's key holds only whether autocast is on) and the default dtype, cuDNN's
+    flags (a convolution's output layout) and TF32 settings."""
+    autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
+    cudnn = torch.backends.cudnn
+    return (
+        autocast,
+        str(torch.get_default_dtype()),
+        (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
+        torch.backends.cuda.matmul.allow_tf32,
+    )
 
 
 @contextlib.contextmanager
 def in_force(options: dict) -> Iterator[None]:
-    """AOTAutograd's settings for a bundled cache of ember's graphs, and ember's part of the key."""
+    """AOTAutograd's settings for a bundled cache of ember's graphs, and ember's part of the key.
+    The settings are process-wide: a compile on another thread meanwhile sees them too."""
     from torch._functorch import config as functorch_config
 
+    from ember.pipeline import publish_loaded
     from ember.runtime.cache import content_key
     from ember.runtime.schedule_cache import ember_key
 
     with config.override(**options):
-        tag = content_key(ember_key(), config.get("cache_dir"))
+        tag = content_key(ember_key(), _generation(), _state_tag())
     old = torch.compiler.config.cache_key_tag
+    outer = getattr(_loading, "state", None)
+    state = _Loading(options)
     with (
-        functorch_config.patch(
-            enable_autograd_cache=True, bundled_autograd_cache=True, force_non_lazy_backward_lowering=True
-        ),
+        functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
         torch.compiler.config.patch(cache_key_tag=f"{old}|ember:{tag}"),
     ):
-        outer = getattr(_loading, "options", None)
-        _loading.options = options
+        _loading.state = state
         try:
             yield
         finally:
-            _loading.options = outer
+            if outer is None:
+                del _loading.state
+            else:
+                _loading.state = outer
+    if not state.compiled:  # every graph came from the cache: now their reports count
+        with config.override(**options):
+            publish_loaded(state.loaded)

@@ -29,7 +29,7 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool):
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
         # caller's options here so they apply to it too.
         with config.override(**options):
-            program = compile_graph(gm, example_inputs, kind)
+            program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
         if not cached:
             return program
         from ember.frontend import aot_cache
@@ -62,7 +62,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
     with config.override(**options):
         recompute = config.get("recompute")
-        cached = _aot_cache_usable()
+        cached = _aot_cache_usable(gm)
     partition = {"partition_fn": min_cut_rematerialization_partition} if recompute else {}
     compiler = aot_autograd(
         fw_compiler=_compiler("forward", options, cached),
@@ -96,20 +96,17 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         return _eager_after_trace_failure(gm, e)
 
 
-def _aot_cache_usable() -> bool:
-    """AOTAutograd's cache for this compile: where ember would cache the schedules, and where this
-    torch has what frontend/aot_cache.py uses."""
+def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
+    """Whether AOTAutograd's cache may keep this compile's graphs (frontend/aot_cache.py)."""
     from ember.runtime.schedule_cache import cacheable_settings
 
     if not config.get("aot_cache") or not cacheable_settings():
-        return False
+        return False  # checked first: the module below imports part of Inductor
     try:
-        from torch._functorch import config as functorch_config
-        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
-        from torch._inductor.output_code import OutputCode  # noqa: F401
+        from ember.frontend import aot_cache
     except ImportError:
         return False
-    return all(hasattr(functorch_config, f) for f in ("bundled_autograd_cache", "force_non_lazy_backward_lowering"))
+    return aot_cache.usable(gm)
 
 
 def _dynamo_handles() -> tuple:

@@ -120,9 +120,7 @@ def cacheable_settings() -> bool:
 def ember_key() -> str:
     """What of ember a schedule depends on: its settings, its source, torch's and Python's versions."""
     settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
-    return content_key(
-        settings, _ember_source_hash(), torch.__version__, sympy.__version__, platform.python_version()
-    )
+    return content_key(settings, _ember_source_hash(), torch.__version__, sympy.__version__, platform.python_version())
 
 
 def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> str | None:
@@ -185,22 +183,25 @@ def loads(blob: bytes):
         return pickle.loads(blob)  # ember's own cache entry, owned by this user and checksummed
 
 
-def load(key: str):
-    """The schedule stored under `key`, or None (absent, damaged, or from an unreadable pickle)."""
+def load(key: str) -> tuple | None:
+    """(the schedule stored under `key`, its pickle), or None: absent, damaged, or unreadable."""
     entry = DiskCache().get("schedule", key)
     if entry is None:
         return None
     try:
-        return loads((entry / "schedule.pickle").read_bytes())
+        blob = (entry / "schedule.pickle").read_bytes()
+        return loads(blob), blob
     except Exception as e:  # noqa: BLE001 - any failure to load is a miss: the graph is scheduled again
         log.artifact("cache", "schedule", f"{entry}: not loaded ({type(e).__name__}: {e})"[:300])
         return None
 
 
-def save(key: str, schedule) -> None:
+def save(key: str, schedule) -> bytes | None:
+    """Store the schedule under `key`; returns its pickle, or None where it does not pickle."""
     try:
         blob = dumps(schedule)
     except Exception as e:  # noqa: BLE001 - a schedule that does not pickle is compiled, just not cached
         log.artifact("cache", "schedule", f"not cached ({type(e).__name__}: {e})"[:300])
-        return
+        return None
     DiskCache().put("schedule", key, {"schedule.pickle": blob})
+    return blob

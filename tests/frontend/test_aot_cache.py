@@ -4,6 +4,7 @@ could not keep (symbolic sizes), or compiled under other settings, is compiled a
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -73,3 +74,61 @@ def test_symbolic_sizes_are_not_kept(tmp_path):
             torch.testing.assert_close(out, fn(x))
             assert _hits() == before
             assert all("schedule" in g.stage_seconds for g in report.graphs)
+
+
+def _inference_hits(fn, x, **options) -> int:
+    torch._dynamo.reset()
+    before = _hits()
+    with torch.no_grad(), ember.config.override(strict=True, backend="cpp", **options):
+        torch.testing.assert_close(torch.compile(fn, backend="ember")(x), fn(x), rtol=2e-2, atol=2e-2)
+    return _hits() - before
+
+
+def test_autocast_dtype_and_a_cleared_cache_are_misses(tmp_path):
+    def fn(x, w):
+        return torch.relu(x @ w) * 2
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _inference_hits(lambda a: fn(a, w), x) == 0
+        assert _inference_hits(lambda a: fn(a, w), x) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert _inference_hits(lambda a: fn(a, w), x) == 0
+            assert _inference_hits(lambda a: fn(a, w), x) == 1
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert _inference_hits(lambda a: fn(a, w), x) == 0
+        (tmp_path / "aot-generation").unlink()  # what `ember cache clear` does to it
+        assert _inference_hits(lambda a: fn(a, w), x) == 0
+
+
+def test_a_hit_reads_the_current_values_of_module_tensors(tmp_path):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.randn(16)  # a plain attribute: Dynamo passes it in as an input
+
+        def forward(self, x):
+            return x * self.scale
+
+    m, x = Scaled(), torch.randn(4, 16)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _inference_hits(m, x) == 0
+        m.scale = torch.randn(16)  # same shape, new values: the hit must compute with these
+        assert _inference_hits(m, x) == 1  # _inference_hits compares with eager
+
+
+def test_a_load_that_fails_warns_and_compiles_anew(tmp_path, monkeypatch):
+    from ember.backends.cpp import CppBackend
+
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        _train_step(model, x)
+        # Another target: the stored schedule's backend facts no longer hold.
+        monkeypatch.setattr(CppBackend, "split_partials", CppBackend.split_partials + 1, raising=False)
+        with pytest.warns(UserWarning, match="did not load, compiling it anew"):
+            report, out, _ = _train_step(model, x)
+    assert [g.kind for g in report.graphs] == ["forward", "backward"]  # no report of the failed load
+    assert all("schedule" in g.stage_seconds for g in report.graphs)
+    ref_out, _ = forward_backward(model, params_of(model), fresh_inputs([x]), grad_seed=1, train=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
