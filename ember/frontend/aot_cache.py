@@ -11,11 +11,12 @@ schedule (runtime/schedule_cache.py), and on a hit `post_compile` builds the ker
 program from it (pipeline.compile_from_schedule).
 
 AOTAutograd's key knows nothing of ember (not its decompositions, partitioner or settings), so
-ember adds its own part through `torch.compiler.config.cache_key_tag`: ember's source hash, its
-settings, and its cache folder (a test pointing ember at an empty folder means an empty cache).
-Used only where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs
-asked for); a graph ember ran eagerly, or whose schedule it would not cache (symbolic sizes), is
-not saved (`BypassAOTAutogradCache`).
+ember adds its own part through `torch.compiler.config.cache_key_tag`: ember's source hash and
+settings, a generation token in ember's cache folder (clearing it orphans these entries), and the
+state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32 flags). Used only
+where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for)
+and the Dynamo graph captures no tensor constant; a graph ember ran eagerly, or whose schedule it
+would not cache (symbolic sizes), is not saved (`BypassAOTAutogradCache`).
 
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
