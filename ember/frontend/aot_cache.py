@@ -142,10 +142,11 @@ def usable(gm: torch.fx.GraphModule) -> bool:
     """AOTAutograd's cache for this compile: where ember would cache the schedules, where this
     torch has what this module uses, and where the Dynamo graph captures no tensor constant
     (AOTAutograd's key holds a captured tensor's shape, not its values)."""
+    from ember.runtime.cache import DiskCache
     from ember.runtime.schedule_cache import cacheable_settings
 
-    if not config.get("aot_cache") or not cacheable_settings():
-        return False
+    if not config.get("aot_cache") or not cacheable_settings() or not DiskCache().usable():
+        return False  # a cache that is not ours is neither read nor written, this one included
     try:
         from torch._functorch import config as functorch_config
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401

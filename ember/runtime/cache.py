@@ -47,6 +47,14 @@ class DiskCache:
         if st.st_mode & 0o077:
             os.chmod(self.root, 0o700)
 
+    def usable(self) -> bool:
+        """Whether this cache can be read and written: its root is, or can be made, ours."""
+        try:
+            self._ensure_root()
+        except OSError:  # PermissionError included: another user's cache
+            return False
+        return True
+
     def entry(self, kind: str, key: str) -> Path:
         return self.root / kind / key[:2] / key
 

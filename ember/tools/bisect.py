@@ -95,10 +95,10 @@ def _recording(graphs: list) -> Iterator[None]:
 
     original = pipeline.compile_graph
 
-    def record(gm, example_inputs, kind):
+    def record(gm, example_inputs, kind, **kwargs):
         entry = [kind, gm, None]
         graphs.append(entry)  # before compiling: a graph whose compile raises is recorded too
-        compiled = original(gm, example_inputs, kind)
+        compiled = original(gm, example_inputs, kind, **kwargs)
 
         def call(args):
             if entry[2] is None:
@@ -140,7 +140,8 @@ def trial(fn: Callable, inputs: list, limit: int | None, fuse: bool, options: di
     torch._dynamo.reset()
     settings = {**options, "fuse": fuse, "bisect_ops": -1 if limit is None else limit, "strict": True}
     try:
-        with config.override(**settings), _recording(graphs):
+        # AOTAutograd's cache would serve a graph without compiling it, and so without recording it.
+        with config.override(**{**settings, "aot_cache": False}), _recording(graphs):
             got = _run(torch.compile(fn, backend="ember", dynamic=dynamic), inputs)
         detail = _mismatch(got, expected, rtol, atol)
     except Exception as e:  # noqa: BLE001 - a crash at this limit counts as a failure
