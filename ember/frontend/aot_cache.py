@@ -62,10 +62,6 @@ class EmberGraphCode(OutputCode):
     def __call__(self, inputs: Any) -> Any:
         return self.program(inputs)
 
-    @property
-    def report(self):
-        return getattr(self.program, "report", None)
-
     def prepare_for_serialization(self) -> None:
         # Called on a shallow copy that AOTAutograd then pickles.
         if self.schedule_blob is None:
