@@ -185,12 +185,15 @@ def _generation() -> str:
         return path.read_text().strip()
     except OSError:
         pass
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = uuid.uuid4().hex
-    tmp = root / f".aot-generation-{token}"
-    tmp.write_text(token)
-    os.replace(tmp, path)
-    return path.read_text().strip()
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = root / f".aot-generation-{token}"
+        tmp.write_text(token)
+        os.replace(tmp, path)
+        return path.read_text().strip()
+    except OSError:  # a folder ember cannot write: a token of this compile's own, so no entry matches
+        return token
 
 
 def _state_tag() -> tuple:

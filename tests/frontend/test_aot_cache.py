@@ -132,3 +132,20 @@ def test_a_load_that_fails_warns_and_compiles_anew(tmp_path, monkeypatch):
     assert all("schedule" in g.stage_seconds for g in report.graphs)
     ref_out, _ = forward_backward(model, params_of(model), fresh_inputs([x]), grad_seed=1, train=True)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_folder_it_cannot_write_only_costs_the_hits(tmp_path, monkeypatch):
+    from ember.frontend import aot_cache
+
+    def refuse(*args):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(aot_cache.os, "replace", refuse)  # the generation token cannot be written
+
+    def fn(x):
+        return torch.sigmoid(x) * 3
+
+    x = torch.randn(8, 8)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _inference_hits(fn, x) == 0  # compiled (strict: no fallback), and matches eager
+        assert _inference_hits(fn, x) == 0  # each compile has a token of its own: never a hit
