@@ -186,13 +186,15 @@ def _generation() -> str:
     except OSError:
         pass
     token = uuid.uuid4().hex
+    tmp = root / f".aot-generation-{token}"
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = root / f".aot-generation-{token}"
         tmp.write_text(token)
         os.replace(tmp, path)
         return path.read_text().strip()
     except OSError:  # a folder ember cannot write: a token of this compile's own, so no entry matches
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return token
 
 
