@@ -145,6 +145,12 @@ class _StageClock:
 KERNEL_PREFIX = {"inference": "k", "forward": "fk", "backward": "bk"}
 
 
+def backend_facts(backend) -> tuple:
+    """What a backend tells the passes, so what a schedule was made for: its name, the programs its
+    row kernels should have (kernel.KColumnPartial; 0: none) and the split's partial-sum target."""
+    return (backend.name, backend.row_programs(), backend.split_partials)
+
+
 def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.frontend.importer import import_graph
@@ -197,9 +203,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sche
         report.backend = backend.name
         # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
         # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
-        row_programs = backend.row_programs()
+        facts = backend_facts(backend)
+        row_programs = facts[1]
         stage("backend")  # imports the toolchain and queries the device on first use
-        facts = (backend.name, row_programs, backend.split_partials)
         key = schedule_key(gm, kind, facts)
         loaded = load_schedule(key) if key is not None else None
         if loaded is not None:
@@ -228,7 +234,7 @@ def compile_from_schedule(
     device: torch.device,
     num_nodes: int,
     load_seconds: float,
-    backend_facts: tuple,
+    made_for: tuple,
     publish: bool = True,
 ) -> Callable:
     """A graph whose schedule came from AOTAutograd's cache (frontend/aot_cache.py): build and
@@ -241,9 +247,9 @@ def compile_from_schedule(
     stage = _StageClock(report.stage_seconds, time.perf_counter())
     backend = select_backend(device)
     report.backend = backend.name
-    facts = (backend.name, backend.row_programs(), backend.split_partials)
-    if facts != tuple(backend_facts):
-        raise RuntimeError(f"the schedule was made for {backend_facts}, this target is {facts}")
+    facts = backend_facts(backend)
+    if facts != tuple(made_for):
+        raise RuntimeError(f"the schedule was made for {made_for}, this target is {facts}")
     stage("backend")
     report.stage_seconds["cached schedule"] = load_seconds
     _check(sched.graph, "cached schedule")

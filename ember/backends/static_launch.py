@@ -11,6 +11,7 @@ per module and specialization in ember's cache; `from_record` loads a kernel fro
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -130,6 +131,13 @@ def launch_hooks() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
+@functools.cache
+def _reader() -> str:
+    """This file's source and torch's version enter a record's key: a record holds this code's
+    reading of the binary (argument codes, what the launcher can run) for that torch's launcher."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
 class LaunchRecords:
     """The launch records of one kernel module's statically launched kernels, in ember's cache.
 
@@ -143,11 +151,8 @@ class LaunchRecords:
         import triton
 
         env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_")))
-        # This file's source and torch's version: a record holds this code's reading of the binary
-        # (argument codes, what the launcher can run) for that torch's launcher.
-        reader = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
         self.key = content_key(
-            "launch", module_key, jobs, fp_fusion, target, triton.__version__, env, reader, torch.__version__
+            "launch", module_key, jobs, fp_fusion, target, triton.__version__, env, _reader(), torch.__version__
         )
 
     def load(self) -> dict[str, dict]:

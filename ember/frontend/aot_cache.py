@@ -113,6 +113,8 @@ def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> Em
     if hasattr(program, "kept"):
         program.kept = None  # the entry holds it from here
     if hasattr(_loading, "state"):
+        # A graph compiled anew: AOTAutograd missed or dropped its entry, and with it whatever
+        # this compile loaded before (in_force publishes those reports only if nothing was compiled).
         _loading.state.compiled = True
     num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     blob, device, facts = kept if kept is not None else (None, "cpu", ())
