@@ -6,6 +6,8 @@ ops in each dtype family, reductions, views, decomposed composites with gradient
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,16 @@ def test_a_batch_dynamo_runs_eagerly_does_not_settle_samples_that_compile_alone(
     outcomes = [s.outcome for s in samples]
     assert set(outcomes) <= {"match", "fallback"}, [(s.index, s.outcome, s.reason) for s in samples]
     assert outcomes.count("match") >= len(samples) - 2, [(s.index, s.outcome, s.reason) for s in samples]
+
+
+def test_sweep_writes_under_the_current_directory_not_the_checkout(tmp_path, monkeypatch):
+    """Without --out the tables go to ./results/opinfo; the checkout's committed docs/opinfo is untouched."""
+    committed = Path(__file__).resolve().parents[2] / "docs" / "opinfo"
+    before = {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    assert opinfo.main(["--ops", "abs", "--dtypes", "float32", "--limit", "1", "--in-process"]) == 0
+    written = tmp_path / "results" / "opinfo"
+    records = opinfo.load_records(written / "cpu.jsonl")
+    assert list(records) == [("abs", "float32")] and records["abs", "float32"]["counts"]["match"] == 1
+    assert "abs" in (written / "cpu.md").read_text()
+    assert {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()} == before

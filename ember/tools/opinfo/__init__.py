@@ -7,6 +7,9 @@
     python -m ember.tools.opinfo --device cuda                    # the GPU sweep (Triton)
     python -m ember.tools.opinfo --report                         # re-render the table from the JSON lines
 
+Results go to results/opinfo/DEVICE.jsonl and DEVICE.md under the current directory, or to `--out DIR`;
+the committed tables are refreshed only when asked: `--out docs/opinfo` from the checkout.
+
 Every sample input of `op_db` (torch.testing._internal.common_methods_invocations) runs through
 `torch.compile(backend="ember")` in float32, bfloat16, float16, int64 and bool where the op
 supports the dtype, forward, and gradients (float32) where the op supports autograd. Each sample

@@ -13,7 +13,9 @@ from ember.tools.opinfo.samples import OUTCOMES
 from ember.tools.opinfo.selection import DTYPES
 from ember.tools.opinfo.worker import drive, run_worker
 
-DEFAULT_OUT = Path(__file__).resolve().parents[3] / "docs" / "opinfo"
+# Relative, so a sweep writes under the directory it is run from: never into the installed checkout's
+# committed tables (docs/opinfo/) unless `--out` names them.
+DEFAULT_OUT = Path("results", "opinfo")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most this many samples per (op, dtype)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-time limit per (op, dtype)")
-    p.add_argument("--out", default=None, help="folder for DEVICE.jsonl and DEVICE.md (default docs/opinfo)")
+    p.add_argument("--out", default=None, help="folder for DEVICE.jsonl and DEVICE.md (default: ./results/opinfo)")
     p.add_argument("--resume", action="store_true", help="keep results already in the JSON lines; run the rest")
     p.add_argument("--rerun-failed", action="store_true", help="re-run only pairs with mismatches, crashes or timeouts")
     p.add_argument("--report", action="store_true", help="only re-render the markdown table")
