@@ -272,7 +272,7 @@ def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport
     """Build the kernels and write the host program of a schedule; fill the report."""
     from ember.codegen.host import write_host
 
-    namespace = backend.build([k for k in sched.kernels if not k.writes_nothing])
+    namespace = backend.build([k for k in sched.kernels if not k.writes_nothing], sched.memory)
     stage("build")
     # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
     # come from ember's forward, whose layout need not be the one AOTAutograd recorded.

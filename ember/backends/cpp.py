@@ -21,6 +21,7 @@ from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.render import print_index
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import Kernel
+from ember.schedule.memory import MemoryPlan
 from ember.schedule.split import TARGET_PARTIALS
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
@@ -110,13 +111,14 @@ class CppBackend:
         self.sources: dict[str, str] = {}
         self.lib = None
 
-    def build(self, kernels: list[Kernel]) -> dict[str, object]:
-        """Compile all kernels; returns the host-program namespace entries (the callables)."""
+    def build(self, kernels: list[Kernel], memory: MemoryPlan | None = None) -> dict[str, object]:
+        """Compile all kernels; returns the host-program namespace entries (the callables).
+        `memory`: the schedule's memory plan, which says which buffers of a kernel share memory."""
         declarations, self.link_flags = vector_math()
         parts = [PRELUDE, declarations]
         self.params = {}
         for k in kernels:
-            src, params = render_cpp(k)
+            src, params = render_cpp(k, memory.shared_buffers(k) if memory is not None else frozenset())
             self.sources[k.name] = src
             self.params[k.name] = params
             parts.append(src)

@@ -86,7 +86,9 @@ class TritonBackend:
         """schedule/gemm.py's GemmChooser: the template or ATen for one matrix product."""
         return choose_gemm(problem, epilogue_bytes, self.device)
 
-    def build(self, kernels: list[Kernel]) -> dict[str, object]:
+    def build(self, kernels: list[Kernel], memory=None) -> dict[str, object]:
+        """`memory` (the memory plan) is not needed: Triton promises the compiler nothing about
+        aliasing, and a program reads each element it writes in place before storing it."""
         import triton
 
         parts = [PRELUDE]

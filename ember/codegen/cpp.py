@@ -157,6 +157,10 @@ def _one_hot(r: KReduce, kernel: Kernel, var) -> tuple[KNode, KNode] | None:
 class CppRenderer(Renderer):
     persistent = False
 
+    def __init__(self, kernel: Kernel, shared: frozenset = frozenset()):
+        super().__init__(kernel)
+        self.shared = shared  # buffers that share memory with another parameter: not __restrict__
+
     def const(self, node: KConst) -> str:
         v, dt = node.value, node.dtype
         if dt == torch.bool:
@@ -361,7 +365,8 @@ class CppRenderer(Renderer):
         for p in self.params:
             if p.kind == "buffer":
                 const = "" if p.written else "const "
-                args.append(f"{const}{CPP_DTYPE[p.value.dtype]}* __restrict__ {p.name}")
+                restrict = "" if p.value in self.shared else " __restrict__"
+                args.append(f"{const}{CPP_DTYPE[p.value.dtype]}*{restrict} {p.name}")
             else:
                 args.append(f"int64_t {p.name}")
         self.emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
@@ -396,8 +401,9 @@ class CppRenderer(Renderer):
         return "\n".join(self.lines)
 
 
-def render_cpp(kernel: Kernel) -> tuple[str, list]:
+def render_cpp(kernel: Kernel, shared: frozenset = frozenset()) -> tuple[str, list]:
+    """`shared`: the kernel's buffers whose memory another of its buffers uses (memory.MemoryPlan)."""
     if kernel.column_partials:  # the scheduler fuses them only for targets that render them
         raise NotImplementedError("column sums accumulated by a row kernel are rendered for Triton only")
-    r = CppRenderer(kernel)
+    r = CppRenderer(kernel, shared)
     return r.render(), r.params

@@ -48,6 +48,21 @@ class MemoryPlan:
     # Values whose memory is allocated at the step where the peak is reached (empty if symbolic).
     peak_live: frozenset = frozenset()
 
+    def shared_buffers(self, kernel: Kernel) -> frozenset[Value]:
+        """The buffers of `kernel` whose memory another of its buffers also uses: an output written
+        in place of an input it reads (the input's last use, or a mutated graph input). Code
+        generation must not tell the compiler they are distinct (C++ `__restrict__`): with it, GCC
+        reordered the loads and stores of an in-place update that is also summed, and the sum read
+        elements the kernel had already overwritten."""
+        params = set(kernel.reads) | set(kernel.writes)
+        by_memory: dict[Value, list[Value]] = {}
+        for v in params:
+            root = v
+            while root in self.reuse:
+                root = self.reuse[root]
+            by_memory.setdefault(root, []).append(v)
+        return frozenset(v for group in by_memory.values() if len(group) > 1 for v in group)
+
     def __str__(self) -> str:
         def mb(b):
             return "symbolic" if b is None else f"{b / 1e6:.2f} MB"
