@@ -7,12 +7,18 @@ eager PyTorch, and print compile time, speed-up and the kernels ember made.
 from __future__ import annotations
 
 import argparse
-import statistics
+import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from ember.tools.timing_noise import Spread, load_average, load_warning, spread_warning, usable_cpus
 from ember.tools.workloads import WORKLOADS
+
+ROUNDS = 5  # timing rounds per workload; eager and ember take turns in each
+ROUND_MS = 40.0  # each function's share of one round: enough back-to-back calls that one call's jitter averages out
 
 
 def _sync(device: str) -> None:
@@ -20,18 +26,75 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_ms(fn, device: str, repeats: int) -> float:
-    """Median wall time of fn() in ms, synchronizing around each call."""
-    for _ in range(3):
-        fn()
+def _calls_per_round(fn: Callable[[], object], device: str, clock: Callable[[], float]) -> int:
+    start = clock()
+    fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    single_ms = (clock() - start) * 1000
+    return max(1, min(10_000, math.ceil(ROUND_MS / max(single_ms, 1e-3))))
+
+
+def time_in_rounds(
+    fns: dict[str, Callable[[], object]],
+    device: str,
+    rounds: int = ROUNDS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each function, one number per round.
+
+    The functions take turns within a round and the order rotates from round to round, so a change
+    in the machine's speed (another process, clocks) falls on all of them alike instead of on
+    whichever ran last. A round times enough back-to-back calls to fill ROUND_MS, then synchronizes.
+    """
+    for fn in fns.values():  # the first calls allocate, load kernels and fill caches
+        for _ in range(3):
+            fn()
+    _sync(device)
+    calls = {name: _calls_per_round(fn, device, clock) for name, fn in fns.items()}
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = clock()
+            for _ in range(calls[name]):
+                fns[name]()
+            _sync(device)
+            times[name].append((clock() - start) * 1000 / calls[name])
+    return times
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One workload's rounds: eager's and ember's ms per call, the speed-up of each round, and warnings."""
+
+    eager: Spread
+    ember: Spread
+    speedup: Spread
+    warnings: tuple[str, ...]
+
+    @classmethod
+    def of(cls, name: str, eager_ms: list[float], ember_ms: list[float]) -> Timing:
+        warnings = (spread_warning(f"{name}, eager", eager_ms), spread_warning(f"{name}, ember", ember_ms))
+        return cls(
+            eager=Spread.of(eager_ms),
+            ember=Spread.of(ember_ms),
+            speedup=Spread.of([e / c for e, c in zip(eager_ms, ember_ms)]),
+            warnings=tuple(w for w in warnings if w),
+        )
+
+
+HEADER = (
+    f"{'workload':<15}{'compile s':>10}{'eager ms':>9}{'ember ms':>9}{'speed-up':>9}{'range':>11}{'kernels':>8}   ok"
+)
+
+
+def format_row(name: str, compile_s: float, timing: Timing, kernels: int, ok: bool) -> str:
+    """One table line (under 80 columns): median times and speed-up over the rounds, the speed-up's range."""
+    s = timing.speedup
+    return (
+        f"{name:<15}{compile_s:>10.2f}{timing.eager.median:>9.3g}{timing.ember.median:>9.3g}{s.median:>8.2f}x"
+        f" {f'{s.low:.2f}-{s.high:.2f}x':>10}{kernels:>8}  {'yes' if ok else ' NO'}"
+    )
 
 
 def _outputs(x):
@@ -41,16 +104,24 @@ def _outputs(x):
 def run(names: list[str], dtype: torch.dtype, device: str) -> bool:
     import torch._dynamo
 
-    scale = "gpu" if device == "cuda" else "small"
-    repeats = 50 if device == "cuda" else 10
+    # The CPU sizes make each timed call take a millisecond or more: at a tenth of that, call
+    # overhead and the clock's jitter decide the speed-up.
+    scale = "gpu" if device == "cuda" else "cpu"
     print(
         f"ember demo on {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, {dtype}, torch {torch.__version__}"
     )
+    busy = load_warning(load_average(), usable_cpus())
+    if busy:
+        print(f"warning: {busy}")
     print(
-        f"{'workload':<16}{'compile s':>10}{'eager ms':>10}{'ember ms':>10}{'speed-up':>10}{'kernels':>9}{'max err':>10}  ok"
+        f"times: ms per call, the median of {ROUNDS} rounds in which eager and ember take turns;\n"
+        "range: the speed-up's min-max over the rounds; ok: matches eager, no graph run eagerly\n"
     )
+    print(HEADER)
     all_ok = True
     last_report = None
+    warnings: list[str] = []
+    problems: list[str] = []
     for name in names:
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -68,16 +139,29 @@ def run(names: list[str], dtype: torch.dtype, device: str) -> bool:
             errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(_outputs(out), _outputs(ref))]
             scale_ref = max(b.float().abs().max().item() for b in _outputs(ref))
             tol = (2e-2 if dtype != torch.float32 else 1e-4) * max(1.0, scale_ref)
-            ok = all(e <= tol for e in errs) and not any(g.fallback for g in report.graphs)
+            fell_back = [g.fallback for g in report.graphs if g.fallback]
+            ok = all(e <= tol for e in errs) and not fell_back
             all_ok &= ok
-            eager_ms = median_ms(lambda f=fn, x=inputs: f(*x), device, repeats)
-            ember_ms = median_ms(lambda f=compiled, x=inputs: f(*x), device, repeats)
+            if not ok:
+                problems.append(
+                    f"{name}: max abs error {max(errs):.1e} (tolerance {tol:.1e})"
+                    + (f"; ran a graph eagerly: {fell_back[0]}" if fell_back else "")
+                )
+            del out, ref
+            times = time_in_rounds(
+                {"eager": lambda f=fn, x=inputs: f(*x), "ember": lambda f=compiled, x=inputs: f(*x)}, device
+            )
+        timing = Timing.of(name, times["eager"], times["ember"])
+        warnings += timing.warnings
         kernels = sum(len(g.kernels) for g in report.graphs)
-        print(
-            f"{name:<16}{compile_s:>10.2f}{eager_ms:>10.3f}{ember_ms:>10.3f}{eager_ms / ember_ms:>9.2f}x"
-            f"{kernels:>9}{max(errs):>10.2e}  {'yes' if ok else 'NO'}"
-        )
+        print(format_row(name, compile_s, timing, kernels, ok), flush=True)
         last_report = report
+    for p in problems:
+        print(f"NOT OK: {p}")
+    for w in warnings:
+        print(f"warning: {w}")
+    if warnings or busy:
+        print("(the speed-ups above come from a busy or uneven machine: rerun when it is quiet)")
     if last_report is not None:
         print(f"\nWhat ember made of {names[-1]}:")
         print(last_report)

@@ -1,7 +1,8 @@
 """The programs ember is checked and measured on, shared by the demo, the tests and GPU runs.
 
 Each workload is a function (or module) plus a maker of inputs at a named scale: "tiny" for
-Triton's CPU interpreter, "small" for CPU tests and the CPU demo, "gpu" for the GPU machine.
+Triton's CPU interpreter, "small" for CPU tests, "cpu" for the CPU demo (each call a millisecond
+or more on a 2-core CPU, long enough to time), "gpu" for the GPU machine.
 """
 
 from __future__ import annotations
@@ -96,12 +97,12 @@ class Workload:
 
 _SIZES = {
     # name: {scale: shape}
-    "pointwise3": {"tiny": (8, 32), "small": (256, 512), "gpu": (4096, 4096)},
-    "gelu_tanh": {"tiny": (8, 32), "small": (256, 512), "gpu": (8192, 8192)},
-    "softmax": {"tiny": (8, 32), "small": (256, 1024), "gpu": (8192, 8192)},
-    "layernorm_gelu": {"tiny": (8, 32), "small": (512, 1024), "gpu": (8192, 4096)},
-    "mlp": {"tiny": (4, 16, 32), "small": (64, 256, 512), "gpu": (8192, 1024, 4096)},
-    "gpt2_block": {"tiny": (2, 8, 32, 2), "small": (4, 64, 128, 4), "gpu": (16, 1024, 768, 12)},
+    "pointwise3": {"tiny": (8, 32), "small": (256, 512), "cpu": (2048, 2048), "gpu": (4096, 4096)},
+    "gelu_tanh": {"tiny": (8, 32), "small": (256, 512), "cpu": (2048, 2048), "gpu": (8192, 8192)},
+    "softmax": {"tiny": (8, 32), "small": (256, 1024), "cpu": (2048, 2048), "gpu": (8192, 8192)},
+    "layernorm_gelu": {"tiny": (8, 32), "small": (512, 1024), "cpu": (2048, 1024), "gpu": (8192, 4096)},
+    "mlp": {"tiny": (4, 16, 32), "small": (64, 256, 512), "cpu": (256, 256, 512), "gpu": (8192, 1024, 4096)},
+    "gpt2_block": {"tiny": (2, 8, 32, 2), "small": (4, 64, 128, 4), "cpu": (4, 64, 128, 4), "gpu": (16, 1024, 768, 12)},
 }
 
 
