@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from ember.tools import demo, timing_noise
+from ember.tools.bench import report as bench_report
 from ember.tools.timing_noise import Spread, load_warning, spread_warning
 
 
@@ -91,3 +94,25 @@ def test_demo_reports_median_and_range_and_warns_on_a_noisy_round():
 
     quiet = demo.Timing.of("softmax", [2.0, 2.1, 1.9], [1.0, 1.0, 1.05])
     assert quiet.warnings == ()
+
+
+def _bench_records(load: list[float], eager_rounds: list[float]) -> list[dict]:
+    env = {"type": "run", "device": "CPU: test", "cpus": 2, "torch": "t", "triton": "t", "python": "3"}
+    env |= {"scale": "cpu", "date": "d", "compilers": ["ember"], "load_average": load}
+    case = {"type": "case", "case": "softmax/inference", "workload": "softmax", "mode": "inference"}
+    case["compilers"] = {
+        "eager": {"status": "ok", "ms": statistics.median(eager_rounds), "ms_rounds": eager_rounds},
+        "ember": {"status": "ok", "ms": 1.0, "ms_rounds": [1.0, 1.02, 0.99]},
+    }
+    return [env, case]
+
+
+def test_bench_table_warns_about_a_busy_machine_and_uneven_rounds():
+    _, _, notes = bench_report.table_rows(bench_report.Run.of(_bench_records([3.4, 2.3, 1.0], [0.25, 37.0, 0.3])))
+    busy = [n for n in notes if "load average is 3.40 on 2 usable CPUs" in n]
+    uneven = [n for n in notes if n.startswith("softmax/inference: eager: rounds took 0.25 to 37 ms")]
+    assert len(busy) == 1 and busy[0].startswith("when the run on CPU: test began") and len(uneven) == 1
+    assert not [n for n in notes if "ember: rounds" in n]  # ember's rounds agree
+
+    _, _, quiet = bench_report.table_rows(bench_report.Run.of(_bench_records([0.1, 0.1, 0.1], [2.0, 2.1, 1.9])))
+    assert quiet == []

@@ -15,6 +15,7 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 
+from ember.tools import timing_noise
 from ember.tools.bench import compile_time, measure
 from ember.tools.bench.workloads import Case, missing_requirement
 
@@ -231,6 +233,10 @@ def run(cases: list[Case], s: Settings, timing: bool = True) -> list[dict]:
     """Run every case (timing, then compile times); emit and return the records."""
     records = [environment(s)]
     s.emit(records[0])
+    load = records[0]["load_average"]
+    busy = timing_noise.load_warning(load[0] if load else None, records[0]["cpus"])
+    if busy:
+        print(f"warning: {busy}", file=sys.stderr, flush=True)
     dtypes = sorted({c.workload.compute_dtype for c in cases}, key=str) or [torch.float32]
     s.progress("measuring the device's ceilings")
     ceilings = {"type": "ceilings", **measure.measure_ceilings(s.device, dtypes, s.scale)}

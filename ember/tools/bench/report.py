@@ -15,6 +15,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from ember.tools import timing_noise
+
 TIMED = ("ok", "fell back")
 
 
@@ -208,7 +210,23 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
             for kind, r in m.items():
                 if r and "error" in r:
                     notes.append(f"{key}: {label(c)} {kind} compile: {r['error'][:200]}")
-    return header, rows, notes
+    return header, rows, notes + timing_notes(run)
+
+
+def timing_notes(run: Run) -> list[str]:
+    """Warnings that the times are not to be trusted: a busy machine when the run began, rounds that disagree."""
+    notes = []
+    for env in run.env:
+        load = env.get("load_average")
+        busy = timing_noise.load_warning(load[0] if load else None, env.get("cpus") or 1)
+        if busy:
+            notes.append(f"when the run on {env['device']} began, {busy}")
+    for key, case in run.cases.items():
+        for c, e in case.get("compilers", {}).items():
+            uneven = timing_noise.spread_warning(f"{key}: {label(c)}", e.get("ms_rounds") or [])
+            if uneven:
+                notes.append(uneven)
+    return notes
 
 
 def describe_env(run: Run) -> list[str]:
