@@ -102,6 +102,20 @@ CASES = {
         lambda x, s: x * s, lambda: [torch.randn(3, 4), torch.tensor(2.5, dtype=torch.float64)]
     ),
     "int_times_0d_float": Case(lambda x, s: x * s, lambda: [torch.arange(6).reshape(2, 3), torch.tensor(0.5)]),
+    # Layouts other than dense row-major: a stride-0 broadcast, slices with steps, a transpose,
+    # channels-last images, and offsets into a storage.
+    "expanded_input": Case(
+        lambda x, y: (x * y, (x + 1).sum(0), x.amax(1)), lambda: [torch.randn(1, 37).expand(19, 37), torch.randn(19, 1)]
+    ),
+    "strided_inputs": Case(
+        lambda a, b: (a * 2 + b, (a - b).sum(1), torch.softmax(b, 1)),
+        lambda: [torch.randn(40, 66)[::2, 1::3], torch.randn(22, 20).t()],
+    ),
+    "channels_last_input": Case(
+        lambda x: (x.relu() * 3, x.mean((2, 3)), torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (5,))),
+        lambda: [torch.randn(2, 5, 7, 9).to(memory_format=torch.channels_last)],
+    ),
+    "storage_offset_input": Case(lambda x: (x.exp(), x.sum()), lambda: [torch.randn(1000)[3:]]),
     "meta_tensors_run_eagerly": Case(lambda x: x * 2 + 1, lambda: [torch.randn(3, 4, device="meta")], strict=False),
     "cpu_and_meta_tensor_raise": Case(
         lambda x, m: x + m, lambda: [torch.randn(3, 4), torch.randn(3, 4, device="meta")], raises="meta"
@@ -144,6 +158,17 @@ def test_bad_input_matches_eager(name):
     if not case.strict:
         msgs = [str(w.message) for w in caught if str(w.message).startswith("ember")]
         assert len(msgs) == 1, f"expected one ember warning for running eagerly: {msgs}\n{line}"
+
+
+def test_past_int32_elements():
+    """More than 2**31 elements, through a stride-0 input that keeps memory small: 64-bit index math
+    and an exact integer sum. The expected values are known (eager takes ~25 s on this input)."""
+    n = 2**31 + 10
+    x = torch.tensor([3], dtype=torch.int32).expand(n)
+    compiled = torch.compile(lambda x: (x.sum(), x.amin(), (x * 2).amax()), backend="ember", options={"strict": True})
+    total, low, high = compiled(x)
+    assert total.dtype == torch.int64 and int(total) == 3 * n, repro(n=n, total=int(total))
+    assert int(low) == 3 and int(high) == 6, repro(n=n, low=int(low), high=int(high))
 
 
 # -- settings --------------------------------------------------------------------------------
