@@ -111,7 +111,7 @@ def test_bench_table_warns_about_a_busy_machine_and_uneven_rounds():
     _, _, notes = bench_report.table_rows(bench_report.Run.of(_bench_records([3.4, 2.3, 1.0], [0.25, 37.0, 0.3])))
     busy = [n for n in notes if "load average is 3.40 on 2 usable CPUs" in n]
     uneven = [n for n in notes if n.startswith("softmax/inference: eager: rounds took 0.25 to 37 ms")]
-    assert len(busy) == 1 and busy[0].startswith("when the run on CPU: test began") and len(uneven) == 1
+    assert len(busy) == 1 and busy[0].startswith("when the run of d on CPU: test began") and len(uneven) == 1
     assert not [n for n in notes if "ember: rounds" in n]  # ember's rounds agree
 
     _, _, quiet = bench_report.table_rows(bench_report.Run.of(_bench_records([0.1, 0.1, 0.1], [2.0, 2.1, 1.9])))

@@ -220,7 +220,7 @@ def timing_notes(run: Run) -> list[str]:
         load = env.get("load_average")
         busy = timing_noise.load_warning(load[0] if load else None, env.get("cpus") or 1)
         if busy:
-            notes.append(f"when the run on {env['device']} began, {busy}")
+            notes.append(f"when the run of {env.get('date', '?')} on {env['device']} began, {busy}")
     for key, case in run.cases.items():
         for c, e in case.get("compilers", {}).items():
             uneven = timing_noise.spread_warning(f"{key}: {label(c)}", e.get("ms_rounds") or [])
