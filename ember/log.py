@@ -1,15 +1,21 @@
-"""ember's logging: `EMBER_DEBUG` levels and named artifacts (`EMBER_LOGS=fusion,code`).
+"""ember's logging: `EMBER_DEBUG` levels, named artifacts (`EMBER_LOGS=fusion,code`) and warnings.
 
 Levels: 1 prints one summary line per compiled graph; 2 adds the generated source;
 3 adds the IR after each pass. Artifacts select one kind of output regardless of level.
-Output goes to stderr through the `ember` logger so users can redirect it.
+Output goes to stderr through the `ember` logger so users can redirect it. Warnings (a graph
+run eagerly) name the user's line that led to them, not ember's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import sys
-from collections.abc import Callable
+import sysconfig
+import threading
+import warnings
+from collections.abc import Callable, Iterable
 
 from ember import config
 
@@ -45,3 +51,78 @@ def artifact(name: str, title: str, body: str | Callable[[], str]) -> None:
     """Print an artifact if enabled; pass a callable for bodies that cost something to build."""
     if enabled(name):
         logger.info("=== %s: %s ===\n%s", name, title, body() if callable(body) else body)
+
+
+# Preambles (includes, helper functions: everything a generated module holds before its first
+# kernel) already printed in this process, by content hash -> the title they were printed under.
+_preambles_shown: dict[str, str] = {}
+_preambles_lock = threading.Lock()
+
+
+def generated_source(title: str, source: str, kernel_sources: Iterable[str]) -> None:
+    """The `code` artifact of one generated module: its preamble is printed with the first graph
+    that has it, and later graphs refer to it, so EMBER_DEBUG=2 shows each graph's own kernels."""
+    if not enabled("code"):
+        return
+    first = next((s for s in kernel_sources if s and s in source), None)
+    cut = source.find(first) if first is not None else 0
+    preamble, rest = source[:cut], source[cut:]
+    if preamble.strip():
+        digest = hashlib.sha256(preamble.encode()).hexdigest()
+        with _preambles_lock:
+            shown_under = _preambles_shown.setdefault(digest, title)
+        if shown_under != title:
+            lines = preamble.strip("\n").count("\n") + 1
+            preamble = f"// (the {lines}-line preamble printed above with '{shown_under}')\n\n"
+    artifact("code", title, preamble + rest)
+
+
+def _package_dir(module) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+
+
+def _where_code_lives() -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """(PyTorch's and ember's package folders, installed libraries' folders, the standard library's)."""
+    import torch
+
+    import ember
+
+    paths = sysconfig.get_paths()
+    installed = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib")})
+    return (_package_dir(torch), _package_dir(ember)), installed, os.path.abspath(paths["stdlib"]) + os.sep
+
+
+# Code objects Python or PyTorch generate at run time, which no user wrote.
+_GENERATED_FILES = ("<frozen ", "<eval_with_key>", "<ember host program>")
+
+
+def _is_users(filename: str, where: tuple) -> bool:
+    torch_and_ember, installed, stdlib = where
+    if filename.startswith(_GENERATED_FILES):
+        return False
+    if filename.startswith("<"):
+        return True  # `python -c`, a notebook cell, the interactive prompt
+    path = os.path.abspath(filename)
+    if path.startswith(torch_and_ember):
+        return False
+    # site-packages lies inside the standard library's folder: an installed library is the user's.
+    return path.startswith(installed) or not path.startswith(stdlib)
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes a warning issued by this function's caller name the innermost
+    frame of the user's own code: the first one outside ember, PyTorch and Python's standard
+    library (another installed library counts as the user's). 2, the caller's caller, when no
+    frame is the user's."""
+    where = _where_code_lives()
+    frame, level = sys._getframe(2), 2
+    while frame is not None:
+        if _is_users(frame.f_code.co_filename, where):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
+
+
+def warn(message: str) -> None:
+    """`warnings.warn(message)`, attributed to the user's line that led here (user_stacklevel)."""
+    warnings.warn(message, stacklevel=user_stacklevel())

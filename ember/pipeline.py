@@ -18,13 +18,13 @@ Any exception in any pass makes this graph run eagerly, with one warning naming 
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ember import config, log
+from ember.frontend.signals import dynamo_control_flow
 from ember.report import FusionReport, GraphReport, KernelReport, publish
 
 
@@ -221,6 +221,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sche
         result: Callable = _finish(sched, backend, kind, device, report, stage)
         if keep_schedule and blob is not None:
             result.kept = (blob, str(device), facts)
+    except dynamo_control_flow():
+        raise  # PyTorch's own control flow, in every mode: not a failure to fall back from
     except Exception as e:
         if config.get("strict"):
             raise
@@ -290,7 +292,8 @@ def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport
 
 def _fallback(gm: torch.fx.GraphModule, kind: str, report: GraphReport, e: Exception) -> EagerGraph:
     report.fallback = f"{type(e).__name__}: {e}".strip()[:500]
-    warnings.warn(f"ember: running a {kind} graph eagerly: {report.fallback}", stacklevel=3)
+    article = "an" if kind[:1] in "aeiou" else "a"
+    log.warn(f"ember: running {article} {kind} graph eagerly: {report.fallback}")
     return EagerGraph(gm, report)
 
 

@@ -73,6 +73,8 @@ def test_toolchain_failure_falls_back_with_one_warning(tmp_path):
     ember_msgs = _ember_warnings(caught)
     assert len(ember_msgs) == 1, f"expected exactly one ember warning, got {ember_msgs}\n{line}"
     assert BAD_CXX in ember_msgs[0], f"the warning does not name the cause: {ember_msgs[0]!r}\n{line}"
+    assert ember_msgs[0].startswith("ember: running an inference graph eagerly"), ember_msgs[0]
+    _assert_names_this_file(caught)
     (graph,) = report.graphs
     assert graph.fallback and BAD_CXX in graph.fallback, f"report.fallback = {graph.fallback!r}\n{line}"
     assert not list(tmp_path.glob("cpp/*/*/graph.so")), f"a failed build left a cache entry\n{line}"
@@ -100,6 +102,13 @@ def test_toolchain_failure_in_training_falls_back_per_graph(tmp_path):
     assert all(g.fallback and BAD_CXX in g.fallback for g in report.graphs), f"{report}\n{line}"
     msgs = _ember_warnings(caught)
     assert len(msgs) == 2 and all(BAD_CXX in m for m in msgs), f"expected one warning per graph: {msgs}\n{line}"
+    _assert_names_this_file(caught)  # the backward graph compiles inside autograd.grad: still this file
+
+
+def _assert_names_this_file(caught) -> None:
+    """A fallback warning names the user's line that ran the compiled function, not ember's."""
+    places = [f"{w.filename}:{w.lineno}" for w in caught if str(w.message).startswith("ember")]
+    assert places and all(p.startswith(__file__ + ":") for p in places), places
 
 
 def _causes(e: BaseException) -> list[BaseException]:
@@ -158,6 +167,7 @@ def test_trace_failure_runs_eagerly_with_one_warning(monkeypatch):
     assert_close(g, 2 * torch.cos(x), rtol=1e-6, atol=1e-6, what="grad", line="")
     msgs = _ember_warnings(caught)
     assert len(msgs) == 1 and "AOTAutograd: TypeError" in msgs[0], msgs
+    _assert_names_this_file(caught)
     (graph,) = report.graphs
     assert graph.fallback.startswith("AOTAutograd: TypeError"), graph.fallback
 
@@ -167,3 +177,24 @@ def test_trace_failure_raises_in_strict_mode(monkeypatch):
     with ember.config.override(strict=True), pytest.raises(Exception) as info:
         torch.compile(lambda t: torch.sin(t) * 2, backend="ember")(torch.randn(5))
     assert "multiple values" in str(info.value)
+
+
+def _clamp_at_mean(x):
+    # .item() breaks the graph; the second graph takes the Python float. Called again with another
+    # value, Dynamo makes the float an input, AOTAutograd finds that clamp needs it specialized and
+    # raises TensorifyScalarRestartAnalysis: Dynamo restarts the capture with it specialized.
+    return torch.clamp(x * 2, max=x.mean().item()) + 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_dynamo_restart_is_not_a_fallback(strict):
+    """PyTorch's control-flow exceptions pass through ember, in every mode: the graph compiles."""
+    compiled = torch.compile(_clamp_at_mean, backend="ember")
+    x = torch.randn(32)
+    line = repro(program="clamp(x*2, max=x.mean().item()) + 1", strict=strict, calls="x, then -x")
+    with warnings.catch_warnings(record=True) as caught, reports() as report, ember.config.override(strict=strict):
+        warnings.simplefilter("always")
+        for inp in (x, -x):
+            assert_close(compiled(inp), _clamp_at_mean(inp), rtol=1e-6, atol=1e-6, what="output", line=line)
+    assert not _ember_warnings(caught), f"{_ember_warnings(caught)}\n{line}"
+    assert report.graphs and not [g.fallback for g in report.graphs if g.fallback], f"{report}\n{line}"

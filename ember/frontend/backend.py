@@ -8,11 +8,15 @@ backward), and each one goes through ember's pipeline.
 
 from __future__ import annotations
 
+import functools
+import sys
+import threading
 from typing import Any
 
 import torch
 
-from ember import config
+from ember import config, log
+from ember.frontend.signals import dynamo_control_flow
 
 # torch.compile's modes are accepted so code written for Inductor runs unchanged; ember has
 # no autotuning or CUDA graphs yet, so they all compile the same way.
@@ -43,11 +47,42 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool):
     return aot_cache.serializable(compile_one)
 
 
-def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+def _checked_options(mode: str | None, options: dict | None) -> dict[str, Any]:
+    """The caller's options, parsed; raises ConfigError on a bad mode, option or EMBER_* variable."""
     if mode not in KNOWN_MODES:
         raise config.ConfigError(f"unknown mode {mode!r}; valid: {', '.join(m for m in KNOWN_MODES if m)}")
     options = config.validate(dict(options or {}), "torch.compile options")
     config.check_environment()
+    return options
+
+
+@functools.cache
+def _setting_error_type() -> type[config.ConfigError]:
+    """ember.ConfigError as Dynamo's ShortenTraceback too. Dynamo wraps any other exception a
+    backend raises in BackendCompilerFailed, under some 27 lines of its own frames; a
+    ShortenTraceback it re-raises as it is, its traceback cut to the frame that raised it, so a
+    setting error reads as the one line that names it."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:  # pragma: no cover - in every torch ember supports
+        return config.ConfigError
+
+    class ConfigError(config.ConfigError, ShortenTraceback):
+        def __init__(self, message: str, raised_in) -> None:
+            ShortenTraceback.__init__(self, message, first_useful_frame=raised_in)
+
+    ConfigError.__module__, ConfigError.__qualname__ = "ember", "ConfigError"
+    return ConfigError
+
+
+def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = None, options: dict | None = None):
+    try:
+        options = _checked_options(mode, options)
+    except config.ConfigError as e:
+        error_type = _setting_error_type()
+        if error_type is config.ConfigError:
+            raise
+        raise error_type(str(e), sys._getframe()) from None
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -87,8 +122,8 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
         with aot_cache.in_force(options):
             return compiler(gm, example_inputs)
-    except _DYNAMO_HANDLES:
-        raise  # data-dependent ops: Dynamo breaks the graph there and compiles the pieces
+    except dynamo_control_flow():
+        raise  # PyTorch's own control flow: a restart of the capture, a graph break (frontend/signals.py)
     except Exception as e:
         with config.override(**options):
             if config.get("strict"):
@@ -109,36 +144,41 @@ def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
     return aot_cache.usable(gm)
 
 
-def _dynamo_handles() -> tuple:
-    from torch._subclasses import fake_tensor
-
-    names = ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
-    return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
-
-
-_DYNAMO_HANDLES = _dynamo_handles()
-
-
 def _eager_after_trace_failure(gm: torch.fx.GraphModule, error: Exception):
     """AOTAutograd itself could not trace the graph (a PyTorch meta function raising: the backward
     of `_efficient_attention_forward` on torch 2.11): the Dynamo graph runs eagerly, loudly, and
     the report says so. ember's own passes never ran, so this is not one of its fail-safe catches."""
-    import warnings
-
     from ember.report import GraphReport, publish
 
     report = GraphReport(kind="forward", num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
     report.fallback = f"AOTAutograd: {type(error).__name__}: {error}".strip()[:500]
-    warnings.warn(f"ember: running a graph eagerly: {report.fallback}", stacklevel=2)
+    log.warn(f"ember: running a graph eagerly: {report.fallback}")
     publish(report)
     return gm.forward
 
 
-def register() -> str:
-    """Make `backend="ember"` resolve when ember is on the path but not installed (a checkout on
-    PYTHONPATH, as on the GPU machine): pip's entry point is what normally registers the name."""
-    from torch._dynamo.backends import registry
+_register_lock = threading.Lock()
 
-    if "ember" not in registry.list_backends(exclude_tags=()):
-        registry.register_backend(ember_backend, name="ember")
+
+def register() -> str:
+    """Make `backend="ember"` resolve, once, from any number of threads at a time: through pip's
+    entry point where ember is installed, else (a checkout on PYTHONPATH, as on the GPU machine)
+    by registering the function itself.
+
+    torch's registry looks a name up and registers it in two unlocked steps, so threads whose
+    first `torch.compile(backend="ember")` runs at the same moment can each load the entry point
+    and all but one fail with "duplicate name: ember". A program that compiles from several
+    threads calls this once first; calls to it are serialized here."""
+    from torch._dynamo.backends import registry
+    from torch._dynamo.exc import InvalidBackend
+
+    with _register_lock:
+        try:
+            registry.lookup_backend("ember")  # registered already, or now, through pip's entry point
+        except InvalidBackend:
+            registry.register_backend(ember_backend, name="ember")
+        except AssertionError:
+            # "duplicate name": a torch.compile in another thread loaded the entry point at the same
+            # time and registered the name first; it resolves now.
+            registry.lookup_backend("ember")
     return "ember"
