@@ -3,7 +3,7 @@
 #   bash scripts/gpu_opinfo.sh OUT [SHARDS] [TIME_LIMIT_S] [extra opinfo flags, e.g. --resume]
 # Each shard writes OUT/sK/cuda.jsonl after every (op, dtype) pair, so a run cut off by the time
 # limit keeps what it finished; copy the shards back into OUT and pass --resume to go on.
-# Merge on any machine: python -m ember.tools.opinfo --device cuda --merge OUT/s*/cuda.jsonl
+# Merge on any machine: ember opinfo --device cuda --merge OUT/s*/cuda.jsonl --out docs/opinfo
 # The image lacks expecttest (torch.testing._internal imports it): put its wheel in .whl/.
 set -u
 out=$1; shards=${2:-15}; limit=${3:-540}; shift $(( $# < 3 ? $# : 3 ))
