@@ -77,7 +77,7 @@ def allocator(device: torch.device) -> Callable:
 
     torch's C++ helpers for this (what Inductor's host code calls) skip the Python argument
     parser: 0.45 vs 1.1 us on the CPU machine; `torch.empty_strided` takes 4.7 us on the H100
-    machine's host (scripts/gpu_launcher_probe.py), and ResNet-50's training step allocates 556
+    machine's host, and ResNet-50's training step allocates 556
     times. The CUDA helper allocates on the current device: it is used only when that is the
     graph's at compile time, the assumption the backend's direct launches make too."""
     helpers = getattr(torch._C._dynamo, "guards", None)

@@ -140,8 +140,7 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
     if kernel.column_partials:  # the scheduler fused them only into persistent rows
         # One program per chunk of rows, walked XBLOCK rows at a time (both powers of two), with
         # the walk software-pipelined over 3 stages and one warp per 1024 elements of a step.
-        # Measured on the H100, forward + backward of a module (scripts/gpu_column_partials_sweep.py,
-        # docs/bench/gpu/h100/session9): LayerNorm bf16 [16384, 768] 58.4 us (8 warps, no stages:
+        # Measured on the H100, forward + backward of a module: LayerNorm bf16 [16384, 768] 58.4 us (8 warps, no stages:
         # 67.6; Inductor 66.1), RMSNorm bf16 [8192, 4096] 121.8 (121.9; Inductor 139.9). Fewer
         # rows a step or more chunks (programs) measured slower.
         rblock, rows = _next_pow2(int(rnumel)), kernel.column_partials[0].rows
@@ -152,8 +151,7 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
     if _reduces_across_rows(tiles):
         # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
         # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. Measured on the H100
-        # (scripts/gpu_column_reduction_sweep.py for device time per kernel, and
-        # scripts/gpu_column_sum_sweep.py for gpt2_blocks training as a whole):
+        # (device time per kernel, and gpt2_blocks training as a whole):
         # - one tile input (a bias gradient): 64 columns by 8 rows a step, 4 warps: many small
         #   programs in flight, as Inductor's "outer" reduction config. gpt2_blocks training, with
         #   the Triton backend's split_partials: fc bias gradient [16384, 3072] 41.0 -> 36.3 us,
@@ -166,7 +164,7 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]: 23.1, was 33.8. In
         #   gpt2_blocks training the 8 of them took 287 us, were 374.
         # - batch norm's statistics and gradient sums (channels-last [64, C, H, W] split by image,
-        #   scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session11) take 32 columns by 128
+        #   swept at ResNet-50's shapes) take 32 columns by 128
         #   rows a step with 8 warps: with one tile input (x, for the mean and the shifted sums of
         #   schedule/split.py's variance) when there are several sums ([64, 2048, 7, 7]: 25.4 ->
         #   14.6 us); with several tile inputs when there are fewer than FEW_COLUMNS, known at
@@ -176,7 +174,7 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         #   measured faster with 32 x 128 (65 -> 44 us at [64, 256, 56, 56]): the one-pass form
         #   leaves no such kernel in batch norm, and bias gradients were tuned for 64 x 8.
         short = rnumel.is_Integer and int(rnumel) <= SHORT_COLUMNS_TILE and xhint * int(rnumel) <= SHORT_COLUMNS
-        # (An online softmax was folded for a looped kernel: it stays looped; review, session 12.)
+        # An online softmax was folded for a looped kernel: it stays looped (held whole it does not render).
         if short and is_persistent(kernel) and not any(r.kind == "sumexp" for r in kernel.reduces):
             # The second stage of a split (batch norm's 64-4096 chunks of C partial sums): each
             # program holds its columns whole, so each of its sums is one load and one reduce.
@@ -201,13 +199,11 @@ def launch_config(kernel: Kernel) -> LaunchConfig:
         xblock = max(1, min(4096 // rblock, _next_pow2(max(1, xhint // 264))))
         elems = xblock * rblock
         # One warp per 512 elements, up to 16; a row of 8192 or more gets 32 (H100, softmax over
-        # [8192, 8192] fp32: 0.1831 ms with 32 warps, 0.1837 with 16; Inductor 0.183;
-        # docs/bench/gpu/h100/session10/softmax_reduction_sweep.jsonl).
+        # [8192, 8192] fp32: 0.1831 ms with 32 warps, 0.1837 with 16; Inductor 0.183).
         num_warps = 32 if elems >= 8192 else max(2, min(16, elems // 512))
         return LaunchConfig(xblock, rblock, _pow2_floor(num_warps), True)
     # An online softmax keeps two accumulators per lane: a smaller chunk, same warps (H100,
-    # cross_entropy over 50257 columns: 0.619 ms at 1024 vs 0.655 at 2048; 4096 and 8192 slower;
-    # scripts/gpu_looped_reduction_sweep.py).
+    # cross_entropy over 50257 columns: 0.619 ms at 1024 vs 0.655 at 2048; 4096 and 8192 slower).
     widest = 1024 if any(r.kind == "sumexp" for r in kernel.reduces) else 2048
     rblock = widest if not rnumel.is_Integer else min(widest, _next_pow2(int(rnumel)))
     return LaunchConfig(1, rblock, 8, False)

@@ -8,7 +8,7 @@ the 2-core CPU machine, for Inductor and ember alike; the loop itself is about 1
 
 Where the kernel's THP mode is `madvise` (the common distribution default), advising the buffer's
 aligned interior `MADV_HUGEPAGE` before the first write makes those faults one per 2 MiB: the same
-call takes 5.4 ms (docs/bench/cpu/session14/). PyTorch offers the same for every allocation behind
+call takes 5.4 ms (docs/bench/cpu.md). PyTorch offers the same for every allocation behind
 `THP_MEM_ALLOC_ENABLE=1`; ember does it by default for its own large buffers only.
 
 Smaller buffers are left alone: below the threshold malloc usually hands back memory it has

@@ -134,8 +134,8 @@ def test_row_reduction_stays_persistent():
 
 def test_short_column_softmax_stays_looped():
     # A softmax down 20001 rows of 8 columns: under SHORT_COLUMNS, but the scheduler folded its
-    # max and sum of exp into one online pass for a looped kernel; held whole it failed to render
-    # (review, session 12). Compared with eager through the Triton interpreter.
+    # max and sum of exp into one online pass for a looped kernel; held whole it failed to render.
+    # Compared with eager through the Triton interpreter.
     from tests.helpers import assert_close, ember_compile
 
     x = torch.randn(20001, 8)

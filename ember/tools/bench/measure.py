@@ -191,8 +191,7 @@ class Timer:
     mixes in the host in a way that depends on the flush: the device idles between the events
     whenever the host needs longer to launch the call's first kernel than the device needs for
     the flush (~0.09 ms on an H100), and for a host-bound call it times only the launches made
-    after the flush ended. On the H100 machine (`scripts/gpu_timing_method_probe.py`,
-    docs/bench/gpu/h100/session10): eager addmm + gelu 0.431 ms by do_bench, 0.407 with the
+    after the flush ended. On the H100 machine: eager addmm + gelu 0.431 ms by do_bench, 0.407 with the
     host's latency hidden, 0.402 back to back; a 16-layer MLP at batch 1 (host-bound) 0.49 ms by
     do_bench for ember, 0.52-0.65 ms per call back to back. So a call is measured twice:
 
