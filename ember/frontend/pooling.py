@@ -175,7 +175,7 @@ def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape, 
     `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
     stride. With ceil_mode the last window may reach past x and its padding: the padded view then
     ends at the last position read, so that position is clamped (C++) or masked (Triton) into x,
-    never read past its end (a review found C++ reading 6 elements past a [1, 2, 8, 7] input)."""
+    never read past its end (unclamped, C++ read 6 elements past a [1, 2, 8, 7] input)."""
     padded_shape = list(x.shape)
     widths = {}
     for d, k, s, p in zip(dims, offsets, stride, padding):

@@ -89,8 +89,8 @@ def test_inference_writes_no_indices():
 def test_ceil_mode_reads_stay_inside_the_input(backend):
     """ceil_mode's partial last window reaches past x when there is no padding: its value is
     masked, and its load must not leave x either. x is placed to end right at an inaccessible
-    page, so a read past its end crashes the process (a review found the C++ kernel reading 6
-    elements past it)."""
+    page, so a read past its end crashes the process (the C++ kernel once read 6 elements past
+    it)."""
     import ctypes
     import mmap
 

@@ -110,7 +110,7 @@ def test_split_variance_is_accurate_far_from_zero(backend, offset):
 
 
 # Sums of squared differences that are not a variance about the split mean: the rewrite must
-# leave them to the two-pass form (a review found both rewritten, wrongly).
+# leave them to the two-pass form (rewriting them gives wrong sums).
 NOT_A_VARIANCE = {
     # The mean without keepdim broadcasts along the trailing dims, not the ones it reduced.
     "mean_broadcast_elsewhere": lambda x: ((x - x.mean(dim=(0, 2))) ** 2).sum(dim=(0, 2)),
