@@ -4,7 +4,7 @@ warm start load them again without Triton.
 `from_compiled` loads a kernel Triton just compiled (or found in its cache). A warm start used to
 go through Triton for every kernel: its `warmup` parses and hashes the kernel's source (its front
 end, under the GIL) only to find the binary in its own disk cache, about 4.6 s for ResNet-50's 478
-training kernels on the H100 host (session 13). What the static launcher needs is small: the
+training kernels on the H100 host. What the static launcher needs is small: the
 cubin, its symbol name, shared memory, warps and the argument codes. `LaunchRecords` keeps that
 per module and specialization in ember's cache; `from_record` loads a kernel from it directly.
 """

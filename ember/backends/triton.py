@@ -14,7 +14,7 @@ host program launches that compiled binary directly (`direct_launch`): through t
 CUDA launcher (the C++ one Inductor uses), given integer addresses, where this torch has it and
 the kernel needs nothing it lacks (scratch memory, several CTAs, launch hooks); else through
 Triton's own compiled launcher. Host cost per launch on the H100 machine (busy GPU, so only
-the host's time counts; scripts/gpu_launcher_probe.py): kernel[grid] 18.7 us, Triton's launcher
+the host's time counts): kernel[grid] 18.7 us, Triton's launcher
 8.2 us, the static launcher with addresses 6.5 us. What could break the alignment assumption is
 checked inline: a buffer the host program did not allocate (an input, an extern's result, an
 alias) that is misaligned takes the `kernel[grid]` path, which specializes for it as Triton
@@ -57,8 +57,7 @@ class TritonBackend:
     # over 16384 rows is summed in 64 chunks of 256 rows when 768 wide (32 of 512 at the default
     # target), 16 of 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer
     # rows. H100, gpt2_blocks training, with the column-sum tiles of codegen/triton.py: 7683 us of
-    # GPU time per step at 131072, 7771 at 32768, 7711 at 262144 (scripts/gpu_column_sum_sweep.py,
-    # docs/bench/gpu/h100/session9).
+    # GPU time per step at 131072, 7771 at 32768, 7711 at 262144.
     split_partials = 131072
 
     def __init__(self, device=None):
@@ -74,7 +73,7 @@ class TritonBackend:
     def row_programs(self) -> int:
         """How many programs a row kernel that accumulates column sums should have at least
         (split.py sizes their chunks for it, giving one to two per SM). One per SM measured best
-        on the H100 (scripts/gpu_column_partials_check.py, a LayerNorm's forward and backward,
+        on the H100 (a LayerNorm's forward and backward,
         [16384, 768] bf16: 75.5 us at half that, 67.3 at one per SM, 86.9 at two; Inductor 66.2)."""
         if config.get("column_partial_programs"):
             return max(0, config.get("column_partial_programs"))  # -1: none

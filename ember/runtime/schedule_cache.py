@@ -1,7 +1,7 @@
 """A graph's schedule on disk, so that compiling the same graph again skips import through scheduling.
 
 A warm start of ResNet-50's training step spent about 5 s of its 25 on the H100 host importing
-and scheduling graphs it had scheduled before (session 13). The schedule is a pure function of
+and scheduling graphs it had scheduled before. The schedule is a pure function of
 what the key holds:
 
 - the ATen graph's code (its ops, their arguments and order), every node's shape, strides, dtype

@@ -40,12 +40,12 @@ MAX_COLUMN_CHUNK = 256
 # A column sum whose leading reduced dim is split whole, leaving at most one program per SM of
 # the GPU's column kernels (COLUMNS_PER_PROGRAM wide, codegen/triton.py), splits its next
 # reduced dim into at most MAX_SECOND_SPLIT chunks too (`_rewrite_two_dims`). Batch norm + ReLU
-# training on the H100 (scripts/gpu_batch_norm_sweep.py, docs/bench/gpu/h100/session12):
+# training on the H100, at ResNet-50's shapes:
 # [64, 64, 112, 112] 425.9 -> 377.5 us, [64, 64, 56, 56] 124.6 -> 119.8; with 128 channels or
 # more the same split measured slower ([64, 128, 28, 28] 58.5 -> 61.6, [64, 256, 56, 56] 388 -> 412).
 # Off (1) for now: in ResNet-50's training step its schedule raised the backward's planned peak
 # over eager's (899 MB vs 821), and the sibling merges refused to bring it down cost more than
-# the split saved (GPU time per step 13248 -> 14041 us; docs/bench/gpu/h100/session12).
+# the split saved (GPU time per step 13248 -> 14041 us).
 COLUMNS_PER_PROGRAM = 32
 MAX_SECOND_SPLIT = 1
 
@@ -232,9 +232,9 @@ def _rewrite_two_dims(graph: Graph, node: Node, s: int) -> _Split:
     kept dims and merged into one of N * s, so the partials are [N * s, kept...] with the kept
     dims in x's order: a channels-last batch norm's partials run along C, as its input does.
 
-    (Session 11 split H in place instead: the partials were [N, C, s], the chunk dim after the
-    channels, and the column kernel's outputs no longer ran along memory: 3-4x slower on the
-    H100, scripts/gpu_batch_norm_sweep.py.)
+    (Splitting H in place instead makes the partials [N, C, s], the chunk dim after the
+    channels, and the column kernel's outputs no longer run along memory: 3-4x slower on the
+    H100.)
 
     The view is x reshaped to [.., N, .., s, H/s, ..], permuted to [.., N, s, .., H/s, ..] and
     reshaped to [.., N * s, .., H/s, ..]: x's shape with N replaced by N * s and H by H/s, so
