@@ -88,12 +88,16 @@ HEADER = (
 )
 
 
+def _ratio(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def format_row(name: str, compile_s: float, timing: Timing, kernels: int, ok: bool) -> str:
     """One table line (under 80 columns): median times and speed-up over the rounds, the speed-up's range."""
     s = timing.speedup
     return (
         f"{name:<15}{compile_s:>10.2f}{timing.eager.median:>9.3g}{timing.ember.median:>9.3g}{s.median:>8.2f}x"
-        f" {f'{s.low:.2f}-{s.high:.2f}x':>10}{kernels:>8}  {'yes' if ok else ' NO'}"
+        f" {f'{_ratio(s.low)}-{_ratio(s.high)}x':>10}{kernels:>8}  {'yes' if ok else ' NO'}"
     )
 
 
