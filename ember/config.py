@@ -11,6 +11,7 @@ Settings marked `codegen=True` change generated code, so they enter cache keys.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -249,10 +250,20 @@ def _overrides() -> list[dict[str, Any]]:
     return _local.stack
 
 
-def _lookup(name: str) -> Setting:
+def _did_you_mean(word: str, candidates) -> str:
+    """ "; did you mean 'x'?" for the closest candidate, or ""."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _lookup(name: str, source: str | None = None) -> Setting:
     setting = SETTINGS.get(name)
     if setting is None:
-        raise ConfigError(f"unknown ember setting {name!r}; valid settings: {', '.join(sorted(SETTINGS))}")
+        where = f"{source}: " if source else ""
+        raise ConfigError(
+            f"{where}unknown ember setting {name!r}{_did_you_mean(name, SETTINGS)} "
+            f"(valid settings: {', '.join(sorted(SETTINGS))})"
+        )
     return setting
 
 
@@ -270,7 +281,7 @@ def get(name: str) -> Any:
 
 def validate(options: dict[str, Any], source: str = "options") -> dict[str, Any]:
     """Check names and convert values; returns a new dict of parsed values."""
-    return {name: _lookup(name).parse(value, source) for name, value in options.items()}
+    return {name: _lookup(name, source).parse(value, source) for name, value in options.items()}
 
 
 @contextlib.contextmanager
@@ -294,21 +305,35 @@ def codegen_key() -> dict[str, Any]:
     return {name: get(name) for name, s in SETTINGS.items() if s.codegen}
 
 
+def unknown_environment() -> list[str]:
+    """One line for each EMBER_* environment variable that names no setting (a misspelling, or a
+    setting an older or newer ember had), with the closest valid name."""
+    valid = [s.env_var for s in SETTINGS.values()]
+    return [
+        f"unknown environment variable {name}{_did_you_mean(name, valid)}"
+        for name in sorted(os.environ)
+        if name.startswith("EMBER_") and name not in valid
+    ]
+
+
 def check_environment() -> None:
     """Parse every EMBER_* variable so a bad value fails at compile start, not mid-way."""
-    for name, value in os.environ.items():
-        if name.startswith("EMBER_"):
-            key = name[len("EMBER_") :].lower()
-            if key not in SETTINGS:
-                raise ConfigError(
-                    f"unknown environment variable {name}; valid: " + ", ".join(s.env_var for s in SETTINGS.values())
-                )
-            SETTINGS[key].parse(value, f"environment variable {name}")
+    unknown = unknown_environment()
+    if unknown:
+        raise ConfigError(f"{unknown[0]} (valid: {', '.join(s.env_var for s in SETTINGS.values())})")
+    for s in SETTINGS.values():
+        if s.env_var in os.environ:
+            s.parse(os.environ[s.env_var], f"environment variable {s.env_var}")
 
 
 def describe() -> str:
-    """A table of every setting, for `ember config`."""
-    lines = []
+    """A table of every setting, for `ember config`, then what is wrong in the environment."""
+    lines, problems = [], unknown_environment()
     for s in SETTINGS.values():
-        lines.append(f"{s.env_var:<32} {get(s.name)!r:<12} {s.help}")
-    return "\n".join(lines)
+        try:
+            value = repr(get(s.name))
+        except ConfigError as e:
+            value = "(invalid)"
+            problems.append(str(e))
+        lines.append(f"{s.env_var:<32} {value:<12} {s.help}")
+    return "\n".join(lines + [f"warning: {p}" for p in problems])

@@ -73,6 +73,7 @@ def select_backend(device: torch.device):
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "cpp"
     if choice == "triton":
+        _check_triton_can_run(device)
         from ember.backends.triton import TritonBackend
 
         return TritonBackend(device)
@@ -81,6 +82,20 @@ def select_backend(device: torch.device):
     from ember.backends.cpp import CppBackend
 
     return CppBackend()
+
+
+def _check_triton_can_run(device: torch.device) -> None:
+    """Triton compiles for a GPU; on other tensors it runs only through its CPU interpreter. Said
+    here, where it would otherwise fail deep inside Triton ("0 active drivers")."""
+    try:
+        import triton
+    except ImportError:
+        raise config.ConfigError("backend=triton needs the triton package (pip install triton)") from None
+    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise config.ConfigError(
+            f"backend=triton needs a CUDA GPU, and this graph's tensors are on {device}: use backend=cpp "
+            "(EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU interpreter (slow)"
+        )
 
 
 def _check(graph, name: str) -> None:

@@ -71,6 +71,43 @@ def test_unknown_environment_variable(monkeypatch):
     assert all(s.env_var in str(err) for s in config.SETTINGS.values()), str(err)
 
 
+def test_misspelled_option_gets_a_suggestion():
+    err = _compile_error(lambda: torch.compile(_f, backend="ember", options={"stirct": True})(torch.randn(4)))
+    assert "torch.compile options: unknown ember setting 'stirct'; did you mean 'strict'?" in str(err), str(err)
+
+
+def test_misspelled_environment_variable_gets_a_suggestion(monkeypatch):
+    monkeypatch.setenv("EMBER_DEBG", "1")
+    err = _compile_error(lambda: torch.compile(_f, backend="ember")(torch.randn(4)))
+    assert "unknown environment variable EMBER_DEBG; did you mean 'EMBER_DEBUG'?" in str(err), str(err)
+
+
+def test_ember_config_flags_unknown_and_invalid_environment_variables(monkeypatch, capsys):
+    from ember.tools.cli import main
+
+    monkeypatch.setenv("EMBER_CACHEDIR", "/tmp/x")
+    monkeypatch.setenv("EMBER_DEBUG", "loud")
+    main(["config"])
+    out = capsys.readouterr().out
+    assert "warning: unknown environment variable EMBER_CACHEDIR; did you mean 'EMBER_CACHE_DIR'?" in out, out
+    assert "warning: environment variable EMBER_DEBUG: debug='loud' is not a valid int" in out, out
+
+
+def test_setting_error_at_first_call_is_one_clear_line():
+    """Dynamo wraps a backend's exceptions in BackendCompilerFailed, under a screenful of its own
+    frames; ember's setting errors come out as ember.ConfigError, their message the first line."""
+    import traceback
+
+    with pytest.raises(ConfigError) as info:
+        torch.compile(_f, backend="ember", options={"debg": 1})(torch.randn(4))
+    err = info.value
+    assert not isinstance(err, torch._dynamo.exc.BackendCompilerFailed)
+    assert str(err).startswith("torch.compile options: unknown ember setting 'debg'; did you mean 'debug'?"), err
+    frames = traceback.extract_tb(err.__traceback__)
+    # This test's call, Dynamo's re-raise, ember's raise: no frame of Dynamo's tracing in between.
+    assert len(frames) <= 3, traceback.format_tb(err.__traceback__)
+
+
 # -- bad values ----------------------------------------------------------------------------
 
 BAD_VALUES = [

@@ -198,3 +198,19 @@ def test_dynamo_restart_is_not_a_fallback(strict):
             assert_close(compiled(inp), _clamp_at_mean(inp), rtol=1e-6, atol=1e-6, what="output", line=line)
     assert not _ember_warnings(caught), f"{_ember_warnings(caught)}\n{line}"
     assert report.graphs and not [g.fallback for g in report.graphs if g.fallback], f"{report}\n{line}"
+
+
+def test_triton_backend_without_a_gpu_says_what_it_needs(monkeypatch):
+    """On CPU tensors without Triton's interpreter, backend=triton names the way out, not Triton's
+    "0 active drivers"; the graph runs eagerly and correctly."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = torch.randn(6, 10)
+    settings = ember.config.override(backend="triton", strict=False, aot_cache=False)
+    with warnings.catch_warnings(record=True) as caught, settings:
+        warnings.simplefilter("always")
+        out = torch.compile(_cumsum_program, backend="ember")(x)
+    assert_close(out, _cumsum_program(x), rtol=1e-6, atol=1e-6, what="fallback result", line="backend=triton, CPU")
+    msgs = _ember_warnings(caught)
+    assert len(msgs) == 1, msgs
+    msg = msgs[0]
+    assert "backend=triton needs a CUDA GPU" in msg and "TRITON_INTERPRET=1" in msg, msg
