@@ -83,6 +83,10 @@ def _default_cache_dir() -> str:
 LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns")
 
 
+# A compile quieter than this many seconds prints no progress (ember/progress.py).
+PROGRESS_AFTER_S = 2.0
+
+
 def _valid_artifacts(value: str) -> bool:
     return all(name.strip() in LOG_ARTIFACTS for name in value.split(",") if name.strip())
 
@@ -104,6 +108,14 @@ SETTINGS: dict[str, Setting] = {
             "",
             f"comma-separated artifacts to log, from: {', '.join(LOG_ARTIFACTS)}",
             check=_valid_artifacts,
+        ),
+        Setting(
+            "progress",
+            str,
+            "auto",
+            "report a long compile's graph, stage and kernel count on stderr once it has run "
+            f"{PROGRESS_AFTER_S:g} s: auto (when stderr is a terminal), on, off",
+            choices=("auto", "on", "off"),
         ),
         Setting("check", bool, False, "run the IR verifier after each pass"),
         Setting(

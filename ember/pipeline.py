@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ember import config, log
+from ember import config, log, progress
 from ember.frontend.signals import dynamo_control_flow
 from ember.report import FusionReport, GraphReport, KernelReport, publish
 
@@ -204,7 +204,13 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool = False) -> Callable:
     """`keep_schedule`: leave (the schedule's pickle, device, backend facts) on the result as
-    `kept`, for AOTAutograd's cache (frontend/aot_cache.py), where the schedule could be cached."""
+    `kept`, for AOTAutograd's cache (frontend/aot_cache.py), where the schedule could be cached.
+    A compile that takes long reports its stages (ember/progress.py)."""
+    with progress.compiling(lambda: f"{kind} graph ({sum(n.op == 'call_function' for n in gm.graph.nodes)} ATen ops)"):
+        return _compile_graph(gm, example_inputs, kind, keep_schedule)
+
+
+def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool) -> Callable:
     from ember.runtime.schedule_cache import load as load_schedule
     from ember.runtime.schedule_cache import save as save_schedule
     from ember.runtime.schedule_cache import schedule_key
@@ -221,6 +227,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sche
         facts = backend_facts(backend)
         row_programs = facts[1]
         stage("backend")  # imports the toolchain and queries the device on first use
+        progress.stage(f"{kind}: scheduling")
         key = schedule_key(gm, kind, facts)
         loaded = load_schedule(key) if key is not None else None
         if loaded is not None:
@@ -289,7 +296,10 @@ def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport
     """Build the kernels and write the host program of a schedule; fill the report."""
     from ember.codegen.host import write_host
 
+    kernels = sum(1 for k in sched.kernels if not k.writes_nothing)
+    progress.stage(f"{kind}: building {kernels} kernel{'s' if kernels != 1 else ''}")
     namespace = backend.build([k for k in sched.kernels if not k.writes_nothing], sched.memory)
+    progress.kernels_built(kind, kernels)
     stage("build")
     # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
     # come from ember's forward, whose layout need not be the one AOTAutograd recorded.

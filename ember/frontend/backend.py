@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ember import config, log
+from ember import config, log, progress
 from ember.frontend.signals import dynamo_control_flow
 
 # torch.compile's modes are accepted so code written for Inductor runs unchanged; ember has
@@ -34,6 +34,7 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool):
         # caller's options here so they apply to it too.
         with config.override(**options):
             program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
+        progress.stage("AOTAutograd")  # back in AOTAutograd: partitioning, tracing the backward
         if not cached:
             return program
         from ember.frontend import aot_cache
@@ -116,12 +117,13 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         **partition,
     )
     try:
-        if not cached:
-            return compiler(gm, example_inputs)
-        from ember.frontend import aot_cache
+        with config.override(**options), progress.compiling(lambda: _graph_name(gm)):
+            if not cached:
+                return compiler(gm, example_inputs)
+            from ember.frontend import aot_cache
 
-        with aot_cache.in_force(options):
-            return compiler(gm, example_inputs)
+            with aot_cache.in_force(options):
+                return compiler(gm, example_inputs)
     except dynamo_control_flow():
         raise  # PyTorch's own control flow: a restart of the capture, a graph break (frontend/signals.py)
     except Exception as e:
@@ -129,6 +131,15 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             if config.get("strict"):
                 raise
         return _eager_after_trace_failure(gm, e)
+
+
+def _graph_name(gm: torch.fx.GraphModule) -> str:
+    """The graph as Dynamo's own logs name it, by compile id: "graph 0/1 (96 ops)"."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    return f"graph {compile_id if compile_id is not None else '?'} ({ops} ops)"
 
 
 def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
