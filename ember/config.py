@@ -128,6 +128,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("cache", bool, True, "use the on-disk cache of generated source and binaries"),
         Setting("cache_dir", str, _default_cache_dir(), "where the disk cache lives"),
+        Setting(
+            "cache_max_mb",
+            int,
+            1024,
+            "largest size of the disk cache in MiB: past it, the least recently used entries are removed (0: no bound)",
+            check=lambda v: v >= 0,
+        ),
         Setting("cxx", str, "g++", "C++ compiler for the cpp backend", codegen=True),
         Setting(
             "persistent_reduction_max",

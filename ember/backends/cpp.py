@@ -3,22 +3,28 @@
 Stages: render (C++ source) -> compile (g++ -> shared library) -> load (ctypes). The
 compiler's identity, the flags and the host CPU (we build with -march=native) enter the
 cache key, so a cached library is never loaded on a machine it was not built for.
+g++ runs in a folder of the process's private folder (runtime/scratch.py), and a library is
+loaded from there too, as the bytes the cache verified; it is unloaded when its compiled graph
+is collected.
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import ctypes.util
 import functools
 import platform
+import shutil
 import subprocess
 import sys
-import tempfile
+import weakref
 from pathlib import Path
 
 from ember import config
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.render import print_index
+from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import Kernel
 from ember.schedule.memory import MemoryPlan
@@ -98,6 +104,21 @@ def _host_cpu() -> str:
     return platform.processor() or platform.machine()
 
 
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load the shared library at `path` (a file of this process's private folder, removed once
+    loaded) and unload it when the returned object is collected. Its functions hold the object,
+    so it outlives every call into the library: once a compiled graph is dropped (say by
+    `torch._dynamo.reset()`) and collected, its code leaves the process."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    finally:
+        path.unlink(missing_ok=True)  # mapped now: the name is no longer needed
+    close = getattr(_ctypes, "dlclose", None)
+    if close is not None:
+        weakref.finalize(lib, close, lib._handle)
+    return lib
+
+
 class CppBackend:
     name = "cpp"
     split_partials = TARGET_PARTIALS  # split.py's default: C++ reduces columns in loops of its own
@@ -126,8 +147,7 @@ class CppBackend:
         self.full_source = source
         if not kernels:
             return {}
-        path = self._compile(source)
-        self.lib = ctypes.CDLL(str(path))
+        self.lib = self._compile(source)
         namespace = {}
         for k in kernels:
             fn = getattr(self.lib, k.name)
@@ -136,16 +156,20 @@ class CppBackend:
             namespace[k.name] = fn
         return namespace
 
-    def _compile(self, source: str) -> Path:
+    def _compile(self, source: str) -> ctypes.CDLL:
+        """The graph's library, loaded: from the disk cache, else built (and cached). Either way it
+        is loaded from a file of this process's private folder holding the bytes that the cache
+        checked or the compiler wrote, so that nothing can swap it between the check and the load."""
         ident = toolchain_identity(self.cxx)
         key = content_key("cpp", source, ident, FLAGS, self.link_flags, _host_cpu())
         cache = DiskCache()
         hit = cache.get("cpp", key)
         if hit is not None:
-            return hit / "graph.so"
-        with tempfile.TemporaryDirectory(prefix="ember-cpp-") as tmp:
-            src = Path(tmp) / "graph.cpp"
-            out = Path(tmp) / "graph.so"
+            return load_library(scratch.private_copy(hit["graph.so"], "graph.so"))
+        build = scratch.build_folder("cpp")
+        try:
+            src = build / "graph.cpp"
+            out = build / "graph.so"
             src.write_text(source)
             cmd = [self.cxx, *FLAGS, str(src), "-o", str(out), *self.link_flags]
             try:
@@ -158,8 +182,10 @@ class CppBackend:
             if sys.platform.startswith("linux") and not library.startswith(b"\x7fELF"):
                 # Never cache what is not a library: every later compile would load it and fail.
                 raise ToolchainError(f"{self.cxx} exited 0 but wrote no shared library to {out.name}")
-            entry = cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
-        return entry / "graph.so"
+            cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
+            return load_library(out)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
 
     def prologue(self) -> list[str]:
         return []

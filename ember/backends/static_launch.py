@@ -7,6 +7,7 @@ end, under the GIL) only to find the binary in its own disk cache, about 4.6 s f
 training kernels on the H100 host. What the static launcher needs is small: the
 cubin, its symbol name, shared memory, warps and the argument codes. `LaunchRecords` keeps that
 per module and specialization in ember's cache; `from_record` loads a kernel from it directly.
+A cubin is loaded from a private copy of the bytes the cache checked, never from the cache's file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ember import log
+from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 
 # Triton's scalar types -> _StaticCudaLauncher's argument codes (pointers are "O").
@@ -73,9 +75,9 @@ def from_compiled(compiled, device: int) -> StaticLaunch | None:
     cubin = compiled.asm.get("cubin")
     if not cubin:
         return None
-    # The launcher loads from a file: the binary goes into ember's cache, named by its content.
+    # A launch record names the binary by its content: it goes into ember's cache.
     cubin_key = content_key("cubin", cubin)
-    entry = DiskCache().put("cubin", cubin_key, {"kernel.cubin": cubin})
+    DiskCache().put("cubin", cubin_key, {"kernel.cubin": cubin})
     record = {
         "cubin": cubin_key,
         "name": md.name,
@@ -84,7 +86,7 @@ def from_compiled(compiled, device: int) -> StaticLaunch | None:
         "params": params,
         "scratch": len(scratch),
     }
-    return _load(Path(entry) / "kernel.cubin", record, device)
+    return _load(cubin, record, device)
 
 
 def from_record(record: dict, device: int) -> StaticLaunch | None:
@@ -94,15 +96,21 @@ def from_record(record: dict, device: int) -> StaticLaunch | None:
         return None
     try:
         entry = DiskCache().get("cubin", record["cubin"])
-        return None if entry is None else _load(entry / "kernel.cubin", record, device)
+        return None if entry is None else _load(entry["kernel.cubin"], record, device)
     except (KeyError, TypeError, RuntimeError) as e:  # a malformed record or a binary the driver refuses
         log.artifact("cache", "launch record", f"not loaded ({type(e).__name__}: {e})"[:300])
         return None
 
 
-def _load(path: Path, record: dict, device: int) -> StaticLaunch:
+def _load(cubin: bytes, record: dict, device: int) -> StaticLaunch:
+    """Load `cubin` (as built, or as the cache checked it). The launcher reads a file: a private
+    copy of these bytes (runtime/scratch.py), removed once loaded."""
     launcher = _launcher()
-    loaded = launcher._load_kernel(str(path), record["name"], record["shared"], device)
+    path = scratch.private_copy(cubin, "kernel.cubin")
+    try:
+        loaded = launcher._load_kernel(str(path), record["name"], record["shared"], device)
+    finally:
+        path.unlink(missing_ok=True)
     # torch 2.11 returns (function, registers, spills); later ones put the module first.
     function = loaded[0] if len(loaded) == 3 else loaded[1]
     return StaticLaunch(
@@ -160,8 +168,8 @@ class LaunchRecords:
         if entry is None:
             return {}
         try:
-            return json.loads((entry / "records.json").read_text())
-        except (OSError, ValueError):
+            return json.loads(entry["records.json"])
+        except (KeyError, ValueError):
             return {}
 
     def save(self, records: dict[str, dict]) -> None:

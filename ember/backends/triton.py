@@ -1,7 +1,8 @@
 """GPU backend: one Triton kernel per fused group, all of a graph's kernels in one module.
 
-Stages: render (Triton source) -> module file in the content cache -> import -> Triton's
-own stages (ttir -> ttgir -> llir -> ptx -> cubin), which Triton caches on disk by source.
+Stages: render (Triton source) -> module file in the content cache -> import (from a private
+copy of the checked bytes: runtime/scratch.py) -> Triton's own stages (ttir -> ttgir -> llir ->
+ptx -> cubin), which Triton caches on disk by source.
 The kernels of a graph are compiled ahead of the first call: by worker processes into Triton's
 disk cache for large graphs (compile_workers.py: Triton's front end holds the GIL), then loaded,
 or compiled, by this process's threads (MLIR passes and ptxas run outside the GIL).
@@ -27,7 +28,6 @@ import importlib.util
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import sympy
 import torch
@@ -40,6 +40,7 @@ from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
+from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
@@ -193,10 +194,13 @@ class TritonBackend:
         # slow the loading down (they start in seconds; a cache hit loads in milliseconds).
         self._module_seen = entry is not None
         entry = entry or cache.put("triton", key, {"kernels.py": source.encode()})
-        path = Path(entry) / "kernels.py"
         name = f"ember_kernels_{key[:16]}"
         if name in sys.modules:
             return sys.modules[name]
+        # Imported from a private copy of the bytes the cache checked, never from the cache's file:
+        # Triton reads each kernel's source back through `inspect`, and compile workers import the
+        # module by path, after this check.
+        path = scratch.private_copy(entry["kernels.py"], f"{name}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module

@@ -1,26 +1,79 @@
 """On-disk cache of generated source and binaries, addressed by content.
 
-Layout: <cache_dir>/<kind>/<key[:2]>/<key>/ holding the artifact files and a manifest with
-each file's SHA-256. Entries are written to a temporary directory and renamed into place
-(atomic: a reader sees a whole entry or none; two writers of one key both succeed). A reader
-trusts an entry only if the directory is owned by this user, the manifest lists exactly the
-files present, and every checksum matches;
-anything else is treated as a miss and rebuilt. The cache root is created 0700: loading a
-cached shared library runs its code, so other users must not be able to plant one.
+Layout, under the root (setting `cache_dir`):
+
+    CACHEDIR.TAG                    written when ember creates the root: the folder is ember's
+    <kind>/<key[:2]>/<key>/         one entry: its files and manifest.json (each file's SHA-256)
+    aot-key                         a random key (frontend/aot_cache.py signs with it), 0600
+    .trash-*                        entries on their way out (evicted, replaced or cleared)
+
+Trust. Loading a cached binary or unpickling a cached schedule runs its code, so an entry is
+used only if nobody but this user could have written it. The root and every folder below it
+must be this user's and writable by no one else, and no level may be a symbolic link: each is
+opened relative to its parent's descriptor with O_NOFOLLOW and checked through that descriptor
+(runtime/safe_fs.py). `get` reads each file once, through the descriptor it checked, compares
+its SHA-256 with the manifest (which must list exactly the files present), and returns those
+bytes (`Entry`); nothing reopens an entry by path afterwards, so replacing a file after the
+check changes nothing. Whatever must be loaded from a path is loaded from a private copy of
+these bytes (runtime/scratch.py). A damaged entry is a miss, and the next `put` replaces it.
+
+A root that cannot be trusted (another user's, writable by others, a symbolic link, not a
+folder) is not used: every `get` misses, `put` writes nothing, and one warning says why and what
+to do. ember never changes the permissions of a folder it did not create; it creates the root
+0700. A `put` that fails (a full disk, a read-only folder) warns once; either way the compile
+goes on with the entry's bytes in memory. With the setting `cache` off nothing is read or written.
+
+Writes are atomic: an entry is written into a temporary folder next to its place and renamed
+into it, so a reader sees a whole entry or none, and of two writers of one key the first wins.
+
+Size. Each hit stamps its manifest's access time. After a `put` has written a tenth of the bound
+(setting `cache_max_mb`) since this process last looked, or on its first `put`, the entries are
+summed and, past the bound, the least recently used are removed until a tenth is free. Removal
+renames an entry out of its place before deleting its files, so a reader never sees part of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import shutil
-import tempfile
+import re
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember import config, log
+from ember.runtime.safe_fs import (
+    UnsafePath,
+    open_file,
+    open_folder,
+    open_root,
+    read_all,
+    read_file,
+    remove_tree,
+    write_new,
+)
 
 MANIFEST = "manifest.json"
+MARKER = "CACHEDIR.TAG"
+# The cache-directory tag of https://bford.info/cachedir/ (backup tools skip the folder), naming ember.
+MARKER_TEXT = (
+    b"Signature: 8a477f597d28d172789f06886806bc55\n"
+    b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
+)
+# Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
+KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "gemm"})
+SECRETS = frozenset({"aot-key"})
+TMP = ".tmp-"
+TRASH = ".trash-"
+# A temporary entry folder older than this was left by a process that died while writing it.
+STALE_TMP_SECONDS = 3600
+_NAME = re.compile(r"[0-9A-Za-z_-]+")
 
 
 def content_key(*parts: object) -> str:
@@ -31,80 +84,375 @@ def content_key(*parts: object) -> str:
     return h.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+@dataclass(frozen=True)
+class Entry:
+    """One cache entry: where it lives (for messages only: never reopened) and its files' bytes,
+    as checked against its manifest (or as just written)."""
+
+    path: Path
+    files: Mapping[str, bytes] = field(repr=False)
+
+    def __getitem__(self, name: str) -> bytes:
+        return self.files[name]
+
+
+class NotEmberCache(Exception):
+    """`clear` refused: the folder is not one that ember made, or cannot be trusted."""
+
+
+_lock = threading.Lock()
+_warned: set[str] = set()  # roots this process has warned about
+_written: dict[str, int] = {}  # per root: bytes this process wrote since it last summed the entries
 
 
 class DiskCache:
     def __init__(self, root: str | Path | None = None):
         self.root = Path(root or config.get("cache_dir"))
 
-    def _ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = self.root.stat()
-        if st.st_uid != os.getuid():
-            raise PermissionError(f"ember cache {self.root} is not owned by this user")
-        if st.st_mode & 0o077:
-            os.chmod(self.root, 0o700)
+    def entry(self, kind: str, key: str) -> Path:
+        if kind not in KINDS or not _NAME.fullmatch(key) or len(key) < 3:
+            raise ValueError(f"not a cache entry: kind {kind!r}, key {key!r}")
+        return self.root / kind / key[:2] / key
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def get(self, kind: str, key: str) -> Entry | None:
+        """The entry's verified files if it is present, trusted and intact; else None."""
+        path = self.entry(kind, key)
+        if not config.get("cache"):
+            return None
+        try:
+            with open_root(self.root, create=False) as (root, _):
+                try:
+                    with (
+                        open_folder(root, kind, str(self.root / kind)) as kind_fd,
+                        open_folder(kind_fd, key[:2], str(path.parent)) as prefix,
+                        open_folder(prefix, key, str(path)) as folder,
+                    ):
+                        found = self._verified(folder, path)
+                except UnsafePath as e:
+                    self._warn_once(
+                        f"ember: the disk cache {self.root} holds what it must not trust, and skips it: {e}. "
+                        "`ember cache clear` empties the cache."
+                    )
+                    return None
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # UnsafePath included: the root itself
+            self._refused(e)
+            return None
+        if found is not None:
+            log.artifact("cache", "hit", str(path))
+        return found
+
+    def _verified(self, folder: int, path: Path) -> Entry | None:
+        """The entry in the open folder, if its manifest lists exactly its files and every checksum
+        matches; stamps its use."""
+        try:
+            with open_file(folder, MANIFEST, str(path / MANIFEST)) as manifest_fd:
+                manifest = json.loads(read_all(manifest_fd))
+                present = set(os.listdir(folder)) - {MANIFEST}
+                if not isinstance(manifest, dict) or set(manifest) != present:
+                    # A file the manifest does not vouch for (or a missing one) is damage too.
+                    log.artifact("cache", "reject", f"{path}: the manifest does not list exactly {sorted(present)}")
+                    return None
+                files = {}
+                for name, digest in manifest.items():
+                    data = read_file(folder, name, str(path / name))
+                    if hashlib.sha256(data).hexdigest() != digest:
+                        log.artifact("cache", "reject", f"{path / name}: checksum mismatch")
+                        return None
+                    files[name] = data
+                _stamp(manifest_fd)
+        except FileNotFoundError:
+            log.artifact("cache", "reject", f"{path}: a file is missing")
+            return None
+        except ValueError:
+            log.artifact("cache", "reject", f"{path / MANIFEST}: not a manifest")
+            return None
+        return Entry(path, files)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def put(self, kind: str, key: str, files: dict[str, bytes]) -> Entry:
+        """Write an entry atomically (an intact entry already there wins a race); returns its files.
+        Where the cache is off or cannot be written, nothing is written and `files` are returned."""
+        mine = Entry(self.entry(kind, key), dict(files))
+        if not config.get("cache"):
+            return mine
+        try:
+            with open_root(self.root, create=True) as (root, created):
+                if created:
+                    _mark(root)
+                entry = self._write(root, kind, key, mine)
+                self._account(root, sum(len(data) for data in files.values()))
+        except OSError as e:  # UnsafePath included
+            self._refused(e, writing=True)
+            return mine
+        log.artifact("cache", "write", str(entry.path))
+        return entry
+
+    def _write(self, root: int, kind: str, key: str, mine: Entry) -> Entry:
+        path = mine.path
+        with (
+            open_folder(root, kind, str(self.root / kind), create=True) as kind_fd,
+            open_folder(kind_fd, key[:2], str(path.parent), create=True) as prefix,
+        ):
+            tmp = TMP + secrets.token_hex(8)
+            os.mkdir(tmp, 0o700, dir_fd=prefix)
+            try:
+                with open_folder(prefix, tmp, str(path.parent / tmp)) as folder:
+                    for name, data in mine.files.items():
+                        write_new(folder, name, data)
+                    digests = {name: hashlib.sha256(data).hexdigest() for name, data in mine.files.items()}
+                    write_new(folder, MANIFEST, json.dumps(digests).encode())
+                existing = self._intact_or_discarded(root, prefix, key, path)
+                if existing is not None:
+                    return existing  # another process wrote it first
+                try:
+                    os.rename(tmp, key, src_dir_fd=prefix, dst_dir_fd=prefix)
+                except OSError:
+                    existing = self._intact_or_discarded(root, prefix, key, path)
+                    if existing is None:
+                        raise
+                    return existing
+            finally:
+                remove_tree(prefix, tmp)
+        return mine
+
+    def _intact_or_discarded(self, root: int, prefix: int, key: str, path: Path) -> Entry | None:
+        """The intact entry at `key`; anything else there (damaged, a link, another user's) is
+        moved out and removed, and None returned."""
+        try:
+            with open_folder(prefix, key, str(path)) as folder:
+                intact = self._verified(folder, path)
+        except FileNotFoundError:
+            return None
+        except UnsafePath as e:
+            log.artifact("cache", "reject", str(e))
+            intact = None
+        if intact is None:
+            _discard(root, prefix, key)
+        return intact
+
+    def _account(self, root: int, size: int) -> None:
+        """Sum the entries and evict past the bound, if enough was written since this process last did."""
+        bound = config.get("cache_max_mb") << 20
+        if not bound:
+            return
+        with _lock:
+            written = _written.get(str(self.root))
+            due = written is None or written + size >= bound // 10
+            _written[str(self.root)] = 0 if due else written + size
+        if due:
+            self._trim(root, bound)
+
+    # -- size ---------------------------------------------------------------------------------
+
+    def trim(self, bound_bytes: int | None = None) -> list[Path]:
+        """Evict least recently used entries until the cache holds at most 90% of `bound_bytes`
+        (default: the setting `cache_max_mb`), if it holds more than `bound_bytes`; returns them."""
+        bound = config.get("cache_max_mb") << 20 if bound_bytes is None else bound_bytes
+        try:
+            with open_root(self.root, create=False) as (root, _):
+                return self._trim(root, bound)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self._refused(e)
+            return []
+
+    def _trim(self, root: int, bound: int) -> list[Path]:
+        for name in os.listdir(root):
+            if name.startswith(TRASH):  # left by a process that died while removing it
+                remove_tree(root, name)
+        entries = []  # (last use in ns, size, kind, prefix, key)
+        for kind, prefix, prefix_fd in self._prefixes(root):
+            for key in os.listdir(prefix_fd):
+                if key.startswith(TMP):  # a write in progress, or a dead process's
+                    _sweep_tmp(prefix_fd, key)
+                else:
+                    entries.append((*_usage(prefix_fd, key), kind, prefix, key))
+        total = sum(size for _, size, *_ in entries)
+        if bound <= 0 or total <= bound:
+            return []
+        evicted = []
+        for _, size, kind, prefix, key in sorted(entries):  # least recently used first
+            if total <= bound - bound // 10:
+                break
+            with (
+                contextlib.suppress(FileNotFoundError, UnsafePath),
+                open_folder(root, kind, str(self.root / kind)) as kind_fd,
+                open_folder(kind_fd, prefix, str(self.root / kind / prefix)) as prefix_fd,
+            ):
+                _discard(root, prefix_fd, key)
+                total -= size
+                evicted.append(self.root / kind / prefix / key)
+        log.artifact("cache", "evict", lambda: "\n".join(map(str, evicted)))
+        return evicted
+
+    def _prefixes(self, root: int) -> Iterator[tuple[str, str, int]]:
+        """(kind, prefix, the open prefix folder) of every entry's parent folder that can be trusted."""
+        for kind in sorted(KINDS & set(os.listdir(root))):
+            with (
+                contextlib.suppress(FileNotFoundError, UnsafePath),
+                open_folder(root, kind, str(self.root / kind)) as kind_fd,
+            ):
+                for prefix in os.listdir(kind_fd):
+                    with (
+                        contextlib.suppress(FileNotFoundError, UnsafePath),
+                        open_folder(kind_fd, prefix, str(self.root / kind / prefix)) as prefix_fd,
+                    ):
+                        yield kind, prefix, prefix_fd
+
+    # -- the root -----------------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """Whether this cache can be read and written: its root is, or can be made, ours."""
+        """Whether this cache can be read and written: its root is, or can be made, trusted."""
+        if not config.get("cache"):
+            return False
         try:
-            self._ensure_root()
-        except OSError:  # PermissionError included: another user's cache
+            with open_root(self.root, create=True) as (root, created):
+                if created:
+                    _mark(root)
+        except OSError as e:
+            self._refused(e)
             return False
         return True
 
-    def entry(self, kind: str, key: str) -> Path:
-        return self.root / kind / key[:2] / key
-
-    def get(self, kind: str, key: str) -> Path | None:
-        """The entry's directory if it is present, ours, and intact; else None."""
+    def secret(self, name: str, size: int = 32) -> bytes | None:
+        """The random secret `name` kept at the root (made on first use, 0600); None where the cache
+        is off or cannot be trusted, or the file found there is not such a secret."""
+        if name not in SECRETS:
+            raise ValueError(f"not one of ember's secrets: {name!r}")
         if not config.get("cache"):
             return None
-        path = self.entry(kind, key)
-        manifest = path / MANIFEST
+        path = str(self.root / name)
         try:
-            if path.stat().st_uid != os.getuid():
-                log.artifact("cache", "reject", f"{path} is not owned by this user")
-                return None
-            files = json.loads(manifest.read_text())
-            present = {p.name for p in path.iterdir()} - {MANIFEST}
-            if not isinstance(files, dict) or set(files) != present:
-                # A file the manifest does not vouch for (or a missing one) is damage too.
-                log.artifact("cache", "reject", f"{path}: the manifest does not list exactly {sorted(present)}")
-                return None
-            for name, digest in files.items():
-                if _sha256(path / name) != digest:
-                    log.artifact("cache", "reject", f"{path / name}: checksum mismatch")
+            with open_root(self.root, create=True) as (root, created):
+                if created:
+                    _mark(root)
+                try:
+                    return _read_or_make_secret(root, name, size, path)
+                except OSError as e:  # UnsafePath included
+                    self._warn_once(f"ember: {path} is not used as a key ({e}); remove it and ember makes a new one")
                     return None
-        except (OSError, ValueError):
+        except OSError as e:
+            self._refused(e)
             return None
-        log.artifact("cache", "hit", str(path))
-        return path
 
-    def put(self, kind: str, key: str, files: dict[str, bytes]) -> Path:
-        """Write an entry atomically; returns its directory (an intact existing one wins a race)."""
-        self._ensure_root()
-        final = self.entry(kind, key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=".tmp-"))
+    def clear(self) -> list[str]:
+        """Remove every entry and secret from a cache that ember made (it has ember's marker);
+        returns the names removed from the root. Raises NotEmberCache, removing nothing, for any
+        other folder; FileNotFoundError where there is none."""
         try:
-            for name, data in files.items():
-                (tmp / name).write_bytes(data)
-            manifest = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
-            (tmp / MANIFEST).write_text(json.dumps(manifest))
-            if final.exists():
-                # A corrupt entry is replaced; an intact one (another process won) is kept.
-                if self.get(kind, key) is not None:
-                    return final
-                shutil.rmtree(final, ignore_errors=True)
-            try:
-                os.replace(tmp, final)
-            except OSError:
-                if self.get(kind, key) is None:
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        log.artifact("cache", "write", str(final))
-        return final
+            with open_root(self.root, create=False) as (root, _):
+                try:
+                    marker = read_file(root, MARKER, str(self.root / MARKER))
+                except (FileNotFoundError, UnsafePath):
+                    marker = b""
+                if marker != MARKER_TEXT:
+                    raise NotEmberCache(
+                        f"{self.root} has no {MARKER} written by ember, so it may not be ember's cache; "
+                        "nothing was deleted. (A cache made by an older ember has none either: delete that "
+                        "folder yourself.)"
+                    )
+                removed = []
+                for name in sorted(os.listdir(root)):
+                    if name in KINDS or name in SECRETS or name.startswith((TRASH, TMP)):
+                        _discard(root, root, name)
+                        removed.append(name)
+                return removed
+        except UnsafePath as e:
+            raise NotEmberCache(f"{e}: not clearing it; nothing was deleted") from None
+
+    def _refused(self, error: OSError, writing: bool = False) -> None:
+        """One warning per root and process: the cache is not used (or not written), and why."""
+        if isinstance(error, UnsafePath):
+            message = (
+                f"ember: the disk cache {self.root} is not used: {error}. Graphs compile into a private "
+                "temporary folder instead. Give ember a folder of your own that only you can write "
+                "(EMBER_CACHE_DIR), or run `ember cache clear` if it is ember's."
+            )
+        elif writing:
+            message = f"ember: could not write to the disk cache {self.root} ({error}); graphs still compile, uncached"
+        else:
+            message = f"ember: the disk cache {self.root} is not used ({error}); graphs still compile, uncached"
+        self._warn_once(message)
+
+    def _warn_once(self, message: str) -> None:
+        log.artifact("cache", "reject", message)
+        with _lock:
+            if str(self.root) in _warned:
+                return
+            _warned.add(str(self.root))
+        warnings.warn(message, stacklevel=4)
+
+
+def _stamp(fd: int) -> None:
+    """Record a use of an entry: its manifest's access time (modification time unchanged)."""
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        os.utime(fd, ns=(time.time_ns(), os.fstat(fd).st_mtime_ns))
+
+
+def _sweep_tmp(prefix: int, name: str) -> None:
+    """Remove a temporary entry folder old enough that its writer must have died."""
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - os.stat(name, dir_fd=prefix, follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+            remove_tree(prefix, name)
+
+
+def _usage(prefix: int, key: str) -> tuple[int, int]:
+    """(last use in ns, bytes) of the entry `key`: its manifest's access time, its files' sizes."""
+    try:
+        used, size = 0, 0
+        with open_folder(prefix, key, key) as folder:
+            for name in os.listdir(folder):
+                file = os.stat(name, dir_fd=folder, follow_symlinks=False)
+                size += file.st_size
+                if name == MANIFEST:
+                    used = file.st_atime_ns
+        return used, size
+    except (FileNotFoundError, UnsafePath):
+        return 0, 0
+
+
+def _discard(root: int, parent: int, name: str) -> None:
+    """Move `name` out of `parent` into the root's trash, then remove it: whoever opened it before
+    keeps what it read, and nobody finds part of it under its old name."""
+    trash = TRASH + secrets.token_hex(8)
+    try:
+        os.rename(name, trash, src_dir_fd=parent, dst_dir_fd=root)
+    except FileNotFoundError:
+        return  # another process removed it first
+    remove_tree(root, trash)
+
+
+def _mark(root: int) -> None:
+    with contextlib.suppress(FileExistsError):
+        write_new(root, MARKER, MARKER_TEXT, 0o644)
+
+
+def _read_or_make_secret(root: int, name: str, size: int, path: str) -> bytes:
+    with contextlib.suppress(FileNotFoundError):
+        return _read_secret(root, name, size, path)
+    tmp = TMP + secrets.token_hex(8)
+    write_new(root, tmp, secrets.token_bytes(size), 0o600)
+    try:
+        # A link is made only where no file of that name exists: of two processes making one at
+        # once, the first one's secret is the one both use.
+        os.link(tmp, name, src_dir_fd=root, dst_dir_fd=root, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp, dir_fd=root)
+    return _read_secret(root, name, size, path)
+
+
+def _read_secret(root: int, name: str, size: int, path: str) -> bytes:
+    with open_file(root, name, path) as fd:
+        mode = os.fstat(fd).st_mode
+        data = read_all(fd)
+    if mode & 0o077 or len(data) != size:
+        raise UnsafePath(f"{path} is not a {size}-byte secret readable only by you (mode {mode & 0o777:o})")
+    return data

@@ -19,8 +19,11 @@ is measured) or with the passes' own logs on (`EMBER_LOGS=graph,schedule`, `EMBE
 the cached path would not print.
 
 The schedule is pickled; ATen operators, which do not pickle, are stored by name and looked up
-again. Loading runs code from the cache, like loading a cached binary does: the cache is the
-user's own, 0700, and checksummed (`runtime/cache.py`).
+again. Unpickling runs code from the cache, as loading a cached binary does, so what is unpickled
+is exactly the bytes that DiskCache read once and checked (runtime/cache.py): from a root and
+folders that are this user's and writable by no one else, through no symbolic link, matching the
+entry's manifest. A copy that AOTAutograd's cache keeps lives in torch's folder, which ember does
+not vouch for; frontend/aot_cache.py signs it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ _IRRELEVANT = frozenset(
         "check",
         "cache",
         "cache_dir",
+        "cache_max_mb",
         "compile_threads",
         "compile_workers",
         "direct_launch",
@@ -180,7 +184,7 @@ def loads(blob: bytes):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return pickle.loads(blob)  # ember's own cache entry, owned by this user and checksummed
+        return pickle.loads(blob)  # bytes the caller verified: a checked cache entry, or a signed copy
 
 
 def load(key: str) -> tuple | None:
@@ -189,10 +193,10 @@ def load(key: str) -> tuple | None:
     if entry is None:
         return None
     try:
-        blob = (entry / "schedule.pickle").read_bytes()
+        blob = entry["schedule.pickle"]  # the bytes the cache read once and checked, not the file again
         return loads(blob), blob
     except Exception as e:  # noqa: BLE001 - any failure to load is a miss: the graph is scheduled again
-        log.artifact("cache", "schedule", f"{entry}: not loaded ({type(e).__name__}: {e})"[:300])
+        log.artifact("cache", "schedule", f"{entry.path}: not loaded ({type(e).__name__}: {e})"[:300])
         return None
 
 

@@ -1,4 +1,6 @@
-"""DiskCache in isolation: atomic entries with checksums; anything not intact is a miss."""
+"""DiskCache in isolation: atomic entries with checksums; anything not intact is a miss; the
+setting `cache` off reads and writes nothing. (test_cache_trust.py: folders and files the cache
+must not trust; test_cache_eviction.py: its size bound.)"""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import stat
 import pytest
 
 from ember import config
-from ember.runtime.cache import MANIFEST, DiskCache, content_key
+from ember.runtime.cache import MANIFEST, MARKER, MARKER_TEXT, DiskCache, content_key
 
 
 @pytest.fixture
@@ -18,23 +20,34 @@ def cache(tmp_path):
 
 
 def test_put_then_get(cache):
-    entry = cache.put("cpp", "ab" * 32, {"graph.cpp": b"int x;", "graph.so": b"\x7fELF..."})
-    assert cache.get("cpp", "ab" * 32) == entry
-    assert (entry / "graph.so").read_bytes() == b"\x7fELF..."
-    assert entry == cache.entry("cpp", "ab" * 32) and entry.parent.name == "ab"
+    written = cache.put("cpp", "ab" * 32, {"graph.cpp": b"int x;", "graph.so": b"\x7fELF..."})
+    found = cache.get("cpp", "ab" * 32)
+    assert found is not None and found.path == written.path == cache.entry("cpp", "ab" * 32)
+    assert dict(found.files) == {"graph.cpp": b"int x;", "graph.so": b"\x7fELF..."}
+    assert (found.path / "graph.so").read_bytes() == b"\x7fELF..."
+    assert found.path.parent.name == "ab"
     assert stat.S_IMODE(cache.root.stat().st_mode) == 0o700
-    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".tmp-")], "temporary directory left behind"
+    assert (cache.root / MARKER).read_bytes() == MARKER_TEXT, "a root ember made carries its marker"
+    assert not [p for p in found.path.parent.iterdir() if p.name.startswith(".tmp-")], "temporary folder left"
 
 
 def test_missing_key_is_a_miss(cache):
     assert cache.get("cpp", "cd" * 32) is None
+    assert not cache.root.exists(), "a get created the cache folder"
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_file", "delete_manifest", "bad_manifest"])
+def test_unknown_kind_or_odd_key_is_an_error(cache):
+    with pytest.raises(ValueError, match="not a cache entry"):
+        cache.get("nonsense", "ab" * 32)
+    with pytest.raises(ValueError, match="not a cache entry"):
+        cache.put("cpp", "../../etc", {"a": b"b"})
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_file", "delete_manifest", "bad_manifest", "extra"])
 def test_damaged_entry_is_a_miss(cache, damage):
     key = "ef" * 32
-    entry = cache.put("cpp", key, {"graph.so": b"0123456789" * 10})
-    so = entry / "graph.so"
+    path = cache.put("cpp", key, {"graph.so": b"0123456789" * 10}).path
+    so = path / "graph.so"
     if damage == "truncate":
         so.write_bytes(so.read_bytes()[:50])
     elif damage == "flip":
@@ -42,19 +55,23 @@ def test_damaged_entry_is_a_miss(cache, damage):
     elif damage == "delete_file":
         so.unlink()
     elif damage == "delete_manifest":
-        (entry / MANIFEST).unlink()
+        (path / MANIFEST).unlink()
+    elif damage == "bad_manifest":
+        (path / MANIFEST).write_text("{not json")
     else:
-        (entry / MANIFEST).write_text("{not json")
-    assert cache.get("cpp", key) is None, f"a {damage}d entry was trusted"
+        (path / "planted.so").write_bytes(b"not in the manifest")
+    assert cache.get("cpp", key) is None, f"a {damage} entry was trusted"
 
 
 def test_put_replaces_a_corrupt_entry(cache):
     key = "12" * 32
-    entry = cache.put("cpp", key, {"graph.so": b"good"})
-    (entry / "graph.so").write_bytes(b"bad!")
+    path = cache.put("cpp", key, {"graph.so": b"good"}).path
+    (path / "graph.so").write_bytes(b"bad!")
     again = cache.put("cpp", key, {"graph.so": b"good"})
-    assert cache.get("cpp", key) == again
-    assert (again / "graph.so").read_bytes() == b"good"
+    assert again.path == path and again["graph.so"] == b"good"
+    assert cache.get("cpp", key)["graph.so"] == b"good"
+    assert (path / "graph.so").read_bytes() == b"good"
+    assert not [p for p in cache.root.iterdir() if p.name.startswith(".trash-")], "the damaged entry was left"
 
 
 def test_put_keeps_an_intact_entry(cache):
@@ -62,29 +79,47 @@ def test_put_keeps_an_intact_entry(cache):
     key = "34" * 32
     cache.put("cpp", key, {"graph.so": b"first"})
     entry = cache.put("cpp", key, {"graph.so": b"first"})
-    assert (entry / "graph.so").read_bytes() == b"first"
-    assert json.loads((entry / MANIFEST).read_text()).keys() == {"graph.so"}
+    assert entry["graph.so"] == b"first"
+    assert json.loads((entry.path / MANIFEST).read_text()).keys() == {"graph.so"}
 
 
-def test_cache_setting_off_makes_every_get_a_miss(cache):
+def test_cache_setting_off_reads_and_writes_nothing(cache):
     key = "56" * 32
+    with config.override(cache=False):
+        entry = cache.put("cpp", key, {"graph.so": b"x"})
+        assert entry["graph.so"] == b"x", "put still hands back the files"
+        assert not cache.root.exists(), "the cache setting is off, yet the cache folder was written"
+        assert not cache.usable() and cache.secret("aot-key") is None
+    assert not cache.root.exists()
     cache.put("cpp", key, {"graph.so": b"x"})
     with config.override(cache=False):
         assert cache.get("cpp", key) is None
     assert cache.get("cpp", key) is not None
 
 
-def test_root_permissions_are_tightened(tmp_path):
-    root = tmp_path / "shared"
-    root.mkdir(mode=0o777)
-    os.chmod(root, 0o777)
-    DiskCache(root).put("cpp", "78" * 32, {"a": b"b"})
-    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+def test_a_hit_stamps_its_use_and_changes_nothing_else(cache):
+    key = "9a" * 32
+    manifest = cache.put("cpp", key, {"graph.so": b"x"}).path / MANIFEST
+    os.utime(manifest, ns=(1_000_000_000, 2_000_000_000))
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in cache.root.rglob("*")}
+    assert cache.get("cpp", key) is not None
+    assert manifest.stat().st_atime_ns > 1_000_000_000, "the hit was not recorded"
+    assert {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in cache.root.rglob("*")} == before
 
 
 def test_default_root_is_the_configured_cache_dir(tmp_path):
     with config.override(cache_dir=str(tmp_path / "elsewhere")):
         assert DiskCache().root == tmp_path / "elsewhere"
+
+
+def test_secret_is_made_once_private_and_kept(cache):
+    key = cache.secret("aot-key")
+    assert key is not None and len(key) == 32
+    assert cache.secret("aot-key") == key
+    assert stat.S_IMODE((cache.root / "aot-key").stat().st_mode) == 0o600
+    assert not [p for p in cache.root.iterdir() if p.name.startswith(".tmp-")]
+    with pytest.raises(ValueError, match="not one of ember's secrets"):
+        cache.secret("../elsewhere")
 
 
 def test_content_key_is_stable_and_sensitive():
