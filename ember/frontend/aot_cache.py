@@ -12,11 +12,20 @@ program from it (pipeline.compile_from_schedule).
 
 AOTAutograd's key knows nothing of ember (not its decompositions, partitioner or settings), so
 ember adds its own part through `torch.compiler.config.cache_key_tag`: ember's source hash and
-settings, a generation token in ember's cache folder (clearing it orphans these entries), and the
-state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32 flags). Used only
-where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for)
-and the Dynamo graph captures no tensor constant; a graph ember ran eagerly, or whose schedule it
-would not cache (symbolic sizes), is not saved (`BypassAOTAutogradCache`).
+settings, an identifier of the signing key below (a new key, as `ember cache clear` makes, orphans
+these entries), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN
+and TF32 flags). Used only where the schedule cache is (`schedule_cache` and `cache` on,
+`gemm=aten`, no pass logs asked for), where ember's cache folder is usable, and where the Dynamo
+graph captures no tensor constant; a graph ember ran eagerly, or whose schedule it would not
+cache (symbolic sizes), is not saved (`BypassAOTAutogradCache`).
+
+Integrity. The entry lives in torch's cache folder, which ember does not vouch for: another user
+may have made it, and a flipped bit in a pickled constant would be a wrong answer in every later
+process. So ember signs what it stores (the schedule's pickle and the fields that say how to build
+it) with an HMAC-SHA256 under a random key kept in ember's own cache folder (`aot-key`: 0600,
+read through the checks of runtime/cache.py), and checks the signature before unpickling the
+schedule; an entry that does not match is not loaded, and the graph is compiled anew. (The rest
+of the entry is AOTAutograd's, unpickled by torch before ember sees it.)
 
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
@@ -28,13 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import hashlib
+import hmac
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,6 +62,7 @@ class EmberGraphCode(OutputCode):
     backend_facts: tuple = ()  # what the backend told the passes (checked again on a hit)
     options: dict = dataclasses.field(default_factory=dict)
     schedule_blob: bytes | None = dataclasses.field(default=None, repr=False)
+    signature: bytes = dataclasses.field(default=b"", repr=False)  # HMAC of the above under ember's key
     program: Any = dataclasses.field(default=None, repr=False)  # the CompiledGraph; never pickled
 
     def __post_init__(self) -> None:
@@ -64,10 +73,14 @@ class EmberGraphCode(OutputCode):
 
     def prepare_for_serialization(self) -> None:
         # Called on a shallow copy that AOTAutograd then pickles.
-        if self.schedule_blob is None:
-            from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 
+        if self.schedule_blob is None:
             raise BypassAOTAutogradCache(f"ember: the {self.kind} graph has no schedule to keep")
+        key = _loading.state.key if hasattr(_loading, "state") else None
+        if key is None:
+            raise BypassAOTAutogradCache("ember: no key to sign the graph with")
+        self.signature = _signature(key, self)
         self.program = None
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
@@ -82,6 +95,13 @@ class EmberGraphCode(OutputCode):
         try:
             with config.override(**(self.options if state is None else state.options)):
                 start = time.perf_counter()
+                key = _signing_key() if state is None else state.key
+                if key is None or not hmac.compare_digest(self.signature, _signature(key, self)):
+                    # Checked before unpickling: the pickle runs code.
+                    raise ValueError(
+                        "its signature does not match ember's key: the entry is damaged, or was not "
+                        "written by ember with this cache folder"
+                    )
                 sched = loads(self.schedule_blob)
                 self.program = compile_from_schedule(
                     sched,
@@ -140,11 +160,10 @@ def usable(gm: torch.fx.GraphModule) -> bool:
     """AOTAutograd's cache for this compile: where ember would cache the schedules, where this
     torch has what this module uses, and where the Dynamo graph captures no tensor constant
     (AOTAutograd's key holds a captured tensor's shape, not its values)."""
-    from ember.runtime.cache import DiskCache
     from ember.runtime.schedule_cache import cacheable_settings
 
-    if not config.get("aot_cache") or not cacheable_settings() or not DiskCache().usable():
-        return False  # a cache that is not ours is neither read nor written, this one included
+    if not config.get("aot_cache") or not cacheable_settings() or _signing_key() is None:
+        return False  # without ember's own usable cache, nothing to sign or check entries with
     try:
         from torch._functorch import config as functorch_config
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
@@ -166,11 +185,12 @@ def _attribute(gm: torch.fx.GraphModule, target: str):
 
 
 class _Loading:
-    """The compile in progress (in_force): its options, the programs loaded from the cache, and
-    whether any graph was compiled anew (then AOTAutograd discarded the loaded ones)."""
+    """The compile in progress (in_force): its options and signing key, the programs loaded from
+    the cache, and whether any graph was compiled anew (then AOTAutograd discarded the loaded ones)."""
 
-    def __init__(self, options: dict):
+    def __init__(self, options: dict, key: bytes | None):
         self.options = options
+        self.key = key  # the signing key (None: nothing is saved, nothing loads)
         self.loaded: list = []
         self.compiled = False
 
@@ -178,26 +198,21 @@ class _Loading:
 _loading = threading.local()
 
 
-def _generation() -> str:
-    """A token kept in ember's cache folder: clearing the folder (`ember cache clear`) starts a new
-    generation, so AOTAutograd's entries, which live in torch's cache folder, no longer match."""
-    root = Path(config.get("cache_dir"))
-    path = root / "aot-generation"
-    try:
-        return path.read_text().strip()
-    except OSError:
-        pass
-    token = uuid.uuid4().hex
-    tmp = root / f".aot-generation-{token}"
-    try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp.write_text(token)
-        os.replace(tmp, path)
-        return path.read_text().strip()
-    except OSError:  # a folder ember cannot write: a token of this compile's own, so no entry matches
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        return token
+def _signing_key() -> bytes | None:
+    """The key that signs ember's part of AOTAutograd's entries, from ember's cache folder (made
+    there on first use); None where that folder is off or cannot be trusted."""
+    from ember.runtime.cache import DiskCache
+
+    return DiskCache().secret("aot-key")
+
+
+def _signature(key: bytes, code: EmberGraphCode) -> bytes:
+    """HMAC-SHA256 of everything post_compile builds from."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in (code.kind, code.device, code.num_nodes, code.backend_facts, sorted(code.options.items())):
+        mac.update(repr(part).encode() + b"\0")
+    mac.update(code.schedule_blob or b"")
+    return mac.digest()
 
 
 def _state_tag() -> tuple:
@@ -225,10 +240,13 @@ def in_force(options: dict) -> Iterator[None]:
     from ember.runtime.schedule_cache import ember_key
 
     with config.override(**options):
-        tag = content_key(ember_key(), _generation(), _state_tag())
+        key = _signing_key()
+        # Names the key without revealing it: entries signed with another key are other entries.
+        key_id = hmac.new(key, b"ember aot-cache key id", hashlib.sha256).hexdigest() if key else "none"
+        tag = content_key(ember_key(), key_id, _state_tag())
     old = torch.compiler.config.cache_key_tag
     outer = getattr(_loading, "state", None)
-    state = _Loading(options)
+    state = _Loading(options, key)
     with (
         functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
         torch.compiler.config.patch(cache_key_tag=f"{old}|ember:{tag}"),

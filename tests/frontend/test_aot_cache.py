@@ -1,8 +1,11 @@
 """AOTAutograd's cache keeps ember's compiled graphs (frontend/aot_cache.py): a second compile of the
 same model skips AOTAutograd's tracing and ember's scheduling, and trains as eager does; what ember
-could not keep (symbolic sizes), or compiled under other settings, is compiled anew."""
+could not keep (symbolic sizes), or compiled under other settings, is compiled anew; and what ember
+stored there is loaded only if its signature matches ember's key."""
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 import torch
@@ -97,7 +100,7 @@ def test_autocast_dtype_and_a_cleared_cache_are_misses(tmp_path):
             assert _inference_hits(lambda a: fn(a, w), x) == 1
         with torch.autocast("cpu", dtype=torch.float16):
             assert _inference_hits(lambda a: fn(a, w), x) == 0
-        (tmp_path / "aot-generation").unlink()  # what `ember cache clear` does to it
+        (tmp_path / "aot-key").unlink()  # what `ember cache clear` does to it
         assert _inference_hits(lambda a: fn(a, w), x) == 0
 
 
@@ -134,14 +137,60 @@ def test_a_load_that_fails_warns_and_compiles_anew(tmp_path, monkeypatch):
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
-def test_a_generation_token_it_cannot_write_only_costs_the_hits(tmp_path):
-    (tmp_path / "aot-generation").mkdir()  # neither readable nor replaceable as a file
+def test_a_key_it_cannot_use_only_costs_the_hits(tmp_path):
+    (tmp_path / "aot-key").mkdir()  # neither readable nor replaceable as a file
 
     def fn(x):
         return torch.sigmoid(x) * 3
 
     x = torch.randn(8, 8)
     with ember.config.override(cache_dir=str(tmp_path)):
-        assert _inference_hits(fn, x) == 0  # compiled (strict: no fallback), and matches eager
-        assert _inference_hits(fn, x) == 0  # each compile has a token of its own: never a hit
-    assert not list(tmp_path.glob(".aot-generation-*")), "a token left behind"
+        with pytest.warns(UserWarning, match="aot-key is not used"):
+            assert _inference_hits(fn, x) == 0  # compiled (strict: no fallback), and matches eager
+        assert _inference_hits(fn, x) == 0  # nothing signed, nothing saved: never a hit
+    assert not list(tmp_path.glob(".tmp-*")), "a key left behind"
+
+
+def _flip_constant(entries: list, old: float, new: float) -> None:
+    """Replace the pickled float `old` with `new` in AOTAutograd's entry (ember's schedule holds it)."""
+    (entry,) = entries
+    data = entry.read_bytes()
+    before, after = b"G" + struct.pack(">d", old), b"G" + struct.pack(">d", new)
+    assert before in data, "the constant is not in the entry"
+    entry.write_bytes(data.replace(before, after))
+
+
+def test_a_changed_constant_is_not_loaded(tmp_path, monkeypatch):
+    """A bit changed in ember's part of AOTAutograd's entry (in torch's folder, which another user
+    may have made): a miss with a warning, and eager's result, not the changed program's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
+
+    def fn(x):
+        return x * 2.0 + 1
+
+    x = torch.randn(8, 8)
+    with ember.config.override(cache_dir=str(tmp_path / "ember")):
+        assert _inference_hits(fn, x) == 0
+        assert _inference_hits(fn, x) == 1
+        _flip_constant([p for p in (tmp_path / "torch" / "aotautograd").rglob("*") if p.is_file()], 2.0, 3.0)
+        with pytest.warns(UserWarning, match="signature does not match"):
+            assert _inference_hits(fn, x) == 0  # compared with eager inside
+
+
+def test_an_entry_not_signed_with_ember_s_key_is_not_loaded(tmp_path, monkeypatch):
+    """An entry planted by someone without the key (played by signing with a wrong one)."""
+    from ember.frontend import aot_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
+    real = aot_cache._signature
+
+    def fn(x):
+        return torch.relu(x) - 1
+
+    x = torch.randn(8, 8)
+    with ember.config.override(cache_dir=str(tmp_path / "ember")):
+        monkeypatch.setattr(aot_cache, "_signature", lambda key, code: real(b"k" * 32, code))
+        assert _inference_hits(fn, x) == 0
+        monkeypatch.setattr(aot_cache, "_signature", real)
+        with pytest.warns(UserWarning, match="signature does not match"):
+            assert _inference_hits(fn, x) == 0
