@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 
 
@@ -20,8 +19,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub.add_parser("opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False)
     sub.add_parser("config", help="list every setting with its current value")
-    cache = sub.add_parser("cache", help="the disk cache")
-    cache.add_argument("action", choices=["path", "clear"])
+    cache = sub.add_parser(
+        "cache",
+        help="show or empty the disk cache (ember cache --help)",
+        description="ember's disk cache of compiled graphs (setting cache_dir, env EMBER_CACHE_DIR).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="actions:\n"
+        "  path   print the folder the disk cache lives in\n"
+        "  clear  delete ember's entries in it; a folder without the marker ember writes when it\n"
+        "         creates a cache (CACHEDIR.TAG) is left untouched, and so is anything not ember's",
+    )
+    cache.add_argument("action", choices=["path", "clear"], help="path or clear (see below)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from ember.tools.demo import main as demo
@@ -50,8 +58,23 @@ def main(argv: list[str] | None = None) -> int:
     elif args.action == "path":
         print(config.get("cache_dir"))
     else:
-        shutil.rmtree(config.get("cache_dir"), ignore_errors=True)
-        print(f"removed {config.get('cache_dir')}")
+        return _clear_cache()
+    return 0
+
+
+def _clear_cache() -> int:
+    from ember.runtime.cache import DiskCache, NotEmberCache
+
+    cache = DiskCache()
+    try:
+        removed = cache.clear()
+    except FileNotFoundError:
+        print(f"{cache.root}: no cache there, nothing to clear")
+        return 0
+    except (NotEmberCache, OSError) as e:
+        print(f"ember cache clear: {e}", file=sys.stderr)
+        return 1
+    print(f"cleared {cache.root}" + (f" (removed {', '.join(removed)})" if removed else " (it was empty)"))
     return 0
 
 
