@@ -70,10 +70,11 @@ def generated_source(title: str, source: str, kernel_sources: Iterable[str]) -> 
     if preamble.strip():
         digest = hashlib.sha256(preamble.encode()).hexdigest()
         with _preambles_lock:
-            shown_under = _preambles_shown.setdefault(digest, title)
-        if shown_under != title:
+            shown_under = _preambles_shown.get(digest)
+            _preambles_shown.setdefault(digest, title)
+        if shown_under is not None:
             lines = preamble.strip("\n").count("\n") + 1
-            preamble = f"// (the {lines}-line preamble printed above with '{shown_under}')\n\n"
+            preamble = f"(preamble: the {lines} lines printed above with '{shown_under}', once per process)\n\n"
     artifact("code", title, preamble + rest)
 
 

@@ -305,7 +305,7 @@ def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport
     # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
     host = write_host(sched, backend, check_input_layouts=kind == "backward")
     host.namespace.update(namespace)
-    log.artifact("code", f"{kind} kernels", backend.full_source)
+    log.generated_source(f"{kind} kernels", backend.full_source, backend.sources.values())
     log.artifact("code", f"{kind} host program", host.source)
     log.artifact("schedule", kind, host.source)
     _report_schedule(report, sched, backend, device)

@@ -78,3 +78,20 @@ def test_artifact_levels():
         assert log.enabled("code") and not log.enabled("graph")
     with config.override(debug=0, logs="cache, graph"):
         assert log.enabled("cache") and log.enabled("graph") and not log.enabled("code")
+
+
+def test_debug_2_prints_the_preamble_once_per_process(ember_log):
+    """The generated module's preamble (includes, helpers: some 90 lines of C++) is printed with the
+    first graph that has it; later graphs print their kernels and a line that refers to it."""
+    from ember import log as ember_log_module
+
+    ember_log_module._preambles_shown.clear()  # as in a fresh process
+    for fn in (_f, lambda x: torch.tanh(x) * 3):
+        x = torch.randn(4, 16)
+        out = torch.compile(fn, backend="ember", options={"backend": "cpp", "strict": True, "debug": 2})(x)
+        assert_close(out, fn(x), rtol=1e-5, atol=1e-6, what="output", line="repro: debug=2, two graphs")
+    err = ember_log.getvalue()
+    assert err.count("=== code: inference kernels ===") == 2, err[:3000]
+    assert err.count("#include <cmath>") == 1, err[:3000]
+    assert "lines printed above with 'inference kernels', once per process)" in err, err[:3000]
+    assert err.count('extern "C"') >= 2, "each graph's own kernels are still printed"
