@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import keyword
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,21 @@ def _fast_target(target: Any, kwargs: dict) -> Any:
     if fast is None or not set(kwargs) <= fast[1]:
         return target
     return fast[0]
+
+
+def _constant_name(obj: Any, number: int) -> str:
+    """The host program's name for a constant it calls or passes: the op's, numbered, for an extern
+    (`mm_6(...)`, `convolution_backward_12(...)`, `sort_stable_3(...)`), so the printed program
+    says what each call does; `c6` for anything else. Numbers keep names apart; no local variable
+    of the program (a0, buf3, v4, r5, size symbols) has an underscore before its number."""
+    if isinstance(obj, torch._ops.OpOverload):
+        base = obj._opname + ("" if obj._overloadname == "default" else f"_{obj._overloadname}")
+    elif callable(obj):
+        base = getattr(obj, "__name__", "")
+    else:
+        base = ""
+    base = re.sub(r"\W+", "_", base).strip("_")
+    return f"{base}_{number}" if base.isidentifier() else f"c{number}"
 
 
 class HostProgram:
@@ -155,7 +171,7 @@ class HostWriter:
             return repr(obj)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             return repr(obj)  # torch.float32, torch.contiguous_format: `torch` is in the namespace
-        name = f"c{len(self.ns)}"
+        name = _constant_name(obj, len(self.ns))
         self.ns[name] = obj
         return name
 

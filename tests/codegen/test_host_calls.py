@@ -43,3 +43,24 @@ def test_matrix_products_call_the_torch_function_with_the_same_result():
     # Anything else, or a keyword the torch function may spell differently, keeps the overload.
     assert _fast_target(aten.mm.default, {"self": x}) is aten.mm.default
     assert _fast_target(aten.convolution.default, {}) is aten.convolution.default
+
+
+def test_host_program_names_externs_after_their_ops():
+    """The printed host program says what each extern call does (`mm_6(a0, a1)`), not `c6(...)`."""
+    import re
+
+    from tests.helpers import assert_close, explain_strict
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+
+    def program(a, b):
+        return torch.sort(a @ b, dim=1).values.relu().cumsum(0)
+
+    report = explain_strict(program, a, b)
+    assert_close(
+        torch.compile(program, backend="ember")(a, b), program(a, b), rtol=1e-5, atol=1e-5, what="out", line=""
+    )
+    (graph,) = report.graphs
+    calls = re.findall(r"= (\w+)\(", graph.host_source)
+    assert {re.sub(r"_\d+$", "", c) for c in calls} >= {"mm", "sort", "cumsum"}, graph.host_source
+    assert not re.search(r"\bc\d+\(", graph.host_source), graph.host_source
