@@ -115,7 +115,8 @@ def load_library(path: Path) -> ctypes.CDLL:
         path.unlink(missing_ok=True)  # mapped now: the name is no longer needed
     close = getattr(_ctypes, "dlclose", None)
     if close is not None:
-        weakref.finalize(lib, close, lib._handle)
+        # Not at exit: the process's end unmaps it anyway, and a thread may still be calling in.
+        weakref.finalize(lib, close, lib._handle).atexit = False
     return lib
 
 

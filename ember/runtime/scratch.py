@@ -11,6 +11,8 @@ The folder is `ember-<pid>-<random>` in the system's temporary folder (`TMPDIR`)
 its exit handlers ran leaves its folder behind; the next process to make one removes every such
 folder of this user's whose process is gone and which was last changed more than
 `STALE_SECONDS` ago (the age guards against a process of another PID namespace sharing the folder).
+Libraries are mapped from this folder, so `TMPDIR` must allow executable mappings (as for
+Inductor, whose libraries live in /tmp/torchinductor_<user>).
 """
 
 from __future__ import annotations
