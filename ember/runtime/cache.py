@@ -71,7 +71,7 @@ KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "gemm"})
 SECRETS = frozenset({"aot-key"})
 TMP = ".tmp-"
 TRASH = ".trash-"
-# A temporary entry folder older than this was left by a process that died while writing it.
+# A temporary or trash folder older than this was left by a process that died writing or removing it.
 STALE_TMP_SECONDS = 3600
 _NAME = re.compile(r"[0-9A-Za-z_-]+")
 
@@ -245,7 +245,10 @@ class DiskCache:
             due = written is None or written + size >= bound // 10
             _written[str(self.root)] = 0 if due else written + size
         if due:
-            self._trim(root, bound)
+            try:
+                self._trim(root, bound)
+            except OSError as e:  # the entry is written; a cache over its bound is not an error
+                log.artifact("cache", "evict", f"{self.root}: not trimmed ({e})")
 
     # -- size ---------------------------------------------------------------------------------
 
@@ -265,12 +268,12 @@ class DiskCache:
     def _trim(self, root: int, bound: int) -> list[Path]:
         for name in os.listdir(root):
             if name.startswith(TRASH):  # left by a process that died while removing it
-                remove_tree(root, name)
+                _sweep_stale(root, name)
         entries = []  # (last use in ns, size, kind, prefix, key)
         for kind, prefix, prefix_fd in self._prefixes(root):
             for key in os.listdir(prefix_fd):
                 if key.startswith(TMP):  # a write in progress, or a dead process's
-                    _sweep_tmp(prefix_fd, key)
+                    _sweep_stale(prefix_fd, key)
                 else:
                     entries.append((*_usage(prefix_fd, key), kind, prefix, key))
         total = sum(size for _, size, *_ in entries)
@@ -395,11 +398,12 @@ def _stamp(fd: int) -> None:
         os.utime(fd, ns=(time.time_ns(), os.fstat(fd).st_mtime_ns))
 
 
-def _sweep_tmp(prefix: int, name: str) -> None:
-    """Remove a temporary entry folder old enough that its writer must have died."""
+def _sweep_stale(parent: int, name: str) -> None:
+    """Remove a temporary or trash folder old enough that the process writing or removing it must
+    have died."""
     with contextlib.suppress(FileNotFoundError):
-        if time.time() - os.stat(name, dir_fd=prefix, follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
-            remove_tree(prefix, name)
+        if time.time() - os.stat(name, dir_fd=parent, follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+            remove_tree(parent, name)
 
 
 def _usage(prefix: int, key: str) -> tuple[int, int]:

@@ -157,5 +157,10 @@ def remove_tree(parent: int, name: str) -> None:
             remove_tree(fd, child)
     finally:
         os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
+    try:
         os.rmdir(name, dir_fd=parent)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:  # another process is still removing it, or adding to it
+            raise
