@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 from ember import config
-from ember.runtime.cache import DiskCache
+from ember.runtime.cache import STALE_TMP_SECONDS, DiskCache
 
 MIB = 1 << 20
 
@@ -93,3 +94,23 @@ def test_eight_processes_writing_reading_and_evicting_at_once(tmp_path):
         assert found is None or dict(found.files) == _files(i, 400 << 10), f"entry {i} left damaged"
     assert not [p for p in (tmp_path / "c").rglob(".tmp-*")], "a temporary folder was left behind"
     assert not [p for p in (tmp_path / "c").iterdir() if p.name.startswith(".trash-")], "evicted files left behind"
+
+
+def test_folders_left_by_dead_writers_are_swept_and_live_ones_kept(tmp_path):
+    """A process killed while writing an entry leaves a .tmp-* folder, one killed while removing
+    entries a .trash-* folder; the next size check removes those past their age, and no other."""
+    cache = DiskCache(tmp_path / "c")
+    path = cache.put("cpp", _key(1), _files(1, 10)).path
+    dead_write, live_write = path.parent / ".tmp-dead", path.parent / ".tmp-live"
+    dead_trash = cache.root / ".trash-dead"
+    for folder in (dead_write, live_write, dead_trash):
+        folder.mkdir()
+        (folder / "graph.so").write_bytes(b"half")
+    old = time.time() - STALE_TMP_SECONDS - 1
+    for folder in (dead_write, dead_trash):
+        os.utime(folder, (old, old))
+    with config.override(cache_max_mb=1):
+        cache.trim()
+    assert not dead_write.exists() and not dead_trash.exists()
+    assert live_write.exists(), "a write in progress was removed"
+    assert cache.get("cpp", _key(1)) is not None
