@@ -163,3 +163,55 @@ def test_json_lines_are_json(run_dir):
     with open(os.path.join(run_dir, "results.jsonl")) as f:
         for line in f:
             json.loads(line)
+
+
+def test_terminal_table_fits_80_columns(records):
+    """The default table keeps its main columns and fits an 80-column terminal without folding a
+    cell; --wide and the files keep every column."""
+    import io
+
+    from rich.console import Console
+
+    run = report.Run.of(records)
+    console = Console(width=80, file=io.StringIO(), record=True)
+    report.print_table(run, console=console)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, text
+    for key in CASES:
+        workload, mode = key.split("/")
+        row = [ln for ln in lines if ln.split()[:2] == [workload, "infer" if mode == "inference" else mode]]
+        assert len(row) == 1, f"{key}: no one-line row (a folded cell?)\n{text}"
+        assert row[0].count("×") >= 1, row  # ember's speed-up is there
+    assert "peak MB" not in text and "peak MB" in report.plain(run), "peak memory: --wide and the files only"
+    wide = Console(width=200, file=io.StringIO(), record=True)
+    report.print_table(run, console=wide, wide=True)
+    assert "peak MB" in wide.export_text()
+
+
+def test_list_shows_this_devices_sizes(capsys):
+    assert bench_main(["--list", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    softmax = next(line for line in out.splitlines() if line.startswith("softmax "))
+    assert softmax.endswith(WORKLOADS["softmax"].describe(WORKLOADS["softmax"].sizes["cpu"])), softmax
+    assert WORKLOADS["softmax"].sizes["cpu"] != WORKLOADS["softmax"].sizes["gpu"]
+    assert bench_main(["--list", "--scale", "gpu"]) == 0
+    assert "8192×8192" in capsys.readouterr().out
+
+
+def test_cpu_peak_memory_prints_no_profiler_noise():
+    """The CPU peak runs under torch.profiler, whose back end logs each start and stop to stderr."""
+    import subprocess
+    import sys
+
+    child = (
+        "import torch\n"
+        "from ember.tools.bench import measure\n"
+        "for _ in range(3):\n"
+        "    peak = measure.peak_memory_mb(lambda x: x * 2, (torch.ones(1000),), torch.device('cpu'))\n"
+        "print(peak)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.strip()) > 0, r.stdout
+    assert "profiler_start" not in r.stderr and "profiler_stop" not in r.stderr, r.stderr[-2000:]

@@ -5,5 +5,5 @@ measure.py       one step, timing, input rotation, ceilings, peak memory, the li
 compile_time.py  cold and warm compile time in fresh processes
 harness.py       the run: every case, every compiler, one process
 report.py        JSON lines, tables (rich or plain), markdown, the PNG
-__main__.py      the command line (`python -m ember.tools.bench`, `ember bench`)
+__main__.py      the command line (`ember bench`, or `python -m ember.tools.bench`)
 """

@@ -1,13 +1,15 @@
-"""`ember bench` / `python -m ember.tools.bench`: eager vs Inductor vs ember, against the measured limit.
+"""`ember bench`: eager vs Inductor vs ember, against the measured limit.
 
-    python -m ember.tools.bench                              # every workload, this machine's sizes
-    python -m ember.tools.bench --workloads micro --modes inference
-    python -m ember.tools.bench --workloads softmax,gpt2_blocks --compile-time none
-    python -m ember.tools.bench --max-autotune               # adds Inductor max-autotune (minutes)
-    python -m ember.tools.bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
-    python -m ember.tools.bench --accuracy --no-inductor     # float64-reference accuracy, not speed
+    ember bench                                          # every workload, this machine's sizes
+    ember bench --workloads micro --modes inference
+    ember bench --workloads softmax,gpt2_blocks --compile-time none
+    ember bench --max-autotune                           # adds Inductor max-autotune (minutes)
+    ember bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
+    ember bench --accuracy --no-inductor                 # float64-reference accuracy, not speed
 
-Writes results.jsonl, table.md, table.txt and bench.png to --out (default results/bench-DATE).
+Prints the main columns (--wide: all of them) and writes every column to table.md and table.txt,
+with results.jsonl and bench.png, in --out (default results/bench-DATE). `python -m
+ember.tools.bench` runs the same.
 """
 
 from __future__ import annotations
@@ -48,13 +50,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-budget-s", type=float, default=1.0, help="CPU: seconds of timed calls per variant")
     p.add_argument("--out", default=None, help="results folder (default results/bench-DATE-TIME)")
     p.add_argument("--from-jsonl", nargs="+", default=None, help="re-render (and merge) these JSON-lines files")
-    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    p.add_argument("--list", action="store_true", help="list the workloads at --device's sizes and exit")
+    p.add_argument("--wide", action="store_true", help="print every column (table.md and table.txt always have them)")
     p.add_argument(
         "--accuracy",
         action="store_true",
         help="instead of timing: check each compiler against a float64 reference (PyTorch's dynamo-benchmark rule)",
     )
     return p
+
+
+def _device_and_scale(args):
+    """The device to run on and the workload sizes for it (--device, --scale; auto: this machine's)."""
+    import torch
+
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    return device, args.scale if args.scale != "auto" else ("gpu" if device.type == "cuda" else "cpu")
 
 
 def _compilers(args) -> list[str]:
@@ -79,14 +93,15 @@ def _compile_keys(spec: str, cases) -> list[str] | None:
     return keys
 
 
-def write_outputs(records: list[dict], out: str) -> list[str]:
-    """table.md, table.txt and bench.png from the records; prints the table; returns notes."""
+def write_outputs(records: list[dict], out: str, wide: bool = False) -> list[str]:
+    """table.md, table.txt and bench.png from the records; prints the table (its main columns,
+    or every one if `wide`); returns notes."""
     run = report.Run.of(records)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(report.markdown(run))
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(report.plain(run))
-    report.print_table(run)
+    report.print_table(run, wide=wide)
     note = report.plot(run, os.path.join(out, "bench.png"))
     return [note] if note else []
 
@@ -170,7 +185,7 @@ def _accuracy(cases, args, device, scale: str, out: str, argv: list[str]) -> int
     records = accuracy.run(cases, settings.compilers, scale, device, emit)
     header = (
         f"float64-reference accuracy, {env['date']}, {env['device']}, torch {torch.__version__}, scale {scale}\n\n"
-        f"Command: `python -m ember.tools.bench {' '.join(argv)}`\n"
+        f"Command: `ember bench {' '.join(argv)}`\n"
     )
     with open(os.path.join(out, "accuracy.md"), "w") as f:
         f.write(accuracy.markdown(records, header))
@@ -191,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     from ember.tools.bench.workloads import WORKLOADS, select
 
     if args.list:
+        device, scale = _device_and_scale(args)
+        print(f"sizes for {device.type} (scale {scale}; --scale picks another)")
         for w in WORKLOADS.values():
-            print(f"{w.name:<20}{w.group:<7}{w.dtype:<15}{'+'.join(w.modes):<18}{w.describe(w.sizes['gpu'])}")
+            print(f"{w.name:<20}{w.group:<7}{w.dtype:<15}{'+'.join(w.modes):<18}{w.describe(w.sizes[scale])}")
         return 0
     out = args.out or os.path.join("results", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
@@ -200,19 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         records = report.load_jsonl(args.from_jsonl)
         with open(os.path.join(out, "results.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
-        for note in write_outputs(records, out):
+        for note in write_outputs(records, out, wide=args.wide):
             print(f"note: {note}")
         return 0
 
-    import torch
-
     from ember.tools.bench import harness, measure
 
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-    scale = args.scale if args.scale != "auto" else ("gpu" if device.type == "cuda" else "cpu")
+    device, scale = _device_and_scale(args)
     cases = select(args.workloads, args.modes)
     if args.accuracy:
         return _accuracy(cases, args, device, scale, out, sys.argv[1:] if argv is None else argv)
@@ -239,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=progress.line,
         )
         records = harness.run(cases, settings, timing=not args.no_timing)
-    notes = write_outputs(records, out)
+    notes = write_outputs(records, out, wide=args.wide)
     for note in notes:
         print(f"note: {note}")
     print(f"results in {out}/ (results.jsonl, table.md, table.txt{'' if notes else ', bench.png'})")

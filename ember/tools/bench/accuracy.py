@@ -1,7 +1,7 @@
 """Model accuracy the way PyTorch's dynamo benchmarks check it: against a float64 reference.
 
-    python -m ember.tools.bench --accuracy                          # every workload, both modes
-    python -m ember.tools.bench --accuracy --workloads model --no-inductor --out DIR
+    ember bench --accuracy                                          # every workload, both modes
+    ember bench --accuracy --workloads model --no-inductor --out DIR
 
 For each case (a workload in inference, or one training step: outputs and the gradients of every
 floating input and parameter, with fixed random cotangents):

@@ -2,7 +2,7 @@
 
 The JSON lines are the record; everything else is derived from them, so runs made in several
 calls (e.g. timings in one, compile times in another) merge by re-rendering their files together:
-`python -m ember.tools.bench --from-jsonl a.jsonl b.jsonl --out DIR`.
+`ember bench --from-jsonl a.jsonl b.jsonl --out DIR`.
 
 Ratios: speed-up = eager ms ÷ compiler ms; "ember ÷ Inductor" = Inductor ms ÷ ember ms, from the
 same run (above 1: ember is faster); % of limit = the floor (the larger of bytes ÷ measured
@@ -232,6 +232,32 @@ def timing_notes(run: Run) -> list[str]:
     return notes
 
 
+def main_columns(run: Run, header: list[str]) -> list[int]:
+    """The columns a terminal shows unless asked for all (`ember bench --wide`): each compiler's time
+    and ember's speed-up, its ratio to Inductor and its share of the limit, which fit 80 columns.
+    Shapes, peaks, round ranges, compile times and kernel counts are in table.md and table.txt."""
+    embers = [label(c) for c in run.compilers if c.startswith("ember")]
+    keep = {"workload", "mode", "eager ms"} | {f"{label(c)} ms" for c in run.compilers}
+    keep |= {f"{e} speed-up" for e in embers} | {f"{e} ÷ Inductor" for e in embers} | {f"% limit {e}" for e in embers}
+    return [i for i, name in enumerate(header) if name in keep]
+
+
+def _columns(header: list[str], rows: list[list[str]], keep: list[int]) -> tuple[list[str], list[list[str]]]:
+    """The kept columns; the mode "inference" shortened to "infer", so the longest workload fits too."""
+    mode = header.index("mode") if "mode" in header else -1
+    rows = [[("infer" if i == mode and cell == "inference" else cell) for i, cell in enumerate(row)] for row in rows]
+    return [header[i] for i in keep], [[row[i] for i in keep] for row in rows]
+
+
+def _two_lines(header: str) -> str:
+    """A long column name broken at its middle space, so that the name is no wider than the numbers."""
+    if len(header) <= 9 or " " not in header:
+        return header
+    spaces = [i for i, ch in enumerate(header) if ch == " "]
+    cut = min(spaces, key=lambda i: abs(i - len(header) / 2))
+    return header[:cut] + "\n" + header[cut + 1 :]
+
+
 def describe_env(run: Run) -> list[str]:
     lines = []
     for env in run.env:
@@ -257,8 +283,11 @@ def markdown(run: Run) -> str:
     return "\n".join(out) + "\n"
 
 
-def plain(run: Run) -> str:
+def plain(run: Run, wide: bool = True) -> str:
+    """The table as text: every column (table.txt), or the main ones (a terminal without rich)."""
     header, rows, notes = table_rows(run)
+    if not wide:
+        header, rows = _columns(header, rows, main_columns(run, header))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = describe_env(run) + [""]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
@@ -268,25 +297,32 @@ def plain(run: Run) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_table(run: Run, console=None) -> None:
-    """A rich table when rich is installed, else the plain one."""
+def print_table(run: Run, console=None, wide: bool = False) -> None:
+    """A rich table when rich is installed, else the plain one: the main columns, sized to the
+    terminal; `wide`: every column, at 200 characters or more."""
     try:
+        from rich import box
         from rich.table import Table
     except ImportError:
-        print(plain(run))
+        print(plain(run, wide=wide))
         print("(install rich for a formatted table)")
         return
     header, rows, notes = table_rows(run)
-    table = Table(title="ember bench", caption="\n".join(describe_env(run)), show_lines=False)
+    caption = describe_env(run)
+    if not wide:
+        header, rows = _columns(header, rows, main_columns(run, header))
+        caption.append("shapes, peak memory, compile times, kernels: table.md / table.txt, or --wide")
+    # Columns one space apart (SIMPLE_HEAD's separators are spaces): the main ones fit 80 characters.
+    table = Table(title="ember bench", caption="\n".join(caption), box=box.SIMPLE_HEAD, padding=(0, 0))
     for h in header:
-        table.add_column(h, overflow="fold")
+        table.add_column(h if wide else _two_lines(h), overflow="fold")
     for row in rows:
         style = "red" if any("MISMATCH" in c or c.startswith("error") for c in row) else None
         table.add_row(*row, style=style)
     if console is None:
         from rich.console import Console
 
-        console = Console(width=max(200, Console().width))
+        console = Console(width=max(200, Console().width)) if wide else Console()
     console.print(table)
     for n in notes:
         console.print(f"[yellow]note[/yellow] {n}", markup=True, highlight=False)
