@@ -9,7 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ember")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="compile models, check against eager, print speed-ups")
+    sub.add_parser(
+        "demo", help="compile models, check against eager, print speed-ups (ember demo --help)", add_help=False
+    )
     sub.add_parser(
         "bench", help="eager vs Inductor vs ember against the measured limit (ember bench --help)", add_help=False
     )

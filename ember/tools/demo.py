@@ -1,7 +1,7 @@
 """ember's demo: compile models on the GPU if there is one (else the CPU), check them against
 eager PyTorch, and print compile time, speed-up and the kernels ember made.
 
-    python -m ember.tools.demo [--workloads gpt2_block,softmax] [--dtype bfloat16]
+    ember demo [--workloads gpt2_block,softmax] [--dtype bfloat16] [--device cpu]
 """
 
 from __future__ import annotations
@@ -173,10 +173,20 @@ def run(names: list[str], dtype: torch.dtype, device: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="pointwise3,gelu_tanh,softmax,layernorm_gelu,mlp,gpt2_block")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = argparse.ArgumentParser(
+        prog="ember demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="(default: %(default)s)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: %(default)s, this machine's)",
+    )
     args = parser.parse_args(argv)
     ok = run(args.workloads.split(","), getattr(torch, args.dtype), args.device)
     print("\nall outputs match eager" if ok else "\nMISMATCH: see the table above")
