@@ -21,8 +21,11 @@ def test_demo_help_lists_its_options(capsys):
         assert option in text, f"{option} missing from:\n{text}"
 
 
-@pytest.mark.parametrize("command", ["demo", "bench"])
+@pytest.mark.parametrize("command", ["demo", "bench", "fuzz", "opinfo", "bisect"])
 def test_help_shows_the_ember_command(command, capsys):
+    """The usage line and the examples name `ember COMMAND`, not `python -m ember.tools.…`."""
     text = _help(command, capsys=capsys)
-    usage_and_examples = [line for line in text.splitlines() if line.strip().startswith(("usage:", "ember "))]
-    assert usage_and_examples and not any("python -m" in line for line in text.splitlines()[:12]), text
+    assert text.startswith(f"usage: ember {command}"), text
+    examples = [line.strip() for line in text.splitlines() if line.startswith("    ")]
+    examples = [line for line in examples if line.startswith(("ember ", "python -m "))]
+    assert examples and examples[0].startswith(f"ember {command}"), text

@@ -1,7 +1,7 @@
-"""`ember fuzz` / `python -m ember.tools.fuzz`: random programs, each checked against eager PyTorch.
+"""`ember fuzz` (or `python -m ember.tools.fuzz`): random programs, each checked against eager PyTorch.
 
-    python -m ember.tools.fuzz --seed 0 --count 200            # 200 programs, repros to results/fuzz-repros/
-    python -m ember.tools.fuzz --seed 0 --only 17 --show       # print program 17 of seed 0
+    ember fuzz --seed 0 --count 200        # 200 programs, repros to results/fuzz-repros/
+    ember fuzz --seed 0 --only 17 --show   # print program 17 of seed 0
 
 A program is a straight-line function of a few input tensors: chains of pointwise ops (unary,
 binary with broadcasting and Python scalars, where, casts), reductions (sum, mean, amax, amin,

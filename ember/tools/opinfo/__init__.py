@@ -1,11 +1,11 @@
-"""`ember opinfo` / `python -m ember.tools.opinfo`: ember against eager on PyTorch's OpInfo database.
+"""`ember opinfo` (or `python -m ember.tools.opinfo`): ember against eager on PyTorch's OpInfo database.
 
-    python -m ember.tools.opinfo                                  # every op, every dtype, CPU
-    python -m ember.tools.opinfo --ops add,nn.functional.gelu --dtypes float32,bfloat16
-    python -m ember.tools.opinfo --resume                         # go on where an earlier run stopped
-    python -m ember.tools.opinfo --rerun-failed                   # only (op, dtype) pairs that failed
-    python -m ember.tools.opinfo --device cuda                    # the GPU sweep (Triton)
-    python -m ember.tools.opinfo --report                         # re-render the table from the JSON lines
+    ember opinfo                  # every op, every dtype, CPU
+    ember opinfo --ops add,nn.functional.gelu --dtypes float32,bfloat16
+    ember opinfo --resume         # go on where an earlier run stopped
+    ember opinfo --rerun-failed   # only (op, dtype) pairs that failed
+    ember opinfo --device cuda    # the GPU sweep (Triton)
+    ember opinfo --report         # re-render the table from the JSON lines
 
 Results go to results/opinfo/DEVICE.jsonl and DEVICE.md under the current directory, or to `--out DIR`;
 the committed tables are refreshed only when asked: `--out docs/opinfo` from the checkout.
