@@ -34,6 +34,7 @@ def compile(
 
     if options:
         config.validate(dict(options), "ember.compile options")
+    config.check_environment()  # a bad EMBER_* variable fails here, not at the first call
 
     def backend(gm, example_inputs):
         return ember_backend(gm, example_inputs, mode=mode, options=options)

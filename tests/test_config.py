@@ -82,6 +82,12 @@ def test_misspelled_environment_variable_gets_a_suggestion(monkeypatch):
     assert "unknown environment variable EMBER_DEBG; did you mean 'EMBER_DEBUG'?" in str(err), str(err)
 
 
+def test_bad_environment_fails_at_ember_compile(monkeypatch):
+    monkeypatch.setenv("EMBER_STRICT", "maybe")
+    with pytest.raises(ConfigError, match="EMBER_STRICT"):
+        ember.compile(_f)
+
+
 def test_ember_config_flags_unknown_and_invalid_environment_variables(monkeypatch, capsys):
     from ember.tools.cli import main
 
