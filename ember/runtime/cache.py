@@ -373,9 +373,9 @@ class DiskCache:
         """One warning per root and process: the cache is not used (or not written), and why."""
         if isinstance(error, UnsafePath):
             message = (
-                f"ember: the disk cache {self.root} is not used: {error}. Graphs compile into a private "
-                "temporary folder instead. Give ember a folder of your own that only you can write "
-                "(EMBER_CACHE_DIR), or run `ember cache clear` if it is ember's."
+                f"ember: the disk cache {self.root} is not used: {error}. Graphs compile without it. "
+                "Point EMBER_CACHE_DIR at a folder that is yours and that only you can write (ember "
+                "makes it if it is missing), or make this one so (its owner, chmod go-w), if it is yours."
             )
         elif writing:
             message = f"ember: could not write to the disk cache {self.root} ({error}); graphs still compile, uncached"
