@@ -41,14 +41,13 @@ import hashlib
 import hmac
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._inductor.output_code import OutputCode
 
-from ember import config
+from ember import config, log
 
 
 @dataclasses.dataclass
@@ -114,10 +113,10 @@ class EmberGraphCode(OutputCode):
                 )
         except Exception as e:
             # AOTAutograd catches this, logs it at INFO and compiles the graph anew: say so louder.
-            warnings.warn(
-                f"ember: a {self.kind} graph from AOTAutograd's cache did not load, compiling it anew: "
-                f"{type(e).__name__}: {e}"[:500],
-                stacklevel=2,
+            article = "an" if self.kind[:1] in "aeiou" else "a"
+            log.warn(
+                f"ember: {article} {self.kind} graph from AOTAutograd's cache did not load, compiling it anew: "
+                f"{type(e).__name__}: {e}"[:500]
             )
             raise
         if state is not None:

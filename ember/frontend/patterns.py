@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +119,7 @@ def attention_pass(gm: fx.GraphModule) -> list[Rewrite]:
     except Exception as e:
         if config.get("strict"):
             raise
-        warnings.warn(f"ember: attention pattern matching failed, graph left as written: {type(e).__name__}: {e}")
+        log.warn(f"ember: attention pattern matching failed, graph left as written: {type(e).__name__}: {e}")
         return []
     apply(gm, found)
     if found:
