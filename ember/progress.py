@@ -58,12 +58,17 @@ class CompileProgress:
         with self.lock:
             self._show()
 
-    def finish(self) -> None:
+    def finish(self, error: BaseException | None = None) -> None:
+        """The compile ended; `error`: the exception that ended it (a Dynamo restart, strict mode)."""
         with self.lock:
             if self.shown is None:
                 return  # a quick compile stays silent
+            elapsed = self.clock() - self.start
+            if error is not None:
+                self.write(f"{self.graph}: stopped after {elapsed:.0f} s ({type(error).__name__})", True)
+                return
             built = f" ({', '.join(self.built)})" if self.built else ""
-            self.write(f"{self.graph}: compiled in {self.clock() - self.start:.0f} s{built}", True)
+            self.write(f"{self.graph}: compiled in {elapsed:.0f} s{built}", True)
 
     def _show(self) -> None:
         elapsed = self.clock() - self.start
@@ -147,12 +152,16 @@ def compiling(graph: Callable[[], str]) -> Iterator[None]:
         return
     _current.progress = progress
     _ticker.add(progress)
+    error = None
     try:
         yield
+    except BaseException as e:
+        error = e
+        raise
     finally:
         _ticker.remove(progress)
         _current.progress = None
-        progress.finish()
+        progress.finish(error)
 
 
 def stage(name: str) -> None:

@@ -56,6 +56,15 @@ def test_a_long_compile_names_graph_stage_and_kernels():
     ]
 
 
+def test_a_compile_that_raises_says_it_stopped():
+    """A Dynamo restart (or strict mode's error) ends the compile: not "compiled"."""
+    p, clock, lines = _reporter(live=False)
+    clock.now += 7.0
+    p.tick()
+    p.finish(error=RuntimeError("restart"))
+    assert lines[-1] == ("graph 0/0 (12 ops): stopped after 7 s (RuntimeError)", True)
+
+
 def test_on_a_terminal_the_seconds_count_up_within_a_stage():
     p, clock, lines = _reporter(live=True)
     p.enter("backward: building 58 kernels")
