@@ -86,3 +86,41 @@ def test_sweep_writes_under_the_current_directory_not_the_checkout(tmp_path, mon
     assert list(records) == [("abs", "float32")] and records["abs", "float32"]["counts"]["match"] == 1
     assert "abs" in (written / "cpu.md").read_text()
     assert {p.name: p.read_bytes() for p in committed.iterdir() if p.is_file()} == before
+
+
+def test_report_sections():
+    """The markdown report from hand-made records: totals, a dtype row, a fallback reason, a mismatch
+    listed with its reason, a random op, and the per-op cells (counts, `!N`, no samples)."""
+    from ember.tools.opinfo.report import render_markdown
+
+    def record(op, dtype, counts, details=(), **extra):
+        full = dict.fromkeys(("match", "fallback", "mismatch", "crash", "timeout", "skipped"), 0) | counts
+        return {
+            "op": op,
+            "dtype": dtype,
+            "counts": full,
+            "details": list(details),
+            "samples": sum(counts.values()),
+        } | extra
+
+    records = [
+        record(
+            "abs",
+            "float32",
+            {"match": 3, "fallback": 1},
+            [{"i": 3, "outcome": "fallback", "reason": "forward: no | lowering"}],
+        ),
+        record("abs", "bfloat16", {"match": 1, "mismatch": 1}, [{"i": 1, "outcome": "mismatch", "reason": "off by 1"}]),
+        record("rand_like", "float32", {"match": 2}, random=True),
+        record("empty_op", "int64", {}, note="no samples for int64"),
+    ]
+    text = render_markdown(records, "cpu", "ember opinfo --ops abs")
+    assert "Command: `ember opinfo --ops abs`" in text and "3 ops, 4 (op, dtype) pairs." in text
+    assert "| 8 | 6 | 1 | 1 | 0 | 0 | 87.50% | 0 |" in text, text  # 8 counted, 7 matched or fell back
+    assert "| float32 | 2 | 5 | 1 | 0 | 0 | 0 | 0 |" in text, text
+    assert "| 1 | no \\| lowering |" in text, text  # the graph kind dropped, the pipe escaped
+    assert "| abs | bfloat16 | 1 | mismatch | off by 1 |" in text, text
+    assert "`rand_like`" in text.split("## Compared by shape and dtype only")[1].split("##")[0]
+    per_op = text.split("## Per op")[1]
+    assert "| `abs` | 3/1/0 | 1/0/0 **!1** |" in per_op, per_op
+    assert "no samples" in per_op.split("`empty_op`")[1].splitlines()[0], per_op
