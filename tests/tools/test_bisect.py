@@ -78,11 +78,11 @@ def test_bisect_checks_gradients_and_blames_a_wrong_decomposition(tmp_path, monk
     they stay wrong with no op lowered (every op an ATen call), so bisect blames the graph itself."""
     from ember.frontend.decompositions import decomposition_table
 
-    table = dict(decomposition_table())
-    table[torch.ops.aten.tanh_backward.default] = lambda grad, y: grad * (1 - y)
-    monkeypatch.setattr("ember.frontend.decompositions.decomposition_table", lambda: table)
-    monkeypatch.setenv("EMBER_AOT_CACHE", "0")  # a patched table: AOTAutograd's cache cannot see it
+    # The table AOTAutograd gets, with a wrong entry planted for this test (and removed after it).
+    monkeypatch.setitem(decomposition_table(), torch.ops.aten.tanh_backward.default, lambda grad, y: grad * (1 - y))
     x, y = torch.randn(5, 7, requires_grad=True), torch.randn(7, requires_grad=True)
-    result = bisect(_program, [x, y], out=tmp_path, options={"cache_dir": str(tmp_path / "cache")})
+    # AOTAutograd's cache keys do not cover the decomposition table: a cached graph would hide the planted entry.
+    options = {"cache_dir": str(tmp_path / "cache"), "aot_cache": False}
+    result = bisect(_program, [x, y], out=tmp_path, options=options)
     assert result.kind == "eager graph" and "decompositions" in result.detail, str(result)
     assert "output 0" not in result.detail, f"the forward output is right, only gradients differ: {result}"

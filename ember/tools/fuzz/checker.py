@@ -10,6 +10,7 @@ import contextlib
 import math
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -130,8 +131,6 @@ STATS = {"graphs": 0, "kernels": 0, "externs": 0}
 def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> tuple[list[Outcome] | None, str]:
     """Compile the programs as one function: (per-program outcomes, "") or, if the batch needs
     splitting, (None, what went wrong)."""
-    from ember.report import collecting
-
     ns_src = []
     for k, p in enumerate(programs):
         ns_src += [p.source(f"program_{k}"), p.source(f"reference_{k}", reference=True), p.inputs_source(f"inputs_{k}")]
@@ -140,27 +139,50 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
     all_inputs = [ns[f"inputs_{k}"](device) for k in range(len(programs))]
     if grad:
         all_inputs = [_requiring_grad(xs) for xs in all_inputs]
-    eager_outs, ref_outs, outcomes = [], [], [None] * len(programs)
-    for k, p in enumerate(programs):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # e.g. var() with too few degrees of freedom
-                # autograd.grad accumulates nothing: eager and ember may share the input leaves.
-                eager_inputs = all_inputs[k]
-                ref_inputs = [x.detach().requires_grad_(x.requires_grad) for x in _upcast(all_inputs[k])]
-                eager = _as_list(ns[f"program_{k}"](*eager_inputs))
-                with _default_dtype(torch.float64):  # int / 0.5 is float64 in the reference
-                    ref = _as_list(ns[f"reference_{k}"](*ref_inputs))
-                if grad:
-                    eager = [o.detach() for o in eager] + grads(eager, eager_inputs)
-                    ref = [o.detach() for o in ref] + grads(ref, ref_inputs)
-                eager_outs.append(eager)
-                ref_outs.append(ref)
-        except Exception as e:  # noqa: BLE001 - counted, never silently dropped
-            outcomes[k] = Outcome(p, "invalid", f"eager or the reference raised {type(e).__name__}: {e}")
-            eager_outs.append(None)
-            ref_outs.append(None)
+    expected = [_eager_and_reference(ns, k, all_inputs[k], grad) for k in range(len(programs))]
+    outcomes = [None if isinstance(e, tuple) else Outcome(p, "invalid", e) for p, e in zip(programs, expected)]
     live = [k for k in range(len(programs)) if outcomes[k] is None]
+    got, trouble = _compiled_batch(ns, programs, live, all_inputs, options, grad)
+    if trouble:
+        if len(programs) > 1:
+            return None, trouble
+        status, detail = trouble.split(": ", 1)
+        return [Outcome(programs[0], status, detail)], ""
+    for j, k in enumerate(live):
+        eager, ref = expected[k]
+        problems = _differences(programs[k], all_inputs[k], _as_list(got[j]), eager, ref, grad)
+        if problems and len(programs) > 1:
+            return None, f"mismatch: program {programs[k].index}: " + "; ".join(problems)  # re-run it alone
+        outcomes[k] = Outcome(programs[k], "mismatch" if problems else "ok", "; ".join(problems))
+    return outcomes, ""
+
+
+def _eager_and_reference(ns: dict, k: int, inputs: list, grad: bool) -> tuple[list, list] | str:
+    """Program k's eager outputs and its float64 reference's (each followed by its gradients when
+    `grad`), or why eager or the reference raised (the program is then invalid)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # e.g. var() with too few degrees of freedom
+            # autograd.grad accumulates nothing: eager and ember may share the input leaves.
+            ref_inputs = [x.detach().requires_grad_(x.requires_grad) for x in _upcast(inputs)]
+            eager = _as_list(ns[f"program_{k}"](*inputs))
+            with _default_dtype(torch.float64):  # int / 0.5 is float64 in the reference
+                ref = _as_list(ns[f"reference_{k}"](*ref_inputs))
+            if grad:
+                eager = [o.detach() for o in eager] + grads(eager, inputs)
+                ref = [o.detach() for o in ref] + grads(ref, ref_inputs)
+            return eager, ref
+    except Exception as e:  # noqa: BLE001 - counted, never silently dropped
+        return f"eager or the reference raised {type(e).__name__}: {e}"
+
+
+def _compiled_batch(
+    ns: dict, programs: list[Program], live: list[int], all_inputs: list, options: dict, grad: bool
+) -> tuple[list, str]:
+    """The live programs compiled by ember as one function and run: each one's outputs (then its
+    gradients when `grad`), and "" or the trouble ("crash: ..." or "fallback: ...")."""
+    from ember.report import collecting
+
     counts = [len(programs[k].inputs) for k in live]
 
     def batch(*args):
@@ -173,69 +195,74 @@ def check_batch(programs: list[Program], options: dict, device: str = "cpu") -> 
     flat = [x for k in live for x in all_inputs[k]]
     dynamic = any(programs[k].dynamic for k in live)  # run() batches static and dynamic programs apart
     torch._dynamo.reset()
-    crash = None
-    with warnings.catch_warnings(record=True) as caught, collecting() as report:
+    got, crash = [], None
+    with warnings.catch_warnings(record=True), collecting() as report:
         warnings.simplefilter("always")
         try:
             compiled = torch.compile(batch, backend=register(), dynamic=dynamic or None, options=options)
             got = compiled(*flat) if live else ()
             if grad and live:
-                # One backward for the whole batch: the programs share no inputs, so each one's
-                # gradients are its own.
-                every = [o for j in range(len(live)) for o in _as_list(got[j])]
-                cots = [c for j in range(len(live)) for c in cotangents(_as_list(got[j]))]
-                flat_grads = iter(grads(every, flat, cots))
-                got = [
-                    [o.detach() for o in _as_list(got[j])]
-                    + [next(flat_grads) for x in all_inputs[k] if x.requires_grad]
-                    for j, k in enumerate(live)
-                ]
+                got = _with_batch_gradients(got, [all_inputs[k] for k in live], flat)
         except Exception as e:  # noqa: BLE001
             crash = f"{type(e).__name__}: {e}"[:2000] + "\n" + traceback.format_exc()[-3000:]
     fallbacks = [g.fallback for g in report.graphs if g.fallback]
     STATS["graphs"] += len(report.graphs)
     STATS["kernels"] += sum(len(g.kernels) for g in report.graphs)
     STATS["externs"] += sum(len(g.externs) for g in report.graphs)
-    if crash or fallbacks:
-        trouble = f"crash: {crash}" if crash else "fallback: " + "; ".join(fallbacks)
-        if len(programs) > 1:
-            return None, trouble
-        if crash:
-            return [Outcome(programs[0], "crash", crash)], ""
-        return [Outcome(programs[0], "fallback", "; ".join(fallbacks))], ""
-    del caught
-    tol_of = {k: _tol(programs[k].low_precision) for k in live}
-    for j, k in enumerate(live):
-        outs = _as_list(got[j])
-        problems = []
-        if len(outs) != len(eager_outs[k]):
-            problems.append(f"{len(outs)} outputs, eager has {len(eager_outs[k])}")
-        names = [f"output {i} ({v.name})" for i, v in enumerate(programs[k].outputs)]
-        if grad:
-            names += [f"grad of {v.name}" for (v, _), x in zip(programs[k].inputs, all_inputs[k]) if x.requires_grad]
-        n_out = len(programs[k].outputs)
-        for i, (c, e, r) in enumerate(zip(outs, eager_outs[k], ref_outs[k])):
-            # Gradients sum over broadcasts, often with cancellation: float32 gets 1e-3, as PyTorch's
-            # dynamo benchmarks give training.
-            msg = compare(c, e, r, tol_of[k] if i < n_out else max(tol_of[k], GRAD_TOL))
-            if msg:
-                problems.append(f"{names[i]}: {msg}")
-        if problems and len(programs) > 1:
-            return None, f"mismatch: program {programs[k].index}: " + "; ".join(problems)  # re-run it alone
-        outcomes[k] = Outcome(programs[k], "mismatch" if problems else "ok", "; ".join(problems))
-    return outcomes, ""
+    if crash:
+        return got, f"crash: {crash}"
+    return got, ("fallback: " + "; ".join(fallbacks)) if fallbacks else ""
 
 
-def check(programs: list[Program], options: dict, device: str = "cpu") -> list[Outcome]:
-    """Check a batch; split it where something went wrong, down to single programs.
+def _with_batch_gradients(got: tuple, inputs: list[list], flat: list) -> list[list]:
+    """Each program's outputs followed by its inputs' gradients, from one backward for the whole
+    batch: the programs share no inputs, so each one's gradients are its own."""
+    every = [o for out in got for o in _as_list(out)]
+    cots = [c for out in got for c in cotangents(_as_list(out))]
+    flat_grads = iter(grads(every, flat, cots))
+    return [
+        [o.detach() for o in _as_list(out)] + [next(flat_grads) for x in xs if x.requires_grad]
+        for out, xs in zip(got, inputs)
+    ]
+
+
+def _differences(program: Program, inputs: list, outs: list, eager: list, ref: list, grad: bool) -> list[str]:
+    """What differs between a program's compiled outputs (and gradients) and eager's, by the rule."""
+    tol = _tol(program.low_precision)
+    problems = []
+    if len(outs) != len(eager):
+        problems.append(f"{len(outs)} outputs, eager has {len(eager)}")
+    names = [f"output {i} ({v.name})" for i, v in enumerate(program.outputs)]
+    if grad:
+        names += [f"grad of {v.name}" for (v, _), x in zip(program.inputs, inputs) if x.requires_grad]
+    n_out = len(program.outputs)
+    for i, (c, e, r) in enumerate(zip(outs, eager, ref)):
+        # Gradients sum over broadcasts, often with cancellation: float32 gets 1e-3, as PyTorch's
+        # dynamo benchmarks give training.
+        msg = compare(c, e, r, tol if i < n_out else max(tol, GRAD_TOL))
+        if msg:
+            problems.append(f"{names[i]}: {msg}")
+    return problems
+
+
+def check(
+    programs: list[Program],
+    options: dict,
+    device: str = "cpu",
+    batch_checker: Callable[..., tuple[list[Outcome] | None, str]] = check_batch,
+) -> list[Outcome]:
+    """Check a batch with `batch_checker` (`check_batch`'s signature); split it where something
+    went wrong, down to single programs.
 
     If every part passes on its own, the batch's trouble is blamed on all its programs (ember got
     them wrong only together), never dropped."""
-    out, trouble = check_batch(programs, options, device)
+    out, trouble = batch_checker(programs, options, device)
     if out is not None:
         return out
     mid = len(programs) // 2
-    parts = check(programs[:mid], options, device) + check(programs[mid:], options, device)
+    parts = check(programs[:mid], options, device, batch_checker) + check(
+        programs[mid:], options, device, batch_checker
+    )
     if any(o.status not in ("ok", "invalid") for o in parts):
         return parts
     status = trouble.split(":", 1)[0]
