@@ -2,7 +2,7 @@
 
     select_backend  the code generator and what it tells the passes
     (schedule cache: a graph scheduled before loads its schedule, skipping the next six; runtime/)
-    import_graph  ATen FX graph -> ember Graph          (frontend/)
+    import_graph  ATen FX graph -> ember Graph          (aten/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
     cse           a computation written twice, kept once (ir/cse.py)
     pad           aligned matrix-product layouts        (frontend/padding.py)
@@ -168,7 +168,7 @@ def backend_facts(backend) -> tuple:
 
 def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
-    from ember.frontend.importer import import_graph
+    from ember.aten.importer import import_graph
     from ember.frontend.padding import pad_matmul_layouts
     from ember.ir.cse import eliminate_common_subexpressions
     from ember.schedule.fusion import schedule

@@ -1,5 +1,5 @@
 """The cat / constant_pad_nd / max_pool2d lowerings on the GPU (real Triton, not the interpreter):
-the programs of tests/frontend/test_cat_pad.py and test_max_pool.py on CUDA, forward and backward,
+the programs of tests/aten/test_cat_pad.py and test_max_pool.py on CUDA, forward and backward,
 against eager. Prints one line per case and exits non-zero on any difference.
 
     PYTHONPATH=. python scripts/gpu_lowering_check.py
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from ember.frontend.backend import register
 from ember.report import collecting
-from tests.frontend.test_cat_pad import PROGRAMS
-from tests.frontend.test_max_pool import CASES, _input
+from tests.aten.test_cat_pad import PROGRAMS
+from tests.aten.test_max_pool import CASES, _input
 
 register()
 torch._dynamo.config.cache_size_limit = 256

@@ -172,8 +172,8 @@ def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list, dyn
 
 
 def _importer(gm, limit: int | None, options: dict):
-    from ember.frontend import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
-    from ember.frontend.importer import Importer
+    from ember.aten import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
+    from ember.aten.importer import Importer
     from ember.pipeline import graph_device
 
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ember.frontend.importer import Importer, ShapeDtype, Unsupported, lowering
-from ember.frontend.lowerings import logical_and, padded_view, position_along
+from ember.aten.importer import Importer, ShapeDtype, Unsupported, lowering
+from ember.aten.lowerings import logical_and, padded_view, position_along
 from ember.ir import dtypes
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.frontend.importer import LOWERINGS, Importer, ShapeDtype, Unsupported, lowering
+from ember.aten.importer import LOWERINGS, Importer, ShapeDtype, Unsupported, lowering
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr, product
 

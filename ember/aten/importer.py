@@ -509,6 +509,6 @@ def _op_name(target) -> str:
 
 
 def import_graph(gm: torch.fx.GraphModule, device: torch.device) -> Graph:
-    from ember.frontend import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
+    from ember.aten import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
 
     return Importer(gm, device).run()
