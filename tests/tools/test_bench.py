@@ -104,6 +104,11 @@ def test_ceilings_and_compile_times(records):
         assert "error" not in cold and "error" not in warm, (cold, warm)
         for m in (cold, warm):
             assert m["seconds"] >= m["startup_s"] > 0 and m["first_step_s"] > 0
+    # ember's cold compile by pipeline stage: a part of its first step; Inductor has none
+    stages = compiles[0]["compilers"]["ember"]["cold"]["ember_stages_s"]
+    assert {"import", "schedule", "build", "host"} <= set(stages), stages
+    assert 0 < sum(stages.values()) <= compiles[0]["compilers"]["ember"]["cold"]["first_step_s"], stages
+    assert compiles[0]["compilers"]["inductor"]["cold"]["ember_stages_s"] == {}
 
 
 def test_rerender_from_jsonl(run_dir, tmp_path):

@@ -6,6 +6,7 @@
     ember bench --max-autotune                           # adds Inductor max-autotune (minutes)
     ember bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
     ember bench --accuracy --no-inductor                 # float64-reference accuracy, not speed
+    ember bench --profile --workloads resnet50 --modes train   # top kernels, host and device time per call
 
 Prints the main columns (--wide: all of them) and writes every column to table.md and table.txt,
 with results.jsonl and bench.png, in --out (default results/bench-DATE). `python -m
@@ -57,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead of timing: check each compiler against a float64 reference (PyTorch's dynamo-benchmark rule)",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the table: eager and each compiler under torch.profiler, per call: time, host and device "
+        "parts, the kernels with the most time, memory at the peak (GPU); profile.md, results.jsonl and "
+        "ember's explain/CASE.txt (graphs, measured kernels, host program) in --out",
+    )
+    p.add_argument("--top", type=int, default=25, help="--profile: kernels listed per compiler")
     return p
 
 
@@ -159,6 +168,10 @@ def _one_line(r: dict) -> str:
             parts.append(f"{comp} {cold:.1f}s" if cold else f"{comp} err")
             if warm:
                 parts[-1] += f"/{warm:.1f}s"
+        stages = (r["compilers"].get("ember", {}).get("cold") or {}).get("ember_stages_s")
+        if stages:
+            slowest = sorted(stages.items(), key=lambda kv: -kv[1])[:4]
+            parts.append("ember's slowest stages cold: " + ", ".join(f"{n} {s:.1f}s" for n, s in slowest))
         return f"{r['case']} compile (cold/warm, to first result): " + ", ".join(parts)
     cells = []
     for comp, c in r["compilers"].items():
@@ -201,6 +214,45 @@ def _accuracy(cases, args, device, scale: str, out: str, argv: list[str]) -> int
     return 1 if bad else 0
 
 
+def _profile(cases, args, device, scale: str, out: str, argv: list[str]) -> int:
+    """--profile: every case's profile record in results.jsonl, profile.md, and ember's explain files."""
+    import torch
+
+    from ember.tools.bench import harness, measure, profile
+
+    jsonl = os.path.join(out, "results.jsonl")
+    open(jsonl, "w").close()
+    settings = harness.Settings(
+        device=device,
+        scale=scale,
+        compilers=_compilers(args),
+        timer=measure.Timer(device, cpu_budget_s=args.cpu_budget_s),
+        progress=lambda line: print(line, flush=True),
+    )
+    env = harness.environment(settings)
+    report.append_jsonl(jsonl, env)
+    records = [env]
+    os.makedirs(os.path.join(out, "explain"), exist_ok=True)
+    for case in cases:
+        record, explain = profile.profile_case(case, settings, top=args.top)
+        report.append_jsonl(jsonl, record)
+        records.append(record)
+        if explain:
+            with open(os.path.join(out, "explain", case.key.replace("/", "-") + ".txt"), "w") as f:
+                f.write(explain)
+    header = (
+        f"# Profile, {env['date']}, {env['device']}, torch {torch.__version__}, scale {scale}\n\n"
+        f"Command: `ember bench {' '.join(argv)}`"
+    )
+    with open(os.path.join(out, "profile.md"), "w") as f:
+        f.write(profile.markdown(records, header))
+    print(f"results in {out}/ (profile.md, results.jsonl, explain/)")
+    failed = [r["case"] for r in records[1:] if r.get("error")]
+    if failed:
+        print(f"NOT PROFILED: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ember.tools.bench.workloads import WORKLOADS, select
@@ -227,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = select(args.workloads, args.modes)
     if args.accuracy:
         return _accuracy(cases, args, device, scale, out, sys.argv[1:] if argv is None else argv)
+    if args.profile:
+        return _profile(cases, args, device, scale, out, sys.argv[1:] if argv is None else argv)
     jsonl = os.path.join(out, "results.jsonl")
     open(jsonl, "w").close()
     compile_keys = _compile_keys(args.compile_time, cases)

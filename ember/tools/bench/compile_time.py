@@ -6,9 +6,18 @@ ready: *cold* with empty cache directories for ember (EMBER_CACHE_DIR), Inductor
 run filled. The time is taken from the parent's clock before it starts the process to the child's
 clock after the first step synchronized, so Python start-up and imports count. The child also
 reports the parts: start-up (interpreter and imports), set-up (building the model and inputs)
-and the first step (capture, compile, run), which is what compiling adds over eager.
+and the first step (capture, compile, run), which is what compiling adds over eager, and for
+ember the seconds of each pipeline stage over all graphs (`GraphReport.stage_seconds`: backend,
+import, cse, pad, split, schedule, cache write, build, host; a cached schedule replaces import
+through cache write).
 
     python -m ember.tools.bench.compile_time WORKLOAD MODE COMPILER SCALE DEVICE   (the child)
+
+The child alone, under cProfile, shows which functions a compile spends its time in (empty
+caches, so the compile is cold):
+
+    EMBER_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \
+        python -m cProfile -s cumtime -m ember.tools.bench.compile_time resnet50 train ember gpu cuda
 """
 
 from __future__ import annotations
@@ -70,10 +79,20 @@ def _child(workload: str, mode: str, compiler: str, scale: str, device_name: str
                 "first_result": t_first,
                 "graphs": len(report.graphs),
                 "fallbacks": [g.fallback for g in report.graphs if g.fallback],
+                "stages": _stage_seconds(report.graphs),
             }
         ),
         flush=True,
     )
+
+
+def _stage_seconds(graphs) -> dict[str, float]:
+    """Seconds per ember pipeline stage, summed over the graphs (`GraphReport.stage_seconds`)."""
+    stages: dict[str, float] = {}
+    for g in graphs:
+        for name, seconds in g.stage_seconds.items():
+            stages[name] = stages.get(name, 0.0) + seconds
+    return stages
 
 
 def _spawn(args: list[str], env: dict, timeout: float) -> dict:
@@ -98,6 +117,7 @@ def _spawn(args: list[str], env: dict, timeout: float) -> dict:
                 "setup_s": r["ready"] - r["imported"],
                 "first_step_s": r["first_result"] - r["ready"],
                 "fallbacks": r["fallbacks"],
+                "ember_stages_s": r["stages"],
             }
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-300:]}"}

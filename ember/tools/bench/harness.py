@@ -100,7 +100,7 @@ def _ember_summary(report) -> dict:
     }
 
 
-def _run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Settings) -> tuple[dict, object]:
+def run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Settings) -> tuple[dict, object]:
     """Compile, run once and check; returns the result and the step to time (None: not timed).
 
     Compilers share Dynamo's cache here (no reset between them): its entries are guarded by
@@ -193,7 +193,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
     steps = {"eager": eager}
     for compiler in s.compilers:
         s.progress(f"{case.key}: {compiler}")
-        record["compilers"][compiler], step = _run_compiler(case, compiler, built, inputs, ref, tol, s)
+        record["compilers"][compiler], step = run_compiler(case, compiler, built, inputs, ref, tol, s)
         if step is not None:
             steps[compiler] = step
         _free(s.device)

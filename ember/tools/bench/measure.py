@@ -339,7 +339,7 @@ def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device) -> float
     return peak / 1e6
 
 
-def _quiet_kineto() -> None:
+def quiet_kineto() -> None:
     """Kineto, the profiler's back end, logs two lines to stderr each time a profile starts and
     stops ("USDT: ... profiler_start"): some 60 lines in one `ember bench`. KINETO_LOG_LEVEL 6 is
     above its highest level; it is read when kineto starts, at the first profile of the process.
@@ -350,7 +350,7 @@ def _quiet_kineto() -> None:
 def _cpu_peak_mb(step: Callable, inputs: tuple) -> float | None:
     from torch.profiler import ProfilerActivity, profile
 
-    _quiet_kineto()
+    quiet_kineto()
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = step(*inputs)
