@@ -5,7 +5,9 @@ Every setting has a name, a type, a default, a help string and an environment va
 and scoped overrides (`with config.override(debug=2): ...`, or `options={...}` given to
 `torch.compile`). Unknown names and bad values are errors that list what is valid.
 
-Settings marked `codegen=True` change generated code, so they enter cache keys.
+Settings marked `codegen=True` change what ember generates for a program (the graphs AOTAutograd
+hands it, their schedules, kernels or binaries), so they enter cache keys (runtime/cache.py); the
+others only change what is reported, whether and where things are cached, and how fast.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Setting:
     default: Any
     help: str
     choices: tuple | None = None
-    codegen: bool = False
+    codegen: bool = False  # changes what ember generates, so it enters cache keys
     check: Callable[[Any], bool] | None = None
 
     @property
@@ -171,12 +173,21 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "fusion_rank_every_pair",
+            bool,
+            False,
+            "after each merge, rank every candidate pair of kernels again, not only those near the merge "
+            "(slow: a check that both choose the same merges)",
+            codegen=True,
+        ),
+        Setting(
             "recompute",
             bool,
             True,
             "training: let AOTAutograd's min-cut partitioner (Inductor's) choose what the forward saves "
             "and what the backward recomputes from fewer saved tensors (off: its default partitioner, "
             "which saves every intermediate the backward reads)",
+            codegen=True,
         ),
         Setting(
             "patterns",
@@ -184,6 +195,7 @@ SETTINGS: dict[str, Setting] = {
             True,
             "rewrite attention written out by hand (matmul, scale, mask, softmax, matmul) to "
             "scaled_dot_product_attention before AOTAutograd (EMBER_LOGS=patterns lists each rewrite)",
+            codegen=True,
         ),
         Setting(
             "bisect_ops",
@@ -209,6 +221,7 @@ SETTINGS: dict[str, Setting] = {
             "product computed in two places rounds the same in both (layer norm's backward over "
             "one-element rows then gives exactly 0, as eager), at up to 5% on compute-heavy rows "
             "(cross_entropy over 50257 classes, H100)",
+            codegen=True,
         ),
         Setting(
             "gemm",
@@ -320,7 +333,8 @@ def snapshot() -> dict[str, Any]:
 
 
 def codegen_key() -> dict[str, Any]:
-    """The settings that change generated code; they enter cache keys."""
+    """The settings marked `codegen`, with their values: the one list of settings that enter cache
+    keys (runtime/cache.py: ember_identity)."""
     return {name: get(name) for name, s in SETTINGS.items() if s.codegen}
 
 

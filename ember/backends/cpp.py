@@ -162,7 +162,8 @@ class CppBackend:
         is loaded from a file of this process's private folder holding the bytes that the cache
         checked or the compiler wrote, so that nothing can swap it between the check and the load."""
         ident = toolchain_identity(self.cxx)
-        key = content_key("cpp", source, ident, FLAGS, self.link_flags, _host_cpu())
+        # -march=native: the library is made for this CPU, which is its target.
+        key = content_key("cpp", source, target=_host_cpu(), toolchain=(ident, FLAGS, self.link_flags))
         cache = DiskCache()
         hit = cache.get("cpp", key)
         if hit is not None:

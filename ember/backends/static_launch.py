@@ -12,19 +12,15 @@ A cubin is loaded from a private copy of the bytes the cache checked, never from
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ember import log
 from ember.runtime import scratch
-from ember.runtime.cache import DiskCache, content_key
+from ember.runtime.cache import DiskCache, content_key, triton_identity
 
 # Triton's scalar types -> _StaticCudaLauncher's argument codes (pointers are "O").
 _STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u32": "I", "u64": "K", "fp32": "f"}
@@ -139,29 +135,18 @@ def launch_hooks() -> bool:
     return any(h is not None and getattr(h, "calls", True) for h in hooks)
 
 
-@functools.cache
-def _reader() -> str:
-    """This file's source and torch's version enter a record's key: a record holds this code's
-    reading of the binary (argument codes, what the launcher can run) for that torch's launcher."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-
-
 class LaunchRecords:
     """The launch records of one kernel module's statically launched kernels, in ember's cache.
 
-    The key holds everything that picks the binary Triton would compile: the module's source
-    (its content key), each kernel's warm-up arguments and constants (their specialization),
-    contraction, the GPU target, Triton's version, the environment variables that steer Triton's
-    and its compilers' passes, this module's source and torch's version. A record whose cubin is
-    gone is simply compiled again."""
+    The key (runtime/cache.py) holds everything that picks the binary Triton would compile and how
+    it is launched: the module's source (its content key), each kernel's warm-up arguments,
+    constants, warps and contraction (their specialization), the GPU target, Triton's identity
+    (its version and the environment that steers its passes), and ember's, which holds this
+    module's reading of the binary (argument codes, what the launcher can run) and torch's version
+    (its launcher). A record whose cubin is gone is simply compiled again."""
 
-    def __init__(self, module_key: str, jobs: list[tuple], fp_fusion: bool, target: tuple):
-        import triton
-
-        env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_")))
-        self.key = content_key(
-            "launch", module_key, jobs, fp_fusion, target, triton.__version__, env, _reader(), torch.__version__
-        )
+    def __init__(self, module_key: str, jobs: list[tuple], target: tuple):
+        self.key = content_key("launch", module_key, jobs, target=target, toolchain=triton_identity(), ember=True)
 
     def load(self) -> dict[str, dict]:
         entry = DiskCache().get("launch", self.key)

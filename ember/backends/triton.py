@@ -41,7 +41,7 @@ from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.runtime import scratch
-from ember.runtime.cache import DiskCache, content_key
+from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
 
@@ -116,9 +116,7 @@ class TritonBackend:
         namespace.update(gemm_fns)
         jobs = _warmup_jobs(fns, self.rendered)
         # A warm start loads each static kernel from its launch record, without Triton.
-        records = (
-            LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], _fp_fusion(), _target()) if direct else None
-        )
+        records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], _target()) if direct else None
         recorded = records.load() if records is not None else {}
         for name, record in recorded.items():
             static = static_launch.from_record(record, index) if name in fns else None
@@ -184,9 +182,7 @@ class TritonBackend:
         return compile_workers.get(config.get("compile_workers"), _target())
 
     def _load(self, source: str):
-        import triton
-
-        key = content_key("triton", source, triton.__version__)
+        key = content_key("triton", source, toolchain=triton_identity())
         self._module_key = key
         cache = DiskCache()
         entry = cache.get("triton", key)

@@ -11,13 +11,15 @@ schedule (runtime/schedule_cache.py), and on a hit `post_compile` builds the ker
 program from it (pipeline.compile_from_schedule).
 
 AOTAutograd's key knows nothing of ember (not its decompositions, partitioner or settings), so
-ember adds its own part through `torch.compiler.config.cache_key_tag`: ember's source hash and
-settings, an identifier of the signing key below (a new key, as `ember cache clear` makes, orphans
-these entries), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN
-and TF32 flags). Used only where the schedule cache is (`schedule_cache` and `cache` on,
-`gemm=aten`, no pass logs asked for), where ember's cache folder is usable, and where the Dynamo
-graph captures no tensor constant; a graph ember ran eagerly, or whose schedule it would not
-cache (symbolic sizes), is not saved (`BypassAOTAutogradCache`).
+ember adds its own part through `torch.compiler.config.cache_key_tag`, a key of runtime/cache.py's
+recipe: ember's identity (its source, the settings that change generated code, versions), an
+identifier of the signing key below (a new key, as `ember cache clear` makes, orphans these
+entries), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32
+flags). The target a schedule was made for is stored with it and checked on a hit. Used only
+where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for),
+where ember's cache folder is usable, and where the Dynamo graph captures no tensor constant; a
+graph ember ran eagerly, or whose schedule it would not cache (symbolic sizes), is not saved
+(`BypassAOTAutogradCache`).
 
 Integrity. The entry lives in torch's cache folder, which ember does not vouch for: another user
 may have made it, and a flipped bit in a pickled constant would be a wrong answer in every later
@@ -236,13 +238,12 @@ def in_force(options: dict) -> Iterator[None]:
 
     from ember.pipeline import publish_loaded
     from ember.runtime.cache import content_key
-    from ember.runtime.schedule_cache import ember_key
 
     with config.override(**options):
         key = _signing_key()
         # Names the key without revealing it: entries signed with another key are other entries.
         key_id = hmac.new(key, b"ember aot-cache key id", hashlib.sha256).hexdigest() if key else "none"
-        tag = content_key(ember_key(), key_id, _state_tag())
+        tag = content_key("aot", key_id, _state_tag(), ember=True)
     old = torch.compiler.config.cache_key_tag
     outer = getattr(_loading, "state", None)
     state = _Loading(options, key)

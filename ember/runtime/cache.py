@@ -1,4 +1,13 @@
-"""On-disk cache of generated source and binaries, addressed by content.
+"""ember's cache layer: the key of everything ember caches, and the disk cache that stores it.
+
+Keys. Every cached thing is keyed by `content_key`, one recipe: a SHA-256 over the entry's kind,
+what it is made from (a graph, a kernel module's source, a binary's bytes), the target it was made
+for, the toolchain that made it, and, for what ember's own passes make, ember's identity
+(`ember_identity`: the settings marked `codegen` in config.py, the one list of settings that enter
+keys; ember's source; the Python, torch and sympy versions). Its users: a graph's schedule
+(runtime/schedule_cache.py), a Triton kernel module, its cubins and launch records
+(backends/triton.py, backends/static_launch.py), a C++ library (backends/cpp.py), GEMM timings
+(backends/gemm_tuning.py), and ember's part of AOTAutograd's key (frontend/aot_cache.py).
 
 Layout, under the root (setting `cache_dir`):
 
@@ -35,9 +44,11 @@ renames an entry out of its place before deleting its files, so a reader never s
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
+import platform
 import re
 import secrets
 import threading
@@ -76,12 +87,60 @@ STALE_TMP_SECONDS = 3600
 _NAME = re.compile(r"[0-9A-Za-z_-]+")
 
 
-def content_key(*parts: object) -> str:
+def content_key(
+    kind: str, *content: object, target: object = None, toolchain: object = None, ember: bool = False
+) -> str:
+    """The key of a cached thing of `kind` (a DiskCache kind, or "aot" for AOTAutograd's entries).
+
+    `content`: what it is made from. `target`: what it was made for; the one place where a
+    target's identity enters a key (today the backend's facts, pipeline.backend_facts; Triton's GPU
+    target; the host CPU for C++). `toolchain`: the compiler that made it, as its backend names it
+    (`triton_identity`; the C++ compiler's version and flags). `ember`: whether ember's passes made
+    it, so that `ember_identity` enters too. Each part is hashed with its type and length, so no
+    two different lists of parts hash the same bytes."""
     h = hashlib.sha256()
-    for p in parts:
-        h.update(repr(p).encode() if not isinstance(p, (bytes, str)) else (p.encode() if isinstance(p, str) else p))
-        h.update(b"\0")
+    for part in (kind, len(content), *content, target, toolchain, ember_identity() if ember else None):
+        h.update(_framed(part))
     return h.hexdigest()
+
+
+def _framed(part: object) -> bytes:
+    """`part` as bytes that say its type (bytes, text, or any other value by its repr) and length."""
+    if isinstance(part, bytes):
+        return b"b" + len(part).to_bytes(8, "little") + part
+    data = part.encode() if isinstance(part, str) else repr(part).encode()
+    return (b"s" if isinstance(part, str) else b"r") + len(data).to_bytes(8, "little") + data
+
+
+def ember_identity() -> tuple:
+    """What of ember the things its passes make depend on: the settings that change generated code
+    (config.codegen_key: every setting marked `codegen`), ember's own source, and the Python, torch
+    and sympy versions."""
+    import sympy
+    import torch
+
+    settings = tuple(sorted(config.codegen_key().items()))
+    return settings, _ember_source(), platform.python_version(), torch.__version__, sympy.__version__
+
+
+@functools.cache
+def _ember_source() -> str:
+    """SHA-256 of every module of ember's, with its path: any change to ember's code is another key."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(_framed(str(path.relative_to(root))) + _framed(path.read_bytes()))
+    return h.hexdigest()
+
+
+def triton_identity() -> tuple:
+    """What picks the binary Triton makes of a source besides the source and the GPU: Triton's
+    version and the environment variables that steer its passes and its compilers' (TRITON_*,
+    MLIR_*, LLVM_*)."""
+    import triton
+
+    steering = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_"))))
+    return triton.__version__, steering
 
 
 @dataclass(frozen=True)

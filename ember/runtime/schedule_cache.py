@@ -8,10 +8,10 @@ what the key holds:
   and device (the importer reads each one's, and fake implementations decide them: a
   convolution's output layout follows cuDNN's flags), and the bytes of every constant it captures
   (16 MiB at most);
-- the graph's kind, the backend and what it tells the passes (its name, programs per row kernel,
-  split size);
-- every setting but those that only change logging, caching or the compile's parallelism;
-- the source of every ember module, and the torch, sympy and Python versions.
+- the graph's kind, and the target: what the backend tells the passes (its name, programs per row
+  kernel, split size);
+- ember's identity (runtime/cache.py: ember_identity): the settings that change generated code,
+  the source of every ember module, and the torch, sympy and Python versions.
 
 Graphs with symbolic sizes anywhere are not cached (their symbols' assumptions live in Dynamo's shape
 environment, not in the graph), nor are graphs compiled with `gemm=auto`/`template` (the choice
@@ -28,47 +28,14 @@ not vouch for; frontend/aot_cache.py signs it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import pickle
-import platform
-from pathlib import Path
 
-import sympy
 import torch
 
 from ember import config, log
 from ember.runtime.cache import DiskCache, content_key
-
-# Settings that cannot change a schedule: what is printed, where and whether things are cached,
-# how many threads and processes compile, how kernels are launched.
-_IRRELEVANT = frozenset(
-    {
-        "strict",
-        "debug",
-        "logs",
-        "check",
-        "cache",
-        "cache_dir",
-        "cache_max_mb",
-        "compile_threads",
-        "compile_workers",
-        "direct_launch",
-        "cpu_huge_pages",
-        "schedule_cache",
-        "aot_cache",
-    }
-)
-
-
-@functools.cache
-def _ember_source_hash() -> str:
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 class _Symbolic(Exception):
@@ -121,14 +88,9 @@ def cacheable_settings() -> bool:
     return not (logs & {"graph", "schedule"} or config.get("debug") >= 3)
 
 
-def ember_key() -> str:
-    """What of ember a schedule depends on: its settings, its source, torch's and Python's versions."""
-    settings = sorted((k, v) for k, v in config.snapshot().items() if k not in _IRRELEVANT)
-    return content_key(settings, _ember_source_hash(), torch.__version__, sympy.__version__, platform.python_version())
-
-
-def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> str | None:
-    """The content key of this graph's schedule, or None where it must not be cached."""
+def schedule_key(gm: torch.fx.GraphModule, kind: str, target: tuple) -> str | None:
+    """The key of this graph's schedule, or None where it must not be cached. `target`: what the
+    schedule is made for (pipeline.backend_facts)."""
     if not cacheable_settings():
         return None
     metas, constants = [], []
@@ -147,7 +109,7 @@ def schedule_key(gm: torch.fx.GraphModule, kind: str, backend_facts: tuple) -> s
         return None
     if sum(size for _, (_, size, _) in constants) > MAX_CONSTANT_BYTES:
         return None
-    return content_key("schedule", gm.code, metas, constants, kind, backend_facts, ember_key())
+    return content_key("schedule", gm.code, metas, constants, kind, target=target, ember=True)
 
 
 def _operator(namespace: str, name: str, overload: str | None):

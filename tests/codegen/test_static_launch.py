@@ -79,7 +79,7 @@ def test_a_launch_record_loads_the_same_binary_without_triton(monkeypatch, tmp_p
     jobs = [("k", ["torch.float32", 4096], {"XBLOCK": 1024}, 4, True)]
     with config.override(cache_dir=str(tmp_path)):
         first = static_launch.from_compiled(fake_compiled(sig), 0)
-        records = static_launch.LaunchRecords("module-key", jobs, True, ("cuda", 90, 32))
+        records = static_launch.LaunchRecords("module-key", jobs, ("cuda", 90, 32))
         assert records.load() == {}
         records.save({"k": first.record})
         ((name, record),) = records.load().items()  # a warm start: JSON from ember's cache
@@ -89,6 +89,6 @@ def test_a_launch_record_loads_the_same_binary_without_triton(monkeypatch, tmp_p
         assert FakeLauncher.loaded[-1] == FakeLauncher.loaded[-2] == (b"\x7fELF fake", "k", 0, 0)
         # Another specialization (an int no longer divisible by 16) is another key: no records.
         other = [("k", ["torch.float32", 4095], {"XBLOCK": 1024}, 4, True)]
-        assert static_launch.LaunchRecords("module-key", other, True, ("cuda", 90, 32)).load() == {}
+        assert static_launch.LaunchRecords("module-key", other, ("cuda", 90, 32)).load() == {}
         # A record whose cubin is gone from the cache loads nothing (the kernel is compiled again).
         assert static_launch.from_record({**record, "cubin": "0" * 64}, 0) is None

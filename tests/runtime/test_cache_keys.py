@@ -1,0 +1,86 @@
+"""Cache keys (runtime/cache.py: content_key): one recipe whose parts cannot run into each other, and
+one list of the settings that enter keys, config.py's `codegen` marks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ember import config
+from ember.runtime import schedule_cache
+from ember.runtime.cache import content_key, ember_identity
+
+# A value other than the default that each setting accepts, where the generic rule below gives none.
+_OTHER = {"logs": "cache"}
+
+
+def _other_value(setting: config.Setting):
+    if setting.name in _OTHER:
+        return _OTHER[setting.name]
+    if setting.choices:
+        return next(c for c in setting.choices if c != setting.default)
+    if setting.type is bool:
+        return not setting.default
+    if setting.type is int:
+        return setting.default + 1
+    return setting.default + "-other"
+
+
+# Pairs of (content, named parts) that a recipe joining the parts' bytes could not tell apart.
+_DIFFERENT_PARTS = {
+    "a separator inside a part": (((b"a\0", b"b"), {}), ((b"a", b"\0b"), {})),
+    "text and bytes of one spelling": ((("x",), {}), ((b"x",), {})),
+    "text and a value of the same repr": ((("1",), {}), ((1,), {})),
+    "where one part ends": ((("ab", "c"), {}), (("a", "bc"), {})),
+    "content or target": ((("a",), {"target": "b"}), (("a", "b"), {})),
+    "target or toolchain": ((("a",), {"target": "t"}), (("a",), {"toolchain": "t"})),
+    "with or without ember's identity": ((("a",), {"ember": True}), (("a",), {})),
+}
+
+
+@pytest.mark.parametrize(("one", "other"), list(_DIFFERENT_PARTS.values()), ids=list(_DIFFERENT_PARTS))
+def test_different_parts_are_different_keys(one, other):
+    (content, named), (other_content, other_named) = one, other
+    key = content_key("kind", *content, **named)
+    assert key == content_key("kind", *content, **named)
+    assert key != content_key("kind", *other_content, **other_named)
+
+
+def test_the_kind_enters_the_key():
+    assert content_key("cpp", "source") != content_key("triton", "source")
+
+
+@pytest.mark.parametrize("setting", list(config.SETTINGS.values()), ids=lambda s: s.name)
+def test_ember_s_identity_holds_exactly_the_codegen_settings(setting):
+    identity = ember_identity()
+    with config.override(**{setting.name: _other_value(setting)}):
+        changed = ember_identity() != identity
+    assert changed == setting.codegen, f"{setting.name}: codegen={setting.codegen}, but the key changed={changed}"
+
+
+def _graph() -> torch.fx.GraphModule:
+    return make_fx(lambda x: torch.softmax(x * 2, -1))(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("setting", list(config.SETTINGS.values()), ids=lambda s: s.name)
+def test_a_schedule_key_changes_with_exactly_the_codegen_settings(setting, tmp_path):
+    gm, target = _graph(), ("cpp", 0, 512)
+    with config.override(cache_dir=str(tmp_path)):
+        key = schedule_cache.schedule_key(gm, "inference", target)
+        with config.override(**{setting.name: _other_value(setting)}):
+            cacheable = schedule_cache.cacheable_settings()
+            other = schedule_cache.schedule_key(gm, "inference", target)
+    assert key is not None
+    if not cacheable:  # the setting turns the schedule cache off
+        assert other is None
+    else:
+        assert (other != key) == setting.codegen, setting.name
+
+
+def test_a_schedule_key_holds_the_target(tmp_path):
+    gm = _graph()
+    with config.override(cache_dir=str(tmp_path)):
+        assert schedule_cache.schedule_key(gm, "inference", ("cpp", 0, 512)) != schedule_cache.schedule_key(
+            gm, "inference", ("cpp", 0, 513)
+        )
