@@ -123,7 +123,8 @@ def test_data_dependent_shape_promised_fixed_is_declined():
     # extern's result and raised. A fixed promise for a data-dependent op is declined up front.
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ember.aten.importer import GraphUnsupported, import_graph
+    from ember.aten.importer import import_graph
+    from ember.aten.registry import GraphUnsupported
 
     def f(x, idx):
         values = torch.ops.aten._unique(idx, False)[0]

@@ -1,62 +1,34 @@
-"""Import an ATen FX graph (from AOTAutograd) into ember's graph IR.
+"""Import an ATen FX graph (from AOTAutograd) into ember's graph IR: the driver.
 
-Each FX node goes through the op registry (lowerings.py). A node whose op has no lowering,
-or whose lowering declines (`Unsupported`: an integer input to a float-only op, a tensor on
-another device, ...), becomes an `extern` node: an ATen call at run time. So an
-unsupported op never fails a compile; it only runs unfused.
+The importer walks the FX graph in order. Inputs, constants and outputs it binds itself; each
+call goes to its op's lowering (registry.py), which adds ember nodes through the graph builder
+(builder.py). A node whose op has no lowering, or whose lowering declines (`Unsupported`: an
+integer input to a float-only op, a tensor on another device, ...), becomes an `extern` node: an
+ATen call at run time. So an unsupported op never fails a compile; it only runs unfused.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from typing import Any
 
 import sympy
 import torch
 import torch.fx
 
 from ember import config
-from ember.ir import dtypes, ops
+from ember.aten import lowerings, pooling  # noqa: F401  (their lowerings fill the registry)
+from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, values_in
+from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
-from ember.ir.sizes import Expr, as_expr, product
-from ember.ir.views import VIEW_KINDS
-
-
-class Unsupported(Exception):
-    """A lowering declines this node; the importer makes it an extern instead."""
-
-
-class GraphUnsupported(Exception):
-    """The whole graph cannot be compiled (the backend falls back to eager)."""
-
-
-LOWERINGS: dict[Any, Callable[[Importer, torch.fx.Node], Any]] = {}
-
-
-def lowering(*targets):
-    """Register a lowering for ATen op packets or overloads (one function per op family)."""
-
-    def register(fn):
-        for t in targets:
-            LOWERINGS[t] = fn
-        return fn
-
-    return register
-
-
-def _meta(node: torch.fx.Node) -> Any:
-    if "val" not in node.meta:
-        raise GraphUnsupported(f"FX node {node.name} has no meta['val']")
-    return node.meta["val"]
+from ember.ir.sizes import Expr, as_expr
 
 
 class Importer:
+    """One FX graph's import: binds each FX node to its ember value, through the lowerings."""
+
     def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
         self.gm = gm
-        self.graph = Graph(device)
-        self.env: dict[torch.fx.Node, Any] = {}
-        self.current: torch.fx.Node | None = None
+        self.builder = GraphBuilder(Graph(device))
         # The nodes lowered to ember IR, in order. `ember bisect` sets bisect_ops=N: the first N
         # are lowered and every later op runs as an ATen extern.
         self.lowered: list[torch.fx.Node] = []
@@ -64,19 +36,22 @@ class Importer:
         self.limit = None if limit < 0 else limit
         # Graph inputs the graph writes -> their new values (see _input_mutation).
         self.mutations: dict[Value, Value] = {}
-        # Floats computed from sizes (SymFloat), held as 0-d float64 values (see _sym_float).
-        self.sym_floats: set[Value] = set()
+
+    @property
+    def graph(self) -> Graph:
+        return self.builder.graph
 
     # -- entry ---------------------------------------------------------------------------
     def run(self) -> Graph:
+        env = self.builder.env
         for node in self.gm.graph.nodes:
-            self.current = node
+            self.builder.current = node
             if node.op == "placeholder":
-                self.env[node] = self._placeholder(node)
+                env[node] = self._placeholder(node)
             elif node.op == "call_function":
-                self.env[node] = self._call(node)
+                env[node] = self._call(node)
             elif node.op == "get_attr":
-                self.env[node] = self._constant_tensor(node)
+                env[node] = self._constant_tensor(node)
             elif node.op == "output":
                 self.graph.outputs = [self._output(a) for a in node.args[0]]
                 for inp, new in self.mutations.items():
@@ -87,7 +62,7 @@ class Importer:
         return self.graph
 
     def _placeholder(self, node):
-        val = _meta(node)
+        val = node_meta(node)
         if isinstance(val, torch.Tensor):
             shape, stride = [as_expr(s) for s in val.shape], [as_expr(s) for s in val.stride()]
             value = self.graph.add_input(shape, val.dtype, stride, device=val.device)
@@ -98,7 +73,7 @@ class Importer:
                 # A CPU scalar tensor beside device tensors (eager allows it: masked_fill's value):
                 # one copy to the device, and kernels read it like any other input.
                 meta = torch.empty((), dtype=val.dtype, device="meta")
-                return self.extern_call(
+                return self.builder.extern_call(
                     _ToDevice(self.graph.device), (value,), {}, meta, origin=f"{node.name} to device"
                 )
             return value
@@ -110,13 +85,13 @@ class Importer:
 
     def _constant_tensor(self, node):
         tensor = getattr(self.gm, node.target)
-        return self.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
+        return self.builder.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
 
     def _output(self, arg):
         if not isinstance(arg, torch.fx.Node):
             return arg
-        value = self.env[arg]
-        if self._is_sym_float(value):
+        value = self.builder.env[arg]
+        if self.builder.is_sym_float(value):
             raise GraphUnsupported(f"symbolic float {arg.name} as a graph output")
         meta = arg.meta.get("val")
         # Return outputs in eager's layout (x.t() * 2 keeps x's column-major strides), as
@@ -155,11 +130,11 @@ class Importer:
         if node.target is operator.getitem:
             if isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool):
                 return as_expr(val)  # an extern's integer result (e.g. cuDNN attention's max_q)
-            return self.env[node.args[0]][node.args[1]]
-        lower = LOWERINGS.get(node.target) or LOWERINGS.get(getattr(node.target, "overloadpacket", None))
+            return self.builder.env[node.args[0]][node.args[1]]
+        lower = lowering_for(node.target)
         if lower is not None and (self.limit is None or len(self.lowered) < self.limit):
             try:
-                result = lower(self, node)
+                result = lower(self.builder, node)
             except Unsupported:
                 pass
             else:
@@ -171,7 +146,7 @@ class Importer:
                 else:
                     _take_permuted_layout(result, meta)
                 return result
-        return self.extern(node)
+        return self._extern(node)
 
     def _input_mutation(self, node) -> Value:
         """`copy_(input, src)`: AOTAutograd's in-graph mutation of a graph input (batch norm's running
@@ -179,17 +154,18 @@ class Importer:
         as an output; the host program leaves it in the input (memory plan: in place where the
         kernel computing it is the input's last reader, else one copy at the end). Any other
         copy_ (into an intermediate) is a mutation the scheduler does not order around."""
-        dst_node, src = node.args[0], self.arg(node.args[1])
-        dst = self.env.get(dst_node)
+        b = self.builder
+        dst_node, src = node.args[0], b.arg(node.args[1])
+        dst = b.env.get(dst_node)
         if dst_node.op != "placeholder" or not isinstance(dst, Value) or dst.device != self.graph.device:
             raise GraphUnsupported("mutating op copy_ (into a value that is not a graph input on its device)")
         if dst in self.mutations:
             raise GraphUnsupported(f"input {dst_node.name} mutated twice")
         if not isinstance(src, Value) or src.device != self.graph.device:
             raise GraphUnsupported("copy_ from a value on another device")
-        new = self.cast(src, dst.dtype)
+        new = b.cast(src, dst.dtype)
         if tuple(new.shape) != tuple(dst.shape):
-            new = self.view("expand", new, shape=tuple(dst.shape))
+            new = b.view("expand", new, shape=tuple(dst.shape))
         if new.node.op in COMPUTED_OPS and new.stride is None and dst.stride is not None:
             new.stride = tuple(dst.stride)  # computed in the input's layout, so it can be written there
         self.mutations[dst] = new
@@ -199,169 +175,51 @@ class Importer:
         """A float computed from sizes (var's backward scales by 2.0 / (float(N) - 1.0)): a 0-d float64
         value, computed in double as eager's Python float is, which a tensor op then reads as a scalar
         operand (converted to the op's compute dtype, as eager converts a Python scalar)."""
-        args = [self.arg(a) for a in node.args]
+        b = self.builder
+        args = [b.arg(a) for a in node.args]
         if node.target is torch.sym_float and len(args) == 1 and isinstance(args[0], (int, Expr)):
-            value = as_expr(args[0])
-            out = self.graph.add("full", [], {"value": value}, [((), torch.float64, None)], "sym_float").out
+            out = b.full(as_expr(args[0]), (), torch.float64, origin="sym_float")
         elif node.target in _SYM_FLOAT_OPS and not node.kwargs:
-            if not all(isinstance(a, (int, float, Expr)) or self._is_sym_float(a) for a in args):
+            if not all(isinstance(a, (int, float, Expr)) or b.is_sym_float(a) for a in args):
                 raise GraphUnsupported(f"symbolic float {node.name} of {[type(a).__name__ for a in args]}")
             operands = [float(a) if isinstance(a, int) else a for a in args]  # float(N) - 1: double math
-            fn = _SYM_FLOAT_OPS[node.target]
-            out = self.pointwise(fn, operands, ShapeDtype((), torch.float64))
+            out = b.pointwise(_SYM_FLOAT_OPS[node.target], operands, ShapeDtype((), torch.float64))
         else:
             raise GraphUnsupported(f"symbolic float {node.name} ({node.target})")
-        self.sym_floats.add(out)
+        b.sym_floats.add(out)
         return out
 
     def _check_sym_float_use(self, node) -> None:
         """A symbolic float may be a scalar operand of elementwise arithmetic (where a 0-d value and a
         Python scalar act alike) and nothing else: a lowering or an extern expecting a number gets a
         tensor."""
-        if not any(self._is_sym_float(self.env.get(n)) for n in node.all_input_nodes):
+        b = self.builder
+        if not any(b.is_sym_float(b.env.get(n)) for n in node.all_input_nodes):
             return
         in_kwargs: list = []
         torch.fx.node.map_arg(node.kwargs, in_kwargs.append)
         positional = getattr(node.target, "overloadpacket", None) in _SYM_FLOAT_CONSUMERS
-        if not positional or any(self._is_sym_float(self.env.get(n)) for n in in_kwargs):
-            raise GraphUnsupported(f"symbolic float used by {_op_name(node.target)}")
+        if not positional or any(b.is_sym_float(b.env.get(n)) for n in in_kwargs):
+            raise GraphUnsupported(f"symbolic float used by {op_name(node.target)}")
 
-    def _is_sym_float(self, x) -> bool:
-        return isinstance(x, Value) and x in self.sym_floats
-
-    # -- helpers for lowerings ------------------------------------------------------------
-    @property
-    def origin(self) -> str:
-        return _op_name(self.current.target) if self.current is not None else ""
-
-    def arg(self, x) -> Any:
-        """An FX argument as an IR operand: Value, sympy expression, or Python scalar."""
-        if isinstance(x, torch.fx.Node):
-            return self.env[x]
-        if isinstance(x, (list, tuple)):
-            return type(x)(self.arg(a) for a in x)
-        return x
-
-    def out_meta(self) -> torch.Tensor:
-        val = _meta(self.current)
-        if not isinstance(val, torch.Tensor):
-            raise Unsupported("non-tensor output")
-        self.check_kernel_tensor(val)
-        return val
-
-    def check_kernel_tensor(self, t) -> None:
-        if t.dtype not in dtypes.KERNEL_DTYPES:
-            raise Unsupported(f"dtype {t.dtype}")
-        if t.device != self.graph.device:
-            raise Unsupported(f"device {t.device}")
-
-    def operand(self, x) -> Any:
-        """A kernel operand: a Value on the graph's device with a kernel dtype, or a scalar."""
-        if isinstance(x, Value):
-            self.check_kernel_tensor(x)
-            return x
-        if isinstance(x, (bool, int, float, Expr)):
-            return x
-        raise Unsupported(f"operand {type(x).__name__}")
-
-    def pointwise(self, fn: str, operands, out: torch.Tensor | None = None, **attrs) -> Value:
-        out = self.out_meta() if out is None else out
-        operands = [self.operand(x) for x in operands]
-        values = [x for x in operands if isinstance(x, Value)]
-        if fn in ops.FLOAT_ONLY and not out.dtype.is_floating_point:
-            raise Unsupported(f"{fn} on {out.dtype}")
-        if ops.POINTWISE[fn].kind == "compare":
-            attrs["operand_dtype"] = _promoted(operands)
-        shape = tuple(as_expr(s) for s in out.shape)
-        for v in values:
-            if len(v.shape) > len(shape):
-                raise Unsupported("operand rank above output rank")
-        node = self.graph.add("pointwise", operands, {"fn": fn, **attrs}, [(shape, out.dtype, None)], self.origin)
-        return node.out
-
-    def cast(self, x: Value, dtype: torch.dtype) -> Value:
-        if dtype not in dtypes.KERNEL_DTYPES:
-            raise Unsupported(f"cast to {dtype}")
-        if x.dtype == dtype:
-            return x
-        return self.graph.add("cast", [self.operand(x)], {"dtype": dtype}, [(x.shape, dtype, None)], self.origin).out
-
-    def reduce(self, kind: str, x: Value, dims, keepdim: bool, dtype: torch.dtype) -> Value:
-        x = self.operand(x)
-        rank = len(x.shape)
-        if rank == 0:  # dims may name 0 or -1 of a 0-d tensor: the reduction is a copy
-            return (
-                self.cast(x, dtype) if x.dtype != dtype else self.pointwise("add", [x, 0], ShapeDtype(x.shape, dtype))
-            )
-        dims = tuple(sorted({d % rank for d in dims})) if dims else tuple(range(rank))
-        if any(x.shape[d] == 0 for d in dims):
-            raise Unsupported("reduction over an empty dimension")
-        shape = tuple((1 if keepdim else None) if k in dims else s for k, s in enumerate(x.shape))
-        shape = tuple(as_expr(s) for s in shape if s is not None)
-        node = self.graph.add(
-            "reduce", [x], {"kind": kind, "dims": dims, "keepdim": keepdim}, [(shape, dtype, None)], self.origin
-        )
-        return node.out
-
-    def view(self, kind: str, base: Value, **attrs) -> Value:
-        base = self.operand(base)
-        shape = tuple(as_expr(s) for s in VIEW_KINDS[kind].shape(base.shape, attrs))
-        return self.graph.add("view", [base], {"kind": kind, **attrs}, [(shape, base.dtype, None)], self.origin).out
-
-    def reshape(self, base: Value, shape) -> Value:
-        shape = tuple(as_expr(s) for s in shape)
-        if shape == base.shape:
-            return base
-        if -1 in [int(s) if s.is_Integer else 0 for s in shape]:
-            known = product(s for s in shape if s != -1)
-            shape = tuple(product(base.shape) / known if s == -1 else s for s in shape)
-        return self.view("reshape", base, shape=shape)
-
-    def numel(self, x: Value, dims) -> Expr:
-        return product(x.shape[d] for d in dims) if dims else product(x.shape)
-
-    def extern(self, node: torch.fx.Node) -> Any:
+    def _extern(self, node: torch.fx.Node):
+        """The node as an ATen call at run time, unless that cannot be right for the graph."""
+        b = self.builder
         schema = getattr(node.target, "_schema", None)
         if schema is not None and schema.is_mutable:
             # Fused kernels may be ordered around it; until the scheduler orders around
             # mutations, a graph that mutates runs eagerly.
-            raise GraphUnsupported(f"mutating op {_op_name(node.target)}")
+            raise GraphUnsupported(f"mutating op {op_name(node.target)}")
         if _static_shape_promised_for_data_dependent(node):
             # The host program trusts an extern's meta shape (it indexes and allocates by it); a
             # fixed size for an op whose size depends on data cannot be right (torch 2.11's fake
             # `_unique` on CUDA: index_fill's backward promised (5, 1) and got (5, 3)).
-            raise GraphUnsupported(f"{_op_name(node.target)}: data-dependent output shape promised as fixed")
-        args = self.arg(node.args)
-        kwargs = {k: self.arg(v) for k, v in node.kwargs.items()}
-        if any(self._is_sym_float(v) for v in _values_in((args, kwargs))):
-            raise GraphUnsupported(f"symbolic float passed to {_op_name(node.target)}, which runs as an ATen call")
-        return self.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=_op_name(node.target))
-
-    def extern_call(self, target, args, kwargs, meta, origin: str) -> Any:
-        metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
-        out_types = []
-        for m in metas:
-            if isinstance(m, torch.Tensor):
-                out_types.append(([as_expr(s) for s in m.shape], m.dtype, [as_expr(s) for s in m.stride()]))
-            elif m is None or (isinstance(m, (int, float, torch.SymInt)) and isinstance(meta, (list, tuple))):
-                out_types.append(None)  # non-tensor parts of a tuple result are read through getitem
-            else:
-                raise GraphUnsupported(f"extern {origin} returns {type(m).__name__}")
-        real = [t for t in out_types if t is not None]
-        attrs = {
-            "target": target,
-            "args": args,
-            "kwargs": kwargs,
-            "tuple_result": isinstance(meta, (list, tuple)),
-            "output_positions": [k for k, t in enumerate(out_types) if t is not None],
-        }
-        node = self.graph.add("extern", [], attrs, real, origin)
-        node.inputs = _values_in((args, kwargs))
-        outs = iter(node.outputs)
-        results = [next(outs) if t is not None else None for t in out_types]
-        if isinstance(meta, (list, tuple)):
-            return tuple(results)
-        return results[0]
+            raise GraphUnsupported(f"{op_name(node.target)}: data-dependent output shape promised as fixed")
+        args = b.arg(node.args)
+        kwargs = {k: b.arg(v) for k, v in node.kwargs.items()}
+        if any(b.is_sym_float(v) for v in values_in((args, kwargs))):
+            raise GraphUnsupported(f"symbolic float passed to {op_name(node.target)}, which runs as an ATen call")
+        return b.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=op_name(node.target))
 
 
 # Ops whose result size always depends on the data (the `dynamic_output_shape` tag also marks
@@ -463,52 +321,5 @@ def _is_dense(shape, stride) -> bool:
     return True
 
 
-class ShapeDtype:
-    """The output meta of a value a lowering makes itself (not read off an FX node)."""
-
-    def __init__(self, shape, dtype):
-        self.shape = shape
-        self.dtype = dtype
-
-
-def _values_in(tree) -> list[Value]:
-    found: list[Value] = []
-
-    def walk(x):
-        if isinstance(x, Value):
-            found.append(x)
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-
-    walk(tree)
-    return found
-
-
-def _promoted(operands) -> torch.dtype:
-    """The dtype a comparison computes in, by PyTorch's promotion rules (0-dim tensors rank low)."""
-    samples = []
-    for x in operands:
-        if isinstance(x, Value):
-            samples.append(torch.empty((1,) * max(1, len(x.shape)) if x.shape else (), dtype=x.dtype))
-        elif isinstance(x, Expr):
-            samples.append(1)
-        else:
-            samples.append(x)
-    if len(samples) == 1:
-        return samples[0].dtype if isinstance(samples[0], torch.Tensor) else torch.float32
-    return torch.result_type(samples[0], samples[1])
-
-
-def _op_name(target) -> str:
-    packet = getattr(target, "overloadpacket", None)
-    return getattr(packet or target, "__name__", None) or str(target)
-
-
 def import_graph(gm: torch.fx.GraphModule, device: torch.device) -> Graph:
-    from ember.aten import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
-
     return Importer(gm, device).run()

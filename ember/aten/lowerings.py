@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ember.aten.importer import LOWERINGS, Importer, ShapeDtype, Unsupported, lowering
+from ember.aten.builder import GraphBuilder, ShapeDtype
+from ember.aten.registry import Unsupported, lowering, lowering_for
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr, product
 
@@ -53,7 +54,7 @@ _UNARY = {
 }
 
 
-def _scalar_or_value(ctx: Importer, x):
+def _scalar_or_value(ctx: GraphBuilder, x):
     x = ctx.arg(x)
     if isinstance(x, torch.Tensor):
         raise Unsupported("eager tensor operand")
@@ -61,15 +62,15 @@ def _scalar_or_value(ctx: Importer, x):
 
 
 @lowering(*_BINARY)
-def _binary(ctx: Importer, node):
+def _binary(ctx: GraphBuilder, node):
     fn = _BINARY[node.target.overloadpacket]
     return ctx.pointwise(fn, [_scalar_or_value(ctx, a) for a in node.args[:2]])
 
 
 @lowering(*_UNARY)
-def _unary(ctx: Importer, node):
+def _unary(ctx: GraphBuilder, node):
     fn = _UNARY[node.target.overloadpacket]
-    if fn == "abs" and ctx.graph.device.type == "cuda" and ctx.out_meta().dtype == torch.int64:
+    if fn == "abs" and ctx.device.type == "cuda" and ctx.out_meta().dtype == torch.int64:
         # Triton 3.6 on the H100 miscompiles comparisons of -abs(x) for int64: clamp(-abs(x), -3, 4)
         # gave -3 for every x (GPU fuzz seed 2026 program 304), whether abs was tl.abs, a where()
         # or PTX's abs.s64. ATen computes it; a kernel reading the result compares correctly.
@@ -78,7 +79,7 @@ def _unary(ctx: Importer, node):
 
 
 @lowering(aten.add, aten.sub)
-def _add_sub(ctx: Importer, node):
+def _add_sub(ctx: GraphBuilder, node):
     a, b = (_scalar_or_value(ctx, x) for x in node.args[:2])
     alpha = node.kwargs.get("alpha", 1)
     if alpha != 1:
@@ -90,7 +91,7 @@ def _add_sub(ctx: Importer, node):
 
 
 @lowering(aten.rsub)
-def _rsub(ctx: Importer, node):
+def _rsub(ctx: GraphBuilder, node):
     a, b = (_scalar_or_value(ctx, x) for x in node.args[:2])
     if node.kwargs.get("alpha", 1) != 1:
         raise Unsupported("rsub alpha")
@@ -98,19 +99,19 @@ def _rsub(ctx: Importer, node):
 
 
 @lowering(aten.div)
-def _div(ctx: Importer, node):
+def _div(ctx: GraphBuilder, node):
     if node.kwargs.get("rounding_mode") is not None:
         raise Unsupported("div rounding_mode")
     return ctx.pointwise("truediv", [_scalar_or_value(ctx, a) for a in node.args[:2]])
 
 
 @lowering(aten.relu)
-def _relu(ctx: Importer, node):
+def _relu(ctx: GraphBuilder, node):
     return ctx.pointwise("maximum", [ctx.arg(node.args[0]), 0])
 
 
 @lowering(aten.pow)
-def _pow(ctx: Importer, node):
+def _pow(ctx: GraphBuilder, node):
     base, exponent = (_scalar_or_value(ctx, x) for x in node.args[:2])
     if exponent == 2:
         return ctx.pointwise("mul", [base, base])
@@ -122,14 +123,14 @@ def _pow(ctx: Importer, node):
 
 
 @lowering(aten.where)
-def _where(ctx: Importer, node):
+def _where(ctx: GraphBuilder, node):
     if len(node.args) != 3:
         raise Unsupported("where(cond) form")
     return ctx.pointwise("where", [_scalar_or_value(ctx, a) for a in node.args])
 
 
 @lowering(aten.clamp, aten.clamp_min, aten.clamp_max)
-def _clamp(ctx: Importer, node):
+def _clamp(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     packet = node.target.overloadpacket
     names = {aten.clamp: ("min", "max"), aten.clamp_min: ("min",), aten.clamp_max: ("max",)}[packet]
@@ -154,7 +155,7 @@ _VALUE_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 
 
 @lowering(aten._to_copy, torch.ops.prims.convert_element_type)
-def _to_copy(ctx: Importer, node):
+def _to_copy(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     out = ctx.out_meta()
     allowed = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"}
@@ -168,7 +169,7 @@ def _to_copy(ctx: Importer, node):
 
 
 @lowering(aten.clone)
-def _clone(ctx: Importer, node):
+def _clone(ctx: GraphBuilder, node):
     if node.kwargs.get("memory_format") not in _VALUE_FORMATS:
         raise Unsupported("clone memory_format")
     x = ctx.arg(node.args[0])
@@ -188,7 +189,7 @@ def _dims_keepdim(node, dim_index=1):
 
 
 @lowering(aten.sum)
-def _sum(ctx: Importer, node):
+def _sum(ctx: GraphBuilder, node):
     if node.kwargs.get("dtype") is not None:
         raise Unsupported("sum dtype")
     x = ctx.arg(node.args[0])
@@ -197,7 +198,7 @@ def _sum(ctx: Importer, node):
 
 
 @lowering(aten.amax, aten.amin)
-def _amax(ctx: Importer, node):
+def _amax(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     dims, keepdim = _dims_keepdim(node)
     kind = "max" if node.target.overloadpacket is aten.amax else "min"
@@ -205,7 +206,7 @@ def _amax(ctx: Importer, node):
 
 
 @lowering(aten.all, aten.any)
-def _all_any(ctx: Importer, node):
+def _all_any(ctx: GraphBuilder, node):
     """all/any: the min/max of `x != 0` as bool (_safe_softmax's "is the whole row -inf")."""
     x = ctx.arg(node.args[0])
     if ctx.out_meta().dtype != torch.bool:
@@ -217,7 +218,7 @@ def _all_any(ctx: Importer, node):
     return ctx.reduce(kind, truth, dims, keepdim, torch.bool)
 
 
-def _mean(ctx: Importer, x, dims, keepdim, out_dtype):
+def _mean(ctx: GraphBuilder, x, dims, keepdim, out_dtype):
     """sum in float32 (or float64), divided by the count, cast once at the end as eager does."""
     if not out_dtype.is_floating_point:
         raise Unsupported("integer mean")
@@ -229,7 +230,7 @@ def _mean(ctx: Importer, x, dims, keepdim, out_dtype):
 
 
 @lowering(aten.mean)
-def _mean_lowering(ctx: Importer, node):
+def _mean_lowering(ctx: GraphBuilder, node):
     if node.kwargs.get("dtype") is not None:
         raise Unsupported("mean dtype")
     x = ctx.arg(node.args[0])
@@ -238,7 +239,7 @@ def _mean_lowering(ctx: Importer, node):
     return ctx.cast(_mean(ctx, x, dims, keepdim, out.dtype), out.dtype)
 
 
-def _var_mean(ctx: Importer, node):
+def _var_mean(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     if not x.shape:
         raise Unsupported("variance of a 0-d tensor")  # dim=0/-1 names no dim to count over
@@ -269,14 +270,14 @@ def _var_mean(ctx: Importer, node):
 
 
 @lowering(aten.var)
-def _var(ctx: Importer, node):
+def _var(ctx: GraphBuilder, node):
     if node.target != aten.var.correction:
         raise Unsupported("var overload")
     return _var_mean(ctx, node)[0]
 
 
 @lowering(aten.var_mean)
-def _var_mean_lowering(ctx: Importer, node):
+def _var_mean_lowering(ctx: GraphBuilder, node):
     if node.target != aten.var_mean.correction:
         raise Unsupported("var_mean overload")
     return _var_mean(ctx, node)
@@ -286,7 +287,7 @@ def _var_mean_lowering(ctx: Importer, node):
 
 
 @lowering(aten.view, aten._unsafe_view, aten.reshape)
-def _view(ctx: Importer, node):
+def _view(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     if not hasattr(x, "shape") or not isinstance(node.args[1], (list, tuple)):
         raise Unsupported("view(dtype)")
@@ -294,14 +295,14 @@ def _view(ctx: Importer, node):
 
 
 @lowering(aten.permute)
-def _permute(ctx: Importer, node):
+def _permute(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     rank = len(x.shape)
     return ctx.view("permute", x, dims=tuple(d % rank for d in node.args[1]))
 
 
 @lowering(aten.t, aten.transpose)
-def _transpose(ctx: Importer, node):
+def _transpose(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     rank = len(x.shape)
     if rank < 2:
@@ -313,7 +314,7 @@ def _transpose(ctx: Importer, node):
 
 
 @lowering(aten.expand)
-def _expand(ctx: Importer, node):
+def _expand(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     shape = tuple(as_expr(s) for s in ctx.out_meta().shape)
     if shape == tuple(x.shape):
@@ -322,7 +323,7 @@ def _expand(ctx: Importer, node):
 
 
 @lowering(aten.slice)
-def _slice(ctx: Importer, node):
+def _slice(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     args = list(node.args) + [None] * (5 - len(node.args))
     dim = (args[1] if args[1] is not None else node.kwargs.get("dim", 0)) % len(x.shape)
@@ -347,7 +348,7 @@ def _clamp_index(i, size):
 
 
 @lowering(aten.select)
-def _select(ctx: Importer, node):
+def _select(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     dim = node.args[1] % len(x.shape)
     index = as_expr(ctx.arg(node.args[2]))
@@ -357,13 +358,13 @@ def _select(ctx: Importer, node):
 
 
 @lowering(aten.unsqueeze)
-def _unsqueeze(ctx: Importer, node):
+def _unsqueeze(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     return ctx.view("unsqueeze", x, dim=node.args[1] % (len(x.shape) + 1))
 
 
 @lowering(aten.squeeze)
-def _squeeze(ctx: Importer, node):
+def _squeeze(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     rank = len(x.shape)
     dims = node.args[1] if len(node.args) > 1 else list(range(rank))
@@ -376,7 +377,7 @@ def _squeeze(ctx: Importer, node):
 
 
 @lowering(aten.alias, aten.lift_fresh_copy, aten.detach)
-def _alias(ctx: Importer, node):
+def _alias(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     if node.target.overloadpacket is aten.lift_fresh_copy:
         return ctx.pointwise("mul", [x, 1])
@@ -387,7 +388,7 @@ def _alias(ctx: Importer, node):
 
 
 @lowering(aten.full, aten.scalar_tensor, aten.full_like)
-def _full(ctx: Importer, node):
+def _full(ctx: GraphBuilder, node):
     out = ctx.out_meta()
     if node.target.overloadpacket is aten.full_like and node.kwargs.get("memory_format") not in _VALUE_FORMATS:
         raise Unsupported("full_like memory_format")
@@ -395,8 +396,7 @@ def _full(ctx: Importer, node):
     value = ctx.arg(value)
     if not isinstance(value, (int, float, bool)):
         raise Unsupported("symbolic fill value")
-    shape = tuple(as_expr(s) for s in out.shape)
-    return ctx.graph.add("full", [], {"value": value}, [(shape, out.dtype, None)], ctx.origin).out
+    return ctx.full(value, out.shape, out.dtype)
 
 
 # -- one element per row: gather and scatter as one-hot selections -------------------------
@@ -423,7 +423,7 @@ def _one_per_row(x: Value, dim: int, index) -> bool:
     )
 
 
-def _check_in_range(ctx: Importer, index: Value, length, dim: int) -> None:
+def _check_in_range(ctx: GraphBuilder, index: Value, length, dim: int) -> None:
     """Raise at run time, as eager does, when an index lies outside [0, length): eager's gather and
     scatter accept no negative index. The check reads the index once, flattened to one dim so that
     it shares a domain with other full reductions over as many elements."""
@@ -442,15 +442,15 @@ def _check_in_range(ctx: Importer, index: Value, length, dim: int) -> None:
     ctx.extern_call(aten._assert_async.msg, (every, message), {}, None, origin="_assert_async")
 
 
-def position_along(ctx: Importer, x: Value, dim: int) -> Value:
+def position_along(ctx: GraphBuilder, x: Value, dim: int) -> Value:
     """j: x's position along dim, shaped to broadcast against x (an iota, never stored)."""
     length = x.shape[dim]
-    pos = ctx.graph.add("iota", [], {"start": 0, "step": 1}, [((length,), torch.int64, None)], ctx.origin).out
+    pos = ctx.iota(length)
     shape = tuple(length if d == dim else 1 for d in range(len(x.shape)))
     return ctx.reshape(pos, shape)
 
 
-def _select_row(ctx: Importer, x: Value, dim: int, index: Value, memo: dict) -> Value:
+def _select_row(ctx: GraphBuilder, x: Value, dim: int, index: Value, memo: dict) -> Value:
     """x gathered at index along dim, with the gather pushed through pointwise ops and casts so
     that it lands on loads: gather(a - lse) = gather(a) - lse reads a at one point per row."""
     if x.id in memo:
@@ -481,7 +481,7 @@ def _select_row(ctx: Importer, x: Value, dim: int, index: Value, memo: dict) -> 
 
 
 @lowering(aten.gather)
-def _gather(ctx: Importer, node):
+def _gather(ctx: GraphBuilder, node):
     x, index = ctx.arg(node.args[0]), ctx.arg(node.args[2])
     if not isinstance(x, Value) or x.dtype == torch.bool or node.kwargs.get("sparse_grad"):
         raise Unsupported("gather operands")
@@ -495,7 +495,7 @@ def _gather(ctx: Importer, node):
 
 
 @lowering(aten.scatter)
-def _scatter(ctx: Importer, node):
+def _scatter(ctx: GraphBuilder, node):
     x, index = ctx.arg(node.args[0]), ctx.arg(node.args[2])
     src = ctx.arg(node.args[3]) if len(node.args) > 3 else node.kwargs.get("value", node.kwargs.get("src"))
     if not isinstance(x, Value) or node.kwargs.get("reduce") is not None or len(node.args) > 4:
@@ -513,7 +513,7 @@ def _scatter(ctx: Importer, node):
 
 
 @lowering(aten.split, aten.split_with_sizes)
-def _split(ctx: Importer, node):
+def _split(ctx: GraphBuilder, node):
     """Pieces along a dim as slice views of x (q/k/v of one projection stay one buffer)."""
     x = ctx.arg(node.args[0])
     sizes = node.args[1]
@@ -543,7 +543,7 @@ MAX_CAT_PIECES = 8
 
 
 @lowering(aten.cat)
-def _cat(ctx: Importer, node):
+def _cat(ctx: GraphBuilder, node):
     out = ctx.out_meta()
     rank = out.dim()
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % max(rank, 1)
@@ -598,13 +598,13 @@ def _feeds_a_kernel(node) -> bool:
         packet = getattr(user.target, "overloadpacket", None)
         if packet in _MOVEMENT:
             frontier.extend(user.users)
-        elif user.op == "call_function" and (user.target in LOWERINGS or packet in LOWERINGS):
+        elif user.op == "call_function" and lowering_for(user.target) is not None:
             return True
     return False
 
 
 @lowering(aten.constant_pad_nd)
-def _constant_pad_nd(ctx: Importer, node):
+def _constant_pad_nd(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     value = ctx.arg(node.args[2]) if len(node.args) > 2 else node.kwargs.get("value", 0)
     if not isinstance(x, Value) or not isinstance(value, (int, float, bool)):
@@ -621,7 +621,7 @@ def _constant_pad_nd(ctx: Importer, node):
 
 
 @lowering(aten.slice_backward)
-def _slice_backward(ctx: Importer, node):
+def _slice_backward(ctx: GraphBuilder, node):
     """The gradient of x[start:end] along dim: grad placed in zeros of x's shape. With step 1 that
     is grad padded by zeros, which fuses into its reader (LLaMA's rotate_half backward: the two
     halves' gradients meet in one add) instead of ATen's fill and copy per half."""
@@ -641,7 +641,9 @@ def _slice_backward(ctx: Importer, node):
     return ctx.pointwise("where", [inside, result, 0], out)
 
 
-def padded_view(ctx: Importer, x: Value, widths: dict, shape: tuple, masked: bool = True) -> tuple[Value, Value | None]:
+def padded_view(
+    ctx: GraphBuilder, x: Value, widths: dict, shape: tuple, masked: bool = True
+) -> tuple[Value, Value | None]:
     """x padded by widths {dim: (before, after)} to `shape`, as a replicate_pad view, and a bool
     value (broadcasting to shape) that is True where the view reads x itself: None if everywhere.
     A negative width crops."""
@@ -665,7 +667,7 @@ def padded_view(ctx: Importer, x: Value, widths: dict, shape: tuple, masked: boo
     return result, inside
 
 
-def logical_and(ctx: Importer, a: Value, b: Value) -> Value:
+def logical_and(ctx: GraphBuilder, a: Value, b: Value) -> Value:
     """a & b for bool values shaped as positions along different dims (each dim 1 in one of them)."""
     shape = tuple(y if x == 1 else x for x, y in zip(a.shape, b.shape))
     return ctx.pointwise("logical_and", [a, b], ShapeDtype(shape, torch.bool))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ember.aten.importer import Importer, ShapeDtype, Unsupported, lowering
+from ember.aten.builder import GraphBuilder, ShapeDtype
 from ember.aten.lowerings import logical_and, padded_view, position_along
+from ember.aten.registry import Unsupported, lowering
 from ember.ir import dtypes
 from ember.ir.graph import Value
 from ember.ir.sizes import as_expr
@@ -29,7 +30,7 @@ MAX_POOL_WINDOW = 49
 
 
 @lowering(aten.max_pool2d_with_indices)
-def _max_pool2d_with_indices(ctx: Importer, node):
+def _max_pool2d_with_indices(ctx: GraphBuilder, node):
     x = ctx.arg(node.args[0])
     args = list(node.args) + [None] * (6 - len(node.args))
     kernel = _pair(args[1])
@@ -95,7 +96,7 @@ def _max_pool2d_with_indices(ctx: Importer, node):
 
 
 @lowering(aten.max_pool2d_with_indices_backward)
-def _max_pool2d_with_indices_backward(ctx: Importer, node):
+def _max_pool2d_with_indices_backward(ctx: GraphBuilder, node):
     """The input's gradient as a gather, not eager's scatter: each input position (h, w) sums the
     gradients of the outputs whose window holds it and whose index names it. Along h those outputs
     are oh = (h + p) // s - j for j < ceil(k / s): grad_output repeated s times along h
@@ -170,7 +171,7 @@ def _max_pool2d_with_indices_backward(ctx: Importer, node):
     return ctx.cast(total, out.dtype)
 
 
-def _window(ctx: Importer, x: Value, dims, offsets, stride, padding, out_shape, ceil_mode: bool) -> Value:
+def _window(ctx: GraphBuilder, x: Value, dims, offsets, stride, padding, out_shape, ceil_mode: bool) -> Value:
     """x's elements at window offset `offsets` of every output position, as a view: padded by
     `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
     stride. With ceil_mode the last window may reach past x and its padding: the padded view then

@@ -172,7 +172,6 @@ def _search(fn, inputs, fuse: bool, options: dict, rtol, atol, trials: list, dyn
 
 
 def _importer(gm, limit: int | None, options: dict):
-    from ember.aten import lowerings, pooling  # noqa: F401  (fill LOWERINGS)
     from ember.aten.importer import Importer
     from ember.pipeline import graph_device
 
