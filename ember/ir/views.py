@@ -152,6 +152,21 @@ def _replicate_pad_index(i, s_in, s_out, a):
     return i[:d] + [shifted] + i[d + 1 :]
 
 
+def _chunks_shape(s, a):
+    return s[: a["dim"]] + (sympy.Integer(a["count"]), sympy.Integer(a["length"])) + s[a["dim"] + 1 :]
+
+
+def _chunks_index(i, s_in, s_out, a):
+    """Element j of chunk k reads the base at k * length + j, but the last chunk ends at the base's
+    end: `count` chunks of `length` cover a size that `length` does not divide, the last overlapping
+    the one before by count * length - size elements (a reader that must not see them twice masks
+    them out: schedule/split.py). The index stays affine along j, with no clamp to vectorize around."""
+    d, count, length = a["dim"], a["count"], a["length"]
+    overlap = count * length - s_in[d]
+    chunk, j = i[d], i[d + 1]
+    return i[:d] + [chunk * length + j - overlap * IndexDiv(chunk, count - 1)] + i[d + 2 :]
+
+
 def _provably_nonnegative(e: Expr) -> bool:
     e = sympy.expand(sympy.sympify(e))
     if e.is_number:
@@ -169,6 +184,8 @@ VIEW_KINDS: dict[str, ViewKind] = {
     "squeeze": ViewKind(_squeeze_shape, _squeeze_index),
     # attrs dim, before (the base's offset in the view), length (the view's size along dim).
     "replicate_pad": ViewKind(_replicate_pad_shape, _replicate_pad_index),
+    # attrs dim, count, length: dim viewed as `count` chunks of `length`, the last ending at dim's end.
+    "chunks": ViewKind(_chunks_shape, _chunks_index),
 }
 
 

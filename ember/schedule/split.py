@@ -10,6 +10,12 @@ first reduced dim alone (the batch) is split into [S, N/S]. Its statistics are r
 the rows they reduced (normalizing, which usually keeps a reduction whole, see `_normalizes`),
 but kept whole they would be C rows of N*H*W for the whole machine (ResNet-50 training on the
 H100: 2 programs of 64 channels each walking 200,704 rows, 97 ms vs eager's 26 ms).
+
+Any length splits: one whose power-of-two factor gives far fewer chunks than wanted (a prime, or
+2^31 + 10, whose one factor 2 made two chunks of 2^30 + 5) is cut into chunks of ceil(n / S)
+elements, the last ending at the row's end and overlapping the one before; a sum masks out the
+overlap (`_overlap_mask`). The accumulation inside each chunk is the kernel's: codegen/cpp.py sums
+a long row in blocks whose partial sums it adds pairwise.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
+import torch
 
 from ember.ir import dtypes
 from ember.ir.graph import Graph, Node, Value
@@ -28,6 +35,10 @@ MAX_OUTPUTS = 8192
 # ... and at least this many elements per output; each chunk keeps at least MIN_CHUNK.
 MIN_REDUCE = 4096
 MIN_CHUNK = 256
+# A length whose power-of-two factor gives at least 1/MAX_SHORTFALL of the chunks wanted splits by
+# that factor (a plain reshape, which the one-pass variance and column partials build on); else
+# into overlapping chunks of the size wanted.
+MAX_SHORTFALL = 4
 # ... or this many, for a column reduction on a target with row programs (a GPU): two chunks.
 MIN_COLUMN_REDUCE = 2 * MIN_CHUNK
 # Aim for about this many independent partial results in the first stage (a target may ask for
@@ -50,11 +61,28 @@ COLUMNS_PER_PROGRAM = 32
 MAX_SECOND_SPLIT = 1
 
 
-def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS) -> int:
+def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS, size: int = 0) -> int:
+    """The number of chunks wanted: a power of two, chunks of at least MIN_CHUNK elements, at most
+    `target_partials` partial results. `size`: that of the dim being split, which the count must
+    divide (0: any count, the last chunk overlapping)."""
     s = 1
-    while reduce % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
+    while reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
+        if size and (size % (s * 2) != 0):
+            break
         s *= 2
     return s
+
+
+def _chunking(outputs: int, reduce: int, size: int, target_partials: int) -> tuple[int, int]:
+    """(count, length) of the chunks splitting a dim of `size` (of `reduce` elements per output):
+    count * length == size when a power of two divides size into enough chunks (MAX_SHORTFALL),
+    else chunks of the wanted length, the last one overlapping (views.py's `chunks`)."""
+    exact = _split_factor(outputs, reduce, target_partials, size)
+    wanted = min(_split_factor(outputs, reduce, target_partials), size)
+    if exact * MAX_SHORTFALL >= wanted:
+        return exact, size // exact
+    length = -(-size // wanted)
+    return -(-size // length), length
 
 
 def _normalizes(graph: Graph, node: Node) -> bool:
@@ -150,7 +178,7 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
     `row_programs` (targets that render kernel.KColumnPartial): a sum over the leading dims of
     rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
     accumulate, at least that many of them, rather than for a column kernel of its own."""
-    count = 0
+    splits_done = 0
     splits: dict[Value, _Split] = {}  # by the value that replaced each split sum
     for node in list(graph.nodes):
         if node.op != "reduce" or node.attrs["kind"] not in ("sum", "max", "min"):
@@ -158,7 +186,7 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
         mean_split = _split_mean_of_variance(node, splits)
         if mean_split is not None:
             _rewrite_variance(graph, node, mean_split)
-            count += 1
+            splits_done += 1
             continue
         (x,) = node.inputs
         dims = tuple(node.attrs["dims"])
@@ -183,17 +211,23 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             columns = dims[0] == 0 and dims[-1] < len(x.shape) - 1
             if row_programs and columns and _row_kernel_beside(graph, node):
                 chunk = _column_chunk(int(reduce), int(outputs), row_programs)
-            s = int(reduce) // chunk if chunk else _split_factor(int(outputs), int(reduce), target_partials)
-            if s < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
+            if chunk:
+                count, length = int(reduce) // chunk, chunk
+            else:
+                count, length = _chunking(int(outputs), int(reduce), int(reduce), target_partials)
+            if count < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
-            done = _rewrite_run(graph, node, s)
+            done = _rewrite_run(graph, node, count, length)
         else:
-            s = _split_factor_of_dim(int(outputs), int(reduce), x.shape[dims[0]], target_partials)
-            if s < 2:
+            size = x.shape[dims[0]]
+            if not size.is_Integer:
                 continue
-            s_next = 1
+            count, length = _chunking(int(outputs), int(reduce), int(size), target_partials)
+            if count < 2:
+                continue
+            s, s_next = count, 1
             few = int(outputs) * s <= COLUMNS_PER_PROGRAM * row_programs
-            if row_programs and column and len(dims) > 1 and s == x.shape[dims[0]] and few:
+            if row_programs and column and len(dims) > 1 and s == size and few and count * length == size:
                 # The leading dim is split whole and still leaves at most one program per SM (64
                 # images for ResNet-50's 64-channel batch norms): split the next reduced dim too.
                 cap = min(target_partials, int(outputs) * s * MAX_SECOND_SPLIT)
@@ -201,29 +235,27 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             if s_next >= 2:
                 done = _rewrite_two_dims(graph, node, s_next)
             else:
-                done = _rewrite_first_dim(graph, node, s)
+                done = _rewrite_first_dim(graph, node, count, length)
         splits[done.replaced_by] = done
-        count += 1
-    return count
+        splits_done += 1
+    return splits_done
 
 
 def _split_factor_of_dim(outputs: int, reduce: int, size, target_partials: int = TARGET_PARTIALS) -> int:
     """The factor splitting one reduced dim of `size` (which must divide it)."""
     if not size.is_Integer:
         return 1
-    s = 1
-    while int(size) % (s * 2) == 0 and reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
-        s *= 2
-    return s
+    return _split_factor(outputs, reduce, target_partials, int(size))
 
 
-def _rewrite_first_dim(graph: Graph, node: Node, s: int) -> _Split:
-    """sum over dims D of x = sum over S of (sum over D of x with D's first dim split [S, n/S])."""
+def _rewrite_first_dim(graph: Graph, node: Node, count: int, length: int) -> _Split:
+    """sum over dims D of x = sum over the chunks of (sum over D of x with D's first dim cut into
+    [count, length] chunks)."""
     (x,) = node.inputs
     dims = tuple(node.attrs["dims"])
     d0 = dims[0]
-    chunked = x.shape[:d0] + (sympy.Integer(s), x.shape[d0] / s) + x.shape[d0 + 1 :]
-    return _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0)
+    chunked = x.shape[:d0] + (sympy.Integer(count), sympy.Integer(length)) + x.shape[d0 + 1 :]
+    return _two_stages(graph, node, chunked, (d0 + 1,) + tuple(d + 1 for d in dims[1:]), d0, chunks_of=x.shape[d0])
 
 
 def _rewrite_two_dims(graph: Graph, node: Node, s: int) -> _Split:
@@ -255,7 +287,8 @@ def _rewrite_two_dims(graph: Graph, node: Node, s: int) -> _Split:
 class _Split:
     """A sum split in two stages: `x` viewed as `chunked` (`view`), summed over `partial_dims`
     into `partial`, whose dim `at_s` (the chunks) `final` sums; `replaced_by` took the sum's
-    place (`final`, or its keepdim view)."""
+    place (`final`, or its keepdim view). `overlapping`: the last chunk overlaps the one before
+    (views.py's `chunks`), and the sum reads `view` masked."""
 
     x: Value
     dims: tuple
@@ -265,16 +298,20 @@ class _Split:
     at_s: int
     final: Value
     replaced_by: Value
+    overlapping: bool = False
 
     @property
     def chunk_rows(self):
         return product(self.view.shape[d] for d in self.partial_dims)
 
 
-def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int, views=()) -> _Split:
+def _two_stages(
+    graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s_dim: int, views=(), chunks_of=None
+) -> _Split:
     """Replace `node` by: x viewed as `chunked` (its S chunks at dim s_dim), reduced over
     partial_dims into partials, then over the chunks. `views`: (attrs, shape) of views taken of
-    x before the reshape to `chunked`."""
+    x before the reshape to `chunked`. `chunks_of`: the size of the dim cut into chunks (at s_dim
+    after `views`), when the chunks may not tile it exactly."""
     (x,) = node.inputs
     out = node.out
     kind = node.attrs["kind"]
@@ -282,15 +319,26 @@ def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s
     partial_shape = tuple(chunked[k] for k in kept)
     at_s = kept.index(s_dim)
     final_shape = partial_shape[:at_s] + partial_shape[at_s + 1 :]
+    overlap = 0
+    if chunks_of is not None:
+        count, length = int(chunked[s_dim]), int(chunked[s_dim + 1])
+        overlap = count * length - int(chunks_of)
     with _InsertAt(graph, node) as add:
         view = x
         for attrs, shape in views:
             view = add("view", [view], attrs, shape, x.dtype)
-        view = add("view", [view], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        if overlap:
+            attrs = {"kind": "chunks", "dim": s_dim, "count": count, "length": length}
+            view = add("view", [view], attrs, chunked, x.dtype)
+        else:
+            view = add("view", [view], {"kind": "reshape", "shape": chunked}, chunked, x.dtype)
+        summed = view
+        if overlap and kind == "sum":  # max and min may see the overlap twice
+            summed = _overlap_mask(add, view, s_dim, overlap)
         # Partials keep the accumulation dtype: rounding them to bf16 would lose precision eager keeps.
         partial = add(
             "reduce",
-            [view],
+            [summed],
             {"kind": kind, "dims": partial_dims, "keepdim": False},
             partial_shape,
             dtypes.compute_dtype(out.dtype),
@@ -300,7 +348,34 @@ def _two_stages(graph: Graph, node: Node, chunked: tuple, partial_dims: tuple, s
         if node.attrs["keepdim"]:
             replaced_by = add("view", [final], {"kind": "reshape", "shape": out.shape}, out.shape, out.dtype)
     graph.replace_uses(out, replaced_by)
-    return _Split(x, tuple(node.attrs["dims"]), view, partial_dims, partial, at_s, final, replaced_by)
+    return _Split(x, tuple(node.attrs["dims"]), view, partial_dims, partial, at_s, final, replaced_by, bool(overlap))
+
+
+def _overlap_mask(add, view: Value, s_dim: int, overlap: int) -> Value:
+    """`view` (chunks at s_dim, their elements at s_dim + 1) with the last chunk's first `overlap`
+    elements, which the chunk before also holds, replaced by 0: where(k < count - 1 or j >= overlap).
+    The chunk test is one per row, the element test one compare per element."""
+    shape = view.shape
+    count = int(shape[s_dim])
+
+    def position(d):
+        n = shape[d]
+        iota = add("iota", [], {"start": 0, "step": 1}, (n,), torch.int64)
+        at = tuple(n if k == d else sympy.Integer(1) for k in range(len(shape)))
+        return add("view", [iota], {"kind": "reshape", "shape": at}, at, torch.int64), at
+
+    def compare(fn, a, bound):
+        value, at = a
+        return add("pointwise", [value, bound], {"fn": fn, "operand_dtype": torch.int64}, at, torch.bool)
+
+    not_last = compare("lt", position(s_dim), count - 1)
+    past_overlap = compare("ge", position(s_dim + 1), overlap)
+    either = tuple(a if a != 1 else b for a, b in zip(not_last.shape, past_overlap.shape))
+    keep = add(
+        "pointwise", [not_last, past_overlap], {"fn": "logical_or", "operand_dtype": torch.bool}, either, torch.bool
+    )
+    zero = False if view.dtype == torch.bool else 0
+    return add("pointwise", [keep, view, zero], {"fn": "where"}, shape, view.dtype)
 
 
 def _split_mean_of_variance(node: Node, splits: dict) -> _Split | None:
@@ -325,6 +400,8 @@ def _split_mean_of_variance(node: Node, splits: dict) -> _Split | None:
     total, count = mean.node.inputs
     split = splits.get(total)
     if split is None or split.dims != tuple(node.attrs["dims"]) or split.final.node.attrs["kind"] != "sum":
+        return None
+    if split.overlapping:  # each chunk's statistics would count the overlap
         return None
     summed = split.x
     # The mean summed x itself, or x widened to the accumulation dtype (bf16 -> f32): a narrowing
@@ -428,11 +505,16 @@ class _InsertAt:
         return False
 
 
-def _rewrite_run(graph: Graph, node: Node, s: int) -> _Split:
-    """sum over a contiguous run of dims = sum over S of sums over [S, R/S] chunks of the run."""
+def _rewrite_run(graph: Graph, node: Node, count: int, length: int) -> _Split:
+    """sum over a contiguous run of dims = sum over the chunks of sums over the run cut into
+    [count, length] chunks."""
     (x,) = node.inputs
     dims = tuple(node.attrs["dims"])
     d0, d1 = dims[0], dims[-1]
     reduce = product(x.shape[d] for d in dims)
-    chunked = x.shape[:d0] + (sympy.Integer(s), reduce / s) + x.shape[d1 + 1 :]
-    return _two_stages(graph, node, chunked, (d0 + 1,), d0)
+    chunked = x.shape[:d0] + (sympy.Integer(count), sympy.Integer(length)) + x.shape[d1 + 1 :]
+    views = ()
+    if len(dims) > 1 and count * length != reduce:
+        flat = x.shape[:d0] + (reduce,) + x.shape[d1 + 1 :]
+        views = (({"kind": "reshape", "shape": flat}, flat),)
+    return _two_stages(graph, node, chunked, (d0 + 1,), d0, views, chunks_of=reduce)
