@@ -24,7 +24,8 @@ from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import KernelCost, is_persistent, kernel_cost, size_hint
 from ember.schedule.gemm import GemmChooser, GemmGroups, build_gemm_kernel, plan_gemms
-from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW, Domain, Kernel, NotFusable, build_kernel, column_partial_input
+from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW, Domain, Kernel, NotFusable
+from ember.schedule.kernel_builder import build_kernel, column_partial_input
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import nbytes, plan_memory
 from ember.schedule.online import fold_online_softmax

@@ -36,7 +36,8 @@ from ember.ir.graph import Node, Value, layout_of
 from ember.ir.sizes import Expr, contiguous_strides, product
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 from ember.schedule.cost import KernelCost, size_hint
-from ember.schedule.kernel import Domain, Kernel, KernelBuilder, KIndex, KLoad, KNode, KStore, NotFusable, walk
+from ember.schedule.kernel import Domain, Kernel, KIndex, KLoad, KNode, KStore, NotFusable, walk
+from ember.schedule.kernel_builder import KernelBuilder
 
 GEMM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -53,9 +54,7 @@ class TileConfig:
     num_warps: int = 4
 
     def __str__(self) -> str:
-        return (
-            f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
-        )
+        return f"{self.block_m}x{self.block_n}x{self.block_k} g{self.group_m} s{self.num_stages} w{self.num_warps}"
 
 
 @dataclass(frozen=True)
