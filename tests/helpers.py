@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 import ember
@@ -17,6 +18,13 @@ from ember.report import ExplainReport, collecting
 # interpreter, so it gets the tiny shapes.
 SCALE = {"cpp": "small", "triton": "tiny"}
 BACKENDS = ("cpp", "triton")
+# (code generator, device) for the tables that also run on a GPU: both generators on CPU tensors,
+# and Triton on CUDA tensors where a GPU is present. conftest turns Triton's interpreter on, so by
+# default the CUDA cases run through it; `TRITON_INTERPRET=0 python -m pytest -k cuda FILES` runs
+# them as compiled Triton kernels.
+ON_DEVICES = [pytest.param("cpp", "cpu", id="cpp"), pytest.param("triton", "cpu", id="triton")] + (
+    [pytest.param("triton", "cuda", id="triton-cuda")] if torch.cuda.is_available() else []
+)
 
 
 def ember_compile(fn: Callable, backend: str, dynamic: bool | None = False, **options: Any) -> Callable:
@@ -85,7 +93,7 @@ def forward_backward(
         return [o.detach() for o in outs], []
     diff_outs = [o for o in outs if o.requires_grad]
     gen = torch.Generator().manual_seed(grad_seed)
-    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.dtype) for o in diff_outs]
+    cotangents = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in diff_outs]
     grads = torch.autograd.grad(diff_outs, leaves, cotangents, allow_unused=True)
     grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
     return [o.detach() for o in outs], list(grads)
