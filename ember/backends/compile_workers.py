@@ -2,7 +2,7 @@
 
 Triton's front end (the AST walk that emits TTIR) is Python and holds the GIL. On the H100
 machine ResNet-50's 478 training kernels took 86 s to compile in one thread, 25 s in 8 and
-23 s in 16 (scripts/compile_profile.py). Workers are separate processes, started once per
+23 s in 16 (the build stage of a cold `ember bench --compile-time`). Workers are separate processes, started once per
 process and kept; each compiles the kernels it is sent through Triton's own `warmup`, for the
 parent's GPU target, so the results land in Triton's disk cache under the keys the parent's
 warmup then looks up. The parent still warms up (loads) every kernel itself: a worker that

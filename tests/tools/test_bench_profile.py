@@ -64,3 +64,27 @@ def test_markdown_row_of_a_compiler_that_was_not_profiled():
     }
     text = profile.markdown([record], "# header")
     assert "| ember | mismatch: max rel err 1 > tol 1e-4 |" in text, text
+
+
+def test_peak_blocks_name_the_program_not_the_bench():
+    """An allocation's frames: ember's host program and the model's code, not torch, ember's runtime or the bench."""
+    import os
+
+    import ember
+
+    ember_dir = os.path.dirname(ember.__file__)
+    frames = [
+        {"filename": "<ember host program>", "line": 5, "name": "call"},
+        {"filename": os.path.join(ember_dir, "pipeline.py"), "line": 43, "name": "__call__"},
+        {"filename": "/env/site-packages/torch/nn/modules/module.py", "line": 1, "name": "_call_impl"},
+        {"filename": os.path.join(ember_dir, "tools", "bench", "measure.py"), "line": 60, "name": "__call__"},
+        {"filename": os.path.join(ember_dir, "tools", "workloads.py"), "line": 31, "name": "softmax_manual"},
+        {"filename": "<frozen runpy>", "line": 88, "name": "_run_code"},
+    ]
+    assert profile._own_frames({"frames": frames}) == [
+        "<ember host program>:5 call",
+        "tools/workloads.py:31 softmax_manual",
+    ]
+    memory = {"peak_mb": 2.0, "blocks_alive": 2, "largest": [{"mb": 1.5, "frames": []}]}
+    record = {"type": "profile", "case": "c/inference", "shape": "2", "compilers": {"ember": {"memory": memory}}}
+    assert "1.500  (no Python frame)" in profile.markdown([record], "# h")

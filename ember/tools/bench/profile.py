@@ -95,11 +95,14 @@ def profile_step(step, input_sets: list[tuple], s: harness.Settings, top: int) -
     cuda = s.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     # The first call under the profiler pays for its start (on the CPU, milliseconds in the first
-    # ops it records): it runs as a warm-up step, not recorded.
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=CALLS, repeat=1)) as prof:
+    # ops it records): it runs as a warm-up step, not recorded. The device is waited for after it
+    # and after the last call only, so the calls in between queue as they do in a loop.
+    plan = schedule(wait=0, warmup=1, active=CALLS, repeat=1)
+    with profile(activities=activities, schedule=plan, acc_events=True) as prof:
         for i in range(CALLS + 1):
             step(*input_sets[i % len(input_sets)])
-            measure.sync(s.device)
+            if i in (0, CALLS):
+                measure.sync(s.device)
             prof.step()
     events = prof.events()
     result.update(kernel_table(events, cuda, CALLS, top))
@@ -174,14 +177,24 @@ def alive_at_peak(step, inputs: tuple, blocks: int = 20) -> dict:
     }
 
 
+_HARNESS = os.path.dirname(os.path.abspath(__file__))  # the bench's own frames say nothing of the program
+_TOOLS = os.path.dirname(_HARNESS)
+_EMBER = os.path.dirname(_TOOLS)
+
+
 def _own_frames(event: dict) -> list[str]:
-    """The frames of an allocation outside torch itself: ember's host program and the model's code."""
+    """The innermost frames of an allocation outside torch, ember's runtime and the bench: ember's
+    host program, Inductor's generated code and the model's code, each as its file's last two path
+    parts."""
     keep = []
     for f in event.get("frames", []):
         name = f.get("filename", "")
-        if "ember host program" in name or f"{os.sep}torch{os.sep}" not in name:
-            keep.append(f"{name}:{f.get('line')} {f.get('name')}")
-    return keep[:4]
+        compiler = name.startswith(_EMBER) and not name.startswith(_TOOLS)
+        if f"{os.sep}torch{os.sep}" in name or name.startswith((_HARNESS, "<frozen")) or compiler:
+            continue
+        short = os.sep.join(name.split(os.sep)[-2:])
+        keep.append(f"{short}:{f.get('line')} {f.get('name')}")
+    return keep[:3]
 
 
 def explain_text(report, kernel_us: dict[str, float]) -> str:
@@ -239,7 +252,7 @@ def _alive_at_peak(name: str, memory: dict | None) -> list[str]:
     if not memory:
         return []
     lines = ["", f"{name}, the largest of {memory['blocks_alive']} blocks alive at the peak (MB, allocated at):", ""]
-    lines += ["```"] + [f"{b['mb']:10.3f}  {' < '.join(b['frames']) or '?'}" for b in memory["largest"]]
+    lines += ["```"] + [f"{b['mb']:10.3f}  {' < '.join(b['frames']) or '(no Python frame)'}" for b in memory["largest"]]
     return lines + ["```"]
 
 
