@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ember import config
-from ember.aten import lowerings, pooling  # noqa: F401  (their lowerings fill the registry)
+from ember.aten import lowerings  # noqa: F401  (its modules fill the registry)
 from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, values_in
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of

@@ -1,4 +1,4 @@
-"""`cat`, `constant_pad_nd` and `slice_backward` lower to selections among clamped views (lowerings.py), so they
+"""`cat`, `constant_pad_nd` and `slice_backward` lower to selections among clamped views (aten/lowerings/cat_pad.py), so they
 fuse with their producers and consumers: compared with eager forward and backward on both code
 generators, and checked for what they cost (no copy kernel, no ATen cat, each piece read once)."""
 
@@ -108,7 +108,7 @@ def test_cat_reads_each_piece_once():
 def test_cat_of_many_pieces_runs_as_aten():
     """Every piece is evaluated at every position: past MAX_CAT_PIECES the select costs more
     than ATen's copy, and cat runs as an extern (with its producers' kernels in front)."""
-    from ember.aten.lowerings import MAX_CAT_PIECES
+    from ember.aten.lowerings.cat_pad import MAX_CAT_PIECES
 
     pieces = [torch.randn(2, 3) for _ in range(MAX_CAT_PIECES + 1)]
     fn = lambda *xs: torch.cat([x + 1 for x in xs], dim=0)

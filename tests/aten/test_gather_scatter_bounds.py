@@ -1,4 +1,4 @@
-"""gather/scatter with one index per row (lowerings.py, "one element per row"): index bounds.
+"""gather/scatter with one index per row (aten/lowerings/gather_scatter.py): index bounds.
 
 ember lowers them as one-hot selections, which never read out of bounds but would silently select
 nothing (0) for an index outside [0, n). Eager raises instead (CPU: RuntimeError "index 5 is out of

@@ -1,4 +1,4 @@
-"""max_pool2d lowers to a chain over the window's strided views (aten/pooling.py): values and
+"""max_pool2d lowers to a chain over the window's strided views (aten/lowerings/pooling.py): values and
 indices equal eager's exactly (NaN, -inf and padding included), its backward to a gather over
 the windows holding each input position, whose gradients match eager's, and inference writes no
 index tensor."""

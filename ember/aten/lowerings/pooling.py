@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ember.aten.builder import GraphBuilder, ShapeDtype
-from ember.aten.lowerings import logical_and, padded_view, position_along
+from ember.aten.lowerings.positions import broadcast_shapes, logical_and, padded_view, position_along
 from ember.aten.registry import Unsupported, lowering
 from ember.ir import dtypes
 from ember.ir.graph import Value
@@ -54,7 +54,7 @@ def _max_pool2d_with_indices(ctx: GraphBuilder, node):
     int_h, int_w = ShapeDtype(pos_h.shape, torch.int64), ShapeDtype(pos_w.shape, torch.int64)
     start_h = ctx.pointwise("add", [ctx.pointwise("mul", [pos_h, stride[0]], int_h), -padding[0]], int_h)
     start_w = ctx.pointwise("add", [ctx.pointwise("mul", [pos_w, stride[1]], int_w), -padding[1]], int_w)
-    spatial = ShapeDtype(_broadcast_shapes(pos_h.shape, pos_w.shape), torch.int64)
+    spatial = ShapeDtype(broadcast_shapes(pos_h.shape, pos_w.shape), torch.int64)
     full = ShapeDtype(out_shape, x.dtype)
     full_index = ShapeDtype(out_shape, torch.int64)
 
@@ -145,7 +145,7 @@ def _max_pool2d_with_indices_backward(ctx: GraphBuilder, node):
     here = ctx.pointwise(
         "add",
         [ctx.pointwise("mul", [pos[0], in_sizes[1]], ShapeDtype(pos[0].shape, torch.int64)), pos[1]],
-        ShapeDtype(_broadcast_shapes(pos[0].shape, pos[1].shape), torch.int64),
+        ShapeDtype(broadcast_shapes(pos[0].shape, pos[1].shape), torch.int64),
     )
 
     def exists(d: int, j: int) -> Value:
@@ -204,8 +204,3 @@ def _meta_outputs(node) -> tuple:
     if not isinstance(val, (list, tuple)) or len(val) != 2:
         raise Unsupported("max_pool2d outputs")
     return val
-
-
-def _broadcast_shapes(a, b):
-    """Two shapes of one rank where each dim is 1 in at least one of them (positions along dims)."""
-    return tuple(y if x == 1 else x for x, y in zip(a, b))

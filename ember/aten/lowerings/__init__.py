@@ -1,0 +1,8 @@
+"""ATen -> ember IR, one module per op family. Importing this package imports every family, and
+each registers its lowerings (registry.py) as it loads; the importer imports it for that.
+
+Ops absent here run as externs. A lowering raises `Unsupported` to decline a particular call (e.g.
+a rounding mode ember does not generate); that call then runs as an extern too.
+"""
+
+from ember.aten.lowerings import cat_pad, elementwise, gather_scatter, movement, pooling, reductions  # noqa: F401
