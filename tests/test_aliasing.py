@@ -36,7 +36,7 @@ def _scale_then_norm(x):
 
 
 def _product_then_epilogue_in_place(x):
-    y = torch.mm(x.view(-1, 1), torch.ones(1, 3, dtype=x.dtype))  # a fresh extern result
+    y = torch.mm(x.view(-1, 1), torch.ones(1, 3, dtype=x.dtype, device=x.device))  # a fresh extern result
     z = y + 1  # written over y (its last use) by the kernel that also sums it
     return z, z.sum()
 
