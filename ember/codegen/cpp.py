@@ -112,13 +112,15 @@ _FLOAT_MINMAX = {
 # Work below which a kernel runs on one thread (thread start-up costs more than it saves).
 PARALLEL_THRESHOLD = 32768
 
-# A floating sum over a row longer than this (or of a size known only at run time) accumulates
-# blocks of this many elements, each from zero, and adds the blocks' sums pairwise (ember_cascade):
-# each of an AVX-512 loop's 16 lanes adds 32 elements in a row. A sum of 2^24 + 43 copies of 0.1
-# erred 2.5e-6 relative with blocks of 4096, 1.8e-7 with 512 (eager: 5.5e-7). The blocks cost no
-# time: one thread on the 2-core EPYC, layer norm, RMSNorm and softmax over 4096 x 4096 fp32 took
-# no longer than with one loop per row (the blocks' dependency chains overlap).
+# A floating sum over a row longer than CASCADE_MIN_ROW (or of a size known only at run time)
+# accumulates blocks of CASCADE_BLOCK elements, each from zero, and adds the blocks' sums pairwise
+# (ember_cascade): each of an AVX-512 loop's 16 lanes adds 32 elements in a row. A sum of 2^24 + 43
+# copies of 0.1 erred 2.5e-6 relative with blocks of 4096, 1.8e-7 with 512 (eager: 5.5e-7). Rows of
+# up to CASCADE_MIN_ROW keep their one loop (a lane adds at most 256 elements): softmax over rows of
+# 4096, cut into blocks of 512, measured 3-5% slower on the 2-core EPYC (exp's vector loop set up
+# again for each block), and such rows' error stays small.
 CASCADE_BLOCK = 512
+CASCADE_MIN_ROW = 4096
 
 
 ROW_CACHE_MAX = 16384  # elements of one row a thread keeps (64 KB of float on its stack)
@@ -351,7 +353,10 @@ class CppRenderer(Renderer):
                 block = f"{v.name}_block"
                 self.emit(f"for (int64_t {block} = 0; {block} < {end}; {block} += {CASCADE_BLOCK}) {{")
                 self.indent += 1
-                self.emit(f"const int64_t {block}_end = std::min<int64_t>({block} + {CASCADE_BLOCK}, {end});")
+                if s.is_Integer and int(s) % CASCADE_BLOCK == 0:  # a constant trip count: no remainder loop
+                    self.emit(f"const int64_t {block}_end = {block} + {CASCADE_BLOCK};")
+                else:
+                    self.emit(f"const int64_t {block}_end = std::min<int64_t>({block} + {CASCADE_BLOCK}, {end});")
                 start, end = block, f"{block}_end"
             if pos == len(dims) - 1 and self._reduce_simd:
                 by_op: dict[str, list[str]] = {}
@@ -412,7 +417,7 @@ class CppRenderer(Renderer):
         if r.kind != "sum" or not r.dtype.is_floating_point:
             return False  # integer sums are exact, max and min do not round
         row = product(s for _, s in self._dims(reduce=True))
-        return not (row.is_Integer and int(row) <= CASCADE_BLOCK)
+        return not (row.is_Integer and int(row) <= CASCADE_MIN_ROW)
 
     def _cascade_name(self, r: KReduce) -> str:
         return self._acc_names[id(r)].removesuffix("_block") + "_sums"

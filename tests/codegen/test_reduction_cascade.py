@@ -39,7 +39,7 @@ ROW = sympy.Symbol("s0", integer=True, positive=True)
 
 @pytest.mark.parametrize(
     "shape,dims",
-    [((2, cpp.CASCADE_BLOCK + 1), (1,)), ((2, ROW), (1,)), ((3, 2, 1000), (0, 2)), ((ROW, 2, 7), (0, 2))],
+    [((2, cpp.CASCADE_MIN_ROW + 1), (1,)), ((2, ROW), (1,)), ((3, 2, 2000), (0, 2)), ((ROW, 2, 7), (0, 2))],
     ids=["long-row", "symbolic-row", "two-loops", "two-loops-symbolic"],
 )
 def test_cpp_sums_long_rows_in_blocks_added_pairwise(shape, dims):
@@ -53,7 +53,7 @@ def test_cpp_sums_long_rows_in_blocks_added_pairwise(shape, dims):
 @pytest.mark.parametrize(
     "shape,dims,kind,dtype",
     [
-        ((2, cpp.CASCADE_BLOCK), (1,), "sum", torch.float32),
+        ((2, cpp.CASCADE_MIN_ROW), (1,), "sum", torch.float32),
         ((2, 100_000), (1,), "sum", torch.int32),
         ((2, 100_000), (1,), "max", torch.float32),
     ],
