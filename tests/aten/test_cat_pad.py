@@ -1,6 +1,7 @@
 """`cat`, `constant_pad_nd` and `slice_backward` lower to selections among clamped views (aten/lowerings/cat_pad.py), so they
 fuse with their producers and consumers: compared with eager forward and backward on both code
-generators, and checked for what they cost (no copy kernel, no ATen cat, each piece read once)."""
+generators (and with Triton on a GPU where one is present), and checked for what they cost (no
+copy kernel, no ATen cat, each piece read once)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 import ember
 from ember.tools.workloads import LlamaBlock
 from tests.helpers import (
-    BACKENDS,
+    ON_DEVICES,
     assert_close,
     assert_no_fallback,
     assert_not_worse,
@@ -61,12 +62,12 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
 @pytest.mark.parametrize("name", list(PROGRAMS))
-def test_forward_backward_fp32(backend, name):
+def test_forward_backward_fp32(backend, device, name):
     fn, shapes = PROGRAMS[name]
-    inputs = [torch.randn(s) for s in shapes]
-    line = repro(program=name, backend=backend, dtype=torch.float32, inputs=inputs)
+    inputs = [torch.randn(s, device=device) for s in shapes]
+    line = repro(program=name, backend=backend, device=device, dtype=torch.float32, inputs=inputs)
     compiled = ember_compile(fn, backend)
     with reports() as report:
         outs, grads = forward_backward(compiled, [], fresh_inputs(inputs), grad_seed=1, train=True)
@@ -78,10 +79,10 @@ def test_forward_backward_fp32(backend, name):
     assert not any("cat" in str(e) or "pad" in str(e) for e in names), f"ran as ATen: {names}\n{line}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rope_bf16_against_fp32_reference(backend):
-    inputs = [torch.randn(s).to(torch.bfloat16) for s in PROGRAMS["rope"][1]]
-    line = repro(program="rope", backend=backend, dtype=torch.bfloat16, inputs=inputs)
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_rope_bf16_against_fp32_reference(backend, device):
+    inputs = [torch.randn(s, device=device).to(torch.bfloat16) for s in PROGRAMS["rope"][1]]
+    line = repro(program="rope", backend=backend, device=device, dtype=torch.bfloat16, inputs=inputs)
     compiled = ember_compile(rope, backend)
     got, _ = forward_backward(compiled, [], fresh_inputs(inputs), grad_seed=1, train=False)
     eager, _ = forward_backward(rope, [], fresh_inputs(inputs), grad_seed=1, train=False)

@@ -1,7 +1,7 @@
 """max_pool2d lowers to a chain over the window's strided views (aten/lowerings/pooling.py): values and
 indices equal eager's exactly (NaN, -inf and padding included), its backward to a gather over
-the windows holding each input position, whose gradients match eager's, and inference writes no
-index tensor."""
+the windows holding each input position, whose gradients match eager's (on both code generators,
+and with Triton on a GPU where one is present), and inference writes no index tensor."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BACKENDS, assert_no_fallback, ember_compile, explain_strict, reports, repro
+from tests.helpers import BACKENDS, ON_DEVICES, assert_no_fallback, ember_compile, explain_strict, reports, repro
 
 # (input shape, kernel, stride, padding, ceil_mode, channels_last)
 CASES = {
@@ -33,22 +33,22 @@ def _input(shape, channels_last):
     return x.to(memory_format=torch.channels_last) if channels_last else x
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_values_indices_and_gradient_equal_eager(backend, name):
+def test_values_indices_and_gradient_equal_eager(backend, device, name):
     shape, k, s, p, ceil, channels_last = CASES[name]
-    x = _input(shape, channels_last)
+    x = _input(shape, channels_last).to(device)  # keeps channels_last
 
     def pool(t):
         return F.max_pool2d(t, k, s, p, ceil_mode=ceil, return_indices=True)
 
     # A random upstream gradient: a candidate that picks the wrong output row or column shows.
-    weight = torch.randn(pool(x)[0].shape, generator=torch.Generator().manual_seed(1))
+    weight = torch.randn(pool(x)[0].shape, generator=torch.Generator().manual_seed(1)).to(device)
 
     def loss(t):
         return pool(t)[0].nan_to_num(0.0, 5.0, -5.0).mul(weight).sum()
 
-    line = repro(case=name, backend=backend, inputs=[x])
+    line = repro(case=name, backend=backend, device=device, inputs=[x])
     with reports() as report:
         values, indices = ember_compile(pool, backend)(x)
         xg = x.clone().requires_grad_()
