@@ -5,7 +5,7 @@
     import_graph  ATen FX graph -> ember Graph          (aten/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
     cse           a computation written twice, kept once (ir/cse.py)
-    pad           aligned matrix-product layouts        (frontend/padding.py)
+    pad           aligned matrix-product layouts        (schedule/padding.py)
     split         long reductions with few outputs -> two stages  (schedule/split.py)
     schedule      realize, group, fuse, order            (schedule/)
     build         render kernels, run the toolchain      (codegen/ + backends/)
@@ -169,7 +169,7 @@ def backend_facts(backend) -> tuple:
 def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.aten.importer import import_graph
-    from ember.frontend.padding import pad_matmul_layouts
+    from ember.schedule.padding import pad_matmul_layouts
     from ember.ir.cse import eliminate_common_subexpressions
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes

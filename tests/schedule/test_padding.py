@@ -1,4 +1,4 @@
-"""Products with rows that are not 16-byte aligned get padded layouts (frontend/padding.py).
+"""Products with rows that are not 16-byte aligned get padded layouts (schedule/padding.py).
 
 On the GPU this is what lets cuBLAS use its aligned kernels for a 50257-wide vocabulary head.
 Here the same layouts are exercised on the CPU (the pass is enabled for "cpu" in the test): the
@@ -10,11 +10,12 @@ logits' gradient) are laid out padded from the start.
 from __future__ import annotations
 
 import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.frontend import padding
+from ember.schedule import padding
 from tests.helpers import assert_close, explain_strict, repro
 
 VOCAB, D, ROWS = 1001, 64, 96  # 1001 bf16 columns: rows of 2002 bytes, not a multiple of 16
@@ -67,7 +68,7 @@ def test_vocabulary_head_padded_training(pad_on_cpu):
 
 def test_linear_with_bias_padded(pad_on_cpu):
     x, w, b = torch.randn(ROWS, D), torch.randn(VOCAB, D), torch.randn(VOCAB)
-    fn = lambda x, w, b: torch.relu(F.linear(x, w, b))  # noqa: E731  addmm, then a kernel over it
+    fn = lambda x, w, b: torch.relu(F.linear(x, w, b))  # addmm, then a kernel over it
     with torch.no_grad():
         got = torch.compile(fn, backend="ember")(x, w, b)
     assert_close(got, fn(x, w, b), rtol=1e-5, atol=1e-4, what="linear", line=repro(case="addmm"))
