@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 
 from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, product
@@ -169,117 +170,168 @@ def _fresh_extern_result(v: Value, device) -> bool:
 
 
 def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -> MemoryPlan:
-    outputs = {o for o in graph.outputs if isinstance(o, Value)}
+    """Place every buffer the steps write, in order (see the module's docstring), and the peak."""
+    uses = _uses(graph, steps)
+    placer = _Placer(uses, MemoryPlan())
+    for pos, step in enumerate(steps):
+        placer.place(step, pos)
+        placer.release_dead(step, pos)
+    plan = placer.plan
+    plan.peak_bytes, plan.peak_live = _planned_peak(uses, placer.holder, placer.born, len(steps))
+    plan.eager_peak_bytes = eager_peak_bytes
+    return plan
+
+
+@dataclass
+class _Uses:
+    """What placement asks of a value: where it is last used, and whether its memory may be recycled."""
+
+    device: torch.device
+    outputs: set[Value]
+    user_outputs: list[Value]
+    last: dict[Value, int]  # value -> the last step that reads or writes it
+    shared: set[Value]  # storage a view may still read: never recycled
+    mutated: dict[Value, Value]  # a mutated graph input's new value -> the input
+
+    def recyclable(self, v: Value) -> bool:
+        return v.node.op != "input" and v not in self.outputs and v not in self.shared
+
+    def reusable(self, v: Value) -> bool:
+        """A kernel's output, or a matrix product's or convolution's result: an epilogue after
+        cuBLAS or cuDNN may write over the product, as Inductor's does (ResNet-50's batch norm and
+        ReLU over each convolution's result)."""
+        return v.node.op != "extern" or _fresh_extern_result(v, self.device)
+
+    def mutated_input(self, v: Value, kernel: Kernel, pos: int) -> Value | None:
+        """The graph input `v` is the new value of, where the kernel at `pos` may write v straight
+        into it: it is the last step to use the input (reading it, if at all, element for element)
+        and nothing else needs v in its own memory. Otherwise the host program copies v in at the end."""
+        inp = self.mutated.get(v)
+        if inp is None or v in self.user_outputs or inp in self.shared or not same_layout(inp, v):
+            return None
+        last = self.last.get(inp, -1)
+        if last > pos or (last == pos and not _elementwise_reader(kernel, inp, v)):
+            return None
+        return inp
+
+
+def _uses(graph: Graph, steps: list[Step]) -> _Uses:
     last: dict[Value, int] = {}
     for pos, step in enumerate(steps):
         for v in step_inputs(step) + step_outputs(step):
             last[v] = pos
-    shared: set[Value] = set()  # storage a view may still read: never recycled
+    shared: set[Value] = set()
     for step in steps:
         if isinstance(step, AliasStep):
             shared |= {step.base, step.value}
         elif isinstance(step, ExternStep) and may_alias(step.node):
             shared |= set(step.node.value_inputs()) | set(step.node.outputs)
-    plan = MemoryPlan()
-
-    def recyclable(v: Value) -> bool:
-        return v.node.op != "input" and v not in outputs and v not in shared
-
-    def reusable(v: Value) -> bool:
-        """A kernel's output, or a matrix product's or convolution's result: an epilogue after
-        cuBLAS or cuDNN may write over the product, as Inductor's does (ResNet-50's batch norm and
-        ReLU over each convolution's result)."""
-        return v.node.op != "extern" or _fresh_extern_result(v, graph.device)
-
-    # A mutated input's new value is written straight into the input when the kernel computing it
-    # is the last step to use the input (reading it, if at all, element for element) and nothing
-    # else needs the value in its own memory; otherwise the host program copies it in at the end.
-    user_outputs = [o for o in graph.user_outputs() if isinstance(o, Value)]
     mutated = {graph.outputs[pos]: inp for inp, pos in graph.mutations}
     if len(mutated) < len(graph.mutations):
         mutated = {}  # one value for two inputs: each gets a copy
+    outputs = {o for o in graph.outputs if isinstance(o, Value)}
+    user_outputs = [o for o in graph.user_outputs() if isinstance(o, Value)]
+    return _Uses(graph.device, outputs, user_outputs, last, shared, mutated)
 
-    def writes_in_place(v: Value, step: KernelStep, pos: int) -> Value | None:
-        inp = mutated.get(v)
-        if inp is None or v in user_outputs or inp in shared or not same_layout(inp, v):
-            return None
-        if last.get(inp, -1) > pos or (last.get(inp) == pos and not _elementwise_reader(step.kernel, inp, v)):
-            return None
-        return inp
 
-    holder: dict[Value, Value] = {}  # value -> the value that first allocated its memory
-    born: dict[Value, int] = {}  # memory holder -> step that allocates it
-    free: list[Value] = []  # dead kernel outputs whose memory a later output may take
-    for pos, step in enumerate(steps):
+@dataclass
+class _Placer:
+    """The walk over the steps: which memory each written value takes."""
+
+    uses: _Uses
+    plan: MemoryPlan
+    holder: dict[Value, Value] = field(default_factory=dict)  # value -> the value that first allocated its memory
+    born: dict[Value, int] = field(default_factory=dict)  # memory holder -> step that allocates it
+    free: list[Value] = field(default_factory=list)  # dead buffers whose memory a later output may take
+
+    def place(self, step: Step, pos: int) -> None:
         if isinstance(step, KernelStep):
             taken: set[Value] = set()  # buffers an output of this kernel already writes over in place
             for v in step.kernel.writes:
-                inp = writes_in_place(v, step, pos)
-                if inp is not None:
-                    plan.reuse[v] = inp
-                    plan.inplace.add(v)
-                    plan.mutations_in_place.add(inp)
-                    holder[v] = inp  # the caller's memory: not counted in the peak
-                    continue
-
-                # An output (or a value a view keeps) takes only memory allocated at its own size:
-                # the caller keeps the whole allocation alive (a batch-norm weight's 32-float
-                # gradient once pinned a 1 MB activation buffer handed down through a chain of
-                # reuses). Same footprint, other shape is fine: a GELU over a [2048, 3072] product
-                # written as [4, 512, 3072] (each BERT layer's feed-forward took a second 100 MB).
-                def room(u: Value, v: Value = v) -> bool:
-                    if recyclable(v):
-                        return _fits(u, v)
-                    return _same_footprint(u, v) and _same_footprint(holder[u], v)
-
-                donor = next(
-                    (
-                        u
-                        for u in step.kernel.reads
-                        if u in holder and last[u] == pos and recyclable(u) and reusable(u)
-                        and u not in taken and room(u) and _elementwise_reader(step.kernel, u, v)
-                    ),
-                    None,
-                )  # fmt: skip
-                if donor is not None:
-                    plan.inplace.add(v)
-                    taken.add(donor)
-                if donor is None:
-                    fitting = [u for u in free if room(u)]
-                    if fitting:
-                        donor = min(fitting, key=lambda u: size_hint(extent(u)))
-                        free.remove(donor)
-                if donor is not None:
-                    plan.reuse[v] = donor
-                    holder[v] = holder[donor]
-                else:
-                    holder[v] = v
-                    born[v] = pos
+                self._place_output(step.kernel, v, pos, taken)
         elif isinstance(step, AliasStep):
-            holder[step.value] = holder.get(step.base, step.base)
+            self.holder[step.value] = self.holder.get(step.base, step.base)
         elif isinstance(step, ExternStep):
             for v in step.node.outputs:
-                holder[v] = v
-                born[v] = pos
-        for v in step_inputs(step) + step_outputs(step):
-            if last[v] == pos and recyclable(v) and reusable(v) and v in holder:
-                if not any(plan.reuse.get(w) is v for w in step_outputs(step)):
-                    free.append(v)
+                self.holder[v] = v
+                self.born[v] = pos
 
-    # Each holder's memory lives from its allocation to the last use of anything kept in it
-    # (a buffer reusing it, a view of it); graph outputs and views of inputs live to the end.
-    end = len(steps)
+    def _place_output(self, kernel: Kernel, v: Value, pos: int, taken: set[Value]) -> None:
+        inp = self.uses.mutated_input(v, kernel, pos)
+        if inp is not None:
+            self.plan.reuse[v] = inp
+            self.plan.inplace.add(v)
+            self.plan.mutations_in_place.add(inp)
+            self.holder[v] = inp  # the caller's memory: not counted in the peak
+            return
+        donor = self._in_place_donor(kernel, v, pos, taken)
+        if donor is not None:
+            self.plan.inplace.add(v)
+            taken.add(donor)
+        else:
+            donor = self._dead_buffer(v)
+        if donor is not None:
+            self.plan.reuse[v] = donor
+            self.holder[v] = self.holder[donor]
+        else:
+            self.holder[v] = v
+            self.born[v] = pos
+
+    def _room(self, u: Value, v: Value) -> bool:
+        """Whether v may take u's memory. An output (or a value a view keeps) takes only memory
+        allocated at its own size: the caller keeps the whole allocation alive (a batch-norm
+        weight's 32-float gradient once pinned a 1 MB activation buffer handed down through a chain
+        of reuses). Same footprint, other shape is fine: a GELU over a [2048, 3072] product written
+        as [4, 512, 3072] (each BERT layer's feed-forward took a second 100 MB)."""
+        if self.uses.recyclable(v):
+            return _fits(u, v)
+        return _same_footprint(u, v) and _same_footprint(self.holder[u], v)
+
+    def _in_place_donor(self, kernel: Kernel, v: Value, pos: int, taken: set[Value]) -> Value | None:
+        """A buffer the kernel reads for the last time, element for element, that v can overwrite."""
+        uses = self.uses
+        for u in kernel.reads:
+            if (
+                u in self.holder and uses.last[u] == pos and uses.recyclable(u) and uses.reusable(u)
+                and u not in taken and self._room(u, v) and _elementwise_reader(kernel, u, v)
+            ):  # fmt: skip
+                return u
+        return None
+
+    def _dead_buffer(self, v: Value) -> Value | None:
+        """The smallest dead buffer with room for v, taken off the free list."""
+        fitting = [u for u in self.free if self._room(u, v)]
+        if not fitting:
+            return None
+        donor = min(fitting, key=lambda u: size_hint(extent(u)))
+        self.free.remove(donor)
+        return donor
+
+    def release_dead(self, step: Step, pos: int) -> None:
+        """Free the recyclable buffers whose last use is this step (unless an output took them)."""
+        uses = self.uses
+        for v in step_inputs(step) + step_outputs(step):
+            dead = uses.last[v] == pos and uses.recyclable(v) and uses.reusable(v) and v in self.holder
+            if dead and not any(self.plan.reuse.get(w) is v for w in step_outputs(step)):
+                self.free.append(v)
+
+
+def _planned_peak(
+    uses: _Uses, holder: dict[Value, Value], born: dict[Value, int], length: int
+) -> tuple[int | None, frozenset]:
+    """The peak bytes of the placed memory, and the values in memory live at the peak (none if
+    symbolic). Each holder's memory lives from its allocation to the last use of anything kept in
+    it (a buffer reusing it, a view of it); graph outputs and views of inputs live to the end."""
     died: dict[Value, int] = {}
     for v, h in holder.items():
         if h not in born:
             continue  # a view of a graph input: the caller's memory
-        stop = end if v in outputs else last.get(v, born[h])
+        stop = length if v in uses.outputs else uses.last.get(v, born[h])
         died[h] = max(died.get(h, born[h]), stop)
-    plan.peak_bytes, at = _peak([(nbytes(h), born[h], died[h]) for h in born], len(steps))
-    if at is not None:
-        plan.peak_live = frozenset(v for v, h in holder.items() if h in born and born[h] <= at <= died[h])
-    plan.eager_peak_bytes = eager_peak_bytes
-    return plan
+    peak, at = _peak([(nbytes(h), born[h], died[h]) for h in born], length)
+    if at is None:
+        return peak, frozenset()
+    return peak, frozenset(v for v, h in holder.items() if h in born and born[h] <= at <= died[h])
 
 
 def _peak(intervals: list[tuple[Expr, int, int]], length: int) -> tuple[int | None, int | None]:
