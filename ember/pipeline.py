@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ember import config, log, progress
-from ember.frontend.signals import dynamo_control_flow
 from ember.report import FusionReport, GraphReport, KernelReport, publish
+from ember.signals import dynamo_control_flow
 
 
 class CompiledGraph:
@@ -169,10 +169,10 @@ def backend_facts(backend) -> tuple:
 def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.aten.importer import import_graph
-    from ember.schedule.padding import pad_matmul_layouts
     from ember.ir.cse import eliminate_common_subexpressions
     from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
+    from ember.schedule.padding import pad_matmul_layouts
     from ember.schedule.split import split_reductions
 
     graph = import_graph(gm, device)

@@ -1,1 +1,2 @@
-"""Frontend: the torch.compile backend entry, AOTAutograd wiring, decompositions, ATen import."""
+"""The entry floor: the torch.compile backend, AOTAutograd wiring and its cache, decompositions, and
+the attention rewrite that runs on Dynamo's graph before AOTAutograd."""

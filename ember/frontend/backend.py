@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ember import config, log, progress
-from ember.frontend.signals import dynamo_control_flow
+from ember.signals import dynamo_control_flow
 
 # torch.compile's modes are accepted so code written for Inductor runs unchanged; ember has
 # no autotuning or CUDA graphs yet, so they all compile the same way.
@@ -125,7 +125,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             with aot_cache.in_force(options):
                 return compiler(gm, example_inputs)
     except dynamo_control_flow():
-        raise  # PyTorch's own control flow: a restart of the capture, a graph break (frontend/signals.py)
+        raise  # PyTorch's own control flow: a restart of the capture, a graph break (ember/signals.py)
     except Exception as e:
         with config.override(**options):
             if config.get("strict"):

@@ -4,7 +4,8 @@ Dynamo restarts its analysis when AOTAutograd finds that a Python float it trace
 be specialized (TensorifyScalarRestartAnalysis) and for other RestartAnalysis reasons, skips a
 frame on SkipFrame, and breaks the graph where a fake tensor cannot know an output
 (data-dependent ops). None of these is a failure of ember's: a fallback that caught one would run
-the graph eagerly where PyTorch was about to hand ember a graph it can compile.
+the graph eagerly where PyTorch was about to hand ember a graph it can compile. Both of ember's
+fail-safe catches (the pipeline's per graph, the torch.compile backend's) let them through.
 """
 
 from __future__ import annotations
