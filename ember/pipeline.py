@@ -170,9 +170,9 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.aten.importer import import_graph
     from ember.ir.cse import eliminate_common_subexpressions
-    from ember.schedule.fusion import schedule
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.padding import pad_matmul_layouts
+    from ember.schedule.scheduler import schedule
     from ember.schedule.split import split_reductions
 
     graph = import_graph(gm, device)

@@ -9,7 +9,7 @@ Every `mm`, `addmm` and `bmm` the importer left as an extern is looked at once, 
    once per shape class and caches the timings on disk (backends/gemm_tuning.py). The bytes
    a fused epilogue would save (the product written and read back) are passed along: the
    template wins when its best time beats cuBLAS's plus that round trip.
-3. **A template group.** A chosen product becomes a group of the scheduler (fusion.py) whose
+3. **A template group.** A chosen product becomes a group of the schedule (state.py) whose
    kernel is a `GemmKernel`: the product tile (`KAcc`, fp32) is a leaf of the kernel's
    expression DAG, and everything the group stores (the product itself, and each fused
    epilogue value) is built from it by the same `KernelBuilder` the pointwise kernels use.
@@ -364,7 +364,7 @@ def build_gemm_kernel(
 class GemmGroups:
     """The scheduler's template groups (group id -> its product), and the rule for merging them.
 
-    Groups are fusion.Group records: `id`, `domain`, `roots`, `kernel`."""
+    Groups are state.Group records: `id`, `domain`, `roots`, `kernel`."""
 
     by_group: dict[int, GemmOp] = field(default_factory=dict)
 

@@ -13,7 +13,8 @@ from ember.codegen.triton import render_triton
 from ember.ir.graph import Graph, verify
 from ember.ir.sizes import contiguous_strides
 from ember.ir.views import VIEW_KINDS
-from ember.schedule.fusion import AliasStep, ExternStep, KernelStep, schedule
+from ember.schedule.scheduler import schedule
+from ember.schedule.steps import AliasStep, ExternStep, KernelStep
 
 I = sympy.Integer
 F32 = torch.float32

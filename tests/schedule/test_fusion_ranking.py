@@ -1,6 +1,6 @@
-"""Fusion re-ranks only the candidate pairs near each merge (Scheduler._near_merge): the schedule
-must be exactly the one that re-ranking every pair after every merge gives, on training graphs
-with residuals, batch norms, split reductions and siblings."""
+"""Fusion re-ranks only the candidate pairs near each merge (schedule/fusion.py: _near_merge): the
+schedule must be exactly the one that re-ranking every pair after every merge gives (the setting
+fusion_rank_every_pair), on training graphs with residuals, batch norms, split reductions and siblings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from ember.schedule.fusion import Scheduler
 from ember.tools.workloads import WORKLOADS
 from tests.helpers import SCALE, explain_strict
 
@@ -47,12 +46,12 @@ def _cases(backend: str):
 
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
-def test_ranking_near_each_merge_matches_ranking_every_pair(backend, monkeypatch):
-    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # both rankings must schedule, not load
+def test_ranking_near_each_merge_matches_ranking_every_pair(backend):
     for name, model, inputs in _cases(backend):
-        near = _fingerprint(explain_strict(model, *inputs, backend=backend))
-        monkeypatch.setattr(Scheduler, "rank_every_pair", True)
-        every = _fingerprint(explain_strict(model, *inputs, backend=backend))
-        monkeypatch.setattr(Scheduler, "rank_every_pair", False)
+        # schedule_cache off: both rankings must schedule, not load
+        near = _fingerprint(explain_strict(model, *inputs, backend=backend, schedule_cache=False))
+        every = _fingerprint(
+            explain_strict(model, *inputs, backend=backend, schedule_cache=False, fusion_rank_every_pair=True)
+        )
         assert [g[0] for g in near] == ["forward", "backward"], name
         assert near == every, name

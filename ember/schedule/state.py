@@ -1,0 +1,88 @@
+"""The scheduler's state: one record that every scheduling pass reads and fills in.
+
+scheduler.py runs the passes in order; each fills in its fields: realize.py `aliases`,
+`realized` and `read_outside`; gemm_plan.py `gemm_plans`; groups.py `groups`, `owner` and
+`gemms`; fusion.py (with merge.py) merges groups and fills in `readers`, `decisions` and
+`sibling_merged`; order.py `steps`; memory.py `memory`.
+
+The record is the scheduler's working memory. Its result, `steps.Schedule`, keeps only the
+graph, the steps, the decisions and the memory plan (the schedule cache pickles it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.ir.graph import Graph, Node, Value
+from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
+from ember.schedule.kernel import Domain, Kernel
+from ember.schedule.memory import MemoryPlan
+from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """Which kernel forms the target's code generator renders (schedule()'s keywords, in one record)."""
+
+    online_softmax: bool = False  # schedule/online.py's one-pass max and sum of exp
+    column_partials: bool = False  # column sums accumulated by a row kernel (kernel.KColumnPartial)
+
+
+@dataclass
+class Group:
+    """Values computed by one kernel over one domain; fusion merges groups."""
+
+    id: int
+    domain: Domain
+    roots: list[Value]
+    first: int  # position of its first node in the graph, for stable ordering
+    kernel: Kernel | None = None
+
+
+@dataclass
+class ScheduleState:
+    graph: Graph
+    target: TargetFacts = TargetFacts()
+    gemm: GemmChooser | None = None  # the backend's template-or-ATen choice per product (None: no template)
+    # Kernel names are `kernel_prefix` + group id: a training step's forward and backward graphs
+    # name theirs apart ("fk3", "bk3"), so a profile's kernel names say which graph ran them.
+    kernel_prefix: str = "k"
+    position: dict[int, int] = field(default_factory=dict)  # id(node) -> its place in graph.nodes
+    aliases: dict[Value, AliasStep] = field(default_factory=dict)  # views kept as strided views of a buffer
+    realized: list[Value] = field(default_factory=list)  # values in memory, in the order their groups are made
+    # Stored whatever fuses: returned, read by an extern, or the base of an alias.
+    read_outside: set[Value] = field(default_factory=set)
+    gemm_plans: dict[int, GemmOp] = field(default_factory=dict)  # id(extern node) -> product run as the template
+    gemms: GemmGroups = field(default_factory=GemmGroups)  # template groups and their merge rule
+    groups: dict[int, Group] = field(default_factory=dict)
+    owner: dict[Value, int] = field(default_factory=dict)  # realized value -> id of the group computing it
+    readers: dict[Value, set[int]] = field(default_factory=dict)  # value -> ids of the groups loading it
+    decisions: list[FusionDecision] = field(default_factory=list)
+    sibling_merged: set[int] = field(default_factory=set)  # ids of groups a sibling merge made
+    steps: list[Step] = field(default_factory=list)
+    memory: MemoryPlan | None = None
+
+    def __post_init__(self) -> None:
+        self.position = {id(n): k for k, n in enumerate(self.graph.nodes)}
+
+    def kernel_name(self, gid: int) -> str:
+        return f"{self.kernel_prefix}{gid}"
+
+    def is_extern(self, node: Node) -> bool:
+        """An extern step: an ATen call the GEMM template does not take over."""
+        return node.op == "extern" and id(node) not in self.gemm_plans
+
+    def needed_outside(self, v: Value, members: set[int]) -> bool:
+        """Whether a kernel made of the groups `members` must store v: someone outside reads it."""
+        return v in self.read_outside or bool(self.readers.get(v, set()) - members)
+
+    def update_readers(self) -> None:
+        """`readers` from every group's kernel."""
+        readers: dict[Value, set[int]] = {}
+        for g in self.groups.values():
+            for v in g.kernel.reads:
+                readers.setdefault(v, set()).add(g.id)
+        self.readers = readers
+
+    def result(self) -> Schedule:
+        return Schedule(self.graph, self.steps, self.decisions, self.memory)
