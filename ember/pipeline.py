@@ -37,7 +37,7 @@ class CompiledGraph:
         self._boxed_call = True
         self._call = call
         self.report = report
-        self.kept = None  # compile_graph(keep_schedule=True): what AOTAutograd's cache keeps
+        self.kept = None  # compile_graph(keep_schedule=True): a KeptSchedule, for AOTAutograd's cache
 
     def __call__(self, args: list) -> list:
         return self._call(args)
@@ -203,17 +203,17 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool = False) -> Callable:
-    """`keep_schedule`: leave (the schedule's pickle, device, backend facts) on the result as
-    `kept`, for AOTAutograd's cache (frontend/aot_cache.py), where the schedule could be cached.
+    """`keep_schedule`: leave the schedule's pickle, device and target on the result as `kept`
+    (a KeptSchedule), for AOTAutograd's cache (frontend/aot_cache.py), where the schedule could be cached.
     A compile that takes long reports its stages (ember/progress.py)."""
     with progress.compiling(lambda: f"{kind} graph ({sum(n.op == 'call_function' for n in gm.graph.nodes)} ATen ops)"):
         return _compile_graph(gm, example_inputs, kind, keep_schedule)
 
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool) -> Callable:
+    from ember.runtime.schedule_cache import KeptSchedule, schedule_key
     from ember.runtime.schedule_cache import load as load_schedule
     from ember.runtime.schedule_cache import save as save_schedule
-    from ember.runtime.schedule_cache import schedule_key
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
@@ -242,7 +242,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sch
                 stage("cache write")
         result: Callable = _finish(sched, backend, kind, device, report, stage)
         if keep_schedule and blob is not None:
-            result.kept = (blob, str(device), facts)
+            result.kept = KeptSchedule(blob, str(device), facts)
     except dynamo_control_flow():
         raise  # PyTorch's own control flow, in every mode: not a failure to fall back from
     except Exception as e:

@@ -33,15 +33,18 @@ This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `Outpu
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
 with the forward, so the entry is saved while these settings are in force), `cache_key_tag`. A
 failure to save only logs a warning in torch; a failure to load makes AOTAutograd compile anew.
+AOTAutograd calls `prepare_for_serialization` and `post_compile` with nothing of ember's, so what
+they need of the compile in progress (its options, signing key, and the graphs it loaded) is a
+`_Compile` record that `in_force` makes current for its duration (a context variable).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import hmac
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -50,6 +53,7 @@ import torch
 from torch._inductor.output_code import OutputCode
 
 from ember import config, log
+from ember.runtime.schedule_cache import KeptSchedule
 
 
 @dataclasses.dataclass
@@ -58,11 +62,9 @@ class EmberGraphCode(OutputCode):
     schedule's pickle while it is stored."""
 
     kind: str = ""
-    device: str = ""
     num_nodes: int = 0
-    backend_facts: tuple = ()  # what the backend told the passes (checked again on a hit)
     options: dict = dataclasses.field(default_factory=dict)
-    schedule_blob: bytes | None = dataclasses.field(default=None, repr=False)
+    schedule: KeptSchedule | None = None  # None: nothing to keep (an eager fallback, symbolic sizes)
     signature: bytes = dataclasses.field(default=b"", repr=False)  # HMAC of the above under ember's key
     program: Any = dataclasses.field(default=None, repr=False)  # the CompiledGraph; never pickled
 
@@ -76,9 +78,10 @@ class EmberGraphCode(OutputCode):
         # Called on a shallow copy that AOTAutograd then pickles.
         from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 
-        if self.schedule_blob is None:
+        if self.schedule is None:
             raise BypassAOTAutogradCache(f"ember: the {self.kind} graph has no schedule to keep")
-        key = _loading.state.key if hasattr(_loading, "state") else None
+        current = _current.get()
+        key = current.key if current is not None else None
         if key is None:
             raise BypassAOTAutogradCache("ember: no key to sign the graph with")
         self.signature = _signature(key, self)
@@ -92,26 +95,27 @@ class EmberGraphCode(OutputCode):
 
         # The settings of the compile that loads it: the stored ones are the saving compile's, which
         # agree on everything in the key but may differ in what only logs (debug, logs, strict).
-        state = _loading.state if hasattr(_loading, "state") else None
+        current = _current.get()
         try:
-            with config.override(**(self.options if state is None else state.options)):
+            with config.override(**(self.options if current is None else current.options)):
                 start = time.perf_counter()
-                key = _signing_key() if state is None else state.key
-                if key is None or not hmac.compare_digest(self.signature, _signature(key, self)):
+                key = _signing_key() if current is None else current.key
+                kept = self.schedule
+                if kept is None or key is None or not hmac.compare_digest(self.signature, _signature(key, self)):
                     # Checked before unpickling: the pickle runs code.
                     raise ValueError(
                         "its signature does not match ember's key: the entry is damaged, or was not "
                         "written by ember with this cache folder"
                     )
-                sched = loads(self.schedule_blob)
+                sched = loads(kept.pickled)
                 self.program = compile_from_schedule(
                     sched,
                     self.kind,
-                    torch.device(self.device),
+                    torch.device(kept.device),
                     self.num_nodes,
                     time.perf_counter() - start,
-                    self.backend_facts,
-                    publish=state is None,
+                    kept.target,
+                    publish=current is None,
                 )
         except Exception as e:
             # AOTAutograd catches this, logs it at INFO and compiles the graph anew: say so louder.
@@ -121,8 +125,8 @@ class EmberGraphCode(OutputCode):
                 f"{type(e).__name__}: {e}"[:500]
             )
             raise
-        if state is not None:
-            state.loaded.append(self.program)
+        if current is not None:
+            current.loaded.append(self.program)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass  # ember's kernels live in its own cache
@@ -130,24 +134,16 @@ class EmberGraphCode(OutputCode):
 
 def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> EmberGraphCode:
     """The OutputCode of one compiled graph (a CompiledGraph or ember's eager fallback)."""
-    kept = getattr(program, "kept", None)  # (schedule pickle, device, backend facts) or None
+    kept = getattr(program, "kept", None)  # a KeptSchedule, or None
     if hasattr(program, "kept"):
         program.kept = None  # the entry holds it from here
-    if hasattr(_loading, "state"):
+    current = _current.get()
+    if current is not None:
         # A graph compiled anew: AOTAutograd missed or dropped its entry, and with it whatever
         # this compile loaded before (in_force publishes those reports only if nothing was compiled).
-        _loading.state.compiled = True
+        current.compiled_anew.append(kind)
     num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    blob, device, facts = kept if kept is not None else (None, "cpu", ())
-    return EmberGraphCode(
-        kind=kind,
-        device=device,
-        num_nodes=num_nodes,
-        backend_facts=facts,
-        options=options,
-        schedule_blob=blob,
-        program=program,
-    )
+    return EmberGraphCode(kind=kind, num_nodes=num_nodes, options=options, schedule=kept, program=program)
 
 
 def serializable(compile_fn):
@@ -185,18 +181,20 @@ def _attribute(gm: torch.fx.GraphModule, target: str):
     return obj
 
 
-class _Loading:
-    """The compile in progress (in_force): its options and signing key, the programs loaded from
-    the cache, and whether any graph was compiled anew (then AOTAutograd discarded the loaded ones)."""
+@dataclasses.dataclass(frozen=True)
+class _Compile:
+    """The compile in progress under `in_force`: its options and signing key (None: nothing is
+    saved, nothing loads); the programs built from AOTAutograd's cache, and the kinds of the graphs
+    compiled anew (any at all: AOTAutograd discarded the loaded ones)."""
 
-    def __init__(self, options: dict, key: bytes | None):
-        self.options = options
-        self.key = key  # the signing key (None: nothing is saved, nothing loads)
-        self.loaded: list = []
-        self.compiled = False
+    options: dict
+    key: bytes | None = dataclasses.field(repr=False)
+    loaded: list = dataclasses.field(default_factory=list)
+    compiled_anew: list[str] = dataclasses.field(default_factory=list)
 
 
-_loading = threading.local()
+# The compile in progress in this thread (contexts are per thread): in_force sets it.
+_current: contextvars.ContextVar[_Compile | None] = contextvars.ContextVar("ember_aot_compile", default=None)
 
 
 def _signing_key() -> bytes | None:
@@ -209,10 +207,11 @@ def _signing_key() -> bytes | None:
 
 def _signature(key: bytes, code: EmberGraphCode) -> bytes:
     """HMAC-SHA256 of everything post_compile builds from."""
+    kept = code.schedule
     mac = hmac.new(key, digestmod=hashlib.sha256)
-    for part in (code.kind, code.device, code.num_nodes, code.backend_facts, sorted(code.options.items())):
+    for part in (code.kind, code.num_nodes, sorted(code.options.items()), kept.device, kept.target):
         mac.update(repr(part).encode() + b"\0")
-    mac.update(code.schedule_blob or b"")
+    mac.update(kept.pickled)
     return mac.digest()
 
 
@@ -245,20 +244,16 @@ def in_force(options: dict) -> Iterator[None]:
         key_id = hmac.new(key, b"ember aot-cache key id", hashlib.sha256).hexdigest() if key else "none"
         tag = content_key("aot", key_id, _state_tag(), ember=True)
     old = torch.compiler.config.cache_key_tag
-    outer = getattr(_loading, "state", None)
-    state = _Loading(options, key)
+    current = _Compile(options, key)
     with (
         functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
         torch.compiler.config.patch(cache_key_tag=f"{old}|ember:{tag}"),
     ):
-        _loading.state = state
+        token = _current.set(current)
         try:
             yield
         finally:
-            if outer is None:
-                del _loading.state
-            else:
-                _loading.state = outer
-    if not state.compiled:  # every graph came from the cache: now their reports count
+            _current.reset(token)
+    if not current.compiled_anew:  # every graph came from the cache: now their reports count
         with config.override(**options):
-            publish_loaded(state.loaded)
+            publish_loaded(current.loaded)

@@ -31,11 +31,22 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+from dataclasses import dataclass, field
 
 import torch
 
 from ember import config, log
 from ember.runtime.cache import DiskCache, content_key
+
+
+@dataclass(frozen=True)
+class KeptSchedule:
+    """A graph's schedule as AOTAutograd's cache keeps it (frontend/aot_cache.py): its pickle, the
+    device it was compiled for, and the target it was made for (checked again when it is loaded)."""
+
+    pickled: bytes = field(repr=False)
+    device: str
+    target: tuple  # what the backend told the passes (pipeline.backend_facts)
 
 
 class _Symbolic(Exception):

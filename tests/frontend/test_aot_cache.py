@@ -194,3 +194,57 @@ def test_an_entry_not_signed_with_ember_s_key_is_not_loaded(tmp_path, monkeypatc
         monkeypatch.setattr(aot_cache, "_signature", real)
         with pytest.warns(UserWarning, match="signature does not match"):
             assert _inference_hits(fn, x) == 0
+
+
+def _signed_code(**changes):
+    from ember.frontend.aot_cache import EmberGraphCode
+    from ember.runtime.schedule_cache import KeptSchedule
+
+    kept = {"pickled": b"schedule", "device": "cpu", "target": ("cpp", 0, 512)}
+    code = {"kind": "forward", "num_nodes": 3, "options": {"fuse": True}}
+    for name, value in changes.items():
+        (kept if name in kept else code)[name] = value
+    return EmberGraphCode(schedule=KeptSchedule(**kept), **code)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"pickled": b"schedulf"},
+        {"device": "cuda:0"},
+        {"target": ("cpp", 0, 513)},
+        {"kind": "backward"},
+        {"num_nodes": 4},
+        {"options": {"fuse": False}},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_the_signature_covers_everything_a_hit_builds_from(change):
+    from ember.frontend import aot_cache
+
+    key = b"k" * 32
+    assert aot_cache._signature(key, _signed_code()) == aot_cache._signature(key, _signed_code())
+    assert aot_cache._signature(key, _signed_code(**change)) != aot_cache._signature(key, _signed_code())
+    assert aot_cache._signature(b"j" * 32, _signed_code()) != aot_cache._signature(key, _signed_code())
+
+
+def test_the_compile_in_progress_is_this_thread_s_and_nests(tmp_path):
+    """What in_force makes current is seen by this thread only, and an inner compile's ends with it."""
+    import threading
+
+    from ember.frontend import aot_cache
+
+    seen = []
+    with ember.config.override(cache_dir=str(tmp_path)):
+        with aot_cache.in_force({"fuse": True}):
+            outer = aot_cache._current.get()
+            thread = threading.Thread(target=lambda: seen.append(aot_cache._current.get()))
+            thread.start()
+            thread.join()
+            with aot_cache.in_force({"fuse": False}):
+                inner = aot_cache._current.get()
+            after_inner = aot_cache._current.get()
+        after = aot_cache._current.get()
+    assert outer.options == {"fuse": True} and len(outer.key) == 32
+    assert inner.options == {"fuse": False} and inner.key == outer.key
+    assert seen == [None] and after_inner is outer and after is None
