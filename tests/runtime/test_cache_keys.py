@@ -12,19 +12,25 @@ from ember.runtime import schedule_cache
 from ember.runtime.cache import content_key, ember_identity
 
 # A value other than the default that each setting accepts, where the generic rule below gives none.
-_OTHER = {"logs": "cache"}
+_OTHER = {"logs": "cache", "heuristics": "split.max_second_split=8"}
 
 
 def _other_value(setting: config.Setting):
+    """A valid value of `setting` other than its default."""
     if setting.name in _OTHER:
-        return _OTHER[setting.name]
-    if setting.choices:
-        return next(c for c in setting.choices if c != setting.default)
-    if setting.type is bool:
-        return not setting.default
-    if setting.type is int:
-        return setting.default + 1
-    return setting.default + "-other"
+        value = _OTHER[setting.name]
+    elif setting.choices:
+        value = next(c for c in setting.choices if c != setting.default)
+    elif setting.type is bool:
+        value = not setting.default
+    elif setting.type is int:
+        value = setting.default + 1
+    else:
+        value = setting.default + "-other"
+    try:
+        return setting.parse(value, "test")
+    except config.ConfigError as e:
+        pytest.fail(f"{e}: name a valid value other than the default for {setting.name!r} in _OTHER")
 
 
 # Pairs of (content, named parts) that a recipe joining the parts' bytes could not tell apart.
