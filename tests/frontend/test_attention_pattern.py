@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ember
+from ember.frontend.attention_match import find_attention
 from ember.frontend.backend import ember_backend
-from ember.frontend.patterns import find_attention
 from tests.helpers import assert_close, assert_no_fallback, assert_not_worse, forward_backward, reports, repro
 
 B, H, L, D = 2, 3, 16, 8
@@ -70,6 +70,10 @@ def bool_mask(q, k, v, keep):
 def where_mask(q, k, v, keep):
     scores = torch.where(keep, q @ k.transpose(-2, -1), float("-inf")) / 3.0  # mask below the scale
     return scores.softmax(dim=-1) @ v
+
+
+def where_drop_mask(q, k, v, keep):  # the fill in where's true branch: a "drop" condition, negated
+    return torch.where(~keep, float("-inf"), q @ k.transpose(-2, -1) * 0.3).softmax(dim=-1) @ v
 
 
 def causal_tril(q, k, v):
@@ -194,6 +198,7 @@ CASES = [
     Case("additive_mask", additive_mask, ("additive",), lambda dt: (torch.randn(L, L, dtype=dt),), (FP32, BF16)),
     Case("bool_mask", bool_mask, ("bool",), lambda dt: (_random_keep((B, 1, L, L)),)),
     Case("where_mask", where_mask, ("bool",), lambda dt: (_random_keep((L, L)),)),
+    Case("where_drop_mask", where_drop_mask, ("bool",), lambda dt: (_random_keep((B, 1, L, L)),)),
     Case("causal_tril", causal_tril, ("causal",), dtypes=(FP32, BF16)),
     Case("fp32_softmax", fp32_softmax, ("causal",), dtypes=(FP32, BF16)),
     Case("softmax_dtype", softmax_dtype, ("none",), dtypes=(BF16,)),
