@@ -380,7 +380,7 @@ def _overlap_mask(add, view: Value, s_dim: int, overlap: int) -> Value:
 
 def _split_mean_of_variance(node: Node, splits: dict) -> _Split | None:
     """When `node` sums (x - mean)^2 over the dims that `mean` averaged x over, and that mean's sum
-    was split: the split (var_mean's lowering, frontend/lowerings.py, as batch norm's training
+    was split: the split (var_mean's lowering, aten/lowerings/reductions.py, as batch norm's training
     statistics use it)."""
     if node.attrs["kind"] != "sum":
         return None
