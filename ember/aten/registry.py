@@ -13,14 +13,13 @@ with `@lowering(...)`; the importer imports them. Nothing here imports them back
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from ember.aten.builder import GraphBuilder
-
-Lowering = Callable[["GraphBuilder", torch.fx.Node], Any]
+# fn(builder, node): the builder is builder.GraphBuilder, which this module does not import (the
+# builder raises this module's exceptions).
+Lowering = Callable[[Any, torch.fx.Node], Any]
 
 _LOWERINGS: dict[Any, Lowering] = {}
 
