@@ -2,7 +2,7 @@
 
 The forward reads each window offset as a strided view of x and compares in eager's order; the
 backward gathers, for each input position, the gradients of the outputs whose window holds it.
-Both fuse like pointwise values (docs/architecture.md, "cat, constant padding and max pooling").
+Both fuse like pointwise values (docs/decisions.md, "cat, constant padding and max pooling are views").
 """
 
 from __future__ import annotations
