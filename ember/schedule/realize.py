@@ -71,8 +71,8 @@ def realize_shared(state: ScheduleState) -> None:
     for node in state.graph.nodes:
         if node.op == "view":
             continue  # not a reader: its own readers are counted at the root
-        for v in node.value_inputs():
-            root, _ = view_chain(v)
+        # A node that reads a value twice (x * x) is one reader: it fuses with it once.
+        for root in {view_chain(v)[0] for v in node.value_inputs()}:
             users[root] = users.get(root, 0) + 1
     reads: dict[Value, frozenset] = {}
     for node in state.graph.nodes:
