@@ -1,0 +1,213 @@
+"""The target: one frozen record of what the device and the code generator can do.
+
+The backend makes it from the device (backends/triton.py, backends/cpp.py: `Backend.target()`),
+the pipeline reads it once per graph, and every pass that depends on the target takes it:
+`split_reductions(graph, target)`, `schedule(graph, ..., target=...)`, `launch_config(kernel,
+target)`. No pass asks which backend it runs for: it reads what the target renders
+(`online_softmax`, `column_partials`) and its heuristics.
+
+`Heuristics` holds the size thresholds and launch tables as data. A sweep or a test changes
+them with `dataclasses.replace`, or for a whole compile with the scoped setting `heuristics`
+(`EMBER_HEURISTICS="split.max_second_split=8"`, `config.override(heuristics=...)`), which
+the backends apply through `Target.tuned`; never by assigning a module attribute.
+
+`Target.key()` is what a cached thing made for this target depends on (runtime/cache.py's
+`content_key(..., target=...)`): everything but the device's display name and its measured
+limits, which vary from run to run and only inform reports and the GEMM choice.
+
+This module is a leaf: it imports nothing of ember's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass, fields, replace
+
+# The CPU interpreter has no SMs. It is given an H100's count, the GPU the heuristics were tuned
+# on, so that the tests on the CPU split, schedule and tile kernels as that GPU would.
+INTERPRETER_SM_COUNT = 132
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A reduction's tile: XBLOCK outputs by RBLOCK elements a step, and the warps of a program.
+    Written `XxRxW` in the `heuristics` setting (`launch.column_one_sum=64x8x4`)."""
+
+    xblock: int
+    rblock: int
+    warps: int
+
+    @classmethod
+    def parse(cls, text: str) -> Tile:
+        """`XxRxW`, each a power of two (Triton's blocks and warps are)."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(p.strip().isdigit() and _power_of_two(int(p)) for p in parts):
+            raise ValueError
+        return cls(*(int(p) for p in parts))
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class SplitHeuristics:
+    """When schedule/split.py splits a reduction into two stages, and into how many chunks."""
+
+    # Split a reduction with fewer outputs than this ...
+    max_outputs: int = 8192
+    # ... and at least this many elements per output; each chunk keeps at least min_chunk.
+    min_reduce: int = 4096
+    min_chunk: int = 256
+    # ... or at least this many for a column sum on a target with row programs (two chunks).
+    min_column_reduce: int = 512
+    # A length whose power-of-two factor gives at least 1/max_shortfall of the chunks wanted splits
+    # by that factor (a plain reshape); else into overlapping chunks of the length wanted.
+    max_shortfall: int = 4
+    # About this many partial results in the first stage. More programs in flight, each walking
+    # fewer rows, pay off where every program is a short kernel of its own (a GPU's).
+    partials: int = 32768
+    # Chunks of a column sum that a row kernel accumulates (kernel.KColumnPartial): a few row
+    # blocks per program at least, and few enough rows that the programs fill the machine.
+    min_column_chunk: int = 16
+    max_column_chunk: int = 256
+    # Columns one program of a GPU column sum covers (launch.column_* tiles are this wide).
+    columns_per_program: int = 32
+    # A column sum whose leading reduced dim is split whole, leaving at most one program per SM,
+    # may split its next reduced dim into this many chunks too (1: never). Off by default: in
+    # ResNet-50's training step the extra partials raised the backward's planned peak above
+    # eager's, and the sibling merges given up to bring it down cost more than the split saved.
+    max_second_split: int = 1
+
+
+@dataclass(frozen=True)
+class LaunchHeuristics:
+    """Block sizes and warps of a Triton kernel, by its form (codegen/triton.py: launch_config)."""
+
+    # Pointwise: XBLOCK up to pointwise_block; wide_warps from pointwise_wide_from elements.
+    pointwise_block: int = 1024
+    pointwise_wide_from: int = 512
+    pointwise_warps: int = 2
+    pointwise_wide_warps: int = 4
+    # Rows held whole: about row_program_elements per program, and enough programs for
+    # row_programs_per_sm per SM; a warp per row_elements_per_warp (up to row_max_warps), and
+    # row_all_warps from row_all_warps_from elements (a long softmax row).
+    row_program_elements: int = 4096
+    row_programs_per_sm: int = 2
+    row_elements_per_warp: int = 512
+    row_min_warps: int = 2
+    row_max_warps: int = 16
+    row_all_warps_from: int = 8192
+    row_all_warps: int = 32
+    # Rows too long to hold: one row per program, walked in chunks. An online softmax keeps two
+    # accumulators per lane, so it walks smaller chunks.
+    looped_row: Tile = Tile(1, 2048, 8)
+    looped_online_softmax_rblock: int = 1024
+    # Column sums (memory contiguous along the kept dim, so a tile is XBLOCK columns by RBLOCK rows).
+    # One input and one sum, with enough columns for a program per SM at this width: many small
+    # programs in flight.
+    column_one_sum: Tile = Tile(64, 8, 4)
+    # Few columns, or several sums of one input (batch norm's statistics): long steps down the rows.
+    column_long_steps: Tile = Tile(32, 128, 8)
+    few_columns: int = 16384
+    # Several tile inputs with many columns: narrow_xblock columns when every input is narrower
+    # than 4 bytes (a 128-byte row of bf16) and a program's chunk is under long_chunk rows.
+    column_several_inputs: Tile = Tile(32, 32, 4)
+    column_narrow_xblock: int = 64
+    column_long_chunk: int = 1024
+    # A short column sum (a split's second stage, at most short_columns elements, rows of at most
+    # short_columns_tile) is held whole: one load and one reduce per sum.
+    short_columns: int = 1 << 18
+    short_columns_tile: int = 4096
+    short_columns_xblock: int = 32
+    short_columns_warps: int = 4
+    # A row kernel that also sums columns (kernel.KColumnPartial): one program per chunk of rows,
+    # walked column_partial_step_elements at a time in software-pipelined stages, a warp per
+    # column_partial_elements_per_warp of a step.
+    column_partial_step_elements: int = 4096
+    column_partial_elements_per_warp: int = 1024
+    column_partial_max_warps: int = 16
+    column_partial_stages: int = 3
+
+
+@dataclass(frozen=True)
+class Heuristics:
+    """The target's tunable thresholds and tables, as data."""
+
+    split: SplitHeuristics = SplitHeuristics()
+    launch: LaunchHeuristics = LaunchHeuristics()
+
+    def tuned(self, text: str) -> Heuristics:
+        """These heuristics with the changes `text` names: comma-separated `group.field=value`
+        (`split.max_second_split=8, launch.column_one_sum=64x8x4`). Raises ValueError naming the
+        valid fields for an unknown one or a value that does not parse."""
+        groups = {f.name: getattr(self, f.name) for f in fields(self)}
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            name, equals, raw = item.partition("=")
+            group, dot, attr = name.strip().partition(".")
+            if not equals or not dot or group not in groups:
+                raise ValueError(f"{item!r} is not group.field=value, with group one of {', '.join(groups)}")
+            record = groups[group]
+            valid = [f.name for f in fields(record)]
+            if attr not in valid:
+                raise ValueError(f"{group} has no heuristic {attr!r} (valid: {', '.join(valid)})")
+            tile = isinstance(getattr(record, attr), Tile)
+            try:
+                value = Tile.parse(raw.strip()) if tile else int(raw.strip())
+                if not tile and value < 1:
+                    raise ValueError
+            except ValueError:
+                kind = "a tile XBLOCKxRBLOCKxWARPS of powers of two" if tile else "a positive integer"
+                raise ValueError(f"{name.strip()}={raw.strip()!r} is not {kind}") from None
+            groups[group] = replace(record, **{attr: value})
+        return replace(self, **groups)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the device and the code generator can do, and their measured limits."""
+
+    name: str  # the code generator: "triton", "cpp"
+    device: str = "cpu"  # the device type kernels run on: "cuda", "cpu"
+    device_name: str = ""  # for reports: "NVIDIA H100 80GB HBM3", "CPU x16"
+    interpreted: bool = False  # Triton's CPU interpreter runs the kernels: nothing is compiled
+    sm_count: int = 0  # streaming multiprocessors (the interpreter's: INTERPRETER_SM_COUNT; 0: no GPU)
+    arch: tuple = ()  # what binaries are built for: Triton's GPU target (backend, arch, warp size), the host CPU
+    # Measured limits, for schedule/cost.py's roofline estimate and the GEMM choice (0: unknown).
+    bandwidth: float = 0.0  # bytes/s, a large copy
+    flop_rate: float = 0.0  # FLOP/s, the specification's vector (not tensor-core) fp32 rate
+    launch_seconds: float = 0.0
+    # What the code generator renders:
+    online_softmax: bool = False  # schedule/online.py's one-pass max and sum of exp
+    # Programs of a row kernel that also sums its rows' columns (kernel.KColumnPartial); split.py
+    # sizes those sums' chunks for them. 0: such kernels are not rendered.
+    row_programs: int = 0
+    heuristics: Heuristics = Heuristics()
+
+    @property
+    def column_partials(self) -> bool:
+        """Whether row kernels may accumulate split column sums (kernel.KColumnPartial)."""
+        return self.row_programs > 0
+
+    def key(self) -> tuple:
+        """What a schedule or binary made for this target depends on, for cache keys: all but the
+        device's display name and its measured limits."""
+        return (
+            self.name,
+            self.device,
+            self.interpreted,
+            self.sm_count,
+            self.arch,
+            self.online_softmax,
+            self.row_programs,
+            astuple(self.heuristics),
+        )
+
+    def tuned(self, text: str) -> Target:
+        """This target with the heuristics changes `text` names (Heuristics.tuned)."""
+        return replace(self, heuristics=self.heuristics.tuned(text)) if text.strip() else self
+
+    def __str__(self) -> str:
+        limits = f"{self.bandwidth / 1e9:.0f} GB/s measured, {self.flop_rate / 1e12:.1f} TFLOP/s spec"
+        return f"{self.device_name or self.device}: {limits}"
