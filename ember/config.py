@@ -55,8 +55,13 @@ class Setting:
             ) from None
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{source}: {self.name}={raw!r} is not one of {list(self.choices)}")
-        if self.check is not None and not self.check(value):
-            raise ConfigError(f"{source}: {self.name}={raw!r} is not valid{self._valid_hint()}")
+        if self.check is not None:
+            try:
+                valid = self.check(value)
+            except ValueError as e:  # a check that says what is wrong
+                raise ConfigError(f"{source}: {self.name}={raw!r}: {e}") from None
+            if not valid:
+                raise ConfigError(f"{source}: {self.name}={raw!r} is not valid{self._valid_hint()}")
         return value
 
     def _valid_hint(self) -> str:
@@ -91,6 +96,15 @@ PROGRESS_AFTER_S = 2.0
 
 def _valid_artifacts(value: str) -> bool:
     return all(name.strip() in LOG_ARTIFACTS for name in value.split(",") if name.strip())
+
+
+def _valid_heuristics(value: str) -> bool:
+    """Whether `value` names heuristics of ember/target.py and values they take (a ValueError
+    says which part does not)."""
+    from ember.target import Heuristics
+
+    Heuristics().tuned(value)
+    return True
 
 
 SETTINGS: dict[str, Setting] = {
@@ -154,6 +168,15 @@ SETTINGS: dict[str, Setting] = {
             "weight gradients); the column sums are split into one to two times that many chunks. 0: one per SM; "
             "-1: never (column sums get kernels of their own)",
             check=lambda v: v >= -1,
+            codegen=True,
+        ),
+        Setting(
+            "heuristics",
+            str,
+            "",
+            "changes to the target's heuristics, for sweeps: comma-separated group.field=value, e.g. "
+            "split.max_second_split=8,launch.column_one_sum=64x8x4 (ember/target.py lists them)",
+            check=_valid_heuristics,
             codegen=True,
         ),
         Setting(

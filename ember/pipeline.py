@@ -1,6 +1,6 @@
 """Compile one ATen graph: the list of passes, and the fail-safe around them.
 
-    select_backend  the code generator and what it tells the passes
+    select_backend  the code generator, and its Target: what every pass is told  (backends/, target.py)
     (schedule cache: a graph scheduled before loads its schedule, skipping the next six; runtime/)
     import_graph  ATen FX graph -> ember Graph          (aten/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 from ember import config, log, progress
+from ember.backends.base import Backend
 from ember.report import FusionReport, GraphReport, KernelReport, publish
 from ember.signals import dynamo_control_flow
+from ember.target import Target
 
 
 class CompiledGraph:
@@ -68,12 +70,12 @@ def graph_device(gm: torch.fx.GraphModule, example_inputs) -> torch.device:
     return devices[0] if devices else torch.device("cpu")
 
 
-def select_backend(device: torch.device):
+def select_backend(device: torch.device) -> Backend:
+    """The backend the setting `backend` names for `device` (auto: Triton on a GPU, C++ on the CPU)."""
     choice = config.get("backend")
     if choice == "auto":
         choice = "triton" if device.type == "cuda" else "cpp"
     if choice == "triton":
-        _check_triton_can_run(device)
         from ember.backends.triton import TritonBackend
 
         return TritonBackend(device)
@@ -84,20 +86,6 @@ def select_backend(device: torch.device):
     return CppBackend()
 
 
-def _check_triton_can_run(device: torch.device) -> None:
-    """Triton compiles for a GPU; on other tensors it runs only through its CPU interpreter. Said
-    here, where it would otherwise fail deep inside Triton ("0 active drivers")."""
-    try:
-        import triton
-    except ImportError:
-        raise config.ConfigError("backend=triton needs the triton package (pip install triton)") from None
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise config.ConfigError(
-            f"backend=triton needs a CUDA GPU, and this graph's tensors are on {device}: use backend=cpp "
-            "(EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU interpreter (slow)"
-        )
-
-
 def _check(graph, name: str) -> None:
     from ember.ir.graph import verify
 
@@ -106,19 +94,15 @@ def _check(graph, name: str) -> None:
     log.artifact("graph", f"after {name}", lambda: str(graph))
 
 
-def _report_schedule(report: GraphReport, sched, backend, device: torch.device) -> None:
+def _report_schedule(report: GraphReport, sched, backend: Backend, target: Target) -> None:
     """Each kernel's cost (bytes, FLOPs, roofline estimate), the fusion decisions, the memory plan."""
-    from ember.schedule.cost import as_number, kernel_cost, target_for
+    from ember.schedule.cost import as_number, bound, estimate_seconds, kernel_cost
 
-    target = target_for(device)
     report.target = str(target)
     for k in sched.kernels:
         cost = kernel_cost(k)
         moved, flops = as_number(cost.bytes), as_number(cost.flops)
-        seconds = target.seconds(cost)
-        bound = ""
-        if moved is not None and flops is not None:
-            bound = "memory" if moved / target.bandwidth >= flops / target.flop_rate else "compute"
+        seconds = estimate_seconds(cost, target)
         report.kernels.append(
             KernelReport(
                 k.name,
@@ -128,7 +112,7 @@ def _report_schedule(report: GraphReport, sched, backend, device: torch.device) 
                 None if moved is None else int(moved),
                 None if flops is None else int(flops),
                 None if seconds is None else seconds * 1e6,
-                bound,
+                bound(cost, target),
             )
         )
     report.externs = [n.origin for n in sched.externs]
@@ -160,13 +144,7 @@ class _StageClock:
 KERNEL_PREFIX = {"inference": "k", "forward": "fk", "backward": "bk"}
 
 
-def backend_facts(backend) -> tuple:
-    """What a backend tells the passes, so what a schedule was made for: its name, the programs its
-    row kernels should have (kernel.KColumnPartial; 0: none) and the split's partial-sum target."""
-    return (backend.name, backend.row_programs(), backend.split_partials)
-
-
-def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend, row_programs: int, stage):
+def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend: Backend, target: Target, stage):
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.aten.importer import import_graph
     from ember.ir.cse import eliminate_common_subexpressions
@@ -186,17 +164,11 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
     log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
     stage("pad")
-    split_reductions(graph, row_programs, backend.split_partials)
+    split_reductions(graph, target)
     _check(graph, "split_reductions")
     stage("split")
-    gemm = getattr(backend, "gemm_chooser", None)  # template-or-ATen per matrix product (schedule/gemm.py)
     sched = schedule(
-        graph,
-        eager_peak,
-        online_softmax=backend.name == "triton",
-        gemm=gemm,
-        column_partials=bool(row_programs),
-        kernel_prefix=KERNEL_PREFIX.get(kind, "k"),
+        graph, eager_peak, target=target, gemm=backend.gemm_chooser, kernel_prefix=KERNEL_PREFIX.get(kind, "k")
     )
     stage("schedule")
     return sched
@@ -222,13 +194,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sch
         device = graph_device(gm, example_inputs)
         backend = select_backend(device)
         report.backend = backend.name
-        # Targets whose row kernels accumulate column sums (kernel.KColumnPartial) say how many
-        # programs such a kernel should have (0: none); the split sizes the sums' chunks for it.
-        facts = backend_facts(backend)
-        row_programs = facts[1]
+        target = backend.target()  # what every pass is told, and what the schedule is made for
         stage("backend")  # imports the toolchain and queries the device on first use
         progress.stage(f"{kind}: scheduling")
-        key = schedule_key(gm, kind, facts)
+        key = schedule_key(gm, kind, target.key())
         loaded = load_schedule(key) if key is not None else None
         if loaded is not None:
             sched, blob = loaded
@@ -236,13 +205,13 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sch
             stage("cached schedule")
             log.artifact("cache", f"{kind} schedule", "loaded: import through scheduling skipped")
         else:
-            sched = _schedule(gm, device, kind, backend, row_programs, stage)
+            sched = _schedule(gm, device, kind, backend, target, stage)
             blob = save_schedule(key, sched) if key is not None else None
             if key is not None:
                 stage("cache write")
-        result: Callable = _finish(sched, backend, kind, device, report, stage)
+        result: Callable = _finish(sched, backend, target, kind, report, stage)
         if keep_schedule and blob is not None:
-            result.kept = KeptSchedule(blob, str(device), facts)
+            result.kept = KeptSchedule(blob, str(device), target.key())
     except dynamo_control_flow():
         raise  # PyTorch's own control flow, in every mode: not a failure to fall back from
     except Exception as e:
@@ -271,14 +240,14 @@ def compile_from_schedule(
     stage = _StageClock(report.stage_seconds, time.perf_counter())
     backend = select_backend(device)
     report.backend = backend.name
-    facts = backend_facts(backend)
-    if facts != tuple(made_for):
-        raise RuntimeError(f"the schedule was made for {made_for}, this target is {facts}")
+    target = backend.target()
+    if target.key() != tuple(made_for):
+        raise RuntimeError(f"the schedule was made for the target {made_for}, this one is {target.key()}")
     stage("backend")
     report.stage_seconds["cached schedule"] = load_seconds
     _check(sched.graph, "cached schedule")
     log.artifact("cache", f"{kind} schedule", "loaded from AOTAutograd's cache: tracing through scheduling skipped")
-    program = _finish(sched, backend, kind, device, report, stage)
+    program = _finish(sched, backend, target, kind, report, stage)
     if not publish:
         report.compile_seconds = time.perf_counter() - start
         return program
@@ -292,7 +261,7 @@ def publish_loaded(programs: list) -> None:
         publish(program.report)
 
 
-def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport, stage) -> CompiledGraph:
+def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphReport, stage) -> CompiledGraph:
     """Build the kernels and write the host program of a schedule; fill the report."""
     from ember.codegen.host import write_host
 
@@ -308,7 +277,7 @@ def _finish(sched, backend, kind: str, device: torch.device, report: GraphReport
     log.generated_source(f"{kind} kernels", backend.full_source, backend.sources.values())
     log.artifact("code", f"{kind} host program", host.source)
     log.artifact("schedule", kind, host.source)
-    _report_schedule(report, sched, backend, device)
+    _report_schedule(report, sched, backend, target)
     log.artifact("fusion", kind, lambda: _fusion_log(report))
     report.host_source = host.source
     stage("host")

@@ -1,13 +1,19 @@
 """The Target record (ember/target.py): heuristics as data, changed by `dataclasses.replace` or
-by name, and a key that holds what a schedule depends on."""
+the scoped setting `heuristics`, and a key that holds what a schedule depends on."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import torch
 
+import ember
+from ember import config
+from ember.backends.cpp import CppBackend
+from ember.backends.triton import TritonBackend
 from ember.target import Heuristics, Target, Tile
+from tests.helpers import assert_close, explain_strict
 
 
 def test_heuristics_change_by_name():
@@ -34,6 +40,20 @@ def test_a_bad_change_says_what_is_wrong(text, says):
     with pytest.raises(ValueError) as e:
         Heuristics().tuned(text)
     assert says in str(e.value), str(e.value)
+    # Through the setting: a ConfigError at once, naming the setting, and nothing changed.
+    with pytest.raises(config.ConfigError) as e, config.override(heuristics=text):
+        pass
+    assert "heuristics=" in str(e.value) and says in str(e.value), str(e.value)
+    assert config.get("heuristics") == ""
+
+
+def test_the_setting_reaches_both_backends_targets(monkeypatch):
+    with config.override(heuristics="split.partials=1024"):
+        assert CppBackend().target().heuristics.split.partials == 1024
+        assert TritonBackend().target().heuristics.split.partials == 1024
+    monkeypatch.setenv("EMBER_HEURISTICS", "split.partials=one")
+    with pytest.raises(config.ConfigError, match="EMBER_HEURISTICS"):
+        config.check_environment()
 
 
 def test_the_key_holds_what_a_schedule_depends_on():
@@ -45,3 +65,31 @@ def test_the_key_holds_what_a_schedule_depends_on():
         assert dataclasses.replace(target, **other).key() != target.key(), other
     assert target.tuned("split.max_second_split=8").key() != target.key()
     assert hash(target) == hash(dataclasses.replace(target))  # frozen: usable as a dict key
+
+
+def _column_sums(x):
+    return x.sum(dim=0) * 2
+
+
+def test_a_heuristic_changes_the_schedule_and_enters_its_key(tmp_path):
+    """A reduction over 16384 rows into 16 outputs splits into two stages by default; with
+    split.max_outputs=16 it stays one. The setting enters the schedule's key: each compile with
+    it is scheduled, not served the other's cached schedule, and both equal eager."""
+    x = torch.randn(16384, 16)
+    want = _column_sums(x)
+
+    def compile_with(**options):
+        torch._dynamo.reset()
+        report = explain_strict(_column_sums, x, backend="cpp", cache_dir=str(tmp_path), aot_cache=False, **options)
+        (graph,) = report.graphs
+        return graph
+
+    split = compile_with()
+    whole = compile_with(heuristics="split.max_outputs=16")
+    again = compile_with(heuristics="split.max_outputs=16")
+    assert "schedule" in split.stage_seconds and "schedule" in whole.stage_seconds
+    assert "cached schedule" in again.stage_seconds  # the same heuristics: loaded
+    assert len(split.kernels) == 2 and len(whole.kernels) == len(again.kernels) == 1, (split, whole)
+    with ember.config.override(backend="cpp", strict=True, heuristics="split.max_outputs=16"):
+        got = torch.compile(_column_sums, backend="ember")(x)
+    assert_close(got, want, rtol=1e-4, atol=1e-4, what="column sums", line="repro: x.sum(0) * 2, [16384, 16]")

@@ -21,14 +21,17 @@ import sys
 import weakref
 from pathlib import Path
 
+import torch
+
 from ember import config
+from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.render import print_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.schedule.split import TARGET_PARTIALS
+from ember.target import Target
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -121,17 +124,31 @@ def load_library(path: Path) -> ctypes.CDLL:
 
 
 class CppBackend:
-    name = "cpp"
-    split_partials = TARGET_PARTIALS  # split.py's default: C++ reduces columns in loops of its own
+    """The Backend (backends/base.py) of the host CPU: C++ with OpenMP loops."""
 
-    def row_programs(self) -> int:
-        """0: C++ does not render row kernels that also sum columns (kernel.KColumnPartial)."""
-        return 0
+    name = "cpp"
+    gemm_chooser = None  # matrix products are ATen's (its BLAS)
 
     def __init__(self):
         self.cxx = config.get("cxx")
         self.sources: dict[str, str] = {}
+        self.full_source = ""
         self.lib = None
+        limits = device_limits(torch.device("cpu"))
+        # The default heuristics: C++ sums columns in loops of its own, neither in row kernels
+        # (row_programs 0) nor in one-pass online softmax.
+        self._target = Target(
+            "cpp",
+            "cpu",
+            limits.name,
+            arch=(_host_cpu(),),  # built with -march=native
+            bandwidth=limits.bandwidth,
+            flop_rate=limits.flop_rate,
+            launch_seconds=limits.launch_seconds,
+        ).tuned(config.get("heuristics"))
+
+    def target(self) -> Target:
+        return self._target
 
     def build(self, kernels: list[Kernel], memory: MemoryPlan | None = None) -> dict[str, object]:
         """Compile all kernels; returns the host-program namespace entries (the callables).
@@ -162,8 +179,8 @@ class CppBackend:
         is loaded from a file of this process's private folder holding the bytes that the cache
         checked or the compiler wrote, so that nothing can swap it between the check and the load."""
         ident = toolchain_identity(self.cxx)
-        # -march=native: the library is made for this CPU, which is its target.
-        key = content_key("cpp", source, target=_host_cpu(), toolchain=(ident, FLAGS, self.link_flags))
+        # -march=native: the library is made for this CPU, which the target's key holds.
+        key = content_key("cpp", source, target=self._target.key(), toolchain=(ident, FLAGS, self.link_flags))
         cache = DiskCache()
         hit = cache.get("cpp", key)
         if hit is not None:

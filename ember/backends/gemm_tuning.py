@@ -1,7 +1,9 @@
 """cuBLAS (through ATen) or ember's GEMM template: chosen by measuring, cached on disk.
 
-`choose(problem, epilogue_bytes, device)` is the Triton backend's `GemmChooser`
-(schedule/gemm.py). The setting `gemm` decides who may win:
+A stage of the Triton backend: `GemmTuning(target, device, load_module).choose` is its
+`GemmChooser` (schedule/gemm.py), and `load_module` (the backend's own: Triton source -> a loaded
+module) is how it compiles the tiles it times, so this module never imports the backend back.
+The setting `gemm` decides who may win:
 
 - `aten`: always ATen. `template`: always the template (on the GPU, the fastest of the
   candidate tiles; without a GPU to measure on, the tile `fit_config` picks by size).
@@ -19,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import sympy
 import torch
@@ -31,6 +34,7 @@ import torch
 from ember import config, log
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.gemm import GemmChoice, GemmProblem, TileConfig
+from ember.target import Target
 
 MAX_CANDIDATES = 6
 MAX_BATCH = 65535  # the template's batch runs on the grid's second axis
@@ -67,7 +71,7 @@ def _clamp(c: TileConfig, p: GemmProblem) -> TileConfig:
     return TileConfig(bm, bn, bk, c.group_m, c.num_stages, warps)
 
 
-def candidates(p: GemmProblem, sms: int = 132) -> list[TileConfig]:
+def candidates(p: GemmProblem, sms: int) -> list[TileConfig]:
     """Up to MAX_CANDIDATES tiles for this problem: clamped, deduplicated, and ordered so that
     tiles leaving most SMs idle come last (a 128x256 tile on a 512x512 output runs 8 programs)."""
     tiles = _FLOAT_TILES if p.dtype == torch.float32 else _HALF_TILES
@@ -91,66 +95,71 @@ def fit_config(p: GemmProblem) -> TileConfig:
     )
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+class GemmTuning:
+    """The Triton backend's choice between its GEMM template and ATen, per matrix product.
 
+    `target`: the device's Target (its SM count orders the tiles, its bandwidth prices the
+    epilogue's round trip; an interpreted target measures nothing). `load_module`: Triton source
+    -> its loaded module, as the backend loads its kernels (through ember's cache)."""
 
-def choose(problem: GemmProblem, epilogue_bytes: int, device: torch.device | None) -> GemmChoice:
-    mode = config.get("gemm")
-    if mode == "aten":
-        return GemmChoice(False, None, "ATen: gemm=aten")
-    if problem.batch > MAX_BATCH:
-        return GemmChoice(False, None, f"ATen: batch {problem.batch} > {MAX_BATCH} (the template's grid)")
-    can_measure = device is not None and device.type == "cuda" and not _interpreted()
-    if not can_measure:
+    def __init__(self, target: Target, device: torch.device | None, load_module: Callable[[str], ModuleType]):
+        self.target, self.device, self.load_module = target, device, load_module
+
+    def choose(self, problem: GemmProblem, epilogue_bytes: int) -> GemmChoice:
+        mode = config.get("gemm")
+        if mode == "aten":
+            return GemmChoice(False, None, "ATen: gemm=aten")
+        if problem.batch > MAX_BATCH:
+            return GemmChoice(False, None, f"ATen: batch {problem.batch} > {MAX_BATCH} (the template's grid)")
+        if self.device is None or self.device.type != "cuda" or self.target.interpreted:
+            if mode == "template":
+                c = fit_config(problem)
+                return GemmChoice(True, c, f"GEMM template (gemm=template; tile {c} by size: nothing to measure on)")
+            return GemmChoice(False, None, "ATen: gemm=auto measures only on a GPU (gemm=template forces the template)")
+        timings = measure(problem, self.device, self.target, self.load_module)
+        tried = [(TileConfig(*c), t) for c, t in timings["configs"] if t is not None]
+        if not tried:
+            return GemmChoice(False, None, "ATen: no template tile compiled for this problem")
+        best, t_best = min(tried, key=lambda ct: ct[1])
+        t_aten = timings["aten"]
+        perf = f"template {best} {t_best * 1e3:.3f} ms ({problem.flops / t_best / 1e12:.0f} TFLOP/s)"
         if mode == "template":
-            c = fit_config(problem)
-            return GemmChoice(True, c, f"GEMM template (gemm=template; tile {c} by size: nothing to measure on)")
-        return GemmChoice(False, None, "ATen: gemm=auto measures only on a GPU (gemm=template forces the template)")
-    timings = measure(problem, device)
-    tried = [(TileConfig(*c), t) for c, t in timings["configs"] if t is not None]
-    if not tried:
-        return GemmChoice(False, None, "ATen: no template tile compiled for this problem")
-    best, t_best = min(tried, key=lambda ct: ct[1])
-    t_aten = timings["aten"]
-    perf = f"template {best} {t_best * 1e3:.3f} ms ({problem.flops / t_best / 1e12:.0f} TFLOP/s)"
-    if mode == "template":
-        return GemmChoice(True, best, f"GEMM template (gemm=template): {perf}")
-    from ember.schedule.cost import target_for
-
-    t_epilogue = epilogue_bytes / target_for(device).bandwidth
-    versus = f"ATen {t_aten * 1e3:.3f} ms + epilogue round trip {t_epilogue * 1e3:.3f} ms"
-    if t_best <= t_aten + t_epilogue:
-        return GemmChoice(True, best, f"GEMM template, measured: {perf} vs {versus}")
-    return GemmChoice(False, None, f"ATen, measured: {versus} vs {perf}")
+            return GemmChoice(True, best, f"GEMM template (gemm=template): {perf}")
+        t_epilogue = epilogue_bytes / self.target.bandwidth
+        versus = f"ATen {t_aten * 1e3:.3f} ms + epilogue round trip {t_epilogue * 1e3:.3f} ms"
+        if t_best <= t_aten + t_epilogue:
+            return GemmChoice(True, best, f"GEMM template, measured: {perf} vs {versus}")
+        return GemmChoice(False, None, f"ATen, measured: {versus} vs {perf}")
 
 
-def _cache_key(problem: GemmProblem, device: torch.device) -> str:
+def _cache_key(problem: GemmProblem, target: Target) -> str:
     import triton
 
     from ember.codegen import gemm_triton
 
     template = Path(gemm_triton.__file__).read_bytes()  # a changed template is measured again
-    name = torch.cuda.get_device_name(device)
     return content_key(
         "gemm-timings",
         problem.shape_class(),
         str(problem.dtype),
         problem.a_layout,
         problem.b_layout,
-        name,
+        target.device_name,
         torch.__version__,
         torch.version.cuda,
         triton.__version__,
         template,
-        [str(c) for c in candidates(problem)],
+        [str(c) for c in candidates(problem, target.sm_count)],
+        target=target.key(),
     )
 
 
-def measure(problem: GemmProblem, device: torch.device) -> dict:
+def measure(
+    problem: GemmProblem, device: torch.device, target: Target, load_module: Callable[[str], ModuleType]
+) -> dict:
     """{"aten": seconds, "configs": [[tile fields, seconds or None], ...]}: from memory, the disk
     cache, or a fresh measurement (written to the cache)."""
-    key = _cache_key(problem, device)
+    key = _cache_key(problem, target)
     with _lock:
         if key in _memo:
             return _memo[key]
@@ -167,7 +176,7 @@ def measure(problem: GemmProblem, device: torch.device) -> dict:
 
         start = time.perf_counter()
         with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
-            timings = _measure(problem, device)
+            timings = _measure(problem, device, target, load_module)
         timings["seconds"] = time.perf_counter() - start
         log.artifact("cache", "gemm", f"measured {problem} in {timings['seconds']:.2f} s: {timings}")
         if config.get("cache"):
@@ -189,7 +198,7 @@ def operands(p: GemmProblem, device: torch.device) -> tuple[torch.Tensor, torch.
     return make(p.m, p.k, p.a_layout), make(p.k, p.n, p.b_layout)
 
 
-def bare_kernels(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, configs: list[TileConfig]) -> list:
+def bare_kernels(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, configs: list[TileConfig], target: Target) -> list:
     """Template kernels computing just a @ b (no epilogue), one per tile, built through the same
     schedule and codegen path a compiled graph takes."""
     from ember.codegen.gemm_triton import render_gemm
@@ -216,7 +225,7 @@ def bare_kernels(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, configs: list
             node, va, vb, None, 1.0, 0.0, sa, sb, sympy.Integer(p.batch), *map(sympy.Integer, (p.m, p.n, p.k)), c, ""
         )
         kernel = build_gemm_kernel(f"gemm_tune_{i}", Domain(out.shape), 0, [out], [out], {out: 0}, op)
-        sources.append(render_gemm(kernel, c))
+        sources.append(render_gemm(kernel, target, c))
     return sources
 
 
@@ -239,19 +248,18 @@ def _time(fn, budget: float = 0.02) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
-def _measure(p: GemmProblem, device: torch.device) -> dict:
+def _measure(p: GemmProblem, device: torch.device, target: Target, load_module: Callable[[str], ModuleType]) -> dict:
     import triton
 
-    from ember.backends.triton import TritonBackend
     from ember.codegen.triton import PRELUDE
 
     torch.cuda.set_device(device)
     a, b = operands(p, device)
     aten = torch.bmm if a.dim() == 3 else torch.mm
     t_aten = _time(lambda: aten(a, b))
-    configs = candidates(p)
-    sources = bare_kernels(p, a, b, configs)
-    module = TritonBackend(device)._load("\n\n".join([PRELUDE] + [s.source for s in sources]) + "\n")
+    configs = candidates(p, target.sm_count)
+    sources = bare_kernels(p, a, b, configs, target)
+    module = load_module("\n\n".join([PRELUDE] + [s.source for s in sources]) + "\n")
     out = torch.empty((*a.shape[:-1], b.shape[-1]), device=device, dtype=p.dtype)
 
     def compile_one(src):
@@ -266,7 +274,7 @@ def _measure(p: GemmProblem, device: torch.device) -> dict:
         for i, f in enumerate(futures):
             try:
                 fns[i] = f.result()
-            except Exception as e:  # a tile this GPU cannot hold (shared memory): not a candidate
+            except Exception as e:  # noqa: BLE001 - a tile this GPU cannot hold (shared memory): not a candidate
                 log.artifact("cache", "gemm", f"tile {configs[i]} did not compile: {type(e).__name__}: {e}"[:300])
     results = []
     for c, src, fn in zip(configs, sources, fns):
@@ -285,7 +293,7 @@ def _measure(p: GemmProblem, device: torch.device) -> dict:
                     t = _time(run)
                 else:
                     log.artifact("cache", "gemm", f"tile {c} gave a wrong product: not a candidate")
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a tile that fails to run is not a candidate
                 log.artifact("cache", "gemm", f"tile {c} failed to run: {type(e).__name__}: {e}"[:300])
         results.append([list(dataclasses.astuple(c)), t])
     return {"aten": t_aten, "configs": results}
@@ -293,8 +301,9 @@ def _measure(p: GemmProblem, device: torch.device) -> dict:
 
 def precompile_gemms(sources: dict, fns: dict) -> None:
     """Compile a graph's template kernels ahead of the first call, in parallel threads (as the
-    backend does for its other kernels); those with symbolic sizes compile at first launch."""
-    if _interpreted() or not sources:
+    backend does for its other kernels); those with symbolic sizes compile at first launch. Not
+    under Triton's interpreter, which compiles nothing."""
+    if not sources:
         return
     jobs = [(fns[name], src.warmup_args()) for name, src in sources.items()]
     jobs = [(fn, w) for fn, w in jobs if w is not None]

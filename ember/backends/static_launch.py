@@ -140,10 +140,11 @@ class LaunchRecords:
 
     The key (runtime/cache.py) holds everything that picks the binary Triton would compile and how
     it is launched: the module's source (its content key), each kernel's warm-up arguments,
-    constants, warps and contraction (their specialization), the GPU target, Triton's identity
-    (its version and the environment that steers its passes), and ember's, which holds this
-    module's reading of the binary (argument codes, what the launcher can run) and torch's version
-    (its launcher). A record whose cubin is gone is simply compiled again."""
+    constants, warps and contraction (their specialization), the target's key (ember/target.py,
+    which holds the GPU's Triton target), Triton's identity (its version and the environment that
+    steers its passes), and ember's, which holds this module's reading of the binary (argument
+    codes, what the launcher can run) and torch's version (its launcher). A record whose cubin is
+    gone is simply compiled again."""
 
     def __init__(self, module_key: str, jobs: list[tuple], target: tuple):
         self.key = content_key("launch", module_key, jobs, target=target, toolchain=triton_identity(), ember=True)

@@ -34,8 +34,8 @@ import torch
 
 from ember import config, log
 from ember.backends import static_launch
-from ember.backends.gemm_tuning import choose as choose_gemm
-from ember.backends.gemm_tuning import precompile_gemms
+from ember.backends.device import device_limits
+from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
@@ -44,6 +44,7 @@ from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
+from ember.target import INTERPRETER_SM_COUNT, Heuristics, SplitHeuristics, Target
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start. The
@@ -51,40 +52,37 @@ from ember.schedule.kernel import Kernel
 # forward graph, their imports slowed the scheduling on the H100 host's 16 cores from 3.2 to 6.6 s.
 WORKERS_FROM_KERNELS = 16
 
+# Partial results the first stage of a split reduction aims for (split.py): a bias gradient over
+# 16384 rows is summed in 64 chunks of 256 rows when 768 wide (32 of 512 at the default), 16 of
+# 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer rows, which a GPU
+# runs side by side (on the H100 the GPU time of a GPT-2 block's training step was lowest here,
+# with fewer and with more).
+SPLIT_PARTIALS = 131072
+
 
 class TritonBackend:
+    """The Backend (backends/base.py) of NVIDIA GPUs, and of Triton's CPU interpreter for tests."""
+
     name = "triton"
-    # Partial results the first stage of a split reduction aims for (split.py): a bias gradient
-    # over 16384 rows is summed in 64 chunks of 256 rows when 768 wide (32 of 512 at the default
-    # target), 16 of 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer
-    # rows. H100, gpt2_blocks training, with the column-sum tiles of codegen/triton.py: 7683 us of
-    # GPU time per step at 131072, 7771 at 32768, 7711 at 262144.
-    split_partials = 131072
 
     def __init__(self, device=None):
+        _check_can_run(device)
         self.device = device
+        self._target = _make_target(device)
+        # GEMM tuning is a stage of this backend: it compiles the tiles it times as this backend
+        # loads its kernels.
+        self.gemm_chooser = GemmTuning(self._target, device, self._load).choose
         self.rendered: dict[str, TritonKernelSource] = {}
         self.sources: dict[str, str] = {}
+        self.full_source = ""
         self.direct: set[str] = set()  # kernels launched through Triton's compiled launcher
         self.static: dict[str, StaticLaunch] = {}  # kernels launched through torch's static launcher
         self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
         self._module_seen = False  # the kernel module was in ember's cache already (_load)
         self._module_key = ""  # the kernel module's content key (_load)
 
-    def row_programs(self) -> int:
-        """How many programs a row kernel that accumulates column sums should have at least
-        (split.py sizes their chunks for it, giving one to two per SM). One per SM measured best
-        on the H100 (a LayerNorm's forward and backward,
-        [16384, 768] bf16: 75.5 us at half that, 67.3 at one per SM, 86.9 at two; Inductor 66.2)."""
-        if config.get("column_partial_programs"):
-            return max(0, config.get("column_partial_programs"))  # -1: none
-        if self.device is not None and self.device.type == "cuda":
-            return torch.cuda.get_device_properties(self.device).multi_processor_count
-        return 132  # Triton's CPU interpreter (tests): an H100's count
-
-    def gemm_chooser(self, problem, epilogue_bytes: int):
-        """schedule/gemm.py's GemmChooser: the template or ATen for one matrix product."""
-        return choose_gemm(problem, epilogue_bytes, self.device)
+    def target(self) -> Target:
+        return self._target
 
     def build(self, kernels: list[Kernel], memory=None) -> dict[str, object]:
         """`memory` (the memory plan) is not needed: Triton promises the compiler nothing about
@@ -93,7 +91,7 @@ class TritonBackend:
 
         parts = [PRELUDE]
         for k in kernels:
-            r = render_gemm(k) if is_gemm_kernel(k) else render_triton(k)
+            r = render_gemm(k, self._target) if is_gemm_kernel(k) else render_triton(k, self._target)
             if is_gemm_kernel(k):
                 self.gemm_kernels[k.name] = r
             else:
@@ -112,11 +110,13 @@ class TritonBackend:
         index = _device_index(self.device)
         direct = config.get("direct_launch") and index is not None and index == _current_device()
         gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
-        precompile_gemms(self.gemm_kernels, gemm_fns)
         namespace.update(gemm_fns)
-        jobs = _warmup_jobs(fns, self.rendered)
+        jobs = []  # Triton's interpreter compiles nothing ahead
+        if not self._target.interpreted:
+            precompile_gemms(self.gemm_kernels, gemm_fns)
+            jobs = _warmup_jobs(fns, self.rendered)
         # A warm start loads each static kernel from its launch record, without Triton.
-        records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], _target()) if direct else None
+        records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], self._target.key()) if direct else None
         recorded = records.load() if records is not None else {}
         for name, record in recorded.items():
             static = static_launch.from_record(record, index) if name in fns else None
@@ -179,7 +179,7 @@ class TritonBackend:
     def _workers(self):
         from ember.backends import compile_workers
 
-        return compile_workers.get(config.get("compile_workers"), _target())
+        return compile_workers.get(config.get("compile_workers"), self._target.arch)
 
     def _load(self, source: str):
         key = content_key("triton", source, toolchain=triton_identity())
@@ -257,11 +257,7 @@ def _warmup_jobs(fns: dict, rendered: dict[str, TritonKernelSource]) -> list[tup
 
     `warmup` compiles for given argument types without launching: buffers are passed as dtypes
     (aligned mock pointers, as fresh allocations are) and sizes as their static values, so the
-    specialization matches the real launch. None under Triton's interpreter, which compiles nothing."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return []
+    specialization matches the real launch."""
     jobs = []
     fp_fusion = _fp_fusion()  # read here: the settings in force are this thread's
     for name, fn in fns.items():
@@ -275,11 +271,62 @@ def _warmup_jobs(fns: dict, rendered: dict[str, TritonKernelSource]) -> list[tup
     return jobs
 
 
-def _target() -> tuple:
+def interpreting() -> bool:
+    """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET, as Triton reads it):
+    the one place ember asks. The Target carries the answer to every pass and renderer."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _check_can_run(device) -> None:
+    """Triton compiles for a GPU; on other tensors it runs only through its CPU interpreter. Said
+    here, where it would otherwise fail deep inside Triton ("0 active drivers")."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise config.ConfigError("backend=triton needs the triton package (pip install triton)") from None
+    if (device is None or device.type != "cuda") and not interpreting():
+        raise config.ConfigError(
+            f"backend=triton needs a CUDA GPU, and this graph's tensors are on {device or 'the CPU'}: use "
+            "backend=cpp (EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU "
+            "interpreter (slow)"
+        )
+
+
+def _gpu_arch() -> tuple:
+    """Triton's target of the current GPU: (backend, arch, warp size), what its binaries are built for."""
     from triton.runtime import driver
 
     t = driver.active.get_current_target()
     return (t.backend, t.arch, t.warp_size)
+
+
+def _make_target(device) -> Target:
+    """The Target of `device` (None: the CPU, through the interpreter)."""
+    device = device if device is not None else torch.device("cpu")
+    limits = device_limits(device)
+    gpu = device.type == "cuda"
+    sm_count = limits.sm_count if gpu else INTERPRETER_SM_COUNT
+    # Row kernels that also sum columns get one program per SM (column_partial_programs: another
+    # count; -1 none): on the H100 a LayerNorm's forward and backward ran fastest so, against
+    # half and twice as many.
+    programs = config.get("column_partial_programs")
+    target = Target(
+        "triton",
+        device.type,
+        limits.name,
+        interpreting(),
+        sm_count,
+        _gpu_arch() if gpu else (),
+        limits.bandwidth,
+        limits.flop_rate,
+        limits.launch_seconds,
+        online_softmax=True,
+        row_programs=max(0, programs) if programs else sm_count,
+        heuristics=Heuristics(split=SplitHeuristics(partials=SPLIT_PARTIALS)),
+    )
+    return target.tuned(config.get("heuristics"))
 
 
 def _warmup(fn, args, consts, num_warps, fp_fusion):

@@ -25,6 +25,7 @@ from ember.codegen.triton import LaunchConfig, TritonRenderer
 from ember.ir.sizes import Expr, product
 from ember.schedule.gemm import GemmKernel, TileConfig
 from ember.schedule.kernel import KLoad, KStore
+from ember.target import Target
 
 GEMM_ARGS = ("gemm_m", "gemm_n", "gemm_k", "sa_z", "sa_m", "sa_k", "sb_z", "sb_k", "sb_n")
 
@@ -35,8 +36,8 @@ def _divides(block: int, size: Expr) -> bool:
 
 
 class GemmRenderer(TritonRenderer):
-    def __init__(self, kernel: GemmKernel, config: TileConfig):
-        super().__init__(kernel, LaunchConfig(0, 0, config.num_warps, False))
+    def __init__(self, kernel: GemmKernel, config: TileConfig, interpreted: bool):
+        super().__init__(kernel, LaunchConfig(0, 0, config.num_warps, False), interpreted)
         self.gemm = kernel.gemm
         self.config = config
         self.names[id(kernel.acc)] = "acc"
@@ -171,9 +172,7 @@ class GemmKernelSource:
         parts += [f"{name}={value}" for name, value in self.constants().items()]
         c = self.config
         x, z = self.grid()
-        return (
-            f"{self.kernel.name}[({x}, {z})]({', '.join(parts)}, num_warps={c.num_warps}, num_stages={c.num_stages})"
-        )
+        return f"{self.kernel.name}[({x}, {z})]({', '.join(parts)}, num_warps={c.num_warps}, num_stages={c.num_stages})"
 
     def warmup_args(self) -> tuple[list, dict] | None:
         """Argument types for Triton's `warmup` (compile without launching); None when a size is symbolic."""
@@ -185,8 +184,9 @@ class GemmKernelSource:
         return args, {**self.constants(), "num_warps": c.num_warps, "num_stages": c.num_stages}
 
 
-def render_gemm(kernel: GemmKernel, config: TileConfig | None = None) -> GemmKernelSource:
+def render_gemm(kernel: GemmKernel, target: Target, config: TileConfig | None = None) -> GemmKernelSource:
+    """The template kernel's source for `target`, with the tile `config` (default: the one chosen)."""
     config = config or kernel.gemm.config
-    r = GemmRenderer(kernel, config)
+    r = GemmRenderer(kernel, config, target.interpreted)
     source = r.render()
     return GemmKernelSource(kernel, source, r.params, config)

@@ -9,7 +9,6 @@ where some index needs them. Block sizes come from a size-based heuristic (launc
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import sympy
@@ -20,6 +19,7 @@ from ember.ir import dtypes, ops
 from ember.ir.sizes import product
 from ember.schedule.cost import is_persistent
 from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore, walk
+from ember.target import LaunchHeuristics, Target
 
 TRITON_DTYPE = {
     torch.float32: "tl.float32",
@@ -116,11 +116,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# A column sum of fewer columns leaves few programs of 32 columns (under 4 per H100 SM): each
-# takes longer steps (launch_config).
-FEW_COLUMNS = 16384
-
-
 # A looped floating sum over a row of more than RBLOCK * CASCADE_STEPS elements (or of a size known
 # only at run time) adds each lane's elements in blocks of CASCADE_STEPS steps, each from zero, then
 # the blocks: a lane adds CASCADE_STEPS + row / (RBLOCK * CASCADE_STEPS) terms in a row, not
@@ -131,92 +126,92 @@ FEW_COLUMNS = 16384
 CASCADE_STEPS = 64
 
 
-# A column reduction of at most this many elements (the second stage of a split) is held whole
-# by its programs, SHORT_COLUMNS_TILE elements each.
-SHORT_COLUMNS = 1 << 18
-SHORT_COLUMNS_TILE = 4096
+# A size known only at run time counts as this many outputs, or rows of a column sum, when
+# blocks are chosen: large, as a dynamic batch or sequence usually is.
+_SYMBOLIC_OUTPUTS = 8192
+_SYMBOLIC_ROWS = 1 << 20
 
 
-def launch_config(kernel: Kernel) -> LaunchConfig:
-    """Block sizes from sizes alone (no autotuning yet): big enough to fill the machine."""
-    outer = [s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r]
-    red = [s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r]
-    xnumel = product(outer)
-    xhint = int(xnumel) if xnumel.is_Integer else 8192
-    if not red:
-        xblock = min(1024, _next_pow2(max(xhint, 1)))
-        return LaunchConfig(xblock, 0, 4 if xblock >= 512 else 2, False)
-    rnumel = product(red)
-    if kernel.column_partials:  # the scheduler fused them only into persistent rows
-        # One program per chunk of rows, walked XBLOCK rows at a time (both powers of two), with
-        # the walk software-pipelined over 3 stages and one warp per 1024 elements of a step.
-        # Measured on the H100, forward + backward of a module: LayerNorm bf16 [16384, 768] 58.4 us (8 warps, no stages:
-        # 67.6; Inductor 66.1), RMSNorm bf16 [8192, 4096] 121.8 (121.9; Inductor 139.9). Fewer
-        # rows a step or more chunks (programs) measured slower.
-        rblock, rows = _next_pow2(int(rnumel)), kernel.column_partials[0].rows
-        xblock = max(1, min(4096 // rblock, rows))
-        num_warps = _pow2_floor(max(2, min(16, xblock * rblock // 1024)))
-        return LaunchConfig(xblock, rblock, num_warps, True, rows, loop_stages=3)
+def launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
+    """Block sizes from sizes alone (no autotuning), by the kernel's form: pointwise, a row kernel
+    that also sums columns, a column sum, a row held whole, or a row walked in chunks. The numbers
+    are the target's launch heuristics (ember/target.py: LaunchHeuristics)."""
+    h = target.heuristics.launch
+    xnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r)
+    rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
+    xhint = int(xnumel) if xnumel.is_Integer else _SYMBOLIC_OUTPUTS
+    if not any(kernel.loop_reduce):
+        xblock = min(h.pointwise_block, _next_pow2(max(xhint, 1)))
+        return LaunchConfig(
+            xblock, 0, h.pointwise_wide_warps if xblock >= h.pointwise_wide_from else h.pointwise_warps, False
+        )
+    if kernel.column_partials:  # the scheduler fused them only into rows held whole
+        return _column_partials_config(kernel, int(rnumel), h)
     tiles = _tile_loads(kernel)
     if _reduces_across_rows(tiles):
-        # Column sums (a bias or LayerNorm weight gradient, the first stage of a split): memory is
-        # contiguous along x, so a tile is XBLOCK columns by RBLOCK rows. Measured on the H100
-        # (device time per kernel, and gpt2_blocks training as a whole):
-        # - one tile input (a bias gradient): 64 columns by 8 rows a step, 4 warps: many small
-        #   programs in flight, as Inductor's "outer" reduction config. gpt2_blocks training, with
-        #   the Triton backend's split_partials: fc bias gradient [16384, 3072] 41.0 -> 36.3 us,
-        #   qkv [16384, 2304] 33.7 -> 26.5 (was 128 rows a step, 8 warps). When 64 columns leave
-        #   fewer x-programs than SMs (the small second stage of a split): 32 columns, 128 rows a
-        #   step, 8 warps.
-        # - several (a LayerNorm's weight and bias gradients read x and the gradient): 64 columns
-        #   when every tile input is 1 or 2 bytes wide (128 bytes of a bf16 row), else 32, and 32
-        #   also when a program walks a chunk of 1024 rows or more; 32 rows a step, 4 warps.
-        #   bf16 [16384, 768]: 35.1 us, was 44.6 as above; fp32 [8192, 768]: 23.1, was 33.8. In
-        #   gpt2_blocks training the 8 of them took 287 us, were 374.
-        # - batch norm's statistics and gradient sums (channels-last [64, C, H, W] split by image,
-        #   swept at ResNet-50's shapes) take 32 columns by 128
-        #   rows a step with 8 warps: with one tile input (x, for the mean and the shifted sums of
-        #   schedule/split.py's variance) when there are several sums ([64, 2048, 7, 7]: 25.4 ->
-        #   14.6 us); with several tile inputs when there are fewer than FEW_COLUMNS, known at
-        #   compile time ([64, 64, 112, 112]: the gradient sums 233 -> 118 us). With more columns,
-        #   32 x 32 stays ([64, 256, 56, 56]: 110 us against 135). A lone sum of x keeps 64 x 8
-        #   even over long chunks, where the two-pass variance's separate mean partial had
-        #   measured faster with 32 x 128 (65 -> 44 us at [64, 256, 56, 56]): the one-pass form
-        #   leaves no such kernel in batch norm, and bias gradients were tuned for 64 x 8.
-        short = rnumel.is_Integer and int(rnumel) <= SHORT_COLUMNS_TILE and xhint * int(rnumel) <= SHORT_COLUMNS
-        # An online softmax was folded for a looped kernel: it stays looped (held whole it does not render).
-        if short and is_persistent(kernel) and not any(r.kind == "sumexp" for r in kernel.reduces):
-            # The second stage of a split (batch norm's 64-4096 chunks of C partial sums): each
-            # program holds its columns whole, so each of its sums is one load and one reduce.
-            # In steps of 128 rows over 2 programs, [512, 64] took 9.9 us where Inductor's
-            # statistics' second stage takes 2.3.
-            rblock = _next_pow2(int(rnumel))
-            xblock = max(1, min(32, SHORT_COLUMNS_TILE // rblock, _next_pow2(max(xhint, 1))))
-            return LaunchConfig(xblock, rblock, 4, True)
-        long_steps = LaunchConfig(min(32, _next_pow2(max(xhint, 1))), 128, 8, False)
-        if len(tiles) < 2:
-            one_sum = len(kernel.reduces) == 1  # a bias gradient, not batch norm's three statistics
-            return LaunchConfig(64, 8, 4, False) if xhint >= 64 * 132 and one_sum else long_steps
-        if xnumel.is_Integer and xhint < FEW_COLUMNS:
-            return long_steps
-        rhint = int(rnumel) if rnumel.is_Integer else 1 << 20
-        widest = max(load.buffer.dtype.itemsize for load, _, _ in tiles)
-        xblock = 32 if rhint >= 1024 or widest >= 4 else 64
-        return LaunchConfig(min(xblock, _next_pow2(max(xhint, 1))), 32, 4, False)
+        return _column_sum_config(kernel, tiles, xnumel, rnumel, target)
     if is_persistent(kernel):  # the cost model's rule: it counts one read of such rows
         rblock = _next_pow2(int(rnumel))
-        # Several short rows per program; keep about 4K elements per program in flight.
-        xblock = max(1, min(4096 // rblock, _next_pow2(max(1, xhint // 264))))
+        # Several short rows per program, up to row_program_elements in flight, but enough
+        # programs for row_programs_per_sm on every SM.
+        rows = _next_pow2(max(1, xhint // (h.row_programs_per_sm * max(1, target.sm_count))))
+        xblock = max(1, min(h.row_program_elements // rblock, rows))
         elems = xblock * rblock
-        # One warp per 512 elements, up to 16; a row of 8192 or more gets 32 (H100, softmax over
-        # [8192, 8192] fp32: 0.1831 ms with 32 warps, 0.1837 with 16; Inductor 0.183).
-        num_warps = 32 if elems >= 8192 else max(2, min(16, elems // 512))
-        return LaunchConfig(xblock, rblock, _pow2_floor(num_warps), True)
-    # An online softmax keeps two accumulators per lane: a smaller chunk, same warps (H100,
-    # cross_entropy over 50257 columns: 0.619 ms at 1024 vs 0.655 at 2048; 4096 and 8192 slower).
-    widest = 1024 if any(r.kind == "sumexp" for r in kernel.reduces) else 2048
-    rblock = widest if not rnumel.is_Integer else min(widest, _next_pow2(int(rnumel)))
-    return LaunchConfig(1, rblock, 8, False)
+        warps = max(h.row_min_warps, min(h.row_max_warps, elems // h.row_elements_per_warp))
+        return LaunchConfig(
+            xblock, rblock, h.row_all_warps if elems >= h.row_all_warps_from else _pow2_floor(warps), True
+        )
+    # A row too long to hold, walked in chunks by one program. An online softmax keeps two
+    # accumulators per lane, so it walks smaller chunks with the same warps.
+    online = any(r.kind == "sumexp" for r in kernel.reduces)
+    chunk = h.looped_online_softmax_rblock if online else h.looped_row.rblock
+    rblock = min(chunk, _next_pow2(int(rnumel))) if rnumel.is_Integer else chunk
+    return LaunchConfig(h.looped_row.xblock, rblock, h.looped_row.warps, False)
+
+
+def _column_partials_config(kernel: Kernel, rnumel: int, h: LaunchHeuristics) -> LaunchConfig:
+    """A row kernel that also sums its rows' columns (kernel.KColumnPartial): one program per chunk
+    of rows, walked XBLOCK rows a step (both powers of two), in software-pipelined stages: a step's
+    loads are issued while the one before computes, which hides latency its few programs cannot."""
+    rblock, rows = _next_pow2(rnumel), kernel.column_partials[0].rows
+    xblock = max(1, min(h.column_partial_step_elements // rblock, rows))
+    warps = max(h.row_min_warps, min(h.column_partial_max_warps, xblock * rblock // h.column_partial_elements_per_warp))
+    return LaunchConfig(xblock, rblock, _pow2_floor(warps), True, rows, loop_stages=h.column_partial_stages)
+
+
+def _column_sum_config(kernel: Kernel, tiles: list, xnumel, rnumel, target: Target) -> LaunchConfig:
+    """A column sum (a bias or LayerNorm weight gradient, batch norm's statistics, a split's first
+    stage): memory is contiguous along x, so a tile is XBLOCK columns by RBLOCK rows."""
+    h = target.heuristics.launch
+    xhint = int(xnumel) if xnumel.is_Integer else _SYMBOLIC_OUTPUTS
+    columns = _next_pow2(max(xhint, 1))
+    short = rnumel.is_Integer and int(rnumel) <= h.short_columns_tile and xhint * int(rnumel) <= h.short_columns
+    # A folded online softmax stays looped: held whole, it does not render.
+    if short and is_persistent(kernel) and not any(r.kind == "sumexp" for r in kernel.reduces):
+        # A split's second stage: each program holds its columns whole, so each sum is one load
+        # and one reduce, not a walk of a few short steps.
+        rblock = _next_pow2(int(rnumel))
+        xblock = max(1, min(h.short_columns_xblock, h.short_columns_tile // rblock, columns))
+        return LaunchConfig(xblock, rblock, h.short_columns_warps, True)
+    steps = h.column_long_steps
+    long_steps = LaunchConfig(min(steps.xblock, columns), steps.rblock, steps.warps, False)
+    if len(tiles) < 2:
+        # One input. A lone sum (a bias gradient) with columns for a program on every SM takes
+        # small steps in many programs; several sums of it (batch norm's statistics), or fewer
+        # columns, take long steps: fewer programs, each keeping more loads in flight.
+        one = h.column_one_sum
+        if len(kernel.reduces) == 1 and xhint >= one.xblock * target.sm_count:
+            return LaunchConfig(one.xblock, one.rblock, one.warps, False)
+        return long_steps
+    if xnumel.is_Integer and xhint < h.few_columns:
+        return long_steps  # few columns leave few programs: each takes long steps
+    # Several inputs (x and the gradient): a load covers 128 bytes of a row where every input is
+    # narrower than 4 bytes, unless a program walks a long chunk of rows.
+    rhint = int(rnumel) if rnumel.is_Integer else _SYMBOLIC_ROWS
+    narrow = max(load.buffer.dtype.itemsize for load, _, _ in tiles) < 4 and rhint < h.column_long_chunk
+    tile = h.column_several_inputs
+    xblock = h.column_narrow_xblock if narrow else tile.xblock
+    return LaunchConfig(min(xblock, columns), tile.rblock, tile.warps, False)
 
 
 def _unclamped(index, loop_vars: set) -> tuple[object, list[str]]:
@@ -284,7 +279,7 @@ def _pow2_floor(n: int) -> int:
 
 
 class TritonRenderer(Renderer):
-    def __init__(self, kernel: Kernel, launch: LaunchConfig):
+    def __init__(self, kernel: Kernel, launch: LaunchConfig, interpreted: bool):
         super().__init__(kernel)
         self.launch = launch
         self.reduction = any(kernel.loop_reduce)
@@ -293,7 +288,9 @@ class TritonRenderer(Renderer):
         self.single_element = bool(kernel.reduces) and not self.reduction
         self.persistent = launch.persistent or self.single_element
         self.wide_index = self._needs_int64()
-        self.interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        # Triton's CPU interpreter (the target's): its fp32 -> bf16 conversion truncates, and
+        # some ops render another way there.
+        self.interpreted = interpreted
 
     def _needs_int64(self) -> bool:
         for p in self.params:
@@ -586,7 +583,7 @@ class TritonKernelSource:
         return product(s for s, r in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if r)
 
 
-def render_triton(kernel: Kernel) -> TritonKernelSource:
-    launch = launch_config(kernel)
-    r = TritonRenderer(kernel, launch)
+def render_triton(kernel: Kernel, target: Target) -> TritonKernelSource:
+    launch = launch_config(kernel, target)
+    r = TritonRenderer(kernel, launch, target.interpreted)
     return TritonKernelSource(kernel, r.render(), r.params, launch)

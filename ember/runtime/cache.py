@@ -92,12 +92,12 @@ def content_key(
 ) -> str:
     """The key of a cached thing of `kind` (a DiskCache kind, or "aot" for AOTAutograd's entries).
 
-    `content`: what it is made from. `target`: what it was made for; the one place where a
-    target's identity enters a key (today the backend's facts, pipeline.backend_facts; Triton's GPU
-    target; the host CPU for C++). `toolchain`: the compiler that made it, as its backend names it
-    (`triton_identity`; the C++ compiler's version and flags). `ember`: whether ember's passes made
-    it, so that `ember_identity` enters too. Each part is hashed with its type and length, so no
-    two different lists of parts hash the same bytes."""
+    `content`: what it is made from. `target`: what it was made for, ember/target.py's Target.key()
+    (what the passes are told, and what binaries are built for: Triton's GPU target, the host CPU);
+    the one place where a target's identity enters a key. `toolchain`: the compiler that made it, as
+    its backend names it (`triton_identity`; the C++ compiler's version and flags). `ember`:
+    whether ember's passes made it, so that `ember_identity` enters too. Each part is hashed with
+    its type and length, so no two different lists of parts hash the same bytes."""
     h = hashlib.sha256()
     for part in (kind, len(content), *content, target, toolchain, ember_identity() if ember else None):
         h.update(_framed(part))

@@ -8,8 +8,8 @@ what the key holds:
   and device (the importer reads each one's, and fake implementations decide them: a
   convolution's output layout follows cuDNN's flags), and the bytes of every constant it captures
   (16 MiB at most);
-- the graph's kind, and the target: what the backend tells the passes (its name, programs per row
-  kernel, split size);
+- the graph's kind, and the target (ember/target.py: Target.key()): what the backend tells the
+  passes (what its code generator renders, its SM count and heuristics);
 - ember's identity (runtime/cache.py: ember_identity): the settings that change generated code,
   the source of every ember module, and the torch, sympy and Python versions.
 
@@ -46,7 +46,7 @@ class KeptSchedule:
 
     pickled: bytes = field(repr=False)
     device: str
-    target: tuple  # what the backend told the passes (pipeline.backend_facts)
+    target: tuple  # the Target's key() (ember/target.py): what every pass was told
 
 
 class _Symbolic(Exception):
@@ -101,7 +101,7 @@ def cacheable_settings() -> bool:
 
 def schedule_key(gm: torch.fx.GraphModule, kind: str, target: tuple) -> str | None:
     """The key of this graph's schedule, or None where it must not be cached. `target`: what the
-    schedule is made for (pipeline.backend_facts)."""
+    schedule is made for (ember/target.py: Target.key())."""
     if not cacheable_settings():
         return None
     metas, constants = [], []

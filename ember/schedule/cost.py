@@ -14,24 +14,22 @@ FLOPs count each pointwise op by its `ops.POINTWISE[...].flops` weight, at every
 computed (full values at every element, row values once per row), and each reduction update.
 
 The roofline estimate is max(bytes / bandwidth, FLOPs / compute rate) plus a launch cost,
-with the bandwidth *measured* on the device (a large copy, once per process) and the
-compute rate taken from the device's specification (vector, not tensor-core, math).
+with the target's limits (ember/target.py; backends/device.py measures the bandwidth and looks
+the compute rate up in the device's specification: vector, not tensor-core, math).
 Symbolic sizes are evaluated at their hints when asked for a number.
 """
 
 from __future__ import annotations
 
-import functools
-import time
 from dataclasses import dataclass
 
 import sympy
-import torch
 
 from ember import config
 from ember.ir import ops
 from ember.ir.sizes import Expr, product
 from ember.schedule.kernel import Kernel, KLoad, KNode, KOp, KReduce, walk
+from ember.target import Target
 
 
 @dataclass(frozen=True)
@@ -160,74 +158,21 @@ def as_number(expr: Expr, hints: dict | None = None) -> float | None:
     return float(expr) if expr.is_number else None
 
 
-# -- targets ----------------------------------------------------------------------------------
+# -- estimates --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Target:
-    """What a device can do: measured copy bandwidth, specified vector FLOP rate, launch cost."""
-
-    name: str
-    bandwidth: float  # bytes/s, measured
-    flop_rate: float  # FLOP/s, from the specification (fp32, no tensor cores)
-    launch_seconds: float
-
-    def seconds(self, cost: KernelCost, hints: dict | None = None) -> float | None:
-        moved, flops = as_number(cost.bytes, hints), as_number(cost.flops, hints)
-        if moved is None or flops is None:
-            return None
-        return max(moved / self.bandwidth, flops / self.flop_rate) + self.launch_seconds
-
-    def __str__(self) -> str:
-        return f"{self.name}: {self.bandwidth / 1e9:.0f} GB/s measured, {self.flop_rate / 1e12:.1f} TFLOP/s spec"
+def estimate_seconds(cost: KernelCost, target: Target, hints: dict | None = None) -> float | None:
+    """The roofline estimate on `target`: max(bytes / bandwidth, FLOPs / FLOP rate) plus a launch;
+    None where a size is unknown or the target's limits were not measured."""
+    moved, flops = as_number(cost.bytes, hints), as_number(cost.flops, hints)
+    if moved is None or flops is None or not target.bandwidth or not target.flop_rate:
+        return None
+    return max(moved / target.bandwidth, flops / target.flop_rate) + target.launch_seconds
 
 
-# fp32 vector (non-tensor-core) FLOP/s from NVIDIA's datasheets; matched by device name.
-_GPU_FLOPS = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40": 90e12, "4090": 82e12}
-
-
-def _cuda_copy_bandwidth(device: torch.device) -> float:
-    n = 1 << 28  # 256 MiB each way: far past L2
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return 2 * n / best
-
-
-def _cpu_copy_bandwidth() -> float:
-    n = 1 << 26  # 64 MiB: past the last-level cache of most machines
-    src = torch.ones(n, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n / best
-
-
-@functools.lru_cache(maxsize=8)
-def target_for(device: torch.device) -> Target:
-    """The device's Target; its bandwidth is measured on first use in this process (~50 ms)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode: copies would be free
-        return _measure_target(device)
-
-
-def _measure_target(device: torch.device) -> Target:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        rate = next((r for key, r in _GPU_FLOPS.items() if key in name), 20e12)
-        return Target(name, _cuda_copy_bandwidth(device), rate, 4e-6)
-    threads = torch.get_num_threads()
-    # AVX2: two 8-wide fp32 FMA units per core at ~2.5 GHz, counted as 32 FLOP/cycle.
-    return Target(f"CPU x{threads}", _cpu_copy_bandwidth(), threads * 2.5e9 * 32, 2e-6)
+def bound(cost: KernelCost, target: Target) -> str:
+    """Which limit the estimate meets first: "memory", "compute", or "" where it cannot tell."""
+    moved, flops = as_number(cost.bytes), as_number(cost.flops)
+    if moved is None or flops is None or not target.bandwidth or not target.flop_rate:
+        return ""
+    return "memory" if moved / target.bandwidth >= flops / target.flop_rate else "compute"

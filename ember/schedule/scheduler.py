@@ -29,30 +29,31 @@ from ember.schedule.peak import keep_under_eager_peak
 from ember.schedule.realize import realize_shared, realize_stored
 from ember.schedule.state import ScheduleState, TargetFacts
 from ember.schedule.steps import Schedule
+from ember.target import Target
 
 
 def schedule(
     graph: Graph,
     eager_peak: int | None = None,
-    # What the target renders (state.TargetFacts) and how it runs matrix products:
-    online_softmax: bool = False,
+    target: Target | None = None,
     gemm: GemmChooser | None = None,
-    column_partials: bool = False,
     kernel_prefix: str = "k",
 ) -> Schedule:
     """Schedule the graph. If sibling merges would raise the planned peak above eager's
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them
-    (peak.py). `online_softmax`: fold a long row's max and sum of exp into one pass
-    (schedule/online.py), for targets that render it. `gemm`: the backend's choice between its
-    GEMM template and ATen per matrix product (schedule/gemm.py). `column_partials`: let row
-    kernels accumulate split column sums (kernel.KColumnPartial), for targets that render them.
-    `kernel_prefix` starts every kernel's name."""
-    target = TargetFacts(online_softmax=online_softmax, column_partials=column_partials)
+    (peak.py). `target` (ember/target.py) says which kernel forms its code generator renders: a
+    long row's max and sum of exp folded into one pass (`online_softmax`, schedule/online.py), and
+    row kernels that accumulate split column sums (`column_partials`, kernel.KColumnPartial); None:
+    neither. `gemm`: the backend's choice between its GEMM template and ATen per matrix product
+    (schedule/gemm.py). `kernel_prefix` starts every kernel's name."""
+    renders = TargetFacts()
+    if target is not None:
+        renders = TargetFacts(online_softmax=target.online_softmax, column_partials=target.column_partials)
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
 
     def reschedule(policy: FusionPolicy) -> ScheduleState:
-        state = ScheduleState(graph, target, gemm, kernel_prefix)
+        state = ScheduleState(graph, renders, gemm, kernel_prefix)
         run_passes(state, eager_peak, policy)
         return state
 

@@ -16,6 +16,9 @@ Any length splits: one whose power-of-two factor gives far fewer chunks than wan
 elements, the last ending at the row's end and overlapping the one before; a sum masks out the
 overlap (`_overlap_mask`). The accumulation inside each chunk is the kernel's: codegen/cpp.py sums
 a long row in blocks whose partial sums it adds pairwise.
+
+Which reductions split, and into how many chunks, the target decides: its split heuristics
+(ember/target.py: SplitHeuristics) and whether its row kernels accumulate column sums.
 """
 
 from __future__ import annotations
@@ -29,57 +32,29 @@ from ember.ir import dtypes
 from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import product
 from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW
-
-# Split when the reduction has fewer outputs than this ...
-MAX_OUTPUTS = 8192
-# ... and at least this many elements per output; each chunk keeps at least MIN_CHUNK.
-MIN_REDUCE = 4096
-MIN_CHUNK = 256
-# A length whose power-of-two factor gives at least 1/MAX_SHORTFALL of the chunks wanted splits by
-# that factor (a plain reshape, which the one-pass variance and column partials build on); else
-# into overlapping chunks of the size wanted.
-MAX_SHORTFALL = 4
-# ... or this many, for a column reduction on a target with row programs (a GPU): two chunks.
-MIN_COLUMN_REDUCE = 2 * MIN_CHUNK
-# Aim for about this many independent partial results in the first stage (a target may ask for
-# more: split_reductions' `target_partials`).
-TARGET_PARTIALS = 32768
-# Chunks of a column sum a row kernel accumulates: at least a few row blocks per program, and few
-# enough rows that the program count fills the machine.
-MIN_COLUMN_CHUNK = 16
-MAX_COLUMN_CHUNK = 256
-# A column sum whose leading reduced dim is split whole, leaving at most one program per SM of
-# the GPU's column kernels (COLUMNS_PER_PROGRAM wide, codegen/triton.py), splits its next
-# reduced dim into at most MAX_SECOND_SPLIT chunks too (`_rewrite_two_dims`). Batch norm + ReLU
-# training on the H100, at ResNet-50's shapes:
-# [64, 64, 112, 112] 425.9 -> 377.5 us, [64, 64, 56, 56] 124.6 -> 119.8; with 128 channels or
-# more the same split measured slower ([64, 128, 28, 28] 58.5 -> 61.6, [64, 256, 56, 56] 388 -> 412).
-# Off (1) for now: in ResNet-50's training step its schedule raised the backward's planned peak
-# over eager's (899 MB vs 821), and the sibling merges refused to bring it down cost more than
-# the split saved (GPU time per step 13248 -> 14041 us).
-COLUMNS_PER_PROGRAM = 32
-MAX_SECOND_SPLIT = 1
+from ember.target import SplitHeuristics, Target
 
 
-def _split_factor(outputs: int, reduce: int, target_partials: int = TARGET_PARTIALS, size: int = 0) -> int:
-    """The number of chunks wanted: a power of two, chunks of at least MIN_CHUNK elements, at most
-    `target_partials` partial results. `size`: that of the dim being split, which the count must
+def _split_factor(outputs: int, reduce: int, h: SplitHeuristics, partials: int, size: int = 0) -> int:
+    """The number of chunks wanted: a power of two, chunks of at least h.min_chunk elements, at
+    most `partials` partial results. `size`: that of the dim being split, which the count must
     divide (0: any count, the last chunk overlapping)."""
     s = 1
-    while reduce // (s * 2) >= MIN_CHUNK and outputs * s * 2 <= target_partials:
+    while reduce // (s * 2) >= h.min_chunk and outputs * s * 2 <= partials:
         if size and (size % (s * 2) != 0):
             break
         s *= 2
     return s
 
 
-def _chunking(outputs: int, reduce: int, size: int, target_partials: int) -> tuple[int, int]:
+def _chunking(outputs: int, reduce: int, size: int, h: SplitHeuristics) -> tuple[int, int]:
     """(count, length) of the chunks splitting a dim of `size` (of `reduce` elements per output):
-    count * length == size when a power of two divides size into enough chunks (MAX_SHORTFALL),
-    else chunks of the wanted length, the last one overlapping (views.py's `chunks`)."""
-    exact = _split_factor(outputs, reduce, target_partials, size)
-    wanted = min(_split_factor(outputs, reduce, target_partials), size)
-    if exact * MAX_SHORTFALL >= wanted:
+    count * length == size when a power of two divides size into enough chunks (h.max_shortfall: a
+    plain reshape, which the one-pass variance and column partials build on), else chunks of the
+    wanted length, the last one overlapping (views.py's `chunks`)."""
+    exact = _split_factor(outputs, reduce, h, h.partials, size)
+    wanted = min(_split_factor(outputs, reduce, h, h.partials), size)
+    if exact * h.max_shortfall >= wanted:
         return exact, size // exact
     length = -(-size // wanted)
     return -(-size // length), length
@@ -107,15 +82,15 @@ def _normalizes(graph: Graph, node: Node) -> bool:
     return False
 
 
-def _column_chunk(rows: int, row: int, row_programs: int) -> int:
+def _column_chunk(rows: int, row: int, row_programs: int, h: SplitHeuristics) -> int:
     """Rows per chunk for a column sum that a row kernel may accumulate (kernel.KColumnPartial):
     each chunk is one program of that row kernel: the largest chunk (a power of two) that leaves
-    at least `row_programs` of them, within [MIN_COLUMN_CHUNK, MAX_COLUMN_CHUNK]. 0 when the rows
-    are too wide to accumulate or do not divide into chunks."""
+    at least `row_programs` of them, within [h.min_column_chunk, h.max_column_chunk]. 0 when the
+    rows are too wide to accumulate or do not divide into chunks."""
     if row > COLUMN_PARTIAL_MAX_ROW:
         return 0
-    chunk = MIN_COLUMN_CHUNK
-    while chunk < MAX_COLUMN_CHUNK and rows // (chunk * 2) >= row_programs:
+    chunk = h.min_column_chunk
+    while chunk < h.max_column_chunk and rows // (chunk * 2) >= row_programs:
         chunk *= 2
     return chunk if rows % chunk == 0 and rows // chunk >= 2 else 0
 
@@ -169,15 +144,18 @@ def _row_kernel_beside(graph: Graph, node: Node) -> bool:
     return False
 
 
-def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int = TARGET_PARTIALS) -> int:
+def split_reductions(graph: Graph, target: Target) -> int:
     """Rewrite qualifying reductions in place; returns how many were split.
 
-    `target_partials`: how many partial results the first stage of a split over a contiguous run
-    of dims aims for (more chunks of fewer rows: more programs in flight for a column sum).
+    The target's split heuristics say which reductions split and into how many chunks (their
+    `partials`: how many partial results the first stage aims for; more chunks of fewer rows are
+    more programs in flight for a column sum).
 
-    `row_programs` (targets that render kernel.KColumnPartial): a sum over the leading dims of
-    rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row kernel to
-    accumulate, at least that many of them, rather than for a column kernel of its own."""
+    On a target whose row kernels accumulate column sums (kernel.KColumnPartial), a sum over the
+    leading dims of rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row
+    kernel to accumulate, at least `target.row_programs` of them, rather than for a column kernel
+    of its own."""
+    h, row_programs = target.heuristics.split, target.row_programs
     splits_done = 0
     splits: dict[Value, _Split] = {}  # by the value that replaced each split sum
     for node in list(graph.nodes):
@@ -199,8 +177,8 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
         # channels, 64 x 7 x 7 rows) made 64 programs walking 3136 rows each, 93 us per backward
         # where the bytes take 4. Such reductions split from far fewer rows.
         column = node.attrs["kind"] == "sum" and _contiguous_dim(x) not in dims
-        min_reduce = MIN_COLUMN_REDUCE if row_programs and column else MIN_REDUCE
-        if int(outputs) >= MAX_OUTPUTS or int(reduce) < min_reduce:
+        min_reduce = h.min_column_reduce if row_programs and column else h.min_reduce
+        if int(outputs) >= h.max_outputs or int(reduce) < min_reduce:
             continue
         if list(dims) == list(range(dims[0], dims[0] + len(dims))):
             # A contiguous run of dims: regrouped by one reshape. Rows over the innermost dims that
@@ -210,11 +188,11 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             # has no columns, and keeps the chunks its sibling sums share).
             columns = dims[0] == 0 and dims[-1] < len(x.shape) - 1
             if row_programs and columns and _row_kernel_beside(graph, node):
-                chunk = _column_chunk(int(reduce), int(outputs), row_programs)
+                chunk = _column_chunk(int(reduce), int(outputs), row_programs, h)
             if chunk:
                 count, length = int(reduce) // chunk, chunk
             else:
-                count, length = _chunking(int(outputs), int(reduce), int(reduce), target_partials)
+                count, length = _chunking(int(outputs), int(reduce), int(reduce), h)
             if count < 2 or (dims[-1] == len(x.shape) - 1 and _normalizes(graph, node)):
                 continue
             done = _rewrite_run(graph, node, count, length)
@@ -222,16 +200,17 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
             size = x.shape[dims[0]]
             if not size.is_Integer:
                 continue
-            count, length = _chunking(int(outputs), int(reduce), int(size), target_partials)
+            count, length = _chunking(int(outputs), int(reduce), int(size), h)
             if count < 2:
                 continue
             s, s_next = count, 1
-            few = int(outputs) * s <= COLUMNS_PER_PROGRAM * row_programs
+            few = int(outputs) * s <= h.columns_per_program * row_programs
             if row_programs and column and len(dims) > 1 and s == size and few and count * length == size:
                 # The leading dim is split whole and still leaves at most one program per SM (64
-                # images for ResNet-50's 64-channel batch norms): split the next reduced dim too.
-                cap = min(target_partials, int(outputs) * s * MAX_SECOND_SPLIT)
-                s_next = _split_factor_of_dim(int(outputs) * s, int(reduce) // s, x.shape[dims[1]], cap)
+                # images for ResNet-50's 64-channel batch norms): split the next reduced dim too,
+                # into at most h.max_second_split chunks.
+                cap = min(h.partials, int(outputs) * s * h.max_second_split)
+                s_next = _split_factor_of_dim(int(outputs) * s, int(reduce) // s, x.shape[dims[1]], h, cap)
             if s_next >= 2:
                 done = _rewrite_two_dims(graph, node, s_next)
             else:
@@ -241,11 +220,12 @@ def split_reductions(graph: Graph, row_programs: int = 0, target_partials: int =
     return splits_done
 
 
-def _split_factor_of_dim(outputs: int, reduce: int, size, target_partials: int = TARGET_PARTIALS) -> int:
-    """The factor splitting one reduced dim of `size` (which must divide it)."""
+def _split_factor_of_dim(outputs: int, reduce: int, size, h: SplitHeuristics, partials: int) -> int:
+    """The factor splitting one reduced dim of `size` (which must divide it) into at most
+    `partials` partial results."""
     if not size.is_Integer:
         return 1
-    return _split_factor(outputs, reduce, target_partials, int(size))
+    return _split_factor(outputs, reduce, h, partials, int(size))
 
 
 def _rewrite_first_dim(graph: Graph, node: Node, count: int, length: int) -> _Split:

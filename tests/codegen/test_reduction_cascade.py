@@ -20,7 +20,7 @@ from ember.codegen import cpp, triton
 from ember.codegen.cpp import render_cpp
 from ember.codegen.triton import render_triton
 from tests.helpers import ember_compile, repro
-from tests.schedule.test_fusion import G
+from tests.schedule.test_fusion import TRITON, G
 
 
 def _kernel(shape, dims, kind="sum", dtype=torch.float32, also=None):
@@ -67,13 +67,13 @@ def test_cpp_keeps_one_loop_where_nothing_rounds_much(shape, dims, kind, dtype):
 def test_triton_sums_long_looped_rows_in_blocks_per_lane():
     steps = triton.CASCADE_STEPS
     for shape in [(2, ROW), (2, 2048 * steps + 1)]:  # unknown length; `steps` + 1 steps of 2048
-        kernel = render_triton(_kernel(shape, (1,)))
+        kernel = render_triton(_kernel(shape, (1,)), TRITON)
         assert kernel.launch.rblock == 2048 and not kernel.launch.persistent
         source = kernel.source
         assert f"for rblock in range(0, rnumel, RBLOCK * {steps}):" in source, source
         assert "rindex = rblock + roffset + rbase" in source, source
         assert "acc1_block = acc1_block + tl.where(" in source and "acc1 = acc1 + acc1_block" in source, source
-    short = render_triton(_kernel((2, 2048 * steps), (1,))).source  # a lane adds `steps` elements
+    short = render_triton(_kernel((2, 2048 * steps), (1,)), TRITON).source  # a lane adds `steps` elements
     assert "rblock" not in short, short
 
 

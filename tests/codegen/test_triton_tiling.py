@@ -4,26 +4,31 @@ rows contiguous along the reduced dim stay persistent."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import sympy
 import torch
 
-from ember.backends.triton import TritonBackend
-from ember.codegen.triton import FEW_COLUMNS, launch_config
-from ember.schedule import split
+from ember.backends.cpp import CppBackend
+from ember.codegen.triton import launch_config, render_triton
 from ember.schedule.split import split_reductions
-from tests.schedule.test_fusion import G
+from tests.schedule.test_fusion import TRITON, G
 
 BF16 = torch.bfloat16
+# The Triton backend's target (TRITON, through its CPU interpreter: an H100's SM count) without
+# row kernels that accumulate column sums.
+NO_ROW_PROGRAMS = dataclasses.replace(TRITON, row_programs=0)
+FEW_COLUMNS = TRITON.heuristics.launch.few_columns
 
 
 def _cast(b: G, x, dtype=torch.float32):
     return b.g.add("cast", [x], {"dtype": dtype}, [(x.shape, dtype, None)], origin="_to_copy").out
 
 
-def _split_and_schedule(b: G, out, row_programs: int = 0):
-    """Split as the pipeline does for the Triton backend (its target of partial results)."""
+def _split_and_schedule(b: G, out, target=NO_ROW_PROGRAMS):
+    """Split as the pipeline does for the Triton backend's target."""
     b.g.outputs = [out]
-    assert split_reductions(b.g, row_programs, TritonBackend.split_partials) == 1
+    assert split_reductions(b.g, target) == 1
     return b.schedule(*b.g.outputs).kernels
 
 
@@ -41,7 +46,7 @@ def test_layer_norm_weight_gradient_is_tiled_across_rows():
     xf, gf = _cast(b, x), _cast(b, grad)
     dw = b.reduce("sum", b.pw("mul", b.pw("mul", b.pw("sub", xf, mean), rstd), gf), (0,))
     k = _big_reader(_split_and_schedule(b, dw), x)
-    cfg = launch_config(k)
+    cfg = launch_config(k, TRITON)
     assert not cfg.persistent and (cfg.xblock, cfg.rblock, cfg.num_warps) == (64, 32, 4)  # 128-byte bf16 rows
 
 
@@ -52,22 +57,22 @@ def test_bias_gradient_split_across_two_dims_is_tiled_across_rows():
     g = b.input(16, 1024, 3072, dtype=BF16)
     db = b.reduce("sum", _cast(b, g), (0, 1))
     kernels = _split_and_schedule(b, db)
-    cfg = launch_config(_big_reader(kernels, g))
+    cfg = launch_config(_big_reader(kernels, g), TRITON)
     # One tile input: 64 columns by 8 rows a step, many small programs in flight.
     assert not cfg.persistent and (cfg.xblock, cfg.rblock, cfg.num_warps) == (64, 8, 4)
     # The second stage sums a few partial rows into 3072 outputs: each program holds 32 columns
     # whole (persistent, all rows in one step), so 96 programs, not 48 of 64 columns.
     (second,) = [k for k in kernels if g not in k.reads]
     rows = int(next(s for s, r in zip(second.loop_sizes, second.loop_reduce) if r))
-    cfg = launch_config(second)
+    cfg = launch_config(second, TRITON)
     assert cfg.persistent and cfg.xblock == 32 and cfg.rblock >= rows, (rows, cfg)
 
 
-def test_batch_norm_sums_take_long_steps(monkeypatch):
+def test_batch_norm_sums_take_long_steps():
     # Batch norm's sums over a channels-last [64, C, H, W] activation split by image: one program
     # per 32 channels of one image. Several inputs with fewer than FEW_COLUMNS partial columns: a
     # step covers 128 rows (8 warps). A lone sum of x with many columns is tiled as a bias gradient.
-    def sums(c, hw, grads: bool):
+    def sums(c, hw, grads: bool, target=TRITON):
         b = G()
         shape = tuple(sympy.Integer(v) for v in (64, c, hw, hw))
         channels_last = tuple(sympy.Integer(v) for v in (hw * hw * c, 1, hw * c, c))
@@ -76,19 +81,20 @@ def test_batch_norm_sums_take_long_steps(monkeypatch):
         if grads:
             g = b.g.add_input(shape, BF16, channels_last)
             xf = b.pw("mul", xf, _cast(b, g))
-        kernels = _split_and_schedule(b, b.reduce("sum", xf, (0, 2, 3)), row_programs=132)
-        cfg = launch_config(_big_reader(kernels, x))
+        kernels = _split_and_schedule(b, b.reduce("sum", xf, (0, 2, 3)), target)
+        cfg = launch_config(_big_reader(kernels, x), target)
         return not cfg.persistent, (cfg.xblock, cfg.rblock, cfg.num_warps)
 
     assert sums(256, 56, grads=False) == (True, (64, 8, 4))  # 64 chunks of 3136 rows
     assert sums(64, 112, grads=True) == (True, (32, 128, 8))  # 64 x 64 partial columns
     # With H split in 8 as well (split.py: _rewrite_two_dims, off by default): 512 x 64 partial
     # columns of 1568 rows, tiled as other many-column sums.
-    monkeypatch.setattr(split, "MAX_SECOND_SPLIT", 8)
-    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # a patched pass: schedule, do not load
-    assert sums(64, 112, grads=True) == (True, (32, 32, 4))
-    assert sums(128, 28, grads=True) == (True, (32, 128, 8))  # 64 x 128: one program per SM or more
-    monkeypatch.undo()
+    second_split = TRITON.tuned("split.max_second_split=8")
+    assert sums(64, 112, grads=True, target=second_split) == (True, (32, 32, 4))
+    assert sums(128, 28, grads=True, target=second_split) == (
+        True,
+        (32, 128, 8),
+    )  # 64 x 128: one program per SM or more
     assert 256 * 64 >= FEW_COLUMNS and sums(256, 56, grads=True) == (True, (32, 32, 4))
     # ResNet-50's last stage: 7 x 7 x 64 = 3136 rows per channel split although under MIN_REDUCE,
     # as a column reduction on a target with row programs.
@@ -103,22 +109,22 @@ def test_batch_norm_sums_take_long_steps(monkeypatch):
     diff = b.pw("sub", xf, mean)
     var = b.reduce("sum", b.pw("mul", diff, diff), (0, 2, 3), keepdim=True)
     b.g.outputs = [mean, var]
-    assert split_reductions(b.g, 132, TritonBackend.split_partials) == 2  # the mean's, then the variance's
+    assert split_reductions(b.g, TRITON) == 2  # the mean's, then the variance's
     # (The final combination, over [r8, 2048], also reads x: each chunk's first element.)
     (stats,) = [k for k in b.schedule(*b.g.outputs).kernels if x in k.reads and "r7" in str(k.domain)]
     assert len(stats.reduces) == 3
-    cfg = launch_config(stats)
+    cfg = launch_config(stats, TRITON)
     assert (cfg.xblock, cfg.rblock, cfg.num_warps) == (32, 128, 8)
 
 
 def test_target_partials_sizes_the_chunks_of_a_column_sum():
     # The Triton backend asks for 131072 partial results: a bias gradient over 16384 rows of 768
-    # is summed in 64 chunks of 256 rows (the default target, 32768, gives 32 chunks of 512).
-    for target, chunks in ((32768, 32), (131072, 64)):
+    # is summed in 64 chunks of 256 rows (the C++ backend, 32768, gives 32 chunks of 512).
+    for target, chunks in ((CppBackend().target(), 32), (TRITON, 64)):
         b = G()
         g = b.input(16384, 768, dtype=BF16)
         b.g.outputs = [b.reduce("sum", _cast(b, g), (0,))]
-        assert split_reductions(b.g, target_partials=target) == 1
+        assert split_reductions(b.g, target) == 1
         shapes = [tuple(int(d) for d in n.out.shape) for n in b.g.nodes if n.op == "reduce"]
         assert (chunks, 768) in shapes, shapes
 
@@ -128,7 +134,7 @@ def test_row_reduction_stays_persistent():
     x, w = b.input(4096, 768), b.input(768)
     y = b.pw("mul", b.pw("sub", x, b.reduce("max", x, (1,), keepdim=True)), w)
     (k,) = b.schedule(y).kernels
-    cfg = launch_config(k)
+    cfg = launch_config(k, TRITON)
     assert cfg.persistent and cfg.rblock == 1024
 
 
@@ -148,3 +154,28 @@ def test_short_column_softmax_stays_looped():
         what="softmax over dim 0",
         line="repro: softmax(x, 0), x [20001, 8]",
     )
+
+
+def test_the_launch_follows_the_targets_sm_count():
+    # A lone column sum over 4096 columns: with a program of 64 columns on every SM (4096 >= 64 x
+    # 16) it takes small steps in many programs; on an H100's 132 SMs that would leave SMs idle, so
+    # it takes long steps down the rows.
+    b = G()
+    (k,) = b.schedule(b.reduce("sum", b.input(512, 4096), (0,))).kernels
+    cfg, small = launch_config(k, TRITON), launch_config(k, dataclasses.replace(TRITON, sm_count=16))
+    assert (cfg.xblock, cfg.rblock, cfg.num_warps) == (32, 128, 8)
+    assert (small.xblock, small.rblock, small.num_warps) == (64, 8, 4)
+    # Rows held whole: several rows per program, but programs enough for two on every SM.
+    b = G()
+    (k,) = b.schedule(b.reduce("max", b.input(4096, 1024), (1,))).kernels
+    assert launch_config(k, TRITON).xblock == 4  # 4096 rows over 264 programs: 16, capped at 4096 elements
+    assert launch_config(k, dataclasses.replace(TRITON, sm_count=1024)).xblock == 2
+
+
+def test_the_target_says_whether_the_interpreter_runs_the_kernel():
+    # Triton's interpreter truncates fp32 -> bf16: only there does a cast round by hand.
+    b = G()
+    b.g.outputs = [_cast(b, b.input(64, 64), BF16)]
+    (k,) = b.schedule(*b.g.outputs).kernels
+    assert TRITON.interpreted and "ember_round_bf16" in render_triton(k, TRITON).source
+    assert "ember_round_bf16" not in render_triton(k, dataclasses.replace(TRITON, interpreted=False)).source

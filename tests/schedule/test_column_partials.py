@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.schedule.split import MIN_REDUCE
+from ember.target import SplitHeuristics
 from tests.helpers import assert_close, assert_not_worse, ember_compile, forward_backward, fresh_inputs, reports, repro
 
 F32 = 4
-N, C = MIN_REDUCE, 64
+N, C = SplitHeuristics().min_reduce, 64
 
 
 def _layer_norm(x, w, b):

@@ -14,9 +14,10 @@ import pytest
 import sympy
 import torch
 
+from ember.backends.cpp import CppBackend
 from ember.backends.triton import TritonBackend
 from ember.ir.views import VIEW_KINDS
-from ember.schedule.split import TARGET_PARTIALS, split_reductions
+from ember.schedule.split import split_reductions
 from tests.helpers import BACKENDS, assert_close, assert_no_fallback, ember_compile, reports, repro
 from tests.schedule.test_fusion import G
 
@@ -35,25 +36,29 @@ def test_chunks_view_covers_every_position_and_overlaps_only_the_last_chunk(size
     assert sorted(kept) == list(range(size))
 
 
-def _split_sum(shape, dims, kind="sum", target=TARGET_PARTIALS):
+CPP, TRITON = CppBackend().target(), TritonBackend().target()
+
+
+def _split_sum(shape, dims, kind="sum", target=CPP):
     """Split one reduction of an input of `shape` (only IR: nothing of that size is allocated);
     returns the first stage's input view (the chunks) and the reductions after the split."""
     b = G()
     x = b.input(*shape)
     b.g.outputs = [b.reduce(kind, x, dims)]
-    assert split_reductions(b.g, 0, target) == 1, f"{kind} over {dims} of {shape} was not split"
+    assert split_reductions(b.g, target) == 1, f"{kind} over {dims} of {shape} was not split"
     reduces = [n for n in b.g.nodes if n.op == "reduce"]
     (chunks,) = [n for n in b.g.nodes if n.op == "view" and (n.attrs["kind"] == "chunks" or n.inputs[0] is x)]
     return chunks, reduces
 
 
-@pytest.mark.parametrize("target", [TARGET_PARTIALS, TritonBackend.split_partials], ids=["cpp", "triton"])
+@pytest.mark.parametrize("target", [CPP, TRITON], ids=["cpp", "triton"])
 @pytest.mark.parametrize("n", [300_000_007, 2**31 + 10, 10**8], ids=["prime", "2^31+10", "1e8"])
 def test_a_long_sum_splits_into_the_chunks_wanted_whatever_its_factors(n, target):
     chunks, (partial, final) = _split_sum((n,), (0,), target=target)
     count, length = int(chunks.out.shape[0]), int(chunks.out.shape[1])
     # As many chunks as a power of two would give: the target's, not 2 (2^31 + 10) or 1 (a prime).
-    assert target // 2 < count <= target, f"{count} chunks of {length}"
+    partials = target.heuristics.split.partials
+    assert partials // 2 < count <= partials, f"{count} chunks of {length}"
     assert (count - 1) * length < n <= count * length
     assert chunks.attrs["kind"] == "chunks"
     # The sum masks the overlap: it reads where(keep, chunks, 0), not the view itself.
@@ -63,7 +68,7 @@ def test_a_long_sum_splits_into_the_chunks_wanted_whatever_its_factors(n, target
 
 def test_a_row_sum_of_a_length_with_no_large_power_of_two_splits_every_row():
     chunks, (partial, _) = _split_sum((4, 2**26 + 3), (1,))
-    assert tuple(int(s) for s in partial.out.shape) == (4, TARGET_PARTIALS // 4)
+    assert tuple(int(s) for s in partial.out.shape) == (4, CPP.heuristics.split.partials // 4)
     assert chunks.attrs["dim"] == 1
 
 
