@@ -161,7 +161,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
     _check(graph, "cse")
     stage("cse")
-    padded = pad_matmul_layouts(graph, keep_outputs_dense=kind != "inference")
+    padded = pad_matmul_layouts(graph, target, keep_outputs_dense=kind != "inference")
     log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
     stage("pad")
     split_reductions(graph, target)

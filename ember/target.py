@@ -130,16 +130,28 @@ class LaunchHeuristics:
 
 
 @dataclass(frozen=True)
+class PadHeuristics:
+    """Whether schedule/padding.py gives matrix products 16-byte aligned layouts, and from what size."""
+
+    # The device's BLAS runs fast only on aligned extents (cuBLAS: an unaligned N falls back to a
+    # kernel several times slower); the GPU targets turn it on.
+    products: bool = False
+    # Smaller products are launch-bound: not worth a layout change.
+    min_elements: int = 1 << 16
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
     split: SplitHeuristics = SplitHeuristics()
     launch: LaunchHeuristics = LaunchHeuristics()
+    pad: PadHeuristics = PadHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`
-        (`split.max_second_split=8, launch.column_one_sum=64x8x4`). Raises ValueError naming the
-        valid fields for an unknown one or a value that does not parse."""
+        (`split.max_second_split=8, launch.column_one_sum=64x8x4, pad.products=1`). Raises
+        ValueError naming the valid fields for an unknown one or a value that does not parse."""
         groups = {f.name: getattr(self, f.name) for f in fields(self)}
         for item in (part.strip() for part in text.split(",")):
             if not item:
@@ -152,16 +164,27 @@ class Heuristics:
             valid = [f.name for f in fields(record)]
             if attr not in valid:
                 raise ValueError(f"{group} has no heuristic {attr!r} (valid: {', '.join(valid)})")
-            tile = isinstance(getattr(record, attr), Tile)
-            try:
-                value = Tile.parse(raw.strip()) if tile else int(raw.strip())
-                if not tile and value < 1:
-                    raise ValueError
-            except ValueError:
-                kind = "a tile XBLOCKxRBLOCKxWARPS of powers of two" if tile else "a positive integer"
-                raise ValueError(f"{name.strip()}={raw.strip()!r} is not {kind}") from None
+            value = _parse(type(getattr(record, attr)), raw.strip())
+            if value is None:
+                kind = _KINDS[type(getattr(record, attr))]
+                raise ValueError(f"{name.strip()}={raw.strip()!r} is not {kind}")
             groups[group] = replace(record, **{attr: value})
         return replace(self, **groups)
+
+
+_KINDS = {Tile: "a tile XBLOCKxRBLOCKxWARPS of powers of two", bool: "0 or 1", int: "a positive integer"}
+
+
+def _parse(kind: type, text: str) -> Tile | bool | int | None:
+    """`text` as a heuristic of type `kind`, or None where it is not one."""
+    if kind is bool:
+        return {"0": False, "1": True}.get(text)
+    if kind is Tile:
+        try:
+            return Tile.parse(text)
+        except ValueError:
+            return None
+    return int(text) if text.isdigit() and int(text) >= 1 else None
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from tests.helpers import assert_close, explain_strict
 
 
 def test_heuristics_change_by_name():
-    h = Heuristics().tuned(" split.max_second_split=8 , launch.column_one_sum=32x16x8,")
-    assert h.split.max_second_split == 8 and h.launch.column_one_sum == Tile(32, 16, 8)
+    h = Heuristics().tuned(" split.max_second_split=8 , launch.column_one_sum=32x16x8,pad.products=1")
+    assert h.split.max_second_split == 8 and h.launch.column_one_sum == Tile(32, 16, 8) and h.pad.products
     assert h.split.min_chunk == Heuristics().split.min_chunk  # the rest as they were
     assert Heuristics().tuned("") == Heuristics()
 
@@ -34,6 +34,7 @@ def test_heuristics_change_by_name():
         ("split.min_chunk=0", "is not a positive integer"),
         ("launch.looped_row=1x2048", "is not a tile XBLOCKxRBLOCKxWARPS"),
         ("launch.looped_row=1x2000x8", "of powers of two"),
+        ("pad.products=yes", "is not 0 or 1"),
     ],
 )
 def test_a_bad_change_says_what_is_wrong(text, says):

@@ -44,7 +44,7 @@ from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
-from ember.target import INTERPRETER_SM_COUNT, Heuristics, SplitHeuristics, Target
+from ember.target import INTERPRETER_SM_COUNT, Heuristics, PadHeuristics, SplitHeuristics, Target
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start. The
@@ -324,7 +324,8 @@ def _make_target(device) -> Target:
         limits.launch_seconds,
         online_softmax=True,
         row_programs=max(0, programs) if programs else sm_count,
-        heuristics=Heuristics(split=SplitHeuristics(partials=SPLIT_PARTIALS)),
+        # cuBLAS runs fast only on aligned extents: products on the GPU get padded layouts.
+        heuristics=Heuristics(split=SplitHeuristics(partials=SPLIT_PARTIALS), pad=PadHeuristics(products=gpu)),
     )
     return target.tuned(config.get("heuristics"))
 

@@ -14,6 +14,9 @@ unaligned M that is A's contiguous dim (the head's weight gradient, A = grad_log
 two row blocks. Matrices ember computes itself that a product
 reads, or reads transposed, are laid out with padded rows, so their leading dimension is aligned.
 Values a training graph returns stay dense: AOTAutograd recorded their strides for the backward.
+
+The target's heuristics (ember/target.py: PadHeuristics) say whether products are padded (the
+GPU's target: yes) and from what size.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import torch
 
 from ember.ir.graph import COMPUTED_OPS, Graph, Node, Value
 from ember.ir.sizes import contiguous_strides
+from ember.target import PadHeuristics, Target
 
 aten = torch.ops.aten
 
 _ALIGN_BYTES = 16
-_MIN_ELEMENTS = 1 << 16  # small products are launch-bound: not worth a layout change
-PAD_ON = ("cuda",)  # device types whose BLAS wants aligned rows (tests add "cpu" to exercise it)
 _PRODUCTS = (aten.mm.default, aten.addmm.default)
 _OUT = {aten.mm.default: aten.mm.out, aten.addmm.default: aten.addmm.out}
 
@@ -125,9 +127,11 @@ def _blas_ready(t: torch.Tensor, per: int, other: int) -> torch.Tensor:
     return out.copy_(t)
 
 
-def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
-    """Pad products' N and the computed matrices products read; returns what was padded."""
-    if graph.device.type not in PAD_ON:
+def pad_matmul_layouts(graph: Graph, target: Target, keep_outputs_dense: bool) -> list[str]:
+    """Pad products' N and the computed matrices products read, where the target's BLAS wants
+    aligned extents (its heuristics' `pad`); returns what was padded."""
+    h = target.heuristics.pad
+    if not h.products:
         return []
     pinned = {o for o in graph.outputs if isinstance(o, Value)} if keep_outputs_dense else set()
     notes = []
@@ -135,9 +139,9 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
         if node.op != "extern" or node.attrs["target"] not in _PRODUCTS or node.attrs["kwargs"]:
             continue
         out = node.out
-        if not _large_static_matrix(out):
+        if not _large_static_matrix(out, h):
             continue
-        padded = _padded_row(out)
+        padded = _padded_row(out, h)
         if padded is not None and out not in pinned and tuple(out.stride) == tuple(contiguous_strides(out.shape)):
             node.attrs["target"] = AlignedProduct(node.attrs["target"], int(out.shape[1]), padded)
             out.stride = (sympy.Integer(padded), sympy.Integer(1))
@@ -148,22 +152,23 @@ def pad_matmul_layouts(graph: Graph, keep_outputs_dense: bool) -> list[str]:
             base = _computed_base(operand)
             if base is None or base in pinned:
                 continue
-            padded = _padded_row(base)
+            padded = _padded_row(base, h)
             if padded is not None:
                 _pad_rows(base, padded)
                 notes.append(f"%{base.name} (read by {node.origin}): rows padded to {padded}")
     return notes
 
 
-def _large_static_matrix(v: Value) -> bool:
+def _large_static_matrix(v: Value, h: PadHeuristics) -> bool:
     if len(v.shape) != 2 or not all(sympy.sympify(x).is_Integer for x in v.shape):
         return False
     return (
-        v.dtype in (torch.bfloat16, torch.float16, torch.float32) and int(v.shape[0]) * int(v.shape[1]) >= _MIN_ELEMENTS
+        v.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and int(v.shape[0]) * int(v.shape[1]) >= h.min_elements
     )
 
 
-def _padded_row(v: Value) -> int | None:
+def _padded_row(v: Value, h: PadHeuristics) -> int | None:
     """The padded last-dim stride of a row-major value (2-D or more) whose rows are not 16-byte
     aligned, or None."""
     if len(v.shape) < 2 or not all(sympy.sympify(x).is_Integer for x in v.shape):
@@ -175,7 +180,7 @@ def _padded_row(v: Value) -> int | None:
     for x in v.shape[:-1]:
         rows *= int(x)
     per = max(1, _ALIGN_BYTES // v.dtype.itemsize)
-    if rows * cols < _MIN_ELEMENTS or cols % per == 0 or rows == 1 or cols < 8 * per:
+    if rows * cols < h.min_elements or cols % per == 0 or rows == 1 or cols < 8 * per:
         return None  # short rows (a pooled [N, C, 1, 1]) would grow by more than they gain
     return -(-cols // per) * per
 

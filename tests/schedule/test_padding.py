@@ -1,7 +1,7 @@
 """Products with rows that are not 16-byte aligned get padded layouts (schedule/padding.py).
 
 On the GPU this is what lets cuBLAS use its aligned kernels for a 50257-wide vocabulary head.
-Here the same layouts are exercised on the CPU (the pass is enabled for "cpu" in the test): the
+Here the same layouts are exercised on the CPU (the target's `pad` heuristics turned on): the
 product is written into padded rows (an aligned product over the first N8 columns, a thin one
 over the rest) and kept as a view of them, kernels downstream index them, and matrices ember computes for a product (the
 logits' gradient) are laid out padded from the start.
@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember import config
 from ember.schedule import padding
 from tests.helpers import assert_close, explain_strict, repro
 
@@ -22,10 +23,9 @@ VOCAB, D, ROWS = 1001, 64, 96  # 1001 bf16 columns: rows of 2002 bytes, not a mu
 
 
 @pytest.fixture
-def pad_on_cpu(monkeypatch):
-    monkeypatch.setattr(padding, "PAD_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(padding, "_MIN_ELEMENTS", 1)
-    monkeypatch.setenv("EMBER_SCHEDULE_CACHE", "0")  # a patched pass: schedule, do not load
+def pad_on_cpu():
+    with config.override(heuristics="pad.products=1,pad.min_elements=1"):
+        yield
 
 
 def _head_loss(x, w, target):
@@ -45,6 +45,14 @@ def test_vocabulary_head_padded_inference(pad_on_cpu):
     assert_close(loss, want_loss, rtol=1e-3, atol=1e-3, what="loss", line=line)
     assert logits.stride() == (1008, 1), line  # padded to 16 bytes, same values
     assert f"({ROWS}, {VOCAB}), (1008, 1)" in report.graphs[0].host_source, report.graphs[0].host_source
+
+
+def test_the_cpu_target_pads_nothing():
+    x, w = torch.randn(ROWS, D, dtype=torch.bfloat16), torch.randn(VOCAB, D, dtype=torch.bfloat16)
+    with torch.no_grad():
+        report = explain_strict(_head_loss, x, w, torch.randint(0, VOCAB, (ROWS,)))
+    host = report.graphs[0].host_source
+    assert f"({ROWS}, {VOCAB}), ({VOCAB}, 1)" in host and "1008" not in host, host
 
 
 def test_vocabulary_head_padded_training(pad_on_cpu):
