@@ -51,8 +51,11 @@ def _receive(stream):
 class CompileWorkers:
     """A fixed set of worker processes compiling Triton kernels for one GPU target."""
 
-    def __init__(self, count: int, target: tuple):
+    def __init__(self, count: int, target: tuple, batch_timeout_s: float = BATCH_TIMEOUT_S):
+        """`count` workers compiling for Triton's GPU `target`; one that has not answered a batch
+        in `batch_timeout_s` is stopped."""
         self.target = target
+        self.batch_timeout_s = batch_timeout_s
         self.procs = []
         for _ in range(count):
             # Started in ember's own root, which `-m` puts first on sys.path: this ember is the one
@@ -99,9 +102,9 @@ class CompileWorkers:
                     if proc.poll() is not None:
                         raise EOFError("compile worker exited")
                     _send(proc.stdin, (module_name, path, batch))
-                    ready, _, _ = select.select([proc.stdout], [], [], BATCH_TIMEOUT_S)
+                    ready, _, _ = select.select([proc.stdout], [], [], self.batch_timeout_s)
                     if not ready:
-                        raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:.0f} s")
+                        raise TimeoutError(f"no answer in {self.batch_timeout_s:g} s")
                     for name, error in _receive(proc.stdout):
                         if error:
                             self.failures.append(f"{name}: {error}")

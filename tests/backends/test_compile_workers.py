@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 
-from ember.backends import compile_workers
 from ember.backends.compile_workers import CompileWorkers
 
 
@@ -76,8 +75,7 @@ def test_a_worker_that_does_not_answer_is_stopped_and_its_kernels_handed_back(tm
     _stub_triton(tmp_path, monkeypatch)
     module = tmp_path / "kernels.py"
     module.write_text("import time\nclass _K:\n    def warmup(self, *a, **k):\n        time.sleep(30)\nslow = _K()\n")
-    monkeypatch.setattr(compile_workers, "BATCH_TIMEOUT_S", 1.0)
-    workers = CompileWorkers(1, ("cuda", 90, 32))
+    workers = CompileWorkers(1, ("cuda", 90, 32), batch_timeout_s=1.0)
     try:
         handed_back = _run(workers, [("slow", [], {}, 4, True)] * 6, str(module))
         assert sorted(handed_back) == ["slow"] * 6
