@@ -45,8 +45,10 @@ import contextvars
 import dataclasses
 import hashlib
 import hmac
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -161,6 +163,8 @@ def usable(gm: torch.fx.GraphModule) -> bool:
 
     if not config.get("aot_cache") or not cacheable_settings() or _signing_key() is None:
         return False  # without ember's own usable cache, nothing to sign or check entries with
+    if not _torch_cache_is_private():
+        return False
     try:
         from torch._functorch import config as functorch_config
         from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler  # noqa: F401
@@ -172,6 +176,30 @@ def usable(gm: torch.fx.GraphModule) -> bool:
         if node.op == "get_attr" and isinstance(_attribute(gm, node.target), torch.Tensor):
             return False
     return True
+
+
+_refused_torch_caches: set[str] = set()
+
+
+def _torch_cache_is_private() -> bool:
+    """Whether torch's cache folder and its AOTAutograd folder are this user's alone (made 0700
+    here where missing). torch unpickles its own part of an entry before ember's signature is
+    checked, and its folder defaults to /tmp/torchinductor_<user>, a name another user can create
+    first: where they could write there, AOTAutograd's cache is not used at all."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from ember.runtime import safe_fs
+
+    root = cache_dir()
+    try:
+        aot = os.path.join(root, "aotautograd")
+        with safe_fs.open_root(Path(root), create=True) as (fd, _), safe_fs.open_folder(fd, "aotautograd", aot, True):
+            return True
+    except OSError as e:
+        if root not in _refused_torch_caches:
+            _refused_torch_caches.add(root)
+            log.warn(f"ember: not using AOTAutograd's cache: {e}; compiling without it")
+        return False
 
 
 def _attribute(gm: torch.fx.GraphModule, target: str):

@@ -251,3 +251,32 @@ def test_the_compile_in_progress_is_this_thread_s_and_nests(tmp_path):
     assert outer.options == {"fuse": True} and len(outer.key) == 32
     assert inner.options == {"fuse": False} and inner.key == outer.key
     assert seen == [None] and after_inner is outer and after is None
+
+
+@pytest.mark.parametrize("how", ["world_writable", "another_user"])
+def test_torch_cache_folder_others_can_write_is_not_used(tmp_path, monkeypatch, how):
+    """torch unpickles its part of an entry before ember checks its signature: where another user
+    could write torch's cache folder (its default, /tmp/torchinductor_<user>, is a name anyone can
+    create first), AOTAutograd's cache is bypassed, with one warning, and the graph still compiles."""
+    import os
+
+    from ember.frontend import aot_cache
+
+    torch_cache = tmp_path / "torchinductor"
+    torch_cache.mkdir()
+    if how == "world_writable":
+        torch_cache.chmod(0o777)
+    else:
+        os.chown(torch_cache, 12345, 12345)  # plays another user: these tests run as root
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(torch_cache))
+    aot_cache._refused_torch_caches.discard(str(torch_cache))
+
+    def fn(x):
+        return torch.sigmoid(x) * 3
+
+    x = torch.randn(8, 8)
+    with ember.config.override(cache_dir=str(tmp_path / "ember")):
+        with pytest.warns(UserWarning, match="not using AOTAutograd's cache"):
+            assert _inference_hits(fn, x) == 0  # compiled (strict: no fallback), and matches eager
+        assert _inference_hits(fn, x) == 0  # nothing saved there: never a hit
+    assert not (torch_cache / "aotautograd").exists(), "ember created a folder in the unsafe cache"
