@@ -86,11 +86,10 @@ def _where_code_lives() -> tuple[tuple[str, ...], tuple[str, ...], str]:
     """(PyTorch's and ember's package folders, installed libraries' folders, the standard library's)."""
     import torch
 
-    import ember
-
+    ember_dir = os.path.dirname(os.path.abspath(__file__)) + os.sep  # ember/, where this module lives
     paths = sysconfig.get_paths()
     installed = tuple({os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib")})
-    return (_package_dir(torch), _package_dir(ember)), installed, os.path.abspath(paths["stdlib"]) + os.sep
+    return (_package_dir(torch), ember_dir), installed, os.path.abspath(paths["stdlib"]) + os.sep
 
 
 # Code objects Python or PyTorch generate at run time, which no user wrote.

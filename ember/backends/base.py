@@ -30,7 +30,7 @@ class Backend(Protocol):
         """What the device and this code generator can do: read once per graph by the pipeline."""
         ...
 
-    def build(self, kernels: list[Kernel], memory: MemoryPlan | None) -> dict[str, object]:
+    def build(self, kernels: list[Kernel], memory: MemoryPlan) -> dict[str, object]:
         """Render and compile `kernels`; the host program's namespace entries (the callables).
         `memory`: the schedule's memory plan (which buffers of a kernel share memory)."""
         ...

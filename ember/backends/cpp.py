@@ -150,14 +150,15 @@ class CppBackend:
     def target(self) -> Target:
         return self._target
 
-    def build(self, kernels: list[Kernel], memory: MemoryPlan | None = None) -> dict[str, object]:
+    def build(self, kernels: list[Kernel], memory: MemoryPlan) -> dict[str, object]:
         """Compile all kernels; returns the host-program namespace entries (the callables).
-        `memory`: the schedule's memory plan, which says which buffers of a kernel share memory."""
+        `memory`: the schedule's memory plan, which says which buffers of a kernel share memory
+        (required: without it every pointer would be declared __restrict__)."""
         declarations, self.link_flags = vector_math()
         parts = [PRELUDE, declarations]
         self.params = {}
         for k in kernels:
-            src, params = render_cpp(k, memory.shared_buffers(k) if memory is not None else frozenset())
+            src, params = render_cpp(k, memory.shared_buffers(k))
             self.sources[k.name] = src
             self.params[k.name] = params
             parts.append(src)

@@ -44,6 +44,7 @@ from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel
+from ember.schedule.memory import MemoryPlan
 from ember.target import INTERPRETER_SM_COUNT, Heuristics, PadHeuristics, SplitHeuristics, Target
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
@@ -84,7 +85,7 @@ class TritonBackend:
     def target(self) -> Target:
         return self._target
 
-    def build(self, kernels: list[Kernel], memory=None) -> dict[str, object]:
+    def build(self, kernels: list[Kernel], memory: MemoryPlan) -> dict[str, object]:
         """`memory` (the memory plan) is not needed: Triton promises the compiler nothing about
         aliasing, and a program reads each element it writes in place before storing it."""
         import triton
