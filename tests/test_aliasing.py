@@ -1,7 +1,7 @@
 """Kernels whose output is written in place of a buffer they read (a mutated input, or an input's
-last use): the generated code must not assume the two are distinct. C++ once declared every
-pointer `__restrict__`, and `x.add_(1); x.sum()` summed elements the kernel had already
-overwritten whenever the length was not a multiple of the vector width.
+last use): the generated code must not assume the two are distinct. With both pointers declared
+`__restrict__`, `x.add_(1); x.sum()` sums elements the kernel has already overwritten whenever the
+length is not a multiple of the vector width.
 
 Lengths that are and are not multiples of the vector width (16 floats with AVX-512, 8 with AVX2),
 for both code generators; a compile with a symbolic length covers the rest."""

@@ -279,10 +279,10 @@ class _Placer:
 
     def _room(self, u: Value, v: Value) -> bool:
         """Whether v may take u's memory. An output (or a value a view keeps) takes only memory
-        allocated at its own size: the caller keeps the whole allocation alive (a batch-norm
-        weight's 32-float gradient once pinned a 1 MB activation buffer handed down through a chain
-        of reuses). Same footprint, other shape is fine: a GELU over a [2048, 3072] product written
-        as [4, 512, 3072] (each BERT layer's feed-forward took a second 100 MB)."""
+        allocated at its own size: the caller keeps the whole allocation alive, so a small output
+        (a batch-norm weight's gradient) must not pin a large buffer handed down through a chain of
+        reuses. Same footprint, other shape is fine: a GELU over a [2048, 3072] product written as
+        [4, 512, 3072] reuses the product's memory instead of taking a second buffer."""
         if self.uses.recyclable(v):
             return _fits(u, v)
         return _same_footprint(u, v) and _same_footprint(self.holder[u], v)

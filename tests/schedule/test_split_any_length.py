@@ -1,8 +1,8 @@
 """Long reductions split whatever their length factors into (schedule/split.py).
 
-A length whose only power-of-two factor is small (a prime; 2^31 + 10 = 2 x (2^30 + 5)) used to
-stay one row, or split into two: one accumulator per SIMD lane over 300,000,007 ones stopped at
-2^24 each (268435456.0), and 2^31 + 10 ones gave 536870912.0. Such lengths are now cut into the
+A length whose only power-of-two factor is small (a prime; 2^31 + 10 = 2 x (2^30 + 5)) must still
+split: one accumulator per SIMD lane over 300,000,007 ones stops growing at 2^24 (268435456.0).
+Such lengths are cut into the
 chunks wanted, the last one overlapping the one before (views.py's `chunks`), with a sum masking
 the overlap out. The split is checked on the IR (no tensor of that size is made), the index map
 of the view element by element, and the results against eager on both backends at small sizes.
