@@ -141,12 +141,32 @@ class PadHeuristics:
 
 
 @dataclass(frozen=True)
+class HorizontalHeuristics:
+    """Which independent pointwise kernels schedule/horizontal.py runs as one launch (a combo kernel)."""
+
+    # Sub-kernels of one launch (1: no combo kernels), and distinct buffers they pass: a kernel's
+    # parameters are limited (CUDA: 4 KB of them), and compile time grows with the branches.
+    max_parts: int = 32
+    max_buffers: int = 192
+    # A kernel over more elements stays alone: its launch costs little next to its memory traffic.
+    max_elements: int = 1 << 22
+    # Bytes the combined schedule's planned peak may exceed the plain one's; beyond that the
+    # kernels keep their own launches (grouping moves kernels, and what they read lives longer).
+    max_peak_increase: int = 1 << 20
+    # C++: elements of one work item (a part's chunk of rows) that OpenMP threads take in turn, and
+    # the total below which the combo runs on one thread.
+    cpu_item_elements: int = 16384
+    cpu_parallel_from: int = 32768
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
     split: SplitHeuristics = SplitHeuristics()
     launch: LaunchHeuristics = LaunchHeuristics()
     pad: PadHeuristics = PadHeuristics()
+    horizontal: HorizontalHeuristics = HorizontalHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`
