@@ -90,12 +90,16 @@ def _default_cache_dir() -> str:
 LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns")
 
 
-# A compile quieter than this many seconds prints no progress (ember/progress.py).
-PROGRESS_AFTER_S = 2.0
-
-
 def _valid_artifacts(value: str) -> bool:
     return all(name.strip() in LOG_ARTIFACTS for name in value.split(",") if name.strip())
+
+
+def _valid_faults(value: str) -> bool:
+    """Whether `value` names fault points of ember/faults.py (a ValueError says which does not)."""
+    from ember.faults import parse
+
+    parse(value)
+    return True
 
 
 def _valid_heuristics(value: str) -> bool:
@@ -130,10 +134,25 @@ SETTINGS: dict[str, Setting] = {
             str,
             "auto",
             "report a long compile's graph, stage and kernel count on stderr once it has run "
-            f"{PROGRESS_AFTER_S:g} s: auto (when stderr is a terminal), on, off",
+            "progress_after_s: auto (when stderr is a terminal), on, off",
             choices=("auto", "on", "off"),
         ),
+        Setting(
+            "progress_after_s",
+            float,
+            2.0,
+            "seconds a compile runs before it reports progress (a quicker one prints nothing)",
+            check=lambda v: v >= 0,
+        ),
         Setting("check", bool, False, "run the IR verifier after each pass"),
+        Setting(
+            "fault_inject",
+            str,
+            "",
+            "testing aid: faults to raise at named points of ember (ember/faults.py: POINTS), comma-separated "
+            "point or point=argument",
+            check=_valid_faults,
+        ),
         Setting(
             "backend",
             str,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ember import config, log, progress
+from ember import config, faults, log, progress
 from ember.backends.base import Backend
 from ember.report import FusionReport, GraphReport, KernelReport, publish
 from ember.signals import dynamo_control_flow
@@ -153,6 +153,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.schedule.scheduler import schedule
     from ember.schedule.split import split_reductions
 
+    faults.at("schedule")
     graph = import_graph(gm, device)
     _check(graph, "import")
     stage("import")

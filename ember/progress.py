@@ -1,6 +1,6 @@
 """Progress of a long compile on stderr: which graph, which stage, how many kernels.
 
-A compile that ends within `config.PROGRESS_AFTER_S` seconds prints nothing. One that runs longer
+A compile that ends within the setting `progress_after_s` (seconds) prints nothing. One that runs longer
 says so when it passes that mark, then whenever its stage changes, and once more when it ends:
 
     [ember] graph 0/0 (96 ops): forward: building 41 kernels, 14 s
@@ -34,7 +34,7 @@ class CompileProgress:
         write: Callable[[str, bool], None],
         live: bool,
         clock: Callable[[], float] = time.monotonic,
-        after_s: float = config.PROGRESS_AFTER_S,
+        after_s: float = 2.0,
     ):
         self.graph, self.write, self.live, self.clock, self.after_s = graph, write, live, clock, after_s
         self.start = clock()
@@ -136,7 +136,7 @@ def _reporter(graph: str) -> CompileProgress | None:
     if choice == "off" or (choice == "auto" and not is_terminal):
         return None
     write = _terminal_writer(stream) if is_terminal else _line_writer(stream)
-    return CompileProgress(graph, write, live=is_terminal, after_s=config.PROGRESS_AFTER_S)
+    return CompileProgress(graph, write, live=is_terminal, after_s=config.get("progress_after_s"))
 
 
 @contextlib.contextmanager

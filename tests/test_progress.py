@@ -101,10 +101,9 @@ def test_a_compile_reports_its_stages(monkeypatch):
     """With the mark at 0 s, a training compile reports each graph's stages and kernels."""
     stream = _Stream(terminal=False)
     monkeypatch.setattr("sys.stderr", stream)
-    monkeypatch.setattr(config, "PROGRESS_AFTER_S", 0.0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
     x = torch.randn(3, 8)
-    compiled = torch.compile(model, backend="ember", options={"progress": "on", "strict": True})
+    compiled = torch.compile(model, backend="ember", options={"progress": "on", "progress_after_s": 0, "strict": True})
     out = compiled(x)
     assert_close(out, model(x), rtol=1e-5, atol=1e-6, what="output", line="progress=on, Linear-GELU-Linear")
     lines = stream.getvalue().splitlines()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ember import config
+from ember import config, faults
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.render import print_index
@@ -141,7 +141,7 @@ class CppBackend:
             "cpp",
             "cpu",
             limits.name,
-            arch=(_host_cpu(),),  # built with -march=native
+            arch=(faults.armed("cpu_arch") or _host_cpu(),),  # built with -march=native
             bandwidth=limits.bandwidth,
             flop_rate=limits.flop_rate,
             launch_seconds=limits.launch_seconds,

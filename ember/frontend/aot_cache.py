@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch._inductor.output_code import OutputCode
 
-from ember import config, log
+from ember import config, faults, log
 from ember.runtime.schedule_cache import KeptSchedule
 
 
@@ -86,6 +86,8 @@ class EmberGraphCode(OutputCode):
         key = current.key if current is not None else None
         if key is None:
             raise BypassAOTAutogradCache("ember: no key to sign the graph with")
+        if faults.armed("aot_sign") is not None:
+            key = b"not ember's key"  # a testing aid: an entry planted by someone without the key
         self.signature = _signature(key, self)
         self.program = None
 

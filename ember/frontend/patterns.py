@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ember import config, log
+from ember import config, faults, log
 from ember.frontend.attention_match import (
     Rewrite,
     call_arg,
@@ -35,6 +35,7 @@ def attention_pass(gm: fx.GraphModule) -> list[Rewrite]:
     (EMBER_STRICT=1 raises): the pass is an optimisation, never a reason not to compile.
     """
     try:
+        faults.at("patterns")
         found = find_attention(gm)
     except Exception as e:
         if config.get("strict"):

@@ -58,7 +58,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember import config, log
+from ember import config, faults, log
 from ember.runtime.safe_fs import (
     UnsafePath,
     open_file,
@@ -155,6 +155,14 @@ class Entry:
         return self.files[name]
 
 
+def _swap_checked(entry: Entry) -> None:
+    """Setting `fault_inject=cache_swap=PATH` (a testing aid): the entry's file named as PATH's is
+    overwritten with PATH's bytes, after the check, as a swap between the check and the use would."""
+    swap = faults.armed("cache_swap")
+    if swap and Path(swap).name in entry.files:
+        (entry.path / Path(swap).name).write_bytes(Path(swap).read_bytes())
+
+
 class NotEmberCache(Exception):
     """`clear` refused: the folder is not one that ember made, or cannot be trusted."""
 
@@ -202,6 +210,7 @@ class DiskCache:
             return None
         if found is not None:
             log.artifact("cache", "hit", str(path))
+            _swap_checked(found)
         return found
 
     def _verified(self, folder: int, path: Path) -> Entry | None:

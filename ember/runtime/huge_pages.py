@@ -66,13 +66,14 @@ def _madvise() -> Callable | None:
     return madvise
 
 
-def advise(t: torch.Tensor) -> None:
-    """Ask for huge pages under the whole aligned pages inside `t`'s storage, before it is written."""
-    madvise = _madvise()
+def advise(t: torch.Tensor, madvise: Callable | None = None, page: int = 0) -> None:
+    """Ask for huge pages under the whole aligned pages inside `t`'s storage, before it is written.
+    `madvise(start, length, advice)` and the huge page's size: the system's unless given."""
+    madvise = madvise or _madvise()
     nbytes = t.untyped_storage().nbytes()
     if madvise is None or nbytes < MIN_BYTES:
         return
-    page = _huge_page_bytes()
+    page = page or _huge_page_bytes()
     start = t.untyped_storage().data_ptr()
     lo = -(-start // page) * page
     hi = (start + nbytes) // page * page

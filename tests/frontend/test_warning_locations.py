@@ -4,7 +4,6 @@ and say "an inference graph"."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 
 import torch
 
@@ -16,15 +15,10 @@ def _ember_warnings(caught) -> list[warnings.WarningMessage]:
     return [w for w in caught if str(w.message).startswith("ember")]
 
 
-def test_attention_matching_failure_warns_at_the_users_line(monkeypatch):
-    from ember.frontend import patterns
-
-    def broken(gm):
-        raise RuntimeError("matcher bug")
-
-    monkeypatch.setattr(patterns, "find_attention", broken)
+def test_attention_matching_failure_warns_at_the_users_line():
     x = torch.randn(4, 8)
-    with warnings.catch_warnings(record=True) as caught, ember.config.override(strict=False):
+    broken = ember.config.override(strict=False, fault_inject="patterns")  # the matcher raises
+    with warnings.catch_warnings(record=True) as caught, broken:
         warnings.simplefilter("always")
         out = torch.compile(lambda t: torch.softmax(t * 2, -1), backend="ember")(x)
     assert_close(out, torch.softmax(x * 2, -1), rtol=1e-5, atol=1e-6, what="output", line="patterns broken")
@@ -33,9 +27,7 @@ def test_attention_matching_failure_warns_at_the_users_line(monkeypatch):
     assert w.filename == __file__, f"{w.filename}:{w.lineno}"
 
 
-def test_aot_cache_load_failure_warns_at_the_users_line(tmp_path, monkeypatch):
-    from ember.backends.cpp import CppBackend
-
+def test_aot_cache_load_failure_warns_at_the_users_line(tmp_path):
     def fn(t):
         return torch.sigmoid(t) * 3
 
@@ -45,9 +37,7 @@ def test_aot_cache_load_failure_warns_at_the_users_line(tmp_path, monkeypatch):
         torch._dynamo.reset()
         # Another machine's CPU, as a cache folder shared between machines sees: the stored
         # schedule was made for another target, so the load fails.
-        made_here = CppBackend.target
-        monkeypatch.setattr(CppBackend, "target", lambda self: replace(made_here(self), arch=("another CPU",)))
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, ember.config.override(fault_inject="cpu_arch=another CPU"):
             warnings.simplefilter("always")
             out = torch.compile(fn, backend="ember")(x)
     assert_close(out, fn(x), rtol=1e-6, atol=1e-6, what="output", line="aot cache load failure")

@@ -12,7 +12,12 @@ from ember.runtime import schedule_cache
 from ember.runtime.cache import content_key, ember_identity
 
 # A value other than the default that each setting accepts, where the generic rule below gives none.
-_OTHER = {"logs": "cache", "heuristics": "split.max_second_split=8"}
+_OTHER = {
+    "logs": "cache",
+    "heuristics": "split.max_second_split=8",
+    "fault_inject": "patterns",
+    "progress_after_s": 0.5,
+}
 
 
 def _other_value(setting: config.Setting):

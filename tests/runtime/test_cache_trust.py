@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import ember
-from ember.backends import cpp as cpp_backend
 from ember.runtime.cache import DiskCache
 from tests.helpers import assert_close, assert_no_fallback, reports
 
@@ -230,7 +229,7 @@ def test_library_swapped_after_the_check_is_not_loaded(tmp_path, monkeypatch):
             loaded.append(Path(path).read_bytes())
         return real_cdll(path, *args, **kwargs)
 
-    monkeypatch.setattr(cpp_backend.ctypes, "CDLL", swap_then_load)
+    monkeypatch.setattr(ctypes, "CDLL", swap_then_load)  # ctypes' own, which the backend calls
     out, _, report = _compile_and_run(x, root)
     assert not marker.exists(), "the library swapped in after the check was loaded"
     assert loaded == [good], "the loaded bytes are not those the cache checked"
@@ -254,16 +253,11 @@ def test_schedule_swapped_after_the_check_is_not_unpickled(tmp_path, monkeypatch
     _compile_and_run(x, root)
     (pickled,) = root.glob("schedule/*/*/schedule.pickle")
     marker = tmp_path / "ran"
-    real_get = DiskCache.get
-
-    def get_then_swap(self, kind, key):
-        found = real_get(self, kind, key)
-        if kind == "schedule" and found is not None:
-            pickled.write_bytes(pickle.dumps(_Planted(marker)))
-        return found
-
-    monkeypatch.setattr(DiskCache, "get", get_then_swap)
-    out, _, report = _compile_and_run(x, root)
+    planted = tmp_path / pickled.name
+    planted.write_bytes(pickle.dumps(_Planted(marker)))
+    with ember.config.override(fault_inject=f"cache_swap={planted}"):  # swapped in right after the check
+        out, _, report = _compile_and_run(x, root)
+    assert pickled.read_bytes() == planted.read_bytes(), "the planted pickle was not swapped in"
     assert not marker.exists(), "a pickle swapped in after the check was unpickled"
     assert [list(g.stage_seconds)[:2] for g in report.graphs] == [["backend", "cached schedule"]]
     assert_close(out, _program(x), rtol=1e-5, atol=1e-6, what="result", line="schedule swap after check")

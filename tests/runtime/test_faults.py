@@ -23,7 +23,6 @@ import pytest
 import torch
 
 import ember
-from ember.backends import cpp as cpp_backend
 from ember.runtime.cache import MANIFEST, DiskCache
 from tests.helpers import assert_close, explain_strict, reports, repro
 
@@ -66,7 +65,7 @@ def loaded_libraries(monkeypatch) -> list[bytes]:
             loaded.append(Path(path).read_bytes())
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(cpp_backend.ctypes, "CDLL", spy)
+    monkeypatch.setattr(ctypes, "CDLL", spy)  # ctypes' own, which the backend calls
     return loaded
 
 
