@@ -60,6 +60,8 @@ class GraphReport:
     memory: str = ""  # the memory plan: planned peak vs eager's, buffers reused
     peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
+    # Per mutated input: the kernel or extern that writes its new value in place, or why it is copied.
+    mutations: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int | None:
@@ -75,8 +77,16 @@ class GraphReport:
             return f"{self.kind} graph: ran eagerly ({self.fallback})"
         return (
             f"{self.kind} graph: {self.num_nodes} ATen ops -> {len(self.kernels)} {self.backend} kernels "
-            f"+ {len(self.externs)} externs in {self.compile_seconds * 1000:.0f} ms{self._stages()}"
+            f"+ {len(self.externs)} externs in {self.compile_seconds * 1000:.0f} ms{self._stages()}{self._mutated()}"
         )
+
+    def _mutated(self) -> str:
+        """The mutated inputs in a line: how many are written in place, and each one copied, with why."""
+        if not self.mutations:
+            return ""
+        copied = [m for m in self.mutations if "copied" in m]
+        text = f"; {len(self.mutations)} mutated inputs, {len(self.mutations) - len(copied)} written in place"
+        return text + "".join(f"; {m}" for m in copied[:4]) + ("; ..." if len(copied) > 4 else "")
 
     def _stages(self) -> str:
         if not self.stage_seconds:
@@ -95,6 +105,8 @@ class GraphReport:
             lines.append(f"  kernel {k}")
         for e in self.externs:
             lines.append(f"  extern {e}")
+        for m in self.mutations:
+            lines.append(f"  mutation {m}")
         if self.rejected:
             lines.append(f"  fusions refused ({len(self.rejected)}):")
             lines += [f"    {f}" for f in self.rejected]

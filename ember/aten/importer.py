@@ -18,6 +18,7 @@ import torch.fx
 from ember import config
 from ember.aten import lowerings  # noqa: F401  (its modules fill the registry)
 from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, values_in
+from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
 from ember.ir.sizes import Expr, as_expr
@@ -152,7 +153,8 @@ class Importer:
         """`copy_(input, src)`: AOTAutograd's in-graph mutation of a graph input (batch norm's running
         statistics, compiled with keep_inference_input_mutations). The graph computes the new value
         as an output; the host program leaves it in the input (memory plan: in place where the
-        kernel computing it is the input's last reader, else one copy at the end). Any other
+        kernel computing it is the input's last reader, else one copy at the end); a scatter-like
+        extern computing it may run in place on the input (inplace.py). Any other
         copy_ (into an intermediate) is a mutation the scheduler does not order around."""
         b = self.builder
         dst_node, src = node.args[0], b.arg(node.args[1])
@@ -163,6 +165,9 @@ class Importer:
             raise GraphUnsupported(f"input {dst_node.name} mutated twice")
         if not isinstance(src, Value) or src.device != self.graph.device:
             raise GraphUnsupported("copy_ from a value on another device")
+        if mark_inplace(src, dst):
+            self.mutations[dst] = src
+            return src
         new = b.cast(src, dst.dtype)
         if tuple(new.shape) != tuple(dst.shape):
             new = b.view("expand", new, shape=tuple(dst.shape))

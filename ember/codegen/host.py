@@ -237,7 +237,7 @@ class HostWriter:
                     # holds it no more either).
                     self.lines.append(f"    del {self.names[v.id]}")
         for inp, pos in g.mutations:
-            if inp not in self.plan.mutations_in_place:  # else the kernel wrote it there already
+            if inp not in self.plan.mutations_in_place:  # else a kernel or extern wrote it there
                 self.lines.append(f"    {self.names[inp.id]}.copy_({self._output(g.outputs[pos])})  # input mutation")
         outs = ", ".join(self._output(o) for o in g.user_outputs())
         self.lines.append(f"    return [{outs}]")
@@ -327,7 +327,10 @@ class HostWriter:
 
     def _extern(self, step: ExternStep) -> None:
         node = step.node
-        target = _fast_target(node.attrs["target"], node.attrs["kwargs"])
+        target = node.attrs["target"]
+        if node.attrs.get("writes_input") in self.plan.mutations_in_place:
+            target = node.attrs["inplace_target"]  # a scatter into the input itself (memory plan)
+        target = _fast_target(target, node.attrs["kwargs"])
         call = f"{self.constant(target)}({self._call_args(node.attrs['args'], node.attrs['kwargs'])})"
         if not node.attrs["tuple_result"]:
             if node.outputs:

@@ -4,6 +4,7 @@ Composite ops that ember fuses well (softmax, layer_norm, gelu and their backwar
 formulas) are broken into pointwise ops and reductions that the importer lowers, so that
 the scheduler can fuse them. Ops that are better served by a library (matmul, convolution,
 SDPA, embedding) are *not* decomposed: they reach the importer intact and run as externs.
+Foreach ops (foreach.py) become their per-tensor ops.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import functools
 
 import torch
 from torch._decomp import get_decompositions
+
+from ember.frontend.foreach import foreach_decompositions
 
 aten = torch.ops.aten
 
@@ -76,4 +79,5 @@ _DECOMPOSE = [
 
 @functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict:
-    return get_decompositions(_DECOMPOSE)
+    # Foreach ops (an optimizer's step) become one pointwise op per tensor, which fuse.
+    return {**get_decompositions(_DECOMPOSE), **foreach_decompositions()}

@@ -11,7 +11,8 @@ Walking the schedule in order, each value a kernel writes takes, in this order o
 3. **fresh memory**.
 
 A mutated graph input's new value (graph.mutations) goes straight into the input where the
-kernel computing it is the input's last user (see writes_in_place).
+kernel computing it is the input's last user (see _Uses.mutated_input), or where an extern wrote it
+there itself (a scatter made in place by the importer, `writes_input`).
 
 Buffers are freed after their last use, except storage that a view may still read (alias
 bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
@@ -214,6 +215,22 @@ class _Uses:
             return None
         return inp
 
+    def extern_in_place(self, step: ExternStep, pos: int, holder: dict[Value, Value]) -> Value | None:
+        """The graph input a scatter-like extern may write in place (aten/inplace.py: `writes_input`):
+        no later step reads the input's old value, itself or through a view, and the new value is not
+        returned (a forward graph's saved value must not change when the caller writes the input)."""
+        inp = step.node.attrs.get("writes_input")
+        if (
+            inp is None
+            or step.node.outputs[0] in self.user_outputs
+            or self.mutated.get(step.node.outputs[0]) is not inp
+        ):
+            return None
+        views = [v for v, h in holder.items() if h is inp]
+        if self.last.get(inp, -1) > pos or any(self.last.get(v, -1) >= pos for v in views):
+            return None
+        return inp
+
 
 def _uses(graph: Graph, steps: list[Step]) -> _Uses:
     last: dict[Value, int] = {}
@@ -252,7 +269,13 @@ class _Placer:
         elif isinstance(step, AliasStep):
             self.holder[step.value] = self.holder.get(step.base, step.base)
         elif isinstance(step, ExternStep):
+            written = self.uses.extern_in_place(step, pos, self.holder)
+            if written is not None:
+                self.plan.mutations_in_place.add(written)
             for v in step.node.outputs:
+                if written is not None:
+                    self.holder[v] = written  # the caller's memory: not counted in the peak
+                    continue
                 self.holder[v] = v
                 self.born[v] = pos
 
@@ -373,3 +396,39 @@ def eager_peak(graph: Graph) -> int | None:
         for v in node.outputs
     ]
     return _peak(intervals, end)[0]
+
+
+def describe_mutations(graph: Graph, steps: list[Step], plan: MemoryPlan) -> list[str]:
+    """One line per mutated graph input: the step that writes its new value into it, or why the
+    host program copies it in at the end."""
+    writer: dict[Value, str] = {}
+    for step in steps:
+        if isinstance(step, KernelStep):
+            writer.update(dict.fromkeys(step.kernel.writes, f"kernel {step.kernel.name}"))
+        elif isinstance(step, ExternStep):
+            writer.update(dict.fromkeys(step.node.outputs, f"extern {step.node.origin}"))
+    uses = _uses(graph, steps)
+    lines = []
+    for inp, pos in graph.mutations:
+        new = graph.outputs[pos]
+        name = f"input {inp.node.attrs['index']} ({inp.type_str})"
+        by = writer.get(new, "a view")
+        if inp in plan.mutations_in_place:
+            lines.append(f"{name}: written in place by {by}")
+        else:
+            lines.append(f"{name}: computed by {by}, copied in at the end ({_copy_reason(uses, inp, new)})")
+    return lines
+
+
+def _copy_reason(uses: _Uses, inp: Value, new: Value) -> str:
+    if uses.mutated.get(new) is not inp:
+        return "its new value is another input's too, or a view"
+    if new in uses.user_outputs:
+        return "its new value is also returned"
+    if inp in uses.shared:
+        return "a view of the input is read"
+    if not same_layout(inp, new):
+        return "its new value is computed in another layout"
+    if new.node.op == "extern" and "writes_input" not in new.node.attrs:
+        return f"an ATen call ({new.node.origin}) computes it"
+    return "the input's old value is read after its new value is computed"

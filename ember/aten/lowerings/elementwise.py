@@ -9,6 +9,7 @@ import torch
 
 from ember.aten.builder import GraphBuilder
 from ember.aten.registry import Unsupported, lowering
+from ember.ir.graph import Value
 
 aten = torch.ops.aten
 
@@ -187,3 +188,18 @@ def _full(ctx: GraphBuilder, node):
     if not isinstance(value, (int, float, bool)):
         raise Unsupported("symbolic fill value")
     return ctx.full(value, out.shape, out.dtype)
+
+
+@lowering(aten.copy.default)
+def _copy(ctx: GraphBuilder, node):
+    """Functional copy (slice assignment `x[:, 2:4] = y` after AOTAutograd): `src` converted to the
+    destination's dtype and broadcast to its shape; the destination's values are not read."""
+    src = _scalar_or_value(ctx, node.args[1])
+    out = ctx.out_meta()
+    if isinstance(src, Value):
+        if src.device != out.device:
+            raise Unsupported("copy from another device")
+        src = ctx.cast(src, out.dtype)
+    if out.dtype == torch.bool:
+        return ctx.pointwise("logical_or", [src, False], out)
+    return ctx.pointwise("mul", [src, 1], out)
