@@ -127,6 +127,19 @@ class LaunchHeuristics:
     column_partial_elements_per_warp: int = 1024
     column_partial_max_warps: int = 16
     column_partial_stages: int = 3
+    # A row kernel accumulating column sums holds, per sum, a tile of the row's width in registers
+    # besides the row itself: wider rows than this would spill (schedule/merge.py does not fuse
+    # them, schedule/split.py sizes no chunks for them).
+    column_partial_max_row: int = 4096
+    # A looped floating sum over a row of more than RBLOCK * cascade_steps elements (or of a size
+    # known only at run time) adds each lane's elements in blocks of cascade_steps steps, each from
+    # zero, then the blocks: a lane adds cascade_steps + row / (RBLOCK * cascade_steps) terms in a
+    # row, not row / RBLOCK, which keeps a long fp32 sum's error near eager's (decisions.md).
+    cascade_steps: int = 64
+    # A size known only at run time counts as this many outputs, or rows of a column sum, when
+    # blocks are chosen: large, as a dynamic batch or sequence usually is.
+    symbolic_outputs: int = 8192
+    symbolic_rows: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,27 @@ class PadHeuristics:
     products: bool = False
     # Smaller products are launch-bound: not worth a layout change.
     min_elements: int = 1 << 16
+
+
+@dataclass(frozen=True)
+class CppHeuristics:
+    """Loop shapes of the C++ code generator (codegen/cpp.py)."""
+
+    # Work below which a kernel runs on one thread (thread start-up costs more than it saves).
+    parallel_threshold: int = 32768
+    # A floating sum over a row longer than cascade_min_row (or of a size known only at run time)
+    # accumulates blocks of cascade_block elements, each from zero, and adds the blocks' sums
+    # pairwise: each of an AVX-512 loop's 16 lanes adds 32 elements in a row. Shorter rows keep
+    # their one loop, where blocks would cost speed and the error stays small (decisions.md).
+    cascade_block: int = 512
+    cascade_min_row: int = 4096
+    # A row value costly to compute again (row_cache_min_work flops, a load counting one: one
+    # transcendental op, or the rounded sum of two bf16 loads) is kept in a per-thread row array
+    # instead, for rows of at most row_cache_max elements (64 KB of float on a thread's stack) and
+    # up to row_cache_bytes of such arrays per kernel.
+    row_cache_max: int = 16384
+    row_cache_bytes: int = 128 * 1024
+    row_cache_min_work: int = 4
 
 
 @dataclass(frozen=True)
@@ -167,6 +201,7 @@ class Heuristics:
     launch: LaunchHeuristics = LaunchHeuristics()
     pad: PadHeuristics = PadHeuristics()
     horizontal: HorizontalHeuristics = HorizontalHeuristics()
+    cpp: CppHeuristics = CppHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`

@@ -158,7 +158,7 @@ class CppBackend:
         parts = [PRELUDE, declarations]
         self.params = {}
         for k in kernels:
-            src, params = render_cpp(k, memory.shared_buffers(k))
+            src, params = render_cpp(k, self._target, memory.shared_buffers(k))
             self.sources[k.name] = src
             self.params[k.name] = params
             parts.append(src)

@@ -53,13 +53,6 @@ from ember.target import INTERPRETER_SM_COUNT, Heuristics, PadHeuristics, SplitH
 # forward graph, their imports slowed the scheduling on the H100 host's 16 cores from 3.2 to 6.6 s.
 WORKERS_FROM_KERNELS = 16
 
-# Partial results the first stage of a split reduction aims for (split.py): a bias gradient over
-# 16384 rows is summed in 64 chunks of 256 rows when 768 wide (32 of 512 at the default), 16 of
-# 1024 when 3072 wide (8 of 2048): more programs in flight, each walking fewer rows, which a GPU
-# runs side by side (on the H100 the GPU time of a GPT-2 block's training step was lowest here,
-# with fewer and with more).
-SPLIT_PARTIALS = 131072
-
 
 class TritonBackend:
     """The Backend (backends/base.py) of NVIDIA GPUs, and of Triton's CPU interpreter for tests."""
@@ -303,6 +296,13 @@ def _gpu_arch() -> tuple:
     return (t.backend, t.arch, t.warp_size)
 
 
+# A GPU's split reductions aim for more partial results than the default: a bias gradient over
+# 16384 rows is summed in 64 chunks of 256 rows when 768 wide, 16 of 1024 when 3072 wide: more
+# programs in flight, each walking fewer rows, which a GPU runs side by side (decisions.md).
+# cuBLAS runs fast only on aligned extents: products on the GPU get padded layouts.
+_GPU_SPLIT = SplitHeuristics(partials=131072)
+
+
 def _make_target(device) -> Target:
     """The Target of `device` (None: the CPU, through the interpreter)."""
     device = device if device is not None else torch.device("cpu")
@@ -325,8 +325,7 @@ def _make_target(device) -> Target:
         limits.launch_seconds,
         online_softmax=True,
         row_programs=max(0, programs) if programs else sm_count,
-        # cuBLAS runs fast only on aligned extents: products on the GPU get padded layouts.
-        heuristics=Heuristics(split=SplitHeuristics(partials=SPLIT_PARTIALS), pad=PadHeuristics(products=gpu)),
+        heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu)),
     )
     return target.tuned(config.get("heuristics"))
 

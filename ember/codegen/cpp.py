@@ -19,6 +19,7 @@ from ember.ir import dtypes, ops
 from ember.ir.sizes import product
 from ember.schedule.cost import row_passes
 from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore
+from ember.target import CppHeuristics, Target
 
 CPP_DTYPE = {
     torch.float32: "float",
@@ -109,29 +110,6 @@ _FLOAT_MINMAX = {
     "max": ("max", "{acc} = {acc} < {v} ? {v} : {acc};"),
     "min": ("min", "{acc} = {v} < {acc} ? {v} : {acc};"),
 }
-# Work below which a kernel runs on one thread (thread start-up costs more than it saves).
-PARALLEL_THRESHOLD = 32768
-
-# A floating sum over a row longer than CASCADE_MIN_ROW (or of a size known only at run time)
-# accumulates blocks of CASCADE_BLOCK elements, each from zero, and adds the blocks' sums pairwise
-# (ember_cascade): each of an AVX-512 loop's 16 lanes adds 32 elements in a row. A sum of 2^24 + 43
-# copies of 0.1 erred 2.5e-6 relative with blocks of 4096, 1.8e-7 with 512 (eager: 5.5e-7). Rows of
-# up to CASCADE_MIN_ROW keep their one loop (a lane adds at most 256 elements): softmax over rows of
-# 4096, cut into blocks of 512, measured 3-5% slower on the 2-core EPYC (exp's vector loop set up
-# again for each block), and such rows' error stays small.
-CASCADE_BLOCK = 512
-CASCADE_MIN_ROW = 4096
-
-
-ROW_CACHE_MAX = 16384  # elements of one row a thread keeps (64 KB of float on its stack)
-ROW_CACHE_BYTES = 128 * 1024  # all of a kernel's row arrays together
-
-
-# Work (in flops, a load counting one) above which a row value is kept rather than computed again
-# in a later pass: one transcendental op (softmax's exp(x - max)), or the rounded sum of two bf16
-# loads (layer norm's residual x + r, read for the mean, the variance and the output). Reading
-# the row array costs one load from L1.
-ROW_CACHE_MIN_WORK = 4
 
 
 def _recompute_work(node: KNode, kept: dict[int, object]) -> int:
@@ -188,9 +166,10 @@ def _one_hot(r: KReduce, kernel: Kernel, var) -> tuple[KNode, KNode] | None:
 class CppRenderer(Renderer):
     persistent = False
 
-    def __init__(self, kernel: Kernel, shared: frozenset = frozenset()):
+    def __init__(self, kernel: Kernel, shared: frozenset = frozenset(), heuristics: CppHeuristics | None = None):
         super().__init__(kernel)
         self.shared = shared  # buffers that share memory with another parameter: not __restrict__
+        self.h = heuristics or CppHeuristics()  # the target's loop shapes (target.heuristics.cpp)
 
     def const(self, node: KConst) -> str:
         v, dt = node.value, node.dtype
@@ -256,13 +235,13 @@ class CppRenderer(Renderer):
         super().body()
 
     def _plan_row_cache(self) -> dict[int, tuple[KNode, int, str]]:
-        """Row values that a pass computes at some cost (ROW_CACHE_MIN_WORK) and a later pass needs
+        """Row values that a pass computes at some cost (cpp.row_cache_min_work) and a later pass needs
         again: kept in a per-thread array of the row instead of computed twice, as Inductor's C++
         does (softmax's exp(x - max): summed, then divided; layer norm's x + r: for the mean, the
-        variance and the output). One reduce dim, static rows of at most ROW_CACHE_MAX elements
+        variance and the output). One reduce dim, static rows of at most cpp.row_cache_max elements
         (on the stack). id(node) -> (node, the pass computing it, array)."""
         dims = self._dims(reduce=True)
-        if len(dims) != 1 or not dims[0][1].is_Integer or int(dims[0][1]) > ROW_CACHE_MAX:
+        if len(dims) != 1 or not dims[0][1].is_Integer or int(dims[0][1]) > self.h.row_cache_max:
             return {}
         self._row_cache_len = int(dims[0][1])
         looped = replace(self.kernel, reduces=[r for r in self.kernel.reduces if not self.direct_reduce(r)])
@@ -278,10 +257,10 @@ class CppRenderer(Renderer):
         cache: dict[int, tuple[KNode, int, str]] = {}
         for p, nodes in enumerate(passes):
             for n in nodes:
-                if first[id(n)] == p and id(n) in reused and _recompute_work(n, cache) >= ROW_CACHE_MIN_WORK:
+                if first[id(n)] == p and id(n) in reused and _recompute_work(n, cache) >= self.h.row_cache_min_work:
                     cache[id(n)] = (n, p, self.fresh("rowcache"))
         # Keep what a later pass reads itself, not only through another kept value (of x + r and
-        # its rounding, only the outermost); and no more than ROW_CACHE_BYTES of them (OpenMP
+        # its rounding, only the outermost); and no more than cpp.row_cache_bytes of them (OpenMP
         # worker threads have small stacks).
         read = set()
         for p in range(len(passes)):
@@ -299,7 +278,7 @@ class CppRenderer(Renderer):
         kept, used = {}, 0
         for k, (node, p, array) in cache.items():
             size = self._row_cache_len * node.dtype.itemsize
-            if k in read and used + size <= ROW_CACHE_BYTES:
+            if k in read and used + size <= self.h.row_cache_bytes:
                 kept[k], used = (node, p, array), used + size
         return kept
 
@@ -344,19 +323,21 @@ class CppRenderer(Renderer):
         self._blocked = [r for r in reduces if self._cascaded(r)]
         if self._blocked and len(dims) > 1:
             # Several reduce loops: the innermost is cut into blocks, and a block's sum is added to
-            # the cascade once the blocks since the last add hold CASCADE_BLOCK elements.
+            # the cascade once the blocks since the last add hold cpp.cascade_block elements.
             self._fill = self.fresh("fill")
             self.emit(f"int64_t {self._fill} = 0;")
         for pos, (v, s) in enumerate(dims):
             start, end = "0", print_index(s, "/")
             if pos == len(dims) - 1 and self._blocked:
                 block = f"{v.name}_block"
-                self.emit(f"for (int64_t {block} = 0; {block} < {end}; {block} += {CASCADE_BLOCK}) {{")
+                self.emit(f"for (int64_t {block} = 0; {block} < {end}; {block} += {self.h.cascade_block}) {{")
                 self.indent += 1
-                if s.is_Integer and int(s) % CASCADE_BLOCK == 0:  # a constant trip count: no remainder loop
-                    self.emit(f"const int64_t {block}_end = {block} + {CASCADE_BLOCK};")
+                if s.is_Integer and int(s) % self.h.cascade_block == 0:  # a constant trip count: no remainder loop
+                    self.emit(f"const int64_t {block}_end = {block} + {self.h.cascade_block};")
                 else:
-                    self.emit(f"const int64_t {block}_end = std::min<int64_t>({block} + {CASCADE_BLOCK}, {end});")
+                    self.emit(
+                        f"const int64_t {block}_end = std::min<int64_t>({block} + {self.h.cascade_block}, {end});"
+                    )
                 start, end = block, f"{block}_end"
             if pos == len(dims) - 1 and self._reduce_simd:
                 by_op: dict[str, list[str]] = {}
@@ -400,7 +381,7 @@ class CppRenderer(Renderer):
         if self._open > 1:
             (v, _) = self._dims(reduce=True)[-1]
             self.emit(f"{self._fill} += {v.name}_block_end - {v.name}_block;")
-            self.emit(f"if ({self._fill} >= {CASCADE_BLOCK}) {{")
+            self.emit(f"if ({self._fill} >= {self.h.cascade_block}) {{")
             self.indent += 1
             for line in adds + [f"{self._fill} = 0;"]:
                 self.emit(line)
@@ -413,11 +394,11 @@ class CppRenderer(Renderer):
         self.emit("}")
 
     def _cascaded(self, r: KReduce) -> bool:
-        """Whether r sums its row in blocks whose sums are added pairwise (CASCADE_BLOCK)."""
+        """Whether r sums its row in blocks whose sums are added pairwise (cpp.cascade_block)."""
         if r.kind != "sum" or not r.dtype.is_floating_point:
             return False  # integer sums are exact, max and min do not round
         row = product(s for _, s in self._dims(reduce=True))
-        return not (row.is_Integer and int(row) <= CASCADE_MIN_ROW)
+        return not (row.is_Integer and int(row) <= self.h.cascade_min_row)
 
     def _cascade_name(self, r: KReduce) -> str:
         return self._acc_names[id(r)].removesuffix("_block") + "_sums"
@@ -475,14 +456,14 @@ class CppRenderer(Renderer):
             collapse = len(outer) - 1 if is_pointwise and len(outer) > 1 else len(outer)
             simd = " simd" if is_pointwise and len(outer) == 1 else ""
             collapse_clause = f" collapse({collapse})" if collapse > 1 else ""
-            if total.is_Integer and int(total) <= PARALLEL_THRESHOLD:
+            if total.is_Integer and int(total) <= self.h.parallel_threshold:
                 # Known to run on one thread: no parallel region at all. Entered with if(0), it still
                 # costs libgomp's setup, 1.45 us of a 1.8 us call for a 256-element GELU (tiny_mlp's
                 # 16 such kernels were most of its gap to Inductor on the 2-core machine).
                 if simd:
                     self.emit("#pragma omp simd")
             elif collapse >= 1:
-                self.emit(f"#pragma omp parallel for{simd}{collapse_clause} if({work} > {PARALLEL_THRESHOLD})")
+                self.emit(f"#pragma omp parallel for{simd}{collapse_clause} if({work} > {self.h.parallel_threshold})")
             for pos, (v, s) in enumerate(outer):
                 if is_pointwise and pos == len(outer) - 1 and len(outer) > 1:
                     self.emit("#pragma omp simd")
@@ -497,9 +478,10 @@ class CppRenderer(Renderer):
         return "\n".join(self.lines)
 
 
-def render_cpp(kernel: Kernel, shared: frozenset = frozenset()) -> tuple[str, list]:
-    """`shared`: the kernel's buffers whose memory another of its buffers uses (memory.MemoryPlan)."""
+def render_cpp(kernel: Kernel, target: Target, shared: frozenset = frozenset()) -> tuple[str, list]:
+    """`shared`: the kernel's buffers whose memory another of its buffers uses (memory.MemoryPlan);
+    `target`: whose heuristics shape the loops (heuristics.cpp)."""
     if kernel.column_partials:  # the scheduler fuses them only for targets that render them
         raise NotImplementedError("column sums accumulated by a row kernel are rendered for Triton only")
-    r = CppRenderer(kernel, shared)
+    r = CppRenderer(kernel, shared, target.heuristics.cpp)
     return r.render(), r.params

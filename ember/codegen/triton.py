@@ -9,7 +9,7 @@ where some index needs them. Block sizes come from a size-based heuristic (launc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -110,36 +110,27 @@ class LaunchConfig:
     # `tl.range(num_stages=)`: the next step's loads are issued while this one computes.
     # 0: a plain loop.
     loop_stages: int = 0
+    # A looped floating sum over more than RBLOCK * cascade_steps elements adds each lane's steps
+    # in blocks of this many (target.heuristics.launch.cascade_steps); 0: never.
+    cascade_steps: int = 0
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# A looped floating sum over a row of more than RBLOCK * CASCADE_STEPS elements (or of a size known
-# only at run time) adds each lane's elements in blocks of CASCADE_STEPS steps, each from zero, then
-# the blocks: a lane adds CASCADE_STEPS + row / (RBLOCK * CASCADE_STEPS) terms in a row, not
-# row / RBLOCK. (A split's second stage, schedule/split.py, sums at most 131,072 partials: 64 steps
-# of 2048, one loop.) H100, 2^24 + 43 copies of 0.1 summed at a dynamic size: relative error 6.5e-5
-# with one running value per lane, 7.9e-7 in blocks of 64 (eager: 4.5e-8; a second level of blocks
-# of 64 gained nothing).
-CASCADE_STEPS = 64
-
-
-# A size known only at run time counts as this many outputs, or rows of a column sum, when
-# blocks are chosen: large, as a dynamic batch or sequence usually is.
-_SYMBOLIC_OUTPUTS = 8192
-_SYMBOLIC_ROWS = 1 << 20
-
-
 def launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
     """Block sizes from sizes alone (no autotuning), by the kernel's form: pointwise, a row kernel
     that also sums columns, a column sum, a row held whole, or a row walked in chunks. The numbers
     are the target's launch heuristics (ember/target.py: LaunchHeuristics)."""
+    return replace(_launch_config(kernel, target), cascade_steps=target.heuristics.launch.cascade_steps)
+
+
+def _launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
     h = target.heuristics.launch
     xnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r)
     rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
-    xhint = int(xnumel) if xnumel.is_Integer else _SYMBOLIC_OUTPUTS
+    xhint = int(xnumel) if xnumel.is_Integer else h.symbolic_outputs
     if not any(kernel.loop_reduce):
         xblock = min(h.pointwise_block, _next_pow2(max(xhint, 1)))
         return LaunchConfig(
@@ -183,7 +174,7 @@ def _column_sum_config(kernel: Kernel, tiles: list, xnumel, rnumel, target: Targ
     """A column sum (a bias or LayerNorm weight gradient, batch norm's statistics, a split's first
     stage): memory is contiguous along x, so a tile is XBLOCK columns by RBLOCK rows."""
     h = target.heuristics.launch
-    xhint = int(xnumel) if xnumel.is_Integer else _SYMBOLIC_OUTPUTS
+    xhint = int(xnumel) if xnumel.is_Integer else h.symbolic_outputs
     columns = _next_pow2(max(xhint, 1))
     short = rnumel.is_Integer and int(rnumel) <= h.short_columns_tile and xhint * int(rnumel) <= h.short_columns
     # A folded online softmax stays looped: held whole, it does not render.
@@ -207,7 +198,7 @@ def _column_sum_config(kernel: Kernel, tiles: list, xnumel, rnumel, target: Targ
         return long_steps  # few columns leave few programs: each takes long steps
     # Several inputs (x and the gradient): a load covers 128 bytes of a row where every input is
     # narrower than 4 bytes, unless a program walks a long chunk of rows.
-    rhint = int(rnumel) if rnumel.is_Integer else _SYMBOLIC_ROWS
+    rhint = int(rnumel) if rnumel.is_Integer else h.symbolic_rows
     narrow = max(load.buffer.dtype.itemsize for load, _, _ in tiles) < 4 and rhint < h.column_long_chunk
     tile = h.column_several_inputs
     xblock = h.column_narrow_xblock if narrow else tile.xblock
@@ -387,10 +378,10 @@ class TritonRenderer(Renderer):
         self._blocked = [r for r in self.kernel.reduces if id(r) in self.accs and self._cascaded(r)]
         end = "rnumel"
         if self._blocked:
-            # Each lane of a long row adds CASCADE_STEPS steps into a block accumulator from zero,
+            # Each lane of a long row adds cascade_steps steps into a block accumulator from zero,
             # then the block into the row's (a row of 10^8 had each of 2048 lanes add 48,828
             # elements in a row).
-            span = f"RBLOCK * {CASCADE_STEPS}"
+            span = f"RBLOCK * {self.launch.cascade_steps}"
             self.emit(f"for rblock in range(0, rnumel, {span}):")
             self.indent += 1
             for r in self._blocked:
@@ -417,11 +408,12 @@ class TritonRenderer(Renderer):
             self.indent -= 1
 
     def _cascaded(self, r: KReduce) -> bool:
-        """Whether a looped floating sum adds each lane's steps in blocks of CASCADE_STEPS."""
-        if self.persistent or r.kind != "sum" or not r.dtype.is_floating_point:
+        """Whether a looped floating sum adds each lane's steps in blocks (LaunchConfig.cascade_steps)."""
+        steps = self.launch.cascade_steps
+        if self.persistent or not steps or r.kind != "sum" or not r.dtype.is_floating_point:
             return False
         rnumel = product(s for s, red in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if red)
-        return not (rnumel.is_Integer and int(rnumel) <= self.launch.rblock * CASCADE_STEPS)
+        return not (rnumel.is_Integer and int(rnumel) <= self.launch.rblock * steps)
 
     def _identity(self, r: KReduce) -> str:
         ident = dtypes.reduction_identity(r.kind, r.dtype)

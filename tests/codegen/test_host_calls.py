@@ -7,7 +7,7 @@ import torch
 
 from ember.codegen.cpp import render_cpp
 from ember.codegen.host import _fast_target
-from tests.schedule.test_fusion import G
+from tests.schedule.test_fusion import CPP, G
 
 aten = torch.ops.aten
 
@@ -17,7 +17,7 @@ def _source(shape, reduce=False):
     x = b.input(*shape)
     y = b.reduce("max", x, (len(shape) - 1,)) if reduce else b.pw("mul", b.pw("exp", x), 0.5)
     (k,) = b.schedule(y).kernels
-    return render_cpp(k)[0]
+    return render_cpp(k, CPP)[0]
 
 
 def test_small_kernels_open_no_parallel_region():

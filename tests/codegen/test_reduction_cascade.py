@@ -16,11 +16,12 @@ import pytest
 import sympy
 import torch
 
-from ember.codegen import cpp, triton
 from ember.codegen.cpp import render_cpp
 from ember.codegen.triton import render_triton
 from tests.helpers import ember_compile, repro
-from tests.schedule.test_fusion import TRITON, G
+from tests.schedule.test_fusion import CPP, TRITON, G
+
+BLOCKS = CPP.heuristics.cpp  # cascade_block, cascade_min_row
 
 
 def _kernel(shape, dims, kind="sum", dtype=torch.float32, also=None):
@@ -39,13 +40,13 @@ ROW = sympy.Symbol("s0", integer=True, positive=True)
 
 @pytest.mark.parametrize(
     "shape,dims",
-    [((2, cpp.CASCADE_MIN_ROW + 1), (1,)), ((2, ROW), (1,)), ((3, 2, 2000), (0, 2)), ((ROW, 2, 7), (0, 2))],
+    [((2, BLOCKS.cascade_min_row + 1), (1,)), ((2, ROW), (1,)), ((3, 2, 2000), (0, 2)), ((ROW, 2, 7), (0, 2))],
     ids=["long-row", "symbolic-row", "two-loops", "two-loops-symbolic"],
 )
 def test_cpp_sums_long_rows_in_blocks_added_pairwise(shape, dims):
-    source, _ = render_cpp(_kernel(shape, dims, also="max"))
+    source, _ = render_cpp(_kernel(shape, dims, also="max"), CPP)
     assert "ember_cascade<float> acc1_sums;" in source and ".total()" in source, source
-    assert re.search(rf"\+= {cpp.CASCADE_BLOCK}\)", source), source  # the innermost loop, cut into blocks
+    assert re.search(rf"\+= {BLOCKS.cascade_block}\)", source), source  # the innermost loop, cut into blocks
     # The max beside the sum keeps its one running value: it does not round.
     assert source.count("ember_cascade") == 1, source
 
@@ -53,19 +54,19 @@ def test_cpp_sums_long_rows_in_blocks_added_pairwise(shape, dims):
 @pytest.mark.parametrize(
     "shape,dims,kind,dtype",
     [
-        ((2, cpp.CASCADE_MIN_ROW), (1,), "sum", torch.float32),
+        ((2, BLOCKS.cascade_min_row), (1,), "sum", torch.float32),
         ((2, 100_000), (1,), "sum", torch.int32),
         ((2, 100_000), (1,), "max", torch.float32),
     ],
     ids=["short-row", "integer", "max"],
 )
 def test_cpp_keeps_one_loop_where_nothing_rounds_much(shape, dims, kind, dtype):
-    source, _ = render_cpp(_kernel(shape, dims, kind, dtype))
+    source, _ = render_cpp(_kernel(shape, dims, kind, dtype), CPP)
     assert "ember_cascade" not in source and "_block" not in source, source
 
 
 def test_triton_sums_long_looped_rows_in_blocks_per_lane():
-    steps = triton.CASCADE_STEPS
+    steps = TRITON.heuristics.launch.cascade_steps
     for shape in [(2, ROW), (2, 2048 * steps + 1)]:  # unknown length; `steps` + 1 steps of 2048
         kernel = render_triton(_kernel(shape, (1,)), TRITON)
         assert kernel.launch.rblock == 2048 and not kernel.launch.persistent

@@ -16,10 +16,12 @@ from ember.ir.sizes import contiguous_strides
 from ember.ir.views import VIEW_KINDS
 from ember.schedule.scheduler import schedule
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep
+from ember.target import Target
 
 I = sympy.Integer
 F32 = torch.float32
 TRITON = TritonBackend().target()  # through Triton's CPU interpreter
+CPP = Target("cpp")  # the C++ code generator's default heuristics
 
 
 class G:
@@ -62,7 +64,7 @@ class G:
         with config.override(**options):
             sched = schedule(self.g)
         for k in sched.kernels:  # every scheduled kernel must also render, for both languages
-            assert k.name in render_cpp(k)[0]
+            assert k.name in render_cpp(k, CPP)[0]
             assert k.name in render_triton(k, TRITON).source
         return sched
 
