@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import hashlib
 import hmac
 import os
@@ -180,9 +181,6 @@ def usable(gm: torch.fx.GraphModule) -> bool:
     return True
 
 
-_refused_torch_caches: set[str] = set()
-
-
 def _torch_cache_is_private() -> bool:
     """Whether torch's cache folder and its AOTAutograd folder are this user's alone (made 0700
     here where missing). torch unpickles its own part of an entry before ember's signature is
@@ -190,17 +188,23 @@ def _torch_cache_is_private() -> bool:
     first: where they could write there, AOTAutograd's cache is not used at all."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    return _private_folder(cache_dir())
+
+
+@functools.cache
+def _private_folder(root: str) -> bool:
+    """_torch_cache_is_private for the folder `root`, checked once per process: who owns a folder
+    and who may write it changes only by someone's deliberate act (chown, chmod, a new folder
+    under the same name), not in the course of compiling, and the filesystem checks cost every
+    compile otherwise. A refused folder warns once, here."""
     from ember.runtime import safe_fs
 
-    root = cache_dir()
     try:
         aot = os.path.join(root, "aotautograd")
         with safe_fs.open_root(Path(root), create=True) as (fd, _), safe_fs.open_folder(fd, "aotautograd", aot, True):
             return True
     except OSError as e:
-        if root not in _refused_torch_caches:
-            _refused_torch_caches.add(root)
-            log.warn(f"ember: not using AOTAutograd's cache: {e}; compiling without it")
+        log.warn(f"ember: not using AOTAutograd's cache: {e}; compiling without it")
         return False
 
 

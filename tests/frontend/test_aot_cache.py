@@ -252,16 +252,13 @@ def test_torch_cache_folder_others_can_write_is_not_used(tmp_path, monkeypatch, 
     create first), AOTAutograd's cache is bypassed, with one warning, and the graph still compiles."""
     import os
 
-    from ember.frontend import aot_cache
-
     torch_cache = tmp_path / "torchinductor"
     torch_cache.mkdir()
     if how == "world_writable":
         torch_cache.chmod(0o777)
     else:
         os.chown(torch_cache, 12345, 12345)  # plays another user: these tests run as root
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(torch_cache))
-    aot_cache._refused_torch_caches.discard(str(torch_cache))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(torch_cache))  # a new folder: checked afresh
 
     def fn(x):
         return torch.sigmoid(x) * 3
