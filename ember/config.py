@@ -87,7 +87,7 @@ def _default_cache_dir() -> str:
 
 
 # Named log artifacts (log.py prints them); validated when EMBER_LOGS is parsed.
-LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns")
+LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns", "cudagraphs")
 
 
 def _valid_artifacts(value: str) -> bool:
@@ -304,6 +304,21 @@ SETTINGS: dict[str, Setting] = {
             True,
             "let AOTAutograd's cache keep ember's compiled graphs, so that a warm start also skips "
             "AOTAutograd's tracing and partitioning (only where schedule_cache applies)",
+        ),
+        Setting(
+            "cudagraphs",
+            bool,
+            False,
+            "record each compiled GPU graph into a CUDA graph and replay it (mode='reduce-overhead' and "
+            "'max-autotune' turn it on; docs/cudagraphs.md: static inputs, steps, held outputs)",
+        ),
+        Setting(
+            "cudagraphs_max_graphs",
+            int,
+            8,
+            "most CUDA graphs recorded for one compiled graph (new shapes, or parameters at new addresses); "
+            "past it the graph runs without CUDA graphs, with one warning",
+            check=lambda v: v >= 1,
         ),
         Setting(
             "cpu_huge_pages",

@@ -21,7 +21,7 @@ from ember import config
 
 ARTIFACTS = config.LOG_ARTIFACTS
 # The debug level at which each artifact turns on without being named in EMBER_LOGS.
-_ARTIFACT_LEVEL = {"code": 2, "graph": 3, "fusion": 3, "schedule": 3, "cache": 3, "patterns": 1}
+_ARTIFACT_LEVEL = {"code": 2, "graph": 3, "fusion": 3, "schedule": 3, "cache": 3, "patterns": 1, "cudagraphs": 1}
 
 logger = logging.getLogger("ember")
 if not logger.handlers:

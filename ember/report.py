@@ -60,6 +60,7 @@ class GraphReport:
     memory: str = ""  # the memory plan: planned peak vs eager's, buffers reused
     peak_bytes: int | None = None
     eager_peak_bytes: int | None = None
+    cudagraphs: str = ""  # under CUDA graphs: "on (...)", or "off: " and why ("" when not asked for)
     # Per mutated input: the kernel or extern that writes its new value in place, or why it is copied.
     mutations: list[str] = field(default_factory=list)
 
@@ -101,6 +102,8 @@ class GraphReport:
             lines.append(f"  target: {self.target}")
         if self.memory:
             lines.append(f"  memory: {self.memory}")
+        if self.cudagraphs:
+            lines.append(f"  cudagraphs: {self.cudagraphs}")
         for k in self.kernels:
             lines.append(f"  kernel {k}")
         for e in self.externs:

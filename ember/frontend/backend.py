@@ -18,9 +18,18 @@ import torch
 from ember import config, log, progress
 from ember.signals import dynamo_control_flow
 
-# torch.compile's modes are accepted so code written for Inductor runs unchanged; ember has
-# no autotuning or CUDA graphs yet, so they all compile the same way.
-KNOWN_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# torch.compile's modes are accepted so code written for Inductor runs unchanged. Each one means
+# the settings it maps to (as in Inductor, max-autotune includes CUDA graphs); ember has no
+# autotuning of its own kernels, so that part of max-autotune changes nothing. Options the caller
+# names win over their mode's.
+MODE_SETTINGS: dict[str | None, dict[str, Any]] = {
+    None: {},
+    "default": {},
+    "reduce-overhead": {"cudagraphs": True},
+    "max-autotune": {"cudagraphs": True},
+    "max-autotune-no-cudagraphs": {},
+}
+KNOWN_MODES = tuple(MODE_SETTINGS)
 
 
 def _compiler(kind: str, options: dict[str, Any], cached: bool):
@@ -34,6 +43,12 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool):
         # caller's options here so they apply to it too.
         with config.override(**options):
             program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
+            if config.get("cudagraphs"):
+                from ember.pipeline import graph_device
+                from ember.runtime.cudagraphs import capture_facts, graphed, static_inputs
+
+                facts = capture_facts(gm, graph_device(gm, example_inputs))
+                program = graphed(program, kind, static_inputs(gm, kind), facts)
         progress.stage("AOTAutograd")  # back in AOTAutograd: partitioning, tracing the backward
         if not cached:
             return program
@@ -52,7 +67,7 @@ def _checked_options(mode: str | None, options: dict | None) -> dict[str, Any]:
     """The caller's options, parsed; raises ConfigError on a bad mode, option or EMBER_* variable."""
     if mode not in KNOWN_MODES:
         raise config.ConfigError(f"unknown mode {mode!r}; valid: {', '.join(m for m in KNOWN_MODES if m)}")
-    options = config.validate(dict(options or {}), "torch.compile options")
+    options = config.validate({**MODE_SETTINGS[mode], **(options or {})}, "torch.compile options")
     config.check_environment()
     return options
 
@@ -146,7 +161,9 @@ def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
     """Whether AOTAutograd's cache may keep this compile's graphs (frontend/aot_cache.py)."""
     from ember.runtime.schedule_cache import cacheable_settings
 
-    if not config.get("aot_cache") or not cacheable_settings():
+    if not config.get("aot_cache") or not cacheable_settings() or config.get("cudagraphs"):
+        # (A graph AOTAutograd's cache loads is rebuilt from its schedule, not through the compiler
+        # that puts it under CUDA graphs.)
         return False  # checked first: the module below imports part of Inductor
     try:
         from ember.frontend import aot_cache

@@ -1,0 +1,290 @@
+"""CUDA graphs' bookkeeping (ember/runtime/cudagraphs.py) on the CPU, through a fake recorder.
+
+The fake records by running the program and replays by running it again on the recording's
+inputs, writing the results into the recorded outputs' memory: what a replay does to memory,
+without a GPU. Programs are compiled by the C++ backend and compared with eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import types
+import warnings
+
+import pytest
+import torch
+
+from ember import config
+from ember.frontend.backend import _checked_options
+from ember.runtime import cudagraphs as cg
+from tests.helpers import assert_close, ember_compile, repro
+
+CPU = torch.device("cpu")
+
+
+class FakeGraph:
+    def __init__(self, run, outputs, pool):
+        self.run, self.outputs, self.pool = run, outputs, pool
+
+
+class FakeRecorder:
+    """A Recorder whose graphs are the program itself, run again on each replay into the recorded
+    outputs' memory."""
+
+    def __init__(self, device_type: str = "cpu"):
+        self.device_type = device_type
+        self.pools: list[str] = []
+        self.recorded: list[FakeGraph] = []
+        self.replays = 0
+        self.invalidated: list[int] = []
+
+    def new_pool(self):
+        self.pools.append(f"pool {len(self.pools)}")
+        return self.pools[-1]
+
+    def record(self, run, inputs, pool):
+        # It runs the program to record it: inputs the program writes are put back as they were,
+        # as after a capture, which computes nothing.
+        before = [(x, x.clone()) for x in inputs if isinstance(x, torch.Tensor)]
+        outputs = run()
+        for x, saved in before:
+            x.copy_(saved)
+        self.recorded.append(FakeGraph(run, outputs, pool))
+        return self.recorded[-1], outputs
+
+    def replay(self, graph):
+        self.replays += 1
+        for static, new in zip(graph.outputs, graph.run()):
+            if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
+                static.copy_(new)
+
+    def invalidate(self, storage, message):
+        self.invalidated.append(storage)
+
+
+@pytest.fixture
+def recorder():
+    with cg.use_recorder(FakeRecorder()) as r:
+        yield r
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()  # PyTorch's step counter, which mark_step_begin moved
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_modes_turn_cudagraphs_on():
+    assert _checked_options("reduce-overhead", None)["cudagraphs"] is True
+    assert _checked_options("max-autotune", None)["cudagraphs"] is True
+    assert "cudagraphs" not in _checked_options("max-autotune-no-cudagraphs", None)
+    assert "cudagraphs" not in _checked_options(None, None)
+    assert _checked_options("reduce-overhead", {"cudagraphs": False})["cudagraphs"] is False  # the caller's word wins
+
+
+def test_inference_replays_copy_only_inputs_that_are_not_static(recorder):
+    model = _mlp()
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+    line = repro(program="Linear(8,16)-relu-Linear(16,4)", x="f32[2, 8]", calls=4)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 8)
+            y = compiled(x)
+            assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"call {i}", line=line)
+            del y  # the next call is a new step anyway (a new torch.compile'd invocation)
+    assert len(recorder.recorded) == 1 and recorder.replays == 3, line  # warm-up, record + replay, 2 replays
+    rec = cg.pool_for(recorder, CPU).recordings[0]
+    params = {p.data_ptr() for p in model.parameters()}
+    static = [k for k, a in enumerate(rec.inputs) if isinstance(a, torch.Tensor) and a.data_ptr() in params]
+    copied = [k for k, _ in rec.copy_in]
+    assert len(static) == 4 and len(copied) == 1 and copied[0] not in static, line
+
+
+def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
+    model = _mlp()
+    reference = _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+    line = repro(program="mlp training step", x="f32[4, 8]", steps=3)
+    for step in range(3):
+        x = torch.randn(4, 8)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, what=f"step {step} grad {name}", line=line)
+    assert len(recorder.recorded) == 2, line  # the forward and the backward, recorded in step 2
+    assert len(recorder.pools) == 1 and {g.pool for g in recorder.recorded} == {recorder.pools[0]}, line
+
+
+def test_mutated_inputs_are_captured(recorder):
+    class Decay(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("state", torch.zeros(4, 8))
+
+        def forward(self, x, extra):
+            self.state.mul_(0.5).add_(x)  # a buffer: static, written in place by the graph
+            extra.add_(1.0)  # an argument: copied in, and back after the replay
+            return self.state.sum(-1) + extra.sum()
+
+    model, reference = Decay(), Decay()
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+    extra, extra_ref = torch.zeros(3), torch.zeros(3)
+    line = repro(program="state = 0.5 * state + x; extra += 1", x="f32[4, 8]", extra="f32[3]", calls=4)
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(4, 8)
+            out = compiled(x, extra)
+            assert_close(out, reference(x, extra_ref), rtol=1e-5, atol=1e-5, what=f"call {i}", line=line)
+            assert_close(model.state, reference.state, rtol=1e-5, atol=1e-5, what=f"state {i}", line=line)
+            assert_close(extra, extra_ref, rtol=0, atol=0, what=f"extra {i}", line=line)
+    rec = cg.pool_for(recorder, CPU).recordings[0]
+    assert rec.copy_out and all(k in dict(rec.copy_in) for k in rec.copy_out), line
+    assert any(a is model.state or getattr(a, "data_ptr", lambda: 0)() == model.state.data_ptr() for a in rec.inputs)
+
+
+def _fresh(args: list) -> list:
+    """A program with one input and a fresh output, as a host program is called."""
+    (x,) = args
+    args.clear()
+    return [x * 2]
+
+
+def _graphed(recorder, pool=None, static=(), program=_fresh) -> cg.Graphed:
+    return cg.Graphed(program, "inference", static, (), pool or cg.Pool(recorder, CPU))
+
+
+def test_held_output_runs_without_the_graph_until_a_new_step(recorder):
+    fn = _graphed(recorder)
+    x = torch.ones(3)
+    fn([x])  # warm-up
+    held = fn([x])[0]  # recorded and replayed
+    held_storage = held.untyped_storage()._cdata
+    again = fn([x + 1])[0]  # same step, `held` still held: a replay would write over it
+    line = repro(program="x * 2", rule="held output")
+    assert recorder.replays == 1 and held.tolist() == [2.0] * 3 and again.tolist() == [4.0] * 3, line
+    torch.compiler.cudagraph_mark_step_begin()
+    new = fn([x + 2])[0]  # a new step: the held output is invalidated, then overwritten
+    assert recorder.replays == 2 and new.tolist() == [6.0] * 3, line
+    assert held_storage in recorder.invalidated, line
+    del new
+    fn([x])  # same step, nothing held: replays
+    assert recorder.replays == 3, line
+
+
+def test_output_of_a_later_recording_blocks_an_earlier_one(recorder):
+    pool = cg.Pool(recorder, CPU)
+    first, second = _graphed(recorder, pool), _graphed(recorder, pool, program=lambda a: [a.pop() + 1])
+    x = torch.ones(2)
+    for fn in (first, first, second, second):  # warm-up and record each: `first` records before `second`
+        fn([x])
+    torch.compiler.cudagraph_mark_step_begin()
+    kept = second([x])[0]  # held: it may lie in memory `first`'s replay writes
+    replays = recorder.replays
+    assert first([x])[0].tolist() == [2.0, 2.0] and recorder.replays == replays, repro(rule="later recording held")
+    assert kept.tolist() == [2.0, 2.0]
+
+
+def test_rerecording_is_bounded_then_one_warning(recorder):
+    line = repro(program="x * 2", cudagraphs_max_graphs=2, shapes="1..5")
+    with config.override(cudagraphs_max_graphs=2):
+        fn = _graphed(recorder)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 6):
+            for _ in range(2):
+                assert fn([torch.full((n,), float(n))])[0].tolist() == [2.0 * n] * n, line
+    messages = [str(w.message) for w in caught if "cudagraphs_max_graphs" in str(w.message)]
+    assert len(messages) == 1 and len(recorder.recorded) == 2, line
+    assert fn.report is None or "off" in fn.report.cudagraphs
+
+
+def test_static_input_at_a_new_address_records_again(recorder):
+    pool = cg.Pool(recorder, CPU)
+    fn = _graphed(recorder, pool, static=(0,))
+    a, b = torch.ones(2), torch.ones(2) * 3
+    line = repro(program="x * 2", static="x", addresses="a a b b a")
+    for x in (a, a, b, b, a):
+        assert fn([x])[0].tolist() == (x * 2).tolist(), line
+    assert len(recorder.recorded) == 2 and recorder.replays == 3, line
+    assert [r.inputs[0] is x for r, x in zip(pool.recordings, (a, b))] == [True, True] and not any(
+        r.copy_in for r in pool.recordings
+    ), line
+
+
+def _aten_graph(target=None, args=(), kwargs=None, cpu_input: bool = False):
+    """An ATen graph on a CUDA device: `target(x, *args, **kwargs)`, optionally beside a CPU input."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = FakeTensor(FakeTensorMode(), torch.empty(4, device="meta"), torch.device("cuda"))
+    out = [x]
+    if cpu_input:
+        y = graph.placeholder("y")
+        y.meta["val"] = torch.empty(())
+    if target is not None:
+        out = [graph.call_function(target, (x, *args), kwargs or {})]
+    graph.output(out)
+    return types.SimpleNamespace(graph=graph)  # what capture_facts reads (a Generator has no source form)
+
+
+@pytest.mark.parametrize(
+    "gm, device, reason",
+    [
+        pytest.param(lambda: _aten_graph(torch.ops.aten.nonzero.default), "cuda", "data-dependent sizes", id="sizes"),
+        pytest.param(lambda: _aten_graph(torch.ops.aten._local_scalar_dense.default), "cuda", "a sync", id="sync"),
+        pytest.param(
+            lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,), {"generator": torch.Generator()}),
+            "cuda",
+            "RNG with an explicit generator",
+            id="rng",
+        ),
+        pytest.param(lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,)), "cuda", None, id="rng-default-generator"),
+        pytest.param(lambda: _aten_graph(torch.ops.aten.relu.default), "cpu", "runs on cpu", id="cpu-graph"),
+        pytest.param(
+            lambda: _aten_graph(cpu_input=True), "cuda", "a CPU tensor in the graph (input 1)", id="cpu-input"
+        ),
+    ],
+)
+def test_refusal_reasons(gm, device, reason):
+    found = cg.refusals(cg.capture_facts(gm(), torch.device(device)), "cuda")
+    line = repro(reason=reason, device=device)
+    if reason is None:
+        assert found == [], line
+    else:
+        assert len(found) == 1 and reason in found[0], f"{found}\n{line}"
+
+
+def test_unsafe_op_is_refused():
+    lib = torch.library.Library("ember_cudagraphs_test", "DEF")  # noqa: TOR901
+    lib.define("unsafe(Tensor x) -> Tensor", tags=[torch.Tag.cudagraph_unsafe])
+    found = cg.refusals(
+        cg.capture_facts(_aten_graph(torch.ops.ember_cudagraphs_test.unsafe.default), torch.device("cuda")), "cuda"
+    )
+    assert found == ["ember_cudagraphs_test.unsafe.default is marked cudagraph_unsafe"], repro(op="unsafe")
+
+
+def test_refusals_are_reported_and_logged():
+    """A CPU graph under the real CUDA recorder runs as compiled, and its report and log say why."""
+    from ember import explain
+
+    f = lambda x: torch.relu(x) + 1
+    x = torch.randn(8)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logging.getLogger("ember").addHandler(handler)
+    try:
+        with config.override(cudagraphs=True, backend="cpp", logs="cudagraphs"):
+            report = explain(f, x)
+    finally:
+        logging.getLogger("ember").removeHandler(handler)
+    line = repro(program="relu(x) + 1", device="cpu")
+    assert "off: the graph runs on cpu" in report.graphs[0].cudagraphs, f"{report}\n{line}"
+    assert "cudagraphs: off" in str(report), line
+    assert "runs without CUDA graphs: the graph runs on cpu" in stream.getvalue(), line
+    assert cg.refusals(None, "cuda", "NotImplementedError: x") == ["the graph runs eagerly (NotImplementedError: x)"]
