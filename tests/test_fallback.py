@@ -144,15 +144,8 @@ def test_strict_from_environment(tmp_path, monkeypatch):
 def _trace_breaking_table(monkeypatch):
     """A decomposition that raises: AOTAutograd fails to trace before any ember pass runs (as
     PyTorch's own meta of `_efficient_attention_backward` does on torch 2.11, OpInfo on the GPU)."""
-    from ember.frontend import decompositions
-
-    def broken(x):
-        raise TypeError("meta function got multiple values for argument 'scale'")
-
-    table = dict(decompositions.decomposition_table())
-    table[torch.ops.aten.sin.default] = broken
-    monkeypatch.setattr(decompositions, "decomposition_table", lambda: table)
-    monkeypatch.setenv("EMBER_AOT_CACHE", "0")  # a patched table: AOTAutograd's cache cannot see it
+    monkeypatch.setenv("EMBER_FAULT_INJECT", "decompose=sin")
+    monkeypatch.setenv("EMBER_AOT_CACHE", "0")  # a changed table: AOTAutograd's cache cannot see it
 
 
 def test_trace_failure_runs_eagerly_with_one_warning(monkeypatch):
@@ -176,7 +169,7 @@ def test_trace_failure_raises_in_strict_mode(monkeypatch):
     _trace_breaking_table(monkeypatch)
     with ember.config.override(strict=True), pytest.raises(Exception) as info:
         torch.compile(lambda t: torch.sin(t) * 2, backend="ember")(torch.randn(5))
-    assert "multiple values" in str(info.value)
+    assert "fault injected at 'decompose'" in str(info.value)
 
 
 def _clamp_at_mean(x):

@@ -14,6 +14,7 @@ import functools
 import torch
 from torch._decomp import get_decompositions
 
+from ember import faults
 from ember.frontend.foreach import foreach_decompositions
 
 aten = torch.ops.aten
@@ -77,7 +78,20 @@ _DECOMPOSE = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict:
+    """The table AOTAutograd traces with. The setting `fault_inject=decompose=OP` (a testing aid)
+    makes aten.OP's decomposition raise."""
+    op = faults.armed("decompose")
+    if op is None:
+        return _table()
+    return {**_table(), getattr(torch.ops.aten, op).default: _injected_fault}
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict:
     # Foreach ops (an optimizer's step) become one pointwise op per tensor, which fuse.
     return {**get_decompositions(_DECOMPOSE), **foreach_decompositions()}
+
+
+def _injected_fault(*args, **kwargs):
+    raise TypeError("fault injected at 'decompose' (setting fault_inject)")
