@@ -28,9 +28,10 @@ import torch
 from ember import config
 from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
-from ember.ir.sizes import Expr
+from ember.ir.sizes import Expr, contiguous_strides
 from ember.runtime.huge_pages import MIN_BYTES, huge_allocator
 from ember.schedule.memory import MemoryPlan, same_layout
+from ember.schedule.padding import AlignedProduct
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
 
 # ATen ops whose torch-level function is the same op with the same signature, reached through
@@ -43,6 +44,9 @@ _TORCH_FUNCTIONS = {
     torch.ops.aten.bmm.default: (torch.bmm, frozenset()),
     torch.ops.aten.baddbmm.default: (torch.baddbmm, frozenset({"beta", "alpha"})),
 }
+
+
+_DENSE_PRODUCTS = frozenset(_TORCH_FUNCTIONS)
 
 
 def _fast_target(target: Any, kwargs: dict) -> Any:
@@ -160,6 +164,10 @@ class HostWriter:
         # layout than its meta (its inputs' layouts may differ from tracing); those get copied.
         self.layout_sensitive: set[Value] = {v for k in schedule.kernels for v in k.reads}
         self.layout_sensitive |= {s.base for s in schedule.steps if isinstance(s, AliasStep)}
+        # Value id -> (strides, enforced): the layout each bound tensor has at run time. Enforced:
+        # this program made it so (allocated, aliased, or checked by _fix_layout); else it is the
+        # compile-time meta's, which an extern specialized on it checks per call.
+        self.layouts: dict[int, tuple[tuple, bool]] = {}
 
     def py(self, expr: Expr) -> str:
         return print_index(sympy.sympify(expr), "//")
@@ -202,6 +210,7 @@ class HostWriter:
             params.append(name)
             if isinstance(inp, Value):
                 self.names[inp.id] = name
+                self.layouts[inp.id] = (tuple(layout_of(inp)), False)
         if params:
             self.lines.append(f"    {', '.join(params)}{',' if len(params) == 1 else ''} = args")
             # AOTAutograd's boxed convention: the list is ours to empty, so an input (a backward's
@@ -227,6 +236,7 @@ class HostWriter:
             elif isinstance(step, AliasStep):
                 name = f"v{step.value.id}"
                 self.names[step.value.id] = name
+                self.layouts[step.value.id] = (tuple(step.stride), True)
                 size, stride = self.arg(tuple(step.value.shape)), self.arg(tuple(step.stride))
                 self.lines.append(
                     f"    {name} = _alias({self.names[step.base.id]}, {size}, {stride}, {self.py(step.offset)})"
@@ -264,6 +274,7 @@ class HostWriter:
             if all(e.is_Integer for e in (*inp.shape, *inp.stride)):
                 size, stride = self.arg(tuple(inp.shape)), self.arg(tuple(inp.stride))
                 self.lines.append(f"    a{k} = _fix_layout(a{k}, {size}, {stride})")
+                self.layouts[inp.id] = (tuple(inp.stride), True)
 
     def _bind_symbols(self) -> None:
         """Every size symbol, read off the first input that carries it."""
@@ -307,6 +318,7 @@ class HostWriter:
     def _allocate(self, v: Value) -> None:
         name = f"buf{v.id}"
         self.names[v.id] = name
+        self.layouts[v.id] = (tuple(layout_of(v)), True)
         size, stride = self.arg(tuple(v.shape)), self.arg(tuple(layout_of(v)))
         donor = self.plan.reuse.get(v)
         if donor is None:
@@ -330,20 +342,68 @@ class HostWriter:
         target = node.attrs["target"]
         if node.attrs.get("writes_input") in self.plan.mutations_in_place:
             target = node.attrs["inplace_target"]  # a scatter into the input itself (memory plan)
-        target = _fast_target(target, node.attrs["kwargs"])
-        call = f"{self.constant(target)}({self._call_args(node.attrs['args'], node.attrs['kwargs'])})"
+        call = self._extern_call(target, node.attrs["args"], node.attrs["kwargs"])
+        dense = _dense_result(target)
         if not node.attrs["tuple_result"]:
             if node.outputs:
-                self._bind_extern_output(node.outputs[0], call)
+                self._bind_extern_output(node.outputs[0], call, dense)
             else:  # called for its effect: _assert_async (one_hot's range checks)
                 self.lines.append(f"    {call}")
             return
         result = f"r{node.outputs[0].id}" if node.outputs else "_"
         self.lines.append(f"    {result} = {call}")
         for pos, v in zip(node.attrs["output_positions"], node.outputs):
-            self._bind_extern_output(v, f"{result}[{pos}]")
+            self._bind_extern_output(v, f"{result}[{pos}]", None)
         if node.outputs:
             self.lines.append(f"    del {result}")  # the tuple would keep every result alive
+
+    def _extern_call(self, target: Any, args, kwargs: dict) -> str:
+        """The call expression. A target that decides from its operands' layouts (`specialize`:
+        an aligned product) is decided here, once; an operand whose layout this program does not
+        enforce (an input, an unchecked extern result) keeps one stride check per call, and a
+        layout other than the meta's takes the undecided target."""
+        text = self._call_args(args, kwargs)
+        fixed = self._specialized(target, args)
+        if fixed is None:
+            return f"{self._callee(target, kwargs)}({text})"
+        fn, checks = fixed
+        fast = f"{self._callee(fn, kwargs)}({text})"
+        if not checks:
+            return fast
+        return f"({fast} if {' and '.join(checks)} else {self.constant(target)}({text}))"
+
+    def _specialized(self, target: Any, args) -> tuple[Any, list[str]] | None:
+        specialize = getattr(target, "specialize", None)
+        if specialize is None:
+            return None
+        fn = specialize([self._static_layout(a) for a in args])
+        if fn is None:
+            return None
+        checks = []
+        for pos in target.layout_args:
+            a = args[pos]
+            if isinstance(a, Value) and not self.layouts[a.id][1]:
+                checks.append(f"{self.names[a.id]}.stride() == {self.arg(self.layouts[a.id][0])}")
+        return fn, checks
+
+    def _static_layout(self, a: Any) -> tuple | None:
+        """(shape, strides, dtype) of an argument bound here with a static layout, else None."""
+        if not isinstance(a, Value) or a.id not in self.layouts:
+            return None
+        stride = self.layouts[a.id][0]
+        if not all(sympy.sympify(e).is_Integer for e in (*a.shape, *stride)):
+            return None
+        return tuple(int(x) for x in a.shape), tuple(int(x) for x in stride), a.dtype
+
+    def _callee(self, target: Any, kwargs: dict) -> str:
+        """The name the program calls: torch's function for a product, an ATen overload's C++
+        entry (`OpOverload.__call__` is a Python frame that only calls it: 0.3 us a call)."""
+        target = _fast_target(target, kwargs)
+        if type(target) is torch._ops.OpOverload:
+            name = _constant_name(target, len(self.ns))
+            self.ns[name] = target._op
+            return name
+        return self.constant(target)
 
     def _call_args(self, args, kwargs: dict) -> str:
         """`a, b, key=c`: spelled out, a call skips building a tuple and a dict to unpack (0.25 us
@@ -357,15 +417,26 @@ class HostWriter:
             parts.append(f"**{self.arg(rest)}")
         return ", ".join(parts)
 
-    def _bind_extern_output(self, v: Value, src: str) -> None:
+    def _bind_extern_output(self, v: Value, src: str, dense: Any) -> None:
+        """`dense`: the product whose contract gives its result the meta's layout, or None."""
         name = f"buf{v.id}"
         self.names[v.id] = name
-        if v in self.layout_sensitive:
+        promised = dense and all(sympy.sympify(e).is_Integer for e in (*v.shape, *layout_of(v)))
+        if promised and not isinstance(dense, AlignedProduct):  # ATen's products: row-major
+            promised = tuple(layout_of(v)) == tuple(contiguous_strides(v.shape))
+        self.layouts[v.id] = (tuple(layout_of(v)), promised or v in self.layout_sensitive)
+        if v in self.layout_sensitive and not promised:
             self.lines.append(
                 f"    {name} = _fix_layout({src}, {self.arg(tuple(v.shape))}, {self.arg(tuple(v.stride))})"
             )
         else:  # only ATen reads it (or nobody: e.g. a logsumexp that inference never computes)
             self.lines.append(f"    {name} = {src}")
+
+
+def _dense_result(target: Any) -> Any:
+    """What promises an extern's result layout, or None: ATen's products return a fresh row-major
+    tensor, and an aligned product the (padded) rows the padding pass set."""
+    return target if target in _DENSE_PRODUCTS or isinstance(target, AlignedProduct) else None
 
 
 def _kernel_buffers(kernel) -> list[Value]:

@@ -21,6 +21,8 @@ GPU's target: yes) and from what size.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy
 import torch
 
@@ -44,7 +46,10 @@ class AlignedProduct:
     - K unaligned: A[:, :K8] @ B[:K8] and then the rank-(K - K8) rest added in place.
     - M unaligned where M is A's contiguous dim (a weight gradient, A = grad.t()): rows [:M8]
       and [M8:] as two products into one output.
-    The last two look at the run-time strides. Only the K split changes arithmetic: the order in
+    The last two depend on the operands' strides. With static layouts the host program decides
+    them when it is written (`specialize`): an aligned product becomes the plain ATen call, and
+    only an operand whose layout nothing enforces keeps a stride check per call. Called as is,
+    the product looks at the run-time strides. Only the K split changes arithmetic: the order in
     which the K partial sums are added."""
 
     # Every path returns memory this call allocated (the product, a view of the padded product,
@@ -53,6 +58,9 @@ class AlignedProduct:
     # the wrapper for a possible view, and on the GPU every GELU after a Linear took a second
     # buffer: hf_bert inference planned 411 MB where eager peaks at 277.
     fresh_result = True
+    # The arguments whose strides `specialize` decides from: the two matrices (a bias is sliced
+    # the same way whatever its strides).
+    layout_args = (-2, -1)
 
     def __init__(self, op, n: int | None = None, n_pad: int | None = None):
         self.op, self.n, self.n_pad = op, n, n_pad
@@ -61,47 +69,122 @@ class AlignedProduct:
 
     def __call__(self, *args):
         *bias, a, b = args
-        if self.n_pad is not None:
-            return self._padded_n(bias, a, b)
-        return self._product(bias, a, b)
-
-    def _padded_n(self, bias, a, b):
-        """N unaligned: the first N8 columns as one aligned product and the last few as a thin
-        one, both written into an output whose rows are `n_pad` apart; the result is the view of
-        its first N columns. The weight is read in place: padding it with zero columns instead
-        copied it on every call (GPT-2's head: 77 MB, alive beside the 823 MB of logits, so the
-        H100 inference peak was 913 MB against eager's 836)."""
         per = _ALIGN_BYTES // a.element_size()
-        n8 = self.n // per * per
-        out = torch.empty((a.shape[0], self.n_pad), dtype=a.dtype, device=a.device)
-        for cols in (slice(0, n8), slice(n8, self.n)):
-            if cols.start == cols.stop:
-                continue
-            part = [bias[0][..., cols] if _per_column(bias[0], self.n) else bias[0]] if bias else []
-            self._product(part, a, b[:, cols], out=out[:, cols])
-        return out[:, : self.n]
+        cuts = _cuts(self.n, self.n_pad, per, _layout(a), _layout(b))
+        return _run(self.op, self.n, self.n_pad, cuts, bias, a, b)
 
-    def _product(self, bias, a, b, out=None):
-        """op(*bias, a, b), into `out` when given (any layout BLAS writes in place: rows or
-        columns of a larger matrix)."""
-        per = _ALIGN_BYTES // a.element_size()
-        a, b = _blas_ready(a, per, b.shape[1]), _blas_ready(b, per, a.shape[0])
-        m, k = a.shape
-        k8, m8 = k // per * per, m // per * per
-        if k % per and k8 and a.stride(1) == 1:  # K is A's contiguous dim
-            out = self._into(out, bias, a[:, :k8], b[:k8])
-            return out.addmm_(a[:, k8:], b[k8:])
-        if m % per and m8 and a.stride(0) == 1 and a.stride(1) != 1:  # M is A's contiguous dim
-            if out is None:
-                out = torch.empty((m, b.shape[1]), dtype=a.dtype, device=a.device)
-            for rows in (slice(0, m8), slice(m8, m)):
-                part = [bias[0][rows] if bias[0].dim() == 2 and bias[0].shape[0] == m else bias[0]] if bias else []
-                _OUT[self.op](*part, a[rows], b, out=out[rows])
-            return out
-        return self._into(out, bias, a, b)
+    def specialize(self, layouts: list[tuple | None]):
+        """The product for operands of these layouts ((shape, strides, dtype) per argument, None
+        where unknown), decided now: the plain ATen op where no cut is needed, else a product
+        with its cuts fixed; None where a matrix operand's layout is unknown."""
+        a, b = layouts[-2], layouts[-1]
+        if a is None or b is None:
+            return None
+        per = _ALIGN_BYTES // a[2].itemsize
+        cuts = _cuts(self.n, self.n_pad, per, a[:2], b[:2])
+        if self.n_pad is None and cuts[0][1].plain:
+            return self.op
+        return FixedProduct(self, cuts)
 
-    def _into(self, out, bias, a, b):
-        return self.op(*bias, a, b) if out is None else _OUT[self.op](*bias, a, b, out=out)
+
+class FixedProduct:
+    """An AlignedProduct whose cuts were decided from its operands' static layouts: each call runs
+    them without looking at a stride."""
+
+    fresh_result = True
+
+    def __init__(self, product: AlignedProduct, cuts: tuple):
+        self.op, self.n, self.n_pad, self.cuts = product.op, product.n, product.n_pad, cuts
+        self.__name__ = product.__name__
+
+    def __call__(self, *args):
+        *bias, a, b = args
+        return _run(self.op, self.n, self.n_pad, self.cuts, bias, a, b)
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How one product runs, decided from its operands' shapes and strides."""
+
+    copy_a: tuple[int, int] | None  # strides of an aligned copy of A, or None: A is read in place
+    copy_b: tuple[int, int] | None
+    k8: int = 0  # K split there: an aligned product, then the rank-(K - k8) rest added in place
+    m8: int = 0  # M split there (A column-major): two row blocks into one output
+
+    @property
+    def plain(self) -> bool:
+        return not (self.copy_a or self.copy_b or self.k8 or self.m8)
+
+
+def _layout(t: torch.Tensor) -> tuple[tuple, tuple]:
+    return tuple(t.shape), t.stride()
+
+
+def _cuts(n: int | None, n_pad: int | None, per: int, a: tuple, b: tuple) -> tuple:
+    """((columns, cut), ...): the whole product, or with N padded its first N8 columns and the rest."""
+    (a_shape, a_stride), (b_shape, b_stride) = a, b
+    if n_pad is None:
+        return ((None, _cut(a_shape, a_stride, b_shape, b_stride, per)),)
+    n8 = n // per * per
+    pieces = [slice(0, n8), slice(n8, n)]
+    return tuple(
+        (cols, _cut(a_shape, a_stride, (b_shape[0], cols.stop - cols.start), b_stride, per))
+        for cols in pieces
+        if cols.start != cols.stop
+    )
+
+
+def _cut(a_shape, a_stride, b_shape, b_stride, per: int) -> _Cut:
+    copy_a = _aligned_copy(a_shape, a_stride, per, b_shape[1])
+    copy_b = _aligned_copy(b_shape, b_stride, per, a_shape[0])
+    a_stride = copy_a or a_stride
+    m, k = a_shape
+    k8, m8 = k // per * per, m // per * per
+    if k % per and k8 and a_stride[1] == 1:  # K is A's contiguous dim
+        return _Cut(copy_a, copy_b, k8=k8)
+    if m % per and m8 and a_stride[0] == 1 and a_stride[1] != 1:  # M is A's contiguous dim
+        return _Cut(copy_a, copy_b, m8=m8)
+    return _Cut(copy_a, copy_b)
+
+
+def _run(op, n: int | None, n_pad: int | None, cuts: tuple, bias: list, a, b):
+    """The product by its cuts. N unaligned: both pieces written into an output whose rows are
+    `n_pad` apart; the result is the view of its first N columns. The weight is read in place:
+    padding it with zero columns instead copied it on every call (GPT-2's head: 77 MB, alive
+    beside the 823 MB of logits, so the H100 inference peak was 913 MB against eager's 836)."""
+    if n_pad is None:
+        return _product(op, cuts[0][1], bias, a, b)
+    out = torch.empty((a.shape[0], n_pad), dtype=a.dtype, device=a.device)
+    for cols, cut in cuts:
+        part = [bias[0][..., cols] if _per_column(bias[0], n) else bias[0]] if bias else []
+        _product(op, cut, part, a, b[:, cols], out=out[:, cols])
+    return out[:, :n]
+
+
+def _product(op, cut: _Cut, bias, a, b, out=None):
+    """op(*bias, a, b) as `cut` says, into `out` when given (any layout BLAS writes in place:
+    rows or columns of a larger matrix)."""
+    if cut.copy_a:
+        a = torch.empty_strided(a.shape, cut.copy_a, dtype=a.dtype, device=a.device).copy_(a)
+    if cut.copy_b:
+        b = torch.empty_strided(b.shape, cut.copy_b, dtype=b.dtype, device=b.device).copy_(b)
+    if cut.k8:
+        k8 = cut.k8
+        out = _into(op, out, bias, a[:, :k8], b[:k8])
+        return out.addmm_(a[:, k8:], b[k8:])
+    if cut.m8:
+        m, m8 = a.shape[0], cut.m8
+        if out is None:
+            out = torch.empty((m, b.shape[1]), dtype=a.dtype, device=a.device)
+        for rows in (slice(0, m8), slice(m8, m)):
+            part = [bias[0][rows] if bias[0].dim() == 2 and bias[0].shape[0] == m else bias[0]] if bias else []
+            _OUT[op](*part, a[rows], b, out=out[rows])
+        return out
+    return _into(op, out, bias, a, b)
+
+
+def _into(op, out, bias, a, b):
+    return op(*bias, a, b) if out is None else _OUT[op](*bias, a, b, out=out)
 
 
 def _per_column(bias, n: int) -> bool:
@@ -109,22 +192,21 @@ def _per_column(bias, n: int) -> bool:
     return isinstance(bias, torch.Tensor) and bias.dim() >= 1 and bias.shape[-1] == n
 
 
-def _blas_ready(t: torch.Tensor, per: int, other: int) -> torch.Tensor:
-    """t if BLAS can read it in place with an aligned leading dimension, else a copy with padded
-    leading dimension in t's own orientation. ATen would copy a zero-stride operand anyway (with
-    unaligned rows), and an unaligned leading dimension costs cuBLAS's align1 kernel far more
-    than one pass over the operand (a [8192, 50257] gradient: ~0.5 ms copy vs ~3.6 ms lost)."""
-    rows, cols = t.shape
+def _aligned_copy(shape: tuple, stride: tuple, per: int, other: int) -> tuple[int, int] | None:
+    """None if BLAS can read a matrix of this layout in place with an aligned leading dimension,
+    else the strides of a copy with a padded leading dimension in its own orientation. ATen would
+    copy a zero-stride operand anyway (with unaligned rows), and an unaligned leading dimension
+    costs cuBLAS's align1 kernel far more than one pass over the operand (a [8192, 50257]
+    gradient: ~0.5 ms copy vs ~3.6 ms lost)."""
+    rows, cols = shape
     aligned_enough = other < 64  # a matrix-vector-like product: the copy would cost more than it saves
-    if t.stride(1) == 1 and t.stride(0) >= max(1, cols) and (t.stride(0) % per == 0 or rows == 1 or aligned_enough):
-        return t
-    if t.stride(0) == 1 and t.stride(1) >= max(1, rows) and (t.stride(1) % per == 0 or cols == 1 or aligned_enough):
-        return t
-    if t.stride(0) == 1 and t.stride(1) != 1:  # column-major: keep it so (cuBLAS reads it transposed)
-        out = torch.empty_strided((rows, cols), (1, -(-rows // per) * per), dtype=t.dtype, device=t.device)
-    else:
-        out = torch.empty_strided((rows, cols), (-(-cols // per) * per, 1), dtype=t.dtype, device=t.device)
-    return out.copy_(t)
+    if stride[1] == 1 and stride[0] >= max(1, cols) and (stride[0] % per == 0 or rows == 1 or aligned_enough):
+        return None
+    if stride[0] == 1 and stride[1] >= max(1, rows) and (stride[1] % per == 0 or cols == 1 or aligned_enough):
+        return None
+    if stride[0] == 1 and stride[1] != 1:  # column-major: keep it so (cuBLAS reads it transposed)
+        return (1, -(-rows // per) * per)
+    return (-(-cols // per) * per, 1)
 
 
 def pad_matmul_layouts(graph: Graph, target: Target, keep_outputs_dense: bool) -> list[str]:
@@ -210,4 +292,4 @@ def _computed_base(v: Value) -> Value | None:
     return None
 
 
-__all__ = ["AlignedProduct", "pad_matmul_layouts"]
+__all__ = ["AlignedProduct", "FixedProduct", "pad_matmul_layouts"]

@@ -44,7 +44,9 @@ def test_vocabulary_head_padded_inference(pad_on_cpu):
     assert_close(logits, want_logits, rtol=1e-2, atol=1e-2, what="logits", line=line)
     assert_close(loss, want_loss, rtol=1e-3, atol=1e-3, what="loss", line=line)
     assert logits.stride() == (1008, 1), line  # padded to 16 bytes, same values
-    assert f"({ROWS}, {VOCAB}), (1008, 1)" in report.graphs[0].host_source, report.graphs[0].host_source
+    host = report.graphs[0].host_source
+    # Written into padded rows by the product decided at compile time, whose layout needs no check.
+    assert re.search(r"= \(?mm_default_aligned_N_padded_1001_1008_\d+\(", host) and "_fix_layout" not in host, host
 
 
 def test_the_cpu_target_pads_nothing():
@@ -52,7 +54,7 @@ def test_the_cpu_target_pads_nothing():
     with torch.no_grad():
         report = explain_strict(_head_loss, x, w, torch.randint(0, VOCAB, (ROWS,)))
     host = report.graphs[0].host_source
-    assert f"({ROWS}, {VOCAB}), ({VOCAB}, 1)" in host and "1008" not in host, host
+    assert re.search(r"= mm_\d+\(a\d+, v\d+\)\n", host) and "1008" not in host and "aligned" not in host, host
 
 
 def test_vocabulary_head_padded_training(pad_on_cpu):
@@ -104,8 +106,48 @@ def test_aligned_product_pieces_equal_the_product(m, k, n, a_transposed):
     b, bias = torch.randn(k, n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
     for op, args in ((aten.mm.default, (a, b)), (aten.addmm.default, (bias, a, b))):
         for product in (padding.AlignedProduct(op), padding.AlignedProduct(op, n, -(-n // 8) * 8)):
-            got = product(*args)
-            assert_close(got, op(*args), rtol=1e-12, atol=1e-10, what=product.__name__, line=repro(m=m, k=k, n=n))
+            layouts = [(tuple(t.shape), t.stride(), t.dtype) for t in args]
+            decided = product.specialize(layouts)  # the cuts decided from the layouts, as the host program does
+            for fn in (product, decided):
+                got = fn(*args)
+                line = repro(m=m, k=k, n=n, fn=product.__name__)
+                assert_close(got, op(*args), rtol=1e-12, atol=1e-10, what=type(fn).__name__, line=line)
+
+
+def test_aligned_products_are_decided_when_the_program_is_written(pad_on_cpu):
+    """With static layouts an aligned product is the plain ATen call (torch.addmm / torch.mm), not a
+    wrapper that checks strides per call; only an operand whose layout the program does not set
+    itself (an input) keeps one stride check, whose other branch is the undecided product."""
+    w1, b1, w2 = torch.randn(128, D), torch.randn(128), torch.randn(64, 128)
+    fn = lambda x: torch.relu(F.linear(x, w1, b1)) @ w2.t()  # addmm on the input, mm on a kernel's result
+    x = torch.randn(ROWS, D)
+    with torch.no_grad():
+        report = explain_strict(fn, x)
+        got = torch.compile(fn, backend="ember")(x)
+    host = report.graphs[0].host_source
+    assert re.search(
+        r"\(addmm_\d+\((\w+), (\w+), (\w+)\) if \2\.stride\(\) == \(64, 1\) else addmm_default_aligned_", host
+    ), host
+    assert re.search(r"= mm_\d+\(buf\d+, v\d+\)\n", host), host  # its operands' layouts are the program's own
+    assert "_fix_layout" not in host, host  # products return their meta's layout by contract
+    assert_close(got, fn(x), rtol=1e-4, atol=1e-4, what="linear, relu, mm", line=repro(case="decided products"))
+
+
+def test_a_decided_product_with_another_layout_takes_the_checking_path(pad_on_cpu):
+    """The stride check's other branch: the host program called with an input in another layout than
+    its meta's still computes the product (AlignedProduct looks at the run-time strides)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember.pipeline import compile_graph
+
+    fn = lambda x, w, b: (torch.relu(F.linear(x, w, b)),)
+    x, w, b = torch.randn(ROWS, D), torch.randn(128, D), torch.randn(128)
+    with torch.no_grad(), config.override(strict=True):
+        compiled = compile_graph(make_fx(fn)(x, w, b), [x, w, b], "inference")
+        assert ".stride() == (64, 1) else addmm_default_aligned_" in compiled.report.host_source
+        column_major = x.t().contiguous().t()
+        (got,) = compiled([column_major, w, b])
+    assert_close(got, fn(x, w, b)[0], rtol=1e-4, atol=1e-4, what="column-major x", line=repro(case="check fails"))
 
 
 def test_an_epilogue_writes_over_an_aligned_product(pad_on_cpu):
