@@ -124,17 +124,22 @@ class CaptureFacts:
     other_device_inputs: tuple[tuple[int, str], ...]  # (input position, device type)
     extern_refusals: tuple[str, ...]
     mutated_inputs: tuple[int, ...]  # positions of inputs the graph writes (copy_ into them)
+    symbolic: bool = False  # sizes vary from call to call: a recording is for one set of them
 
 
 def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFacts:
     """The facts of the ATen graph `gm`, compiled for `device`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     positions = {n: k for k, n in enumerate(placeholders)}
-    others = []
+    others, symbolic = [], False
     for k, n in enumerate(placeholders):
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and val.device.type != device.type:
             others.append((k, val.device.type))
+        if isinstance(val, torch.SymInt) or (
+            isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in (*val.shape, *val.stride()))
+        ):
+            symbolic = True
     reasons: list[str] = []
     mutated: list[int] = []
     for node in gm.graph.nodes:
@@ -145,7 +150,7 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
             reasons.append(reason)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:
             mutated.append(positions[node.args[0]])
-    return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated))
+    return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic)
 
 
 def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
@@ -407,13 +412,21 @@ def pool_for(recorder: Recorder, device: torch.device) -> Pool:
 class Graphed:
     """A compiled graph under CUDA graphs, called by AOTAutograd with a list of inputs."""
 
-    def __init__(self, program: Callable, kind: str, static: Sequence[int], mutated: Sequence[int], pool: Pool):
+    def __init__(
+        self,
+        program: Callable,
+        kind: str,
+        static: Sequence[int],
+        mutated: Sequence[int],
+        pool: Pool,
+        symbolic: bool = True,
+    ):
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
         self.program = program
         self.report = getattr(program, "report", None)
         self.kind = kind
         self.static = frozenset(static)
-        self._static_order = sorted(self.static)
+        self.symbolic = symbolic
         self.mutated = tuple(mutated)
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")
@@ -428,11 +441,16 @@ class Graphed:
         return self.pool.run(self, args)
 
     def key(self, args: list) -> tuple:
-        """What a recording is for: the addresses of static inputs, the layout of every tensor input,
-        and integer inputs (symbolic sizes)."""
-        parts: list[Any] = [args[k].data_ptr() for k in self._static_order if isinstance(args[k], torch.Tensor)]
-        for a in args:
-            parts.append((a.shape, a.stride()) if isinstance(a, torch.Tensor) else a)
+        """What a recording is for: the addresses of static inputs, the strides of the others (a
+        backward's gradients may come in any layout), and where sizes vary, every input's shape
+        and the integer inputs."""
+        static = self.static
+        tensor = torch.Tensor
+        parts: list[Any] = [
+            a.data_ptr() if k in static else a.stride() if isinstance(a, tensor) else a for k, a in enumerate(args)
+        ]
+        if self.symbolic:
+            parts += [a.shape if isinstance(a, torch.Tensor) else a for a in args]
         return tuple(parts)
 
     def disable(self, reason: str) -> None:
@@ -473,4 +491,4 @@ def graphed(program: Callable, kind: str, static: Sequence[int], facts: CaptureF
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return Graphed(program, kind, static, facts.mutated_inputs, pool_for(recorder, device))
+    return Graphed(program, kind, static, facts.mutated_inputs, pool_for(recorder, device), facts.symbolic)
