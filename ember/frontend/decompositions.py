@@ -10,6 +10,7 @@ Foreach ops (foreach.py) become their per-tensor ops.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 from torch._decomp import get_decompositions
@@ -81,16 +82,27 @@ _DECOMPOSE = [
 def decomposition_table() -> dict:
     """The table AOTAutograd traces with. The setting `fault_inject=decompose=OP` (a testing aid)
     makes aten.OP's decomposition raise."""
+    # Dynamo writes `x.addcmul_(a, b, value=v)` (single-tensor Adam) as Inductor's `prims.fma`, an op that
+    # exists once torch._inductor.inductor_prims is imported (a second's import, which Dynamo makes when
+    # it emits the op): from then on it is decomposed too.
+    table = _table("torch._inductor.inductor_prims" in sys.modules)
     op = faults.armed("decompose")
     if op is None:
-        return _table()
-    return {**_table(), getattr(torch.ops.aten, op).default: _injected_fault}
+        return table
+    return {**table, getattr(torch.ops.aten, op).default: _injected_fault}
 
 
-@functools.lru_cache(maxsize=1)
-def _table() -> dict:
+@functools.lru_cache(maxsize=2)
+def _table(with_fma: bool) -> dict:
     # Foreach ops (an optimizer's step) become one pointwise op per tensor, which fuse.
-    return {**get_decompositions(_DECOMPOSE), **foreach_decompositions()}
+    table = {**get_decompositions(_DECOMPOSE), **foreach_decompositions()}
+    if with_fma:
+        table[torch.ops.prims.fma.default] = _fma
+    return table
+
+
+def _fma(a, b, c):
+    return a * b + c
 
 
 def _injected_fault(*args, **kwargs):
