@@ -187,10 +187,9 @@ class HorizontalHeuristics:
     # Bytes the combined schedule's planned peak may exceed the plain one's; beyond that the
     # kernels keep their own launches (grouping moves kernels, and what they read lives longer).
     max_peak_increase: int = 1 << 20
-    # C++: elements of one work item (a part's chunk of rows) that OpenMP threads take in turn, and
-    # the total below which the combo runs on one thread.
+    # C++: elements of one work item (a part's chunk of rows) that OpenMP threads take in turn (a
+    # combo of fewer elements than cpp.parallel_threshold runs on one thread).
     cpu_item_elements: int = 16384
-    cpu_parallel_from: int = 32768
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,11 @@ import torch
 from ember import config, faults
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
+from ember.codegen.cpp_combo import render_cpp_combo
 from ember.codegen.render import print_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
-from ember.schedule.kernel import Kernel
+from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.target import Target
 
@@ -158,7 +159,10 @@ class CppBackend:
         parts = [PRELUDE, declarations]
         self.params = {}
         for k in kernels:
-            src, params = render_cpp(k, self._target, memory.shared_buffers(k))
+            if isinstance(k, ComboKernel):  # independent pointwise kernels in one call
+                src, params = render_cpp_combo(k, self._target, memory.shared_buffers)
+            else:
+                src, params = render_cpp(k, self._target, memory.shared_buffers(k))
             self.sources[k.name] = src
             self.params[k.name] = params
             parts.append(src)

@@ -40,10 +40,11 @@ from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
+from ember.codegen.triton_combo import render_triton_combo
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
-from ember.schedule.kernel import Kernel
+from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.target import INTERPRETER_SM_COUNT, Heuristics, PadHeuristics, SplitHeuristics, Target
 
@@ -85,7 +86,12 @@ class TritonBackend:
 
         parts = [PRELUDE]
         for k in kernels:
-            r = render_gemm(k, self._target) if is_gemm_kernel(k) else render_triton(k, self._target)
+            if is_gemm_kernel(k):
+                r = render_gemm(k, self._target)
+            elif isinstance(k, ComboKernel):  # independent pointwise kernels in one launch
+                r = render_triton_combo(k, self._target)
+            else:
+                r = render_triton(k, self._target)
             if is_gemm_kernel(k):
                 self.gemm_kernels[k.name] = r
             else:

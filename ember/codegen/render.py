@@ -31,6 +31,21 @@ class Param:
     written: bool = False
 
 
+def combo_params(reads: list, writes: list) -> list[Param]:
+    """The parameters of a combo kernel (schedule/kernel.py: ComboKernel), from its reads and
+    writes: named and ordered as Renderer names a kernel's buffers, so each part's names are the
+    combo kernel's and the host program passes the buffers in the same order."""
+    seen: dict[int, Param] = {}
+    for v in reads:
+        seen.setdefault(v.id, Param(f"in_{v.name}", "buffer", v))
+    for v in writes:
+        if v.id in seen:
+            seen[v.id].written = True
+        else:
+            seen[v.id] = Param(f"out_{v.name}", "buffer", v, written=True)
+    return list(seen.values())
+
+
 def print_index(expr, floordiv: str) -> str:
     """Print an integer index expression; floordiv is '//' (Triton) or '/' (C++)."""
     expr = sympy.expand(expr) if not isinstance(expr, (IndexDiv, IndexMod)) else expr

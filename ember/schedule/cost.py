@@ -28,7 +28,7 @@ import sympy
 from ember import config
 from ember.ir import ops
 from ember.ir.sizes import Expr, product
-from ember.schedule.kernel import Kernel, KLoad, KNode, KOp, KReduce, walk
+from ember.schedule.kernel import ComboKernel, Kernel, KLoad, KNode, KOp, KReduce, walk
 from ember.target import Target
 
 
@@ -86,6 +86,9 @@ def is_persistent(kernel: Kernel) -> bool:
 def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | None = None) -> KernelCost:
     """The kernel's cost; `stored` limits the written bytes to those buffers (while fusing, a
     kernel stores all it computes; only what someone else reads will be stored in the end)."""
+    if isinstance(kernel, ComboKernel):  # its parts' traffic and work, in one launch
+        zero = sympy.Integer(0)
+        return sum((kernel_cost(p, None, stored) for p in kernel.parts), KernelCost(zero, zero, zero))
     if persistent is None:
         persistent = is_persistent(kernel)
     outer = product(kernel.domain.outer_shape)

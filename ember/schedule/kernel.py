@@ -257,3 +257,53 @@ def walk(kernel: Kernel) -> list[KNode]:
     for c in kernel.column_partials:
         visit(c.arg)
     return list(seen.values())
+
+
+@dataclass(frozen=True)
+class ComboDomain:
+    """The domains of a combo kernel's parts, for reports."""
+
+    parts: tuple[Domain, ...]
+
+    def __str__(self) -> str:
+        return f"combo of {len(self.parts)}: " + " ".join(str(d) for d in self.parts)
+
+
+@dataclass
+class ComboKernel:
+    """Independent pointwise kernels run as one launch (schedule/horizontal.py), as apex's
+    multi_tensor_apply and Inductor's combo kernels do: each part keeps its own domain, loads and
+    stores; the launch walks the parts' blocks one after another. No part reads what another writes,
+    and the memory plan gives no part's output memory that another part reads."""
+
+    name: str
+    parts: list[Kernel]
+
+    @property
+    def domain(self) -> ComboDomain:
+        return ComboDomain(tuple(p.domain for p in self.parts))
+
+    @property
+    def reads(self) -> list[Value]:
+        seen: dict[int, Value] = {}
+        for p in self.parts:
+            for v in p.reads:
+                seen.setdefault(v.id, v)
+        return list(seen.values())
+
+    @property
+    def writes(self) -> list[Value]:
+        return [v for p in self.parts for v in p.writes]
+
+    @property
+    def origins(self) -> list[str]:
+        return [o for p in self.parts for o in p.origins]
+
+    @property
+    def writes_nothing(self) -> bool:
+        return all(p.writes_nothing for p in self.parts)
+
+
+def kernel_parts(kernel: Kernel | ComboKernel) -> list[Kernel]:
+    """The kernels a launch runs: a combo kernel's parts, or the kernel itself."""
+    return list(kernel.parts) if isinstance(kernel, ComboKernel) else [kernel]

@@ -35,7 +35,7 @@ import torch
 from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, product
 from ember.schedule.cost import size_hint
-from ember.schedule.kernel import Kernel, KLoad, KNode, walk
+from ember.schedule.kernel import Kernel, KLoad, KNode, kernel_parts, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
 
 
@@ -264,8 +264,12 @@ class _Placer:
     def place(self, step: Step, pos: int) -> None:
         if isinstance(step, KernelStep):
             taken: set[Value] = set()  # buffers an output of this kernel already writes over in place
-            for v in step.kernel.writes:
-                self._place_output(step.kernel, v, pos, taken)
+            parts = kernel_parts(step.kernel)
+            for part in parts:
+                # A combo kernel's parts run side by side: none writes over memory another reads.
+                others = {v for p in parts if p is not part for v in p.reads}
+                for v in part.writes:
+                    self._place_output(part, v, pos, taken, others)
         elif isinstance(step, AliasStep):
             self.holder[step.value] = self.holder.get(step.base, step.base)
         elif isinstance(step, ExternStep):
@@ -279,15 +283,15 @@ class _Placer:
                 self.holder[v] = v
                 self.born[v] = pos
 
-    def _place_output(self, kernel: Kernel, v: Value, pos: int, taken: set[Value]) -> None:
+    def _place_output(self, kernel: Kernel, v: Value, pos: int, taken: set[Value], others: set[Value]) -> None:
         inp = self.uses.mutated_input(v, kernel, pos)
-        if inp is not None:
+        if inp is not None and inp not in others:
             self.plan.reuse[v] = inp
             self.plan.inplace.add(v)
             self.plan.mutations_in_place.add(inp)
             self.holder[v] = inp  # the caller's memory: not counted in the peak
             return
-        donor = self._in_place_donor(kernel, v, pos, taken)
+        donor = self._in_place_donor(kernel, v, pos, taken | others)
         if donor is not None:
             self.plan.inplace.add(v)
             taken.add(donor)

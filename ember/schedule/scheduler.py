@@ -8,7 +8,8 @@ Each pass reads and fills in one record, state.ScheduleState; each module holds 
 4. groups.py: one group, with its kernel (kernel_builder.py), per realized value;
 5. fusion.py (merge.py): merge groups, the pair saving the most bytes first;
 6. order.py: store only what another step reads; order the steps topologically;
-7. memory.py: place each buffer (in place, a dead buffer, or fresh memory); the planned peak.
+7. memory.py: place each buffer (in place, a dead buffer, or fresh memory); the planned peak;
+8. horizontal.py: groups of independent small pointwise kernels, each group one launch.
 
 peak.py runs the passes again with fewer sibling merges where those raised the planned peak
 above eager's.
@@ -22,6 +23,7 @@ from ember.schedule.fusion import FusionPolicy, fuse
 from ember.schedule.gemm import GemmChooser
 from ember.schedule.gemm_plan import plan_gemm_templates
 from ember.schedule.groups import make_groups
+from ember.schedule.horizontal import combine_horizontally
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import plan_memory
 from ember.schedule.order import order_steps
@@ -43,12 +45,16 @@ def schedule(
     (`eager_peak`: of the graph as imported, before any pass; default: of `graph`), undo them
     (peak.py). `target` (ember/target.py) says which kernel forms its code generator renders: a
     long row's max and sum of exp folded into one pass (`online_softmax`, schedule/online.py), and
-    row kernels that accumulate split column sums (`column_partials`, kernel.KColumnPartial); None:
-    neither. `gemm`: the backend's choice between its GEMM template and ATen per matrix product
+    row kernels that accumulate split column sums (`column_partials`, kernel.KColumnPartial), and
+    which independent kernels share a launch (`heuristics.horizontal`, horizontal.py); None: none. `gemm`: the backend's choice between its GEMM template and ATen per matrix product
     (schedule/gemm.py). `kernel_prefix` starts every kernel's name."""
     renders = TargetFacts()
     if target is not None:
-        renders = TargetFacts(online_softmax=target.online_softmax, column_partials=target.column_partials)
+        renders = TargetFacts(
+            online_softmax=target.online_softmax,
+            column_partials=target.column_partials,
+            horizontal=target.heuristics.horizontal,
+        )
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
 
@@ -71,3 +77,4 @@ def run_passes(state: ScheduleState, eager_peak: int | None, policy: FusionPolic
         fuse(state, policy)
     order_steps(state)
     state.memory = plan_memory(state.graph, state.steps, eager_peak)
+    combine_horizontally(state, eager_peak)

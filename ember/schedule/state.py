@@ -3,7 +3,8 @@
 scheduler.py runs the passes in order; each fills in its fields: realize.py `aliases`,
 `realized` and `read_outside`; gemm_plan.py `gemm_plans`; groups.py `groups`, `owner` and
 `gemms`; fusion.py (with merge.py) merges groups and fills in `readers`, `decisions` and
-`sibling_merged`; order.py `steps`; memory.py `memory`.
+`sibling_merged`; order.py `steps`; memory.py `memory`; horizontal.py may replace `steps`
+and `memory`.
 
 The record is the scheduler's working memory. Its result, `steps.Schedule`, keeps only the
 graph, the steps, the decisions and the memory plan (the schedule cache pickles it).
@@ -18,6 +19,7 @@ from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
 from ember.schedule.kernel import Domain, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
+from ember.target import HorizontalHeuristics
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class TargetFacts:
 
     online_softmax: bool = False  # schedule/online.py's one-pass max and sum of exp
     column_partials: bool = False  # column sums accumulated by a row kernel (kernel.KColumnPartial)
+    horizontal: HorizontalHeuristics | None = None  # which kernels share a launch (horizontal.py); None: none
 
 
 @dataclass

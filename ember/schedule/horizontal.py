@@ -1,0 +1,166 @@
+"""Horizontal fusion: independent small pointwise kernels run as one launch (a combo kernel).
+
+An optimizer step's graph holds a small pointwise kernel per parameter (read p, g, m, v; write
+p, m, v), each launched on its own: launches grow with the parameter count. This pass packs
+kernels that no path of the schedule connects into `kernel.ComboKernel`s, as apex's
+multi_tensor_apply and Inductor's combo kernels do; code generation walks the parts' blocks in
+one launch (codegen/triton_combo.py, codegen/cpp_combo.py).
+
+The rules (the target's `heuristics.horizontal`):
+- a part is a pointwise kernel (no reduce dims, reductions or column sums), not a GEMM template,
+  of static sizes, of at most `max_elements` elements;
+- parts are independent. Each step has a level: one more than the highest level of the steps it
+  reads from. Extern calls also follow the previous extern call (their order stays, random
+  number generators' included), and the kernel computing a mutated input's new value follows
+  every other reader of the input (so it can still write in place). Kernels of one level have no
+  path between them, in either direction, and packing kernels of one level never makes a cycle;
+- at most `max_parts` parts and `max_buffers` distinct buffers per launch;
+- no part writes memory another part of its launch reads: the memory plan places each part's
+  outputs knowing what the other parts read (memory.py);
+- where the combined order raises the planned peak by more than `max_peak_increase`, the
+  schedule keeps its kernels apart.
+
+The steps are then ordered again, topologically, each combo kernel at its first part's place.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ember.ir.graph import Value
+from ember.ir.sizes import product
+from ember.schedule.gemm import is_gemm_kernel
+from ember.schedule.kernel import ComboKernel, Kernel
+from ember.schedule.memory import plan_memory
+from ember.schedule.state import ScheduleState
+from ember.schedule.steps import ExternStep, FusionDecision, KernelStep, Step, step_inputs, step_outputs
+from ember.target import HorizontalHeuristics
+
+
+def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
+    """Pack independent pointwise kernels of `state.steps` into combo kernels; replaces the steps
+    and the memory plan (`state.memory`, planned for the steps as they were) when it does."""
+    rules = state.target.horizontal
+    if rules is None or rules.max_parts < 2:
+        return
+    steps = state.steps
+    deps = dependencies(state, steps)
+    groups = pack(steps, levels(deps), rules)
+    if not groups:
+        return
+    combos = [ComboKernel(f"{state.kernel_prefix}combo{n}", [steps[k].kernel for k in g]) for n, g in enumerate(groups)]
+    combined = reorder(steps, deps, groups, combos)
+    memory = plan_memory(state.graph, combined, eager_peak)
+    before, after = state.memory.peak_bytes, memory.peak_bytes
+    if before is not None and after is not None and after > before + rules.max_peak_increase:
+        reason = (
+            f"horizontal: {sum(map(len, groups))} kernels in {len(groups)} launches would raise the planned "
+            f"peak from {before / 1e6:.3g} to {after / 1e6:.3g} MB: each keeps its own launch"
+        )
+        state.decisions.append(FusionDecision("*", "*", False, reason))
+        return
+    state.steps, state.memory = combined, memory
+    for combo in combos:
+        parts = ", ".join(p.name for p in combo.parts)
+        reason = f"horizontal: {len(combo.parts)} independent pointwise kernels in one launch"
+        state.decisions.append(FusionDecision(combo.name, parts, True, reason))
+
+
+def dependencies(state: ScheduleState, steps: list[Step]) -> list[set[int]]:
+    """For each step, the earlier steps it must follow (see the module's docstring)."""
+    produced_by: dict[Value, int] = {}
+    readers: dict[Value, list[int]] = {}
+    deps: list[set[int]] = []
+    last_extern = None
+    for k, step in enumerate(steps):
+        inputs = step_inputs(step)
+        need = {produced_by[v] for v in inputs if v in produced_by}
+        if isinstance(step, ExternStep):
+            need |= {last_extern} if last_extern is not None else set()
+            last_extern = k
+        deps.append(need)
+        for v in inputs:
+            readers.setdefault(v, []).append(k)
+        for v in step_outputs(step):
+            produced_by.setdefault(v, k)
+    for inp, pos in state.graph.mutations:
+        writer = produced_by.get(state.graph.outputs[pos])
+        if writer is not None:
+            deps[writer] |= {r for r in readers.get(inp, []) if r < writer}
+    return deps
+
+
+def levels(deps: list[set[int]]) -> list[int]:
+    """Each step's level: 0 without dependencies, else one more than its dependencies' highest."""
+    level: list[int] = []
+    for need in deps:
+        level.append(1 + max((level[d] for d in need), default=-1))
+    return level
+
+
+def eligible(kernel: object, rules: HorizontalHeuristics) -> bool:
+    """Whether a kernel may be a part of a combo kernel."""
+    if not isinstance(kernel, Kernel) or is_gemm_kernel(kernel) or kernel.writes_nothing or not kernel.stores:
+        return False
+    if any(kernel.loop_reduce) or kernel.reduces or kernel.column_partials or kernel.size_symbols():
+        return False
+    numel = product(kernel.loop_sizes)
+    return numel.is_Integer and 0 < int(numel) <= rules.max_elements
+
+
+def pack(steps: list[Step], level: list[int], rules: HorizontalHeuristics) -> list[list[int]]:
+    """Groups of at least two step positions, each of eligible kernels of one level, in step
+    order, within the caps on parts and buffers."""
+    by_level: dict[int, list[int]] = {}
+    for k, step in enumerate(steps):
+        if isinstance(step, KernelStep) and eligible(step.kernel, rules):
+            by_level.setdefault(level[k], []).append(k)
+    groups: list[list[int]] = []
+    for members in by_level.values():
+        current: list[int] = []
+        buffers: set[int] = set()
+        for k in members:
+            kernel = steps[k].kernel
+            mine = {v.id for v in list(kernel.reads) + kernel.writes}
+            if len(mine) > rules.max_buffers:
+                continue
+            if len(current) == rules.max_parts or len(buffers | mine) > rules.max_buffers:
+                groups.append(current)
+                current, buffers = [], set()
+            current.append(k)
+            buffers |= mine
+        groups.append(current)
+    return sorted((g for g in groups if len(g) >= 2), key=lambda g: g[0])
+
+
+def reorder(steps: list[Step], deps: list[set[int]], groups: list[list[int]], combos: list[ComboKernel]) -> list[Step]:
+    """The steps with each group as one combo kernel step, in a topological order that keeps the
+    steps' own order where it can (each group at its first part's place)."""
+    node = list(range(len(steps)))  # step position -> its node: a group's first position for its parts
+    for g in groups:
+        for k in g:
+            node[k] = g[0]
+    combo_at = {g[0]: KernelStep(c) for g, c in zip(groups, combos)}
+    need: dict[int, set[int]] = {}
+    for k, d in enumerate(deps):
+        need.setdefault(node[k], set()).update(node[j] for j in d)
+    for n, d in need.items():
+        d.discard(n)
+    users: dict[int, list[int]] = {}
+    for n, d in need.items():
+        for j in d:
+            users.setdefault(j, []).append(n)
+    waiting = {n: len(d) for n, d in need.items()}
+    ready = [n for n, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order: list[Step] = []
+    while ready:
+        n = heapq.heappop(ready)
+        order.append(combo_at.get(n, steps[n]))
+        for u in users.get(n, []):
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(waiting):
+        raise RuntimeError("horizontal fusion made a cycle among the steps")  # levels rule it out
+    return order

@@ -1,0 +1,87 @@
+"""Combo kernels (schedule/horizontal.py; codegen/triton_combo.py, codegen/cpp_combo.py): programs of
+many independent in-place pointwise updates, compiled, equal eager's results with a launch count
+that does not grow with the tensor count. On both code generators (Triton through its interpreter,
+at tiny shapes), and with Triton on a GPU where one is present."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers import ON_DEVICES, assert_close, assert_no_fallback, ember_compile, reports
+
+# 20 tensors of mixed sizes and ranks; every third parameter is bf16 with fp32 state.
+SIZES = [(7,), (33,), (128,), (300,), (5,), (4, 9), (64,), (3, 5, 2), (17,), (11,)] * 2
+CAP = 8
+
+
+def momentum_step(params, grads, states):
+    """A foreach-style SGD-with-momentum step, one tensor at a time: m = 0.9 m + 0.1 g (fp32 state);
+    p -= 0.05 m (in p's dtype)."""
+    for p, g, m in zip(params, grads, states):
+        m.mul_(0.9).add_(g.float(), alpha=0.1)
+        p.add_(m.to(p.dtype), alpha=-0.05)
+
+
+def _tensors(device):
+    dtypes = [torch.bfloat16 if k % 3 == 0 else torch.float32 for k in range(len(SIZES))]
+    params = [torch.randn(s, device=device, dtype=dt) for s, dt in zip(SIZES, dtypes)]
+    grads = [torch.randn(s, device=device, dtype=dt) for s, dt in zip(SIZES, dtypes)]
+    states = [torch.randn(s, device=device) for s in SIZES]
+    return params, grads, states
+
+
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_foreach_style_updates_of_twenty_mixed_tensors_take_ceil_20_over_cap_launches(backend, device):
+    params, grads, states = _tensors(device)
+    want = [[t.clone() for t in ts] for ts in (params, grads, states)]
+    line = f"repro: momentum step over 20 tensors {SIZES[:10]} x2, bf16 every third, cap {CAP}, {backend} on {device}"
+    compiled = ember_compile(momentum_step, backend, heuristics=f"horizontal.max_parts={CAP}")
+    with reports() as report:
+        for _ in range(2):
+            compiled(params, grads, states)
+            momentum_step(*want)
+    assert_no_fallback(report, line)
+    (graph,) = report.graphs
+    assert len(graph.kernels) <= math.ceil(len(SIZES) / CAP), [k.name for k in graph.kernels]
+    assert f"{2 * len(SIZES)} mutated inputs written in place" in graph.memory, graph.memory
+    for k, (got, ref) in enumerate(zip(params + states, want[0] + want[2])):
+        tol = 1e-2 if got.dtype == torch.bfloat16 else 1e-5
+        what = f"{'param' if k < len(SIZES) else 'state'} {k % len(SIZES)} {tuple(got.shape)} {got.dtype}"
+        assert_close(got, ref, rtol=tol, atol=tol, what=what, line=line)
+
+
+def scattered_updates(x, s, v, w):
+    """Parts of several shapes: a transposed read (two loop dims), a 0-d counter, a flat update and a
+    bf16 one, none reading another's result."""
+    y = x.t() * 2.0
+    s.add_(1)
+    v.mul_(0.5).add_(1.0)
+    w.sub_(0.25)
+    return y
+
+
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_parts_of_other_ranks_a_counter_and_many_work_items(backend, device):
+    """Work items of 16 elements over a 64-element threshold: the C++ combo kernel hands its parts'
+    chunks to OpenMP threads; a transposed part and a 0-d part run in the same launch."""
+    x = torch.randn(40, 9, device=device)
+    args = [x, torch.zeros((), device=device), torch.randn(300, device=device)]
+    args.append(torch.randn(50, device=device, dtype=torch.bfloat16))
+    want = [a.clone() for a in args]
+    line = f"repro: transposed, 0-d, flat and bf16 updates in one launch, {backend} on {device}"
+    tuned = "horizontal.cpu_item_elements=16,cpp.parallel_threshold=64"
+    compiled = ember_compile(scattered_updates, backend, heuristics=tuned)
+    with reports() as report:
+        got_y = compiled(*args)
+    want_y = scattered_updates(*want)
+    assert_no_fallback(report, line)
+    (graph,) = report.graphs
+    assert len(graph.kernels) == 1, [k.name for k in graph.kernels]
+    if backend == "cpp":
+        assert "omp parallel for schedule(dynamic, 1)" in graph.kernels[0].source, graph.kernels[0].source
+    assert_close(got_y, want_y, rtol=1e-6, atol=1e-6, what="y", line=line)
+    for name, got, ref in zip(("x", "s", "v", "w"), args, want):
+        assert_close(got, ref, rtol=1e-6, atol=1e-6, what=name, line=line)

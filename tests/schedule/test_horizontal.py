@@ -1,0 +1,184 @@
+"""Horizontal fusion (schedule/horizontal.py): independent small pointwise kernels packed into
+combo kernels, one launch each. Graphs are built directly; each schedule's kernels must also render
+in both languages. What the combined kernels compute is checked against eager in
+tests/codegen/test_combo_kernels.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import sympy
+import torch
+
+from ember import config
+from ember.backends.triton import TritonBackend
+from ember.codegen.cpp_combo import render_cpp_combo
+from ember.codegen.triton_combo import render_triton_combo
+from ember.ir.graph import Graph, verify
+from ember.ir.sizes import contiguous_strides
+from ember.schedule.kernel import ComboKernel
+from ember.schedule.memory import plan_memory
+from ember.schedule.scheduler import schedule
+from ember.schedule.steps import KernelStep
+from ember.target import Heuristics, HorizontalHeuristics, Target
+
+I = sympy.Integer
+F32, BF16 = torch.float32, torch.bfloat16
+TRITON = TritonBackend().target()  # through Triton's CPU interpreter
+
+
+_FRESH = types.SimpleNamespace(fresh_result=True)
+
+
+def target(**rules) -> Target:
+    return Target("cpp", heuristics=Heuristics(horizontal=HorizontalHeuristics(**rules)))
+
+
+class G:
+    """A tiny builder over ember.ir.graph.Graph."""
+
+    def __init__(self):
+        self.g = Graph(torch.device("cpu"))
+
+    def input(self, *shape, dtype=F32):
+        shape = tuple(I(s) for s in shape)
+        return self.g.add_input(shape, dtype, contiguous_strides(shape))
+
+    def pw(self, fn, *inputs, dtype=None):
+        shape = max((v.shape for v in inputs if hasattr(v, "shape")), key=len)
+        dtype = dtype or next(v.dtype for v in inputs if hasattr(v, "dtype"))
+        return self.g.add("pointwise", inputs, {"fn": fn}, [(shape, dtype, None)], origin=fn).out
+
+    def axpb(self, x):
+        return self.pw("add", self.pw("mul", x, 0.5), 1.0)
+
+    def extern(self, x):
+        """An op that returns fresh memory (no view of x): x must be in memory, and is no alias's base."""
+        attrs = {"target": _FRESH, "args": (x,), "kwargs": {}}
+        return self.g.add("extern", [x], attrs, [(x.shape, x.dtype, contiguous_strides(x.shape))], origin="mm").out
+
+    def schedule(self, *outputs, mutations=(), tgt=None):
+        self.g.outputs = list(outputs)
+        self.g.mutations = list(mutations)
+        verify(self.g)
+        sched = schedule(self.g, target=tgt or target())
+        for k in sched.kernels:
+            if isinstance(k, ComboKernel):  # every combo kernel renders in both languages
+                assert k.name in render_cpp_combo(k, tgt or target(), lambda p: frozenset())[0]
+                assert k.name in render_triton_combo(k, TRITON).source
+        return sched
+
+
+def combos(sched) -> list[ComboKernel]:
+    return [k for k in sched.kernels if isinstance(k, ComboKernel)]
+
+
+def test_twenty_independent_updates_of_mixed_sizes_and_dtypes_take_ceil_20_over_cap_launches():
+    b = G()
+    sizes = [7, 33, 128, 1000, 5, (4, 9), 64, (3, 5, 2), 17, 300]
+    xs = [
+        b.input(*(s if isinstance(s, tuple) else (s,)), dtype=BF16 if k % 3 == 0 else F32)
+        for k, s in enumerate(sizes * 2)
+    ]
+    ys = [b.axpb(x) for x in xs]
+    for cap in (4, 8, 32):
+        sched = b.schedule(*ys, tgt=target(max_parts=cap))
+        assert len(sched.kernels) == math.ceil(20 / cap), [k.name for k in sched.kernels]
+        parts = [p for k in combos(sched) for p in k.parts]
+        assert sorted(v.id for p in parts for v in p.writes) == sorted(y.id for y in ys)
+        assert sum(d.accepted and d.reason.startswith("horizontal") for d in sched.decisions) == len(combos(sched))
+
+
+def test_one_part_per_launch_leaves_every_kernel_alone():
+    b = G()
+    ys = [b.axpb(b.input(16)) for _ in range(4)]
+    sched = b.schedule(*ys, tgt=target(max_parts=1))
+    assert len(sched.kernels) == 4 and not combos(sched)
+
+
+def test_a_kernel_reading_another_never_shares_its_launch():
+    """y2 reads y1 through an extern: they are never parts of one launch; the independent y3 joins
+    y1's. (Read directly, y1 and y2 fuse into one kernel, which is one part.)"""
+    b = G()
+    x1, x3 = b.input(16), b.input(16)
+    y1 = b.axpb(x1)
+    y2 = b.axpb(b.extern(y1))
+    y3 = b.axpb(x3)
+    sched = b.schedule(y1, y2, y3)
+    (combo,) = combos(sched)
+    assert {v.id for v in combo.writes} == {y1.id, y3.id}, [k.name for k in sched.kernels]
+    positions = {v.id: n for n, s in enumerate(sched.steps) if isinstance(s, KernelStep) for v in s.kernel.writes}
+    assert positions[y2.id] > positions[y1.id]  # still after what it reads
+    for combo in combos(b.schedule(y1, b.axpb(y1), y3)):
+        assert all(not (y1 in p.writes) or len(p.writes) == 2 for p in combo.parts)  # y1 with its reader
+
+
+def test_reductions_and_large_kernels_keep_their_own_launch():
+    b = G()
+    x, big = b.input(8, 16), b.input(4096)
+    total = b.g.add("reduce", [x], {"kind": "sum", "dims": (1,), "keepdim": False}, [((I(8),), F32, None)]).out
+    ys = [b.axpb(b.input(16)) for _ in range(3)]
+    sched = b.schedule(total, b.axpb(big), *ys, tgt=target(max_elements=1024))
+    (combo,) = combos(sched)
+    assert {v.id for v in combo.writes} == {y.id for y in ys}
+    assert len(sched.kernels) == 3  # the sum, the large kernel, the combo
+
+
+def test_buffer_cap_splits_the_launches():
+    b = G()
+    ys = [b.axpb(b.input(16)) for _ in range(6)]  # two buffers each
+    sched = b.schedule(*ys, tgt=target(max_buffers=5))
+    assert [len(k.parts) for k in combos(sched)] == [2, 2, 2]
+
+
+def test_writer_of_a_mutated_input_follows_its_other_readers():
+    """x is mutated (its new value x * 0.5 + 1) and also read by another kernel: that reader runs
+    first, in a launch of its own level, so the writer can still write x in place."""
+    b = G()
+    x, z = b.input(16), b.input(16)
+    reader = b.pw("mul", x, 3.0)
+    other = b.axpb(z)
+    new_x = b.axpb(x)
+    with config.override(fuse=False):  # else the reader and the writer are one kernel
+        sched = b.schedule(reader, other, new_x, mutations=[(x, 2)])
+    assert len(sched.kernels) == 2, [k.name for k in sched.kernels]
+    for k in combos(sched):
+        assert not ({reader.id, new_x.id} <= {v.id for v in k.writes}), "the reader and the writer share a launch"
+    assert x in sched.memory.mutations_in_place
+
+
+def test_parts_never_write_over_what_another_part_reads():
+    """t is read last by two kernels that become one combo kernel: neither part's output may take
+    t's memory in place (the other part would read overwritten elements)."""
+    b = G()
+    t = b.axpb(b.input(64))
+    e = b.extern(t)  # keeps t in memory
+    a, c = b.pw("add", t, 1.0), b.pw("mul", t, 3.0)
+    with config.override(fuse=False):  # a and c apart, each a kernel
+        sched = b.schedule(e, a, c, tgt=target(max_parts=1))
+    (ka,) = [k for k in sched.kernels if a in k.writes]
+    (kc,) = [k for k in sched.kernels if c in k.writes]
+    steps = [s for s in sched.steps if not (isinstance(s, KernelStep) and s.kernel in (ka, kc))]
+    steps.append(KernelStep(ComboKernel("combo", [ka, kc])))
+    plan = plan_memory(b.g, steps, None)
+    assert plan.reuse.get(a) is not t and plan.reuse.get(c) is not t, plan.reuse
+    alone = plan_memory(b.g, [s for s in steps[:-1]] + [KernelStep(ka), KernelStep(kc)], None)
+    assert alone.reuse.get(c) is t  # apart, the last reader writes in place
+
+
+def test_a_combination_that_raises_the_peak_is_refused():
+    """y3 at level 0 would move to y1's place, ahead of a large temporary: its 4 KB output would
+    live through the temporary's life. With no room for a larger peak the kernels stay apart."""
+    b = G()
+    y1 = b.axpb(b.input(1024))
+    u = b.pw("exp", b.input(1 << 16))
+    e = b.extern(b.extern(u))
+    y3 = b.axpb(b.input(1024))
+    sched = b.schedule(y1, e, y3, tgt=target(max_peak_increase=1))
+    assert not combos(sched)
+    assert any(not d.accepted and "peak" in d.reason for d in sched.decisions), sched.decisions
+    relaxed = b.schedule(y1, e, y3, tgt=target())
+    assert len(combos(relaxed)) == 1
+    assert dataclasses.asdict(HorizontalHeuristics())  # the rules are plain data
