@@ -4,7 +4,7 @@ once. Each ends in the right answer: compiled, or run eagerly with one warning n
 a damaged binary is never loaded, and a cache that cannot be used costs the caching, not the compile.
 
 (tests/test_fallback.py covers a nonexistent compiler set through options and strict mode;
-tests/test_cache.py a truncated binary across processes; tests/runtime/test_disk_cache.py the
+tests/runtime/test_cache.py a truncated binary across processes; tests/runtime/test_disk_cache.py the
 cache's own checks; tests/runtime/test_cache_trust.py foreign, linked and open cache folders.)
 """
 

@@ -23,7 +23,7 @@ import torch
 
 import ember
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PROGRAM = textwrap.dedent(
     """
