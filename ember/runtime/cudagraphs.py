@@ -49,6 +49,12 @@ OVERWRITTEN = (
     "To prevent overwriting, clone the tensor outside of torch.compile() or call "
     "torch.compiler.cudagraph_mark_step_begin() before each model invocation."
 )
+GRADIENT_OVERWRITTEN = (
+    "Error: accessing gradient tensor output of CUDAGraphs that has been overwritten by a subsequent run. "
+    "This can happen with torch.compile(mode='reduce-overhead') and gradient accumulation when a .grad "
+    "tensor is a backward graph's output: set .grad to None before each backward (optimizer.zero_grad()), "
+    "or allocate the .grad tensors before the compiled backward first runs."
+)
 
 
 class Recorder(Protocol):
@@ -214,6 +220,7 @@ def _generation() -> tuple[int, bool]:
 @dataclass
 class Recording:
     index: int  # order of recording in the pool
+    kind: str  # the compiled graph's: inference, forward, backward
     graph: Any
     inputs: list  # what the graph reads: static inputs themselves, buffers for the others
     copy_in: list[tuple[int, Any]]  # (input position, index selecting what to copy)
@@ -269,7 +276,8 @@ class Pool:
         self.recordings: list[Recording] = []  # in the order they were recorded
         self.generation: int | None = None
         self.pending_backward = False  # a forward ran whose backward has not
-        self.stale: list[StorageWeakRef] = []  # outputs of earlier steps, invalidated at the next replay
+        # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
+        self.stale: list[tuple[StorageWeakRef, str]] = []
 
     def run(self, fn: Graphed, args: list) -> list:
         self._maybe_begin_step()
@@ -290,7 +298,8 @@ class Pool:
             return  # the same step; or a forward whose backward is still to come
         self.generation = generation
         for rec in self.recordings:
-            self.stale += rec.live
+            message = GRADIENT_OVERWRITTEN if rec.kind == "backward" else OVERWRITTEN
+            self.stale += [(ref, message) for ref in rec.live]
             rec.live = []
 
     def _held_from(self, rec: Recording) -> bool:
@@ -368,6 +377,7 @@ class Pool:
         copied = {k for k, _ in copy_in}
         rec = Recording(
             index=len(self.recordings),
+            kind=fn.kind,
             graph=graph,
             inputs=inputs,
             copy_in=copy_in,
@@ -385,9 +395,9 @@ class Pool:
         written_back = [(args[k], rec.inputs[k]) for k in rec.copy_out]
         args.clear()  # the boxed convention: the caller's inputs are not kept past this call
         if self.stale:
-            for ref in self.stale:
+            for ref, message in self.stale:
                 if not ref.expired():
-                    self.recorder.invalidate(ref.cdata, OVERWRITTEN)
+                    self.recorder.invalidate(ref.cdata, message)
             self.stale = []
         self.recorder.replay(rec.graph)
         for original, buffer in written_back:
@@ -445,9 +455,9 @@ class Graphed:
         backward's gradients may come in any layout), and where sizes vary, every input's shape
         and the integer inputs."""
         static = self.static
-        tensor = torch.Tensor
         parts: list[Any] = [
-            a.data_ptr() if k in static else a.stride() if isinstance(a, tensor) else a for k, a in enumerate(args)
+            (a.data_ptr() if k in static else a.stride()) if isinstance(a, torch.Tensor) else a
+            for k, a in enumerate(args)
         ]
         if self.symbolic:
             parts += [a.shape if isinstance(a, torch.Tensor) else a for a in args]

@@ -37,7 +37,7 @@ class FakeRecorder:
         self.pools: list[str] = []
         self.recorded: list[FakeGraph] = []
         self.replays = 0
-        self.invalidated: list[int] = []
+        self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
 
     def new_pool(self):
         self.pools.append(f"pool {len(self.pools)}")
@@ -60,7 +60,7 @@ class FakeRecorder:
                 static.copy_(new)
 
     def invalidate(self, storage, message):
-        self.invalidated.append(storage)
+        self.invalidated[storage] = message
 
 
 @pytest.fixture
@@ -117,6 +117,10 @@ def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
             assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, what=f"step {step} grad {name}", line=line)
     assert len(recorder.recorded) == 2, line  # the forward and the backward, recorded in step 2
+    kept = [p.grad for p in model.parameters()]  # a gradient held into the next step is invalidated
+    model.zero_grad(set_to_none=True)
+    compiled(torch.randn(4, 8)).square().sum().backward()
+    assert {recorder.invalidated.get(g.untyped_storage()._cdata) for g in kept} == {cg.GRADIENT_OVERWRITTEN}, line
     assert len(recorder.pools) == 1 and {g.pool for g in recorder.recorded} == {recorder.pools[0]}, line
 
 
