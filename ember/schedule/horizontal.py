@@ -40,8 +40,8 @@ from ember.target import HorizontalHeuristics
 def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     """Pack independent pointwise kernels of `state.steps` into combo kernels; replaces the steps
     and the memory plan (`state.memory`, planned for the steps as they were) when it does."""
-    rules = state.target.horizontal
-    if rules is None or rules.max_parts < 2:
+    rules = state.target.heuristics.horizontal
+    if rules.max_parts < 2:
         return
     steps = state.steps
     deps = dependencies(state, steps)

@@ -29,7 +29,7 @@ from ember.schedule.memory import plan_memory
 from ember.schedule.order import order_steps
 from ember.schedule.peak import keep_under_eager_peak
 from ember.schedule.realize import realize_shared, realize_stored
-from ember.schedule.state import ScheduleState, TargetFacts
+from ember.schedule.state import NO_TARGET, ScheduleState
 from ember.schedule.steps import Schedule
 from ember.target import Target
 
@@ -46,15 +46,10 @@ def schedule(
     (peak.py). `target` (ember/target.py) says which kernel forms its code generator renders: a
     long row's max and sum of exp folded into one pass (`online_softmax`, schedule/online.py), and
     row kernels that accumulate split column sums (`column_partials`, kernel.KColumnPartial), and
-    which independent kernels share a launch (`heuristics.horizontal`, horizontal.py); None: none. `gemm`: the backend's choice between its GEMM template and ATen per matrix product
-    (schedule/gemm.py). `kernel_prefix` starts every kernel's name."""
-    renders = TargetFacts()
-    if target is not None:
-        renders = TargetFacts(
-            online_softmax=target.online_softmax,
-            column_partials=target.column_partials,
-            horizontal=target.heuristics.horizontal,
-        )
+    which independent kernels share a launch (`heuristics.horizontal`, horizontal.py); None: none
+    (state.NO_TARGET). `gemm`: the backend's choice between its GEMM template and ATen per matrix
+    product (schedule/gemm.py). `kernel_prefix` starts every kernel's name."""
+    renders = target if target is not None else NO_TARGET
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
 

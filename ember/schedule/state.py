@@ -19,16 +19,12 @@ from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
 from ember.schedule.kernel import Domain, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
-from ember.target import HorizontalHeuristics
+from ember.target import Heuristics, HorizontalHeuristics, Target
 
-
-@dataclass(frozen=True)
-class TargetFacts:
-    """Which kernel forms the target's code generator renders (schedule()'s keywords, in one record)."""
-
-    online_softmax: bool = False  # schedule/online.py's one-pass max and sum of exp
-    column_partials: bool = False  # column sums accumulated by a row kernel (kernel.KColumnPartial)
-    horizontal: HorizontalHeuristics | None = None  # which kernels share a launch (horizontal.py); None: none
+# The target of a schedule made for none in particular (schedule(graph) alone, as device-free tests
+# call it): it renders no special kernel form (no online softmax, no column partials) and
+# combines no launches.
+NO_TARGET = Target("none", heuristics=Heuristics(horizontal=HorizontalHeuristics(max_parts=1)))
 
 
 @dataclass
@@ -45,7 +41,7 @@ class Group:
 @dataclass
 class ScheduleState:
     graph: Graph
-    target: TargetFacts = TargetFacts()
+    target: Target = NO_TARGET  # what the code generator renders (online_softmax, column_partials), its heuristics
     gemm: GemmChooser | None = None  # the backend's template-or-ATen choice per product (None: no template)
     # Kernel names are `kernel_prefix` + group id: a training step's forward and backward graphs
     # name theirs apart ("fk3", "bk3"), so a profile's kernel names say which graph ran them.
