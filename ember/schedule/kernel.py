@@ -192,9 +192,6 @@ class KColumnPartial:
 
 # Column reductions a row kernel may accumulate (KColumnPartial): each has an identity to mask with.
 COLUMN_PARTIAL_KINDS = ("sum", "max", "min")
-# A row kernel accumulating column sums holds, per sum, a tile of the row's width in registers
-# besides the row itself: wider rows than this would spill.
-COLUMN_PARTIAL_MAX_ROW = 4096
 
 
 @dataclass

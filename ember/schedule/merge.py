@@ -21,7 +21,7 @@ from ember.ir.graph import Value
 from ember.ir.sizes import product
 from ember.schedule.cost import KernelCost, is_persistent, kernel_cost, size_hint
 from ember.schedule.groups import group_kernel
-from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW, Domain, Kernel, NotFusable
+from ember.schedule.kernel import Domain, Kernel, NotFusable
 from ember.schedule.kernel_builder import column_partial_input
 from ember.schedule.realize import view_chain
 from ember.schedule.state import Group, ScheduleState
@@ -135,7 +135,7 @@ def _merged_kernel(state: ScheduleState, domain: Domain, gid: int, roots: list[V
     if buffers > config.get("max_kernel_buffers"):
         raise NotFusable(f"too many buffers: {buffers} > max_kernel_buffers={config.get('max_kernel_buffers')}")
     if kernel.column_partials:
-        _check_column_partials(kernel)
+        _check_column_partials(kernel, state.target.heuristics.launch.column_partial_max_row)
     return kernel
 
 
@@ -163,14 +163,12 @@ def _group_cost(state: ScheduleState, g: Group, members: set[int]) -> KernelCost
     return kernel_cost(g.kernel, stored=stored)
 
 
-def _check_column_partials(kernel: Kernel) -> None:
+def _check_column_partials(kernel: Kernel, max_row: int) -> None:
     if not any(kernel.loop_reduce):  # rows of one element: merge_dims left no reduce loop to render
         raise NotFusable("column sums need a row loop (every reduce dim has size 1)")
     rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
-    if not is_persistent(kernel) or not rnumel.is_Integer or int(rnumel) > COLUMN_PARTIAL_MAX_ROW:
-        raise NotFusable(
-            f"column sums need the whole row in registers (rows of {rnumel}, at most {COLUMN_PARTIAL_MAX_ROW})"
-        )
+    if not is_persistent(kernel) or not rnumel.is_Integer or int(rnumel) > max_row:
+        raise NotFusable(f"column sums need the whole row in registers (rows of {rnumel}, at most {max_row})")
 
 
 # -- the steps' dependencies, for the cycle check ---------------------------------------------

@@ -31,7 +31,6 @@ import torch
 from ember.ir import dtypes
 from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import product
-from ember.schedule.kernel import COLUMN_PARTIAL_MAX_ROW
 from ember.target import SplitHeuristics, Target
 
 
@@ -82,12 +81,12 @@ def _normalizes(graph: Graph, node: Node) -> bool:
     return False
 
 
-def _column_chunk(rows: int, row: int, row_programs: int, h: SplitHeuristics) -> int:
+def _column_chunk(rows: int, row: int, row_programs: int, h: SplitHeuristics, max_row: int) -> int:
     """Rows per chunk for a column sum that a row kernel may accumulate (kernel.KColumnPartial):
     each chunk is one program of that row kernel: the largest chunk (a power of two) that leaves
     at least `row_programs` of them, within [h.min_column_chunk, h.max_column_chunk]. 0 when the
-    rows are too wide to accumulate or do not divide into chunks."""
-    if row > COLUMN_PARTIAL_MAX_ROW:
+    rows are too wide to accumulate (over `max_row`) or do not divide into chunks."""
+    if row > max_row:
         return 0
     chunk = h.min_column_chunk
     while chunk < h.max_column_chunk and rows // (chunk * 2) >= row_programs:
@@ -152,10 +151,11 @@ def split_reductions(graph: Graph, target: Target) -> int:
     more programs in flight for a column sum).
 
     On a target whose row kernels accumulate column sums (kernel.KColumnPartial), a sum over the
-    leading dims of rows at most COLUMN_PARTIAL_MAX_ROW wide is split into chunks sized for a row
+    leading dims of rows at most `heuristics.launch.column_partial_max_row` wide is split into chunks sized for a row
     kernel to accumulate, at least `target.row_programs` of them, rather than for a column kernel
     of its own."""
     h, row_programs = target.heuristics.split, target.row_programs
+    max_row = target.heuristics.launch.column_partial_max_row
     splits_done = 0
     splits: dict[Value, _Split] = {}  # by the value that replaced each split sum
     for node in list(graph.nodes):
@@ -188,7 +188,7 @@ def split_reductions(graph: Graph, target: Target) -> int:
             # has no columns, and keeps the chunks its sibling sums share).
             columns = dims[0] == 0 and dims[-1] < len(x.shape) - 1
             if row_programs and columns and _row_kernel_beside(graph, node):
-                chunk = _column_chunk(int(reduce), int(outputs), row_programs, h)
+                chunk = _column_chunk(int(reduce), int(outputs), row_programs, h, max_row)
             if chunk:
                 count, length = int(reduce) // chunk, chunk
             else:
