@@ -355,6 +355,13 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: v >= 1,
         ),
         Setting(
+            "cudagraphs_default",
+            bool,
+            False,
+            "without cudagraphs, still record GPU inference graphs that can be captured and launch more kernels "
+            "than they return tensors, and return copies of their outputs (fresh tensors, as without CUDA graphs)",
+        ),
+        Setting(
             "cpu_huge_pages",
             bool,
             True,

@@ -131,6 +131,7 @@ class CaptureFacts:
     extern_refusals: tuple[str, ...]
     mutated_inputs: tuple[int, ...]  # positions of inputs the graph writes (copy_ into them)
     symbolic: bool = False  # sizes vary from call to call: a recording is for one set of them
+    num_outputs: int = 0  # tensors the graph returns
 
 
 def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFacts:
@@ -156,7 +157,10 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
             reasons.append(reason)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:
             mutated.append(positions[node.args[0]])
-    return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic)
+    outputs = [n for n in gm.graph.nodes if n.op == "output"]
+    returned = torch.fx.node.map_arg(outputs[0].args, lambda n: n) if outputs else ()
+    tensors = [n for n in torch.utils._pytree.tree_leaves(returned) if isinstance(n, torch.fx.Node)]
+    return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic, len(tensors))
 
 
 def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
@@ -209,9 +213,14 @@ def _generation() -> tuple[int, bool]:
     marked = trees.MarkStepBox.mark_step_counter if trees is not None else 0
     if marked:
         return marked, True
-    from torch._dynamo.mutation_guard import GenerationTracker
+    if not _tracker:
+        from torch._dynamo.mutation_guard import GenerationTracker
 
-    return GenerationTracker.generation, False
+        _tracker.append(GenerationTracker)
+    return _tracker[0].generation, False
+
+
+_tracker: list = []  # Dynamo's GenerationTracker, imported on first use
 
 
 # -- recordings ----------------------------------------------------------------------------------
@@ -241,6 +250,14 @@ class Recording:
         out = list(self.outputs)
         for pos, number, meta in self.handed:
             out[pos] = _on_storage(storages[number], meta)
+        return out
+
+    def copies(self) -> list:
+        """The outputs, copied into fresh tensors of the same layout: what the host program returns."""
+        out = list(self.outputs)
+        for pos, _, meta in self.handed:
+            o = self.outputs[pos]
+            out[pos] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
         return out
 
 
@@ -403,7 +420,7 @@ class Pool:
         for original, buffer in written_back:
             original.copy_(buffer)
         self._ran(fn)
-        return rec.hand_out(self.device)
+        return rec.copies() if fn.copy_outputs else rec.hand_out(self.device)
 
 
 _pools: dict[tuple[int, str], Pool] = {}
@@ -430,6 +447,7 @@ class Graphed:
         mutated: Sequence[int],
         pool: Pool,
         symbolic: bool = True,
+        copy_outputs: bool = False,
     ):
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
         self.program = program
@@ -437,6 +455,8 @@ class Graphed:
         self.kind = kind
         self.static = frozenset(static)
         self.symbolic = symbolic
+        # The default mode's graphs (setting cudagraphs_default) return copies, and log rather than warn.
+        self.copy_outputs = copy_outputs
         self.mutated = tuple(mutated)
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")
@@ -469,7 +489,10 @@ class Graphed:
         self.recordings.clear()
         if self.report is not None:
             self.report.cudagraphs = f"off: {reason}"
-        log.warn(f"ember: a {self.kind} graph: {reason}")
+        if self.copy_outputs:
+            log.artifact("cudagraphs", f"{self.kind} graph", reason)
+        else:
+            log.warn(f"ember: a {self.kind} graph: {reason}")
 
     def note_held(self) -> None:
         if not self._held_noted:
@@ -483,13 +506,18 @@ class Graphed:
             )
 
 
-def graphed(program: Callable, kind: str, static: Sequence[int], facts: CaptureFacts) -> Callable:
+def graphed(
+    program: Callable, kind: str, static: Sequence[int], facts: CaptureFacts, default_mode: bool = False
+) -> Callable:
     """`program` under CUDA graphs where it can be captured; else `program` itself, with the reason
-    logged and in its report."""
+    logged and in its report. `default_mode`: graphs the caller did not ask for (setting
+    cudagraphs_default), whose outputs are copies: only where that saves launches."""
     recorder = current_recorder()
     report = getattr(program, "report", None)
     fallback = getattr(report, "fallback", None)
     reasons = refusals(None if fallback else facts, recorder.device_type, fallback)
+    if default_mode and not reasons:
+        reasons = _default_mode_refusals(kind, facts, report)
     if reasons:
         why = "; ".join(reasons)
         log.artifact("cudagraphs", f"{kind} graph", f"runs without CUDA graphs: {why}")
@@ -501,4 +529,18 @@ def graphed(program: Callable, kind: str, static: Sequence[int], facts: CaptureF
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return Graphed(program, kind, static, facts.mutated_inputs, pool_for(recorder, device), facts.symbolic)
+    pool = pool_for(recorder, device)
+    return Graphed(program, kind, static, facts.mutated_inputs, pool, facts.symbolic, copy_outputs=default_mode)
+
+
+def _default_mode_refusals(kind: str, facts: CaptureFacts, report) -> list[str]:
+    """Why the default mode does not record a graph it could capture: its outputs must be fresh
+    tensors, so each costs a copy after the replay; that pays only where it replaces more launches."""
+    if kind != "inference":
+        return [f"default mode: a {kind} graph (its saved activations would be copied each step)"]
+    if facts.symbolic:
+        return ["default mode: sizes vary from call to call"]
+    launches = len(report.kernels) + len(report.externs) if report is not None else 0
+    if launches <= facts.num_outputs:
+        return [f"default mode: {launches} launches, {facts.num_outputs} outputs to copy"]
+    return []

@@ -79,7 +79,7 @@ def _mlp() -> torch.nn.Module:
 def test_modes_turn_cudagraphs_on():
     assert _checked_options("reduce-overhead", None)["cudagraphs"] is True
     assert _checked_options("max-autotune", None)["cudagraphs"] is True
-    assert "cudagraphs" not in _checked_options("max-autotune-no-cudagraphs", None)
+    assert _checked_options("max-autotune-no-cudagraphs", None) == {"cudagraphs_default": False}
     assert "cudagraphs" not in _checked_options(None, None)
     assert _checked_options("reduce-overhead", {"cudagraphs": False})["cudagraphs"] is False  # the caller's word wins
 
@@ -122,6 +122,20 @@ def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
     compiled(torch.randn(4, 8)).square().sum().backward()
     assert {recorder.invalidated.get(g.untyped_storage()._cdata) for g in kept} == {cg.GRADIENT_OVERWRITTEN}, line
     assert len(recorder.pools) == 1 and {g.pool for g in recorder.recorded} == {recorder.pools[0]}, line
+
+
+def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
+    model = _mlp()
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    line = repro(program="Linear(8,16)-relu-Linear(16,4)", x="f32[2, 8]", cudagraphs_default=True)
+    xs = torch.randn(6, 2, 8)
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]  # every output held: fresh tensors, none overwritten
+        for i, (x, y) in enumerate(zip(xs, outs)):
+            assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
+    assert recorder.replays >= 4 and not recorder.invalidated, line
+    compiled(xs[0]).sum().backward()  # training graphs are not recorded in the default mode
+    assert len(recorder.recorded) == 1, line
 
 
 def test_mutated_inputs_are_captured(recorder):
