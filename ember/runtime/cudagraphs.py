@@ -32,46 +32,25 @@ GPU; tests pass a fake one with `use_recorder`, which is how the bookkeeping run
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import config, log
-
-# PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
-OVERWRITTEN = (
-    "Error: accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run. "
-    "To prevent overwriting, clone the tensor outside of torch.compile() or call "
-    "torch.compiler.cudagraph_mark_step_begin() before each model invocation."
-)
-GRADIENT_OVERWRITTEN = (
-    "Error: accessing gradient tensor output of CUDAGraphs that has been overwritten by a subsequent run. "
-    "This can happen with torch.compile(mode='reduce-overhead') and gradient accumulation when a .grad "
-    "tensor is a backward graph's output: set .grad to None before each backward (optimizer.zero_grad()), "
-    "or allocate the .grad tensors before the compiled backward first runs."
+from ember.runtime.cudagraph_pool import (
+    GRADIENT_OVERWRITTEN,
+    OVERWRITTEN,
+    Pool,
+    Recorder,
+    Recording,
+    pool_for,
+    same_addresses,
 )
 
-
-class Recorder(Protocol):
-    """The device calls CUDA graphs need; everything else here is bookkeeping."""
-
-    device_type: str  # the device whose graphs it records ("cuda")
-
-    def new_pool(self) -> Any: ...
-
-    def record(self, run: Callable[[], list], inputs: list, pool: Any) -> tuple[Any, list]:
-        """Capture `run()` into a graph whose allocations come from `pool`; (graph, run's outputs).
-        `inputs`: what the graph reads; a capture computes nothing, so they stay as they are."""
-
-    def replay(self, graph: Any) -> None: ...
-
-    def invalidate(self, storage: int, message: str) -> None:
-        """Make reading the storage (its StorageImpl pointer) raise `message`."""
+__all__ = ["GRADIENT_OVERWRITTEN", "OVERWRITTEN", "Pool", "Recorder", "capture_facts", "graphed", "use_recorder"]
 
 
 class CudaRecorder:
@@ -203,239 +182,6 @@ def static_inputs(gm: torch.fx.GraphModule, kind: str) -> list[int]:
     return list(getattr(metadata, "static_input_indices", None) or ())
 
 
-# -- steps ---------------------------------------------------------------------------------------
-
-
-def _generation() -> tuple[int, bool]:
-    """(the current step's number, whether the user marks steps): PyTorch's, which
-    torch.compiler.cudagraph_mark_step_begin() counts down and each torch.compile'd invocation up."""
-    trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    marked = trees.MarkStepBox.mark_step_counter if trees is not None else 0
-    if marked:
-        return marked, True
-    if not _tracker:
-        from torch._dynamo.mutation_guard import GenerationTracker
-
-        _tracker.append(GenerationTracker)
-    return _tracker[0].generation, False
-
-
-_tracker: list = []  # Dynamo's GenerationTracker, imported on first use
-
-
-# -- recordings ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Recording:
-    index: int  # order of recording in the pool
-    kind: str  # the compiled graph's: inference, forward, backward
-    graph: Any
-    inputs: list  # what the graph reads: static inputs themselves, buffers for the others
-    copy_in: list[tuple[int, Any]]  # (input position, index selecting what to copy)
-    copy_out: list[int]  # mutated inputs that were copied in: copied back after a replay
-    outputs: list  # as recorded: their memory stays allocated while the recording lives
-    storages: list[tuple[int, int]]  # (data pointer, bytes) of each pool storage an output views
-    handed: list[tuple[int, int, dict]]  # (output position, storage number, tensor metadata)
-    live: list[StorageWeakRef] = field(default_factory=list)  # this step's outputs
-
-    def held(self) -> bool:
-        return any(not ref.expired() for ref in self.live)
-
-    def hand_out(self, device: torch.device) -> list:
-        """The outputs, on storages made for this replay: a later step invalidates these without
-        touching the recording's own."""
-        storages = [torch._C._construct_storage_from_data_pointer(ptr, device, nbytes) for ptr, nbytes in self.storages]
-        self.live = [StorageWeakRef(s) for s in storages]
-        out = list(self.outputs)
-        for pos, number, meta in self.handed:
-            out[pos] = _on_storage(storages[number], meta)
-        return out
-
-    def copies(self) -> list:
-        """The outputs, copied into fresh tensors of the same layout: what the host program returns."""
-        out = list(self.outputs)
-        for pos, _, meta in self.handed:
-            o = self.outputs[pos]
-            out[pos] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
-        return out
-
-
-def _on_storage(storage, meta: dict) -> torch.Tensor:
-    make = getattr(torch._C, "_construct_CUDA_Tensor_From_Storage_And_Metadata", None)
-    if make is not None and meta["device"].type == "cuda":
-        return make(meta, storage)
-    t = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
-    return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
-
-
-def _copy_index(t: torch.Tensor) -> Any:
-    """Where a buffer with t's layout is written: broadcast (stride 0) dims at one position."""
-    if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride())):
-        return None
-    return tuple(0 if st == 0 and n > 1 else slice(None) for n, st in zip(t.shape, t.stride()))
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, index: Any) -> None:
-    if index is None:
-        dst.copy_(src)
-    else:
-        dst[index].copy_(src[index])
-
-
-class Pool:
-    """One memory pool and its step bookkeeping: every graph one recorder records on one device."""
-
-    def __init__(self, recorder: Recorder, device: torch.device):
-        self.recorder = recorder
-        self.device = device
-        self.handle = recorder.new_pool()
-        self.recordings: list[Recording] = []  # in the order they were recorded
-        self.generation: int | None = None
-        self.pending_backward = False  # a forward ran whose backward has not
-        # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
-        self.stale: list[tuple[StorageWeakRef, str]] = []
-
-    def run(self, fn: Graphed, args: list) -> list:
-        self._maybe_begin_step()
-        key = fn.key(args)
-        rec = fn.recordings.get(key)
-        if rec is None:
-            rec = self._recording_for(fn, key, args)
-            if rec is None:
-                return self._plain(fn, args)
-        elif self._held_from(rec):
-            fn.note_held()
-            return self._plain(fn, args)
-        return self._replay(fn, rec, args)
-
-    def _maybe_begin_step(self) -> None:
-        generation, marked = _generation()
-        if generation == self.generation or (self.pending_backward and not marked):
-            return  # the same step; or a forward whose backward is still to come
-        self.generation = generation
-        for rec in self.recordings:
-            message = GRADIENT_OVERWRITTEN if rec.kind == "backward" else OVERWRITTEN
-            self.stale += [(ref, message) for ref in rec.live]
-            rec.live = []
-
-    def _held_from(self, rec: Recording) -> bool:
-        """Whether an output of this step that `rec`'s replay could write over is still held: its
-        own, or one of a later recording's (which may lie in rec's temporaries)."""
-        return any(r.held() for r in self.recordings[rec.index :])
-
-    def _ran(self, fn: Graphed) -> None:
-        if fn.kind == "forward":
-            self.pending_backward = True
-        elif fn.kind == "backward":
-            self.pending_backward = False
-
-    def _plain(self, fn: Graphed, args: list) -> list:
-        out = fn.program(args)
-        self._ran(fn)
-        return out
-
-    def _recording_for(self, fn: Graphed, key: tuple, args: list) -> Recording | None:
-        """None: this call runs the host program (a warm-up, or past the bound)."""
-        if key not in fn.seen:
-            if len(fn.seen) >= fn.max_graphs:
-                fn.disable(
-                    f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "
-                    "addresses of parameters and other static inputs): it runs without CUDA graphs from here"
-                )
-                return None
-            fn.seen.add(key)
-            return None  # warm-up: kernels load and libraries set up outside the capture
-        try:
-            rec = self._record(fn, args)
-        except Exception as e:
-            if config.get("strict"):
-                raise
-            fn.disable(f"its capture failed: {type(e).__name__}: {e}"[:300])
-            return None
-        fn.recordings[key] = rec
-        log.artifact("cudagraphs", f"{fn.kind} graph", f"recorded CUDA graph {rec.index} ({len(fn.recordings)} for it)")
-        return rec
-
-    def _record(self, fn: Graphed, args: list) -> Recording:
-        inputs, copy_in = [], []
-        for k, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and k not in fn.static:
-                inputs.append(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device))
-                copy_in.append((k, _copy_index(a)))
-                _copy(inputs[-1], a, copy_in[-1][1])  # the capture sees real values (a fake recorder runs it)
-            else:
-                inputs.append(a)
-        graph, outputs = self.recorder.record(lambda: fn.program(list(inputs)), inputs, self.handle)
-        input_storages = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
-        storages: dict[int, int] = {}  # data pointer -> number
-        sizes: list[tuple[int, int]] = []
-        handed = []
-        for pos, o in enumerate(outputs):
-            if not isinstance(o, torch.Tensor):
-                continue
-            storage = o.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr in input_storages:
-                continue  # a view of an input: AOTAutograd remakes it from the caller's tensor
-            if ptr not in storages:
-                storages[ptr] = len(sizes)
-                sizes.append((ptr, storage.nbytes()))
-            meta = {
-                "nbytes": storage.nbytes(),
-                "data_ptr": ptr,
-                "size": o.shape,
-                "stride": o.stride(),
-                "dtype": o.dtype,
-                "device": o.device,
-                "storage_offset": o.storage_offset(),
-            }
-            handed.append((pos, storages[ptr], meta))
-        copied = {k for k, _ in copy_in}
-        rec = Recording(
-            index=len(self.recordings),
-            kind=fn.kind,
-            graph=graph,
-            inputs=inputs,
-            copy_in=copy_in,
-            copy_out=[k for k in fn.mutated if k in copied],
-            outputs=list(outputs),
-            storages=sizes,
-            handed=handed,
-        )
-        self.recordings.append(rec)
-        return rec
-
-    def _replay(self, fn: Graphed, rec: Recording, args: list) -> list:
-        for k, index in rec.copy_in:
-            _copy(rec.inputs[k], args[k], index)
-        written_back = [(args[k], rec.inputs[k]) for k in rec.copy_out]
-        args.clear()  # the boxed convention: the caller's inputs are not kept past this call
-        if self.stale:
-            for ref, message in self.stale:
-                if not ref.expired():
-                    self.recorder.invalidate(ref.cdata, message)
-            self.stale = []
-        self.recorder.replay(rec.graph)
-        for original, buffer in written_back:
-            original.copy_(buffer)
-        self._ran(fn)
-        return rec.copies() if fn.copy_outputs else rec.hand_out(self.device)
-
-
-_pools: dict[tuple[int, str], Pool] = {}
-
-
-def pool_for(recorder: Recorder, device: torch.device) -> Pool:
-    """The one pool of `recorder` on `device`."""
-    with _lock:
-        key = (id(recorder), str(device))
-        pool = _pools.get(key)
-        if pool is None or pool.recorder is not recorder:
-            pool = _pools[key] = Pool(recorder, device)
-        return pool
-
-
 class Graphed:
     """A compiled graph under CUDA graphs, called by AOTAutograd with a list of inputs."""
 
@@ -461,6 +207,7 @@ class Graphed:
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")
         self.recordings: dict[tuple, Recording] = {}
+        self.last: Recording | None = None  # the last one replayed: tried first
         self.seen: set[tuple] = set()
         self.disabled: str | None = None
         self._held_noted = False
@@ -469,6 +216,19 @@ class Graphed:
         if self.disabled is not None:
             return self.program(args)
         return self.pool.run(self, args)
+
+    def find(self, args: list) -> tuple[tuple | None, Recording | None]:
+        """(the key of this call, or None where the last recording replayed matches; its recording)."""
+        last = self.last
+        if (
+            last is not None
+            and not self.symbolic
+            and same_addresses(args, last.addresses, last.static_tensors)
+            and all(args[k].stride() == stride for k, stride in last.strides)
+        ):
+            return None, last
+        key = self.key(args)
+        return key, self.recordings.get(key)
 
     def key(self, args: list) -> tuple:
         """What a recording is for: the addresses of static inputs, the strides of the others (a
@@ -487,6 +247,7 @@ class Graphed:
         """From here on, run without CUDA graphs; one warning says why."""
         self.disabled = reason
         self.recordings.clear()
+        self.last = None
         if self.report is not None:
             self.report.cudagraphs = f"off: {reason}"
         if self.copy_outputs:
