@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ember bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workloads", default="all", help="all, micro, model, or names (comma-separated)")
+    p.add_argument("--workloads", default="all", help="all, micro, model, host, optim, or names (comma-separated)")
     p.add_argument("--modes", default="inference,train", help="inference, train, or both")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     p.add_argument(
@@ -84,9 +84,11 @@ def _compilers(args) -> list[str]:
     out = [] if args.no_inductor else ["inductor"]
     if args.max_autotune:
         out.append("inductor:max-autotune")
-    for mode in args.ember_modes.split(","):
-        mode = mode.strip()
-        out.append("ember" if mode in ("", "default") else f"ember:{mode}")
+    modes = [m.strip() for m in args.ember_modes.split(",")]
+    # Inductor in each mode ember runs in, so that each ember column has its Inductor beside it.
+    if not args.no_inductor:
+        out += [f"inductor:{m}" for m in modes if m not in ("", "default") and f"inductor:{m}" not in out]
+    out += ["ember" if m in ("", "default") else f"ember:{m}" for m in modes]
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from ember.tools import timing_noise
-from ember.tools.bench import compile_time, measure
+from ember.tools.bench import compile_time, host_cost, measure
 from ember.tools.bench.workloads import Case, missing_requirement
 
 
@@ -110,6 +110,8 @@ def run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Settings
     train = case.mode == "train"
     step = measure.Step(compile_time.compile_fn(built.fn, compiler), train, built.autocast, s.device)
     result: dict = {}
+    if built.reset is not None:
+        built.reset()
     try:
         with collecting() as report:
             t0 = time.perf_counter()
@@ -164,17 +166,25 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
     if s.out_of_time():
         record["skipped"] = "not run: the run's time budget was spent"
         return record
+    if w.runner is not None:  # a workload that measures itself (a decoding loop)
+        return w.runner(case, s, record, ceilings)
     train = case.mode == "train"
     try:
         torch.manual_seed(0)
         built = w.instance(s.scale, s.device, case.mode)
         inputs = measure.prepare_inputs(built.inputs, train)
-        ref = measure.fp32_reference(built, inputs, train, s.device)
+        if built.reference is not None:
+            ref = built.reference()
+        else:
+            ref = measure.fp32_reference(built, inputs, train, s.device)
         eager = measure.Step(built.fn, train, built.autocast, s.device)
+        if built.reset is not None:
+            built.reset()
         eager_out = eager(*inputs)
         eager_err = measure.max_err(eager_out, ref)
         flops = measure.count_flops(eager, inputs)
-        limit = {"bytes": measure.min_bytes(built.fn, inputs, eager_out, eager.cotangents), "flops": flops}
+        least = built.bytes or measure.min_bytes(built.fn, inputs, eager_out, eager.cotangents)
+        limit = {"bytes": least, "flops": flops}
         del eager_out
         limit["floor_ms"] = measure.floor_ms(limit, ceilings, w.compute_dtype)
         record["limit"] = limit
@@ -209,10 +219,27 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
             result["device_ms"] = statistics.median(p["device_ms"] for p in parts)
             result["host_ms"] = statistics.median(p["host_ms"] for p in parts)
         result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device)
+        result["busy_ms"] = measure.busy_ms(steps[name], input_sets, s.device)
+    if w.host_cost:
+        _graph_host_costs(case, built, inputs, steps, record, s)
+    if w.others is not None:  # other frameworks' programs of the same step, each in its own process
+        record["compilers"].update(w.others(case, s))
     del built, inputs, input_sets, ref, steps, eager
     torch._dynamo.reset()
     _free(s.device)
     return record
+
+
+def _graph_host_costs(case: Case, built, inputs, steps: dict, record: dict, s: Settings) -> None:
+    """Each compiler's host µs per call of its compiled graph called directly (host_cost.py)."""
+    for name in steps:
+        try:
+            call = host_cost.graph_call(built.fn, name, inputs, case.mode == "train")
+            if call is not None:
+                record["compilers"][name]["graph_host_us"] = host_cost.host_us(call, s.timer)
+        except Exception as e:  # noqa: BLE001 - the column stays empty, with the reason
+            record["compilers"][name]["graph_host_note"] = f"{type(e).__name__}: {str(e)[:200]}"
+        _free(s.device)
 
 
 def run_compile_times(case: Case, s: Settings) -> dict:

@@ -268,6 +268,20 @@ class Timer:
                 return single
             calls //= 2
 
+    def host_ms(self, fn: Callable[[], object]) -> float:
+        """GPU: the host's time per call alone (calls launched back to back while the device sleeps)."""
+        fn()
+        torch.cuda.synchronize()
+        singles = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            singles.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+        self._sleep_cycles_per_ms()
+        return self._host_ms(fn, max(singles), statistics.median(singles))
+
     def _gpu_ms(self, fn: Callable[[], object]) -> float:
         if self._flush is None:
             self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
@@ -317,6 +331,25 @@ class Timer:
             return step(*inputs)
 
         return self.median_ms(call)
+
+
+def busy_ms(step: Callable, input_sets: list[tuple], device: torch.device, calls: int = 5) -> float | None:
+    """GPU: the device's busy time per call, the sum of its kernels' (and copies') times under
+    torch.profiler over `calls` calls in a row; None on a CPU. Busy ÷ step time is the share of a
+    step the GPU works; the rest it waits for the host."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    quiet_kineto()
+    step(*input_sets[0])  # the profiler's start is not a call's cost
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            step(*input_sets[i % len(input_sets)])
+        sync(device)
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time for e in prof.events() if e.device_type == cuda) / 1000 / calls
 
 
 def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device) -> float | None:

@@ -5,8 +5,11 @@ calls (e.g. timings in one, compile times in another) merge by re-rendering thei
 `ember bench --from-jsonl a.jsonl b.jsonl --out DIR`.
 
 Ratios: speed-up = eager ms ÷ compiler ms; "ember ÷ Inductor" = Inductor ms ÷ ember ms, from the
-same run (above 1: ember is faster); % of limit = the floor (the larger of bytes ÷ measured
-bandwidth and FLOPs ÷ measured matmul rate) ÷ measured time.
+same run (above 1: ember is faster; ember in a mode is compared with Inductor in that mode where
+the run has it); % of limit = the floor (the larger of bytes ÷ measured bandwidth and FLOPs ÷
+measured matmul rate) ÷ measured time; % GPU busy = the kernels' time per call under
+torch.profiler ÷ measured time (GPU only); host µs = the compiled graph's host time per call,
+guards excluded (host_cost.py; the host rows only).
 """
 
 from __future__ import annotations
@@ -63,10 +66,27 @@ class Run:
 
     @property
     def compilers(self) -> list[str]:
+        """The run's compilers, then other frameworks some rows add (a JAX column)."""
         names: list[str] = []
         for env in self.env:
             names += [c for c in env.get("compilers", []) if c not in names]
+        for case in self.cases.values():
+            names += [c for c in case.get("compilers", {}) if c != "eager" and c not in names]
         return names
+
+
+def baseline(compiler: str, compilers: list[str]) -> str:
+    """The Inductor an ember column is compared with: Inductor in the same mode where the run has it."""
+    _, _, mode = compiler.partition(":")
+    same = f"inductor:{mode}"
+    return same if mode and same in compilers else "inductor"
+
+
+def busy_fraction(case: dict, compiler: str) -> float | None:
+    """The GPU's busy time (its kernels, from torch.profiler) ÷ the step's time."""
+    c = case.get("compilers", {}).get(compiler) or {}
+    t = ms_of(case, compiler)
+    return c["busy_ms"] / t if t and c.get("busy_ms") is not None else None
 
 
 def ms_of(case: dict, compiler: str) -> float | None:
@@ -123,11 +143,17 @@ def _cell_ms(case: dict, compiler: str) -> str:
         return f"{c['ms']:.3f}{host} (fell back)"
     if status == "mismatch":
         return f"MISMATCH ({c.get('err', math.nan):.1e})"
+    if status == "skipped":
+        return "skipped"
     return f"error: {c.get('note', '?').split(':')[0]}"
 
 
 def _x(v: float | None, digits: int = 2) -> str:
     return f"{v:.{digits}f}×" if v is not None else "-"
+
+
+def _us(v: float | None) -> str:
+    return f"{v:.1f}" if v is not None else "-"
 
 
 def _pct(v: float | None) -> str:
@@ -157,9 +183,13 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
     header = ["workload", "mode", "shape", "dtype", "eager ms"] + [f"{label(c)} ms" for c in compilers]
     header += [f"{label(c)} speed-up" for c in compilers]
     if "inductor" in compilers:
-        header += [f"{label(c)} ÷ Inductor" for c in embers]
-        header += [f"{label(c)} ÷ Inductor, rounds min–max" for c in embers]
+        header += [f"{label(c)} ÷ {label(baseline(c, compilers))}" for c in embers]
+        header += [f"{label(c)} ÷ {label(baseline(c, compilers))}, rounds min–max" for c in embers]
     header += ["limit ms"] + [f"% limit {label(c)}" for c in ["eager", *compilers]]
+    header += [f"% GPU busy {label(c)}" for c in ["eager", *compilers]]
+    host_rows = any("graph_host_us" in c for case in run.cases.values() for c in case.get("compilers", {}).values())
+    if host_rows:
+        header += [f"host µs {label(c)}" for c in ["eager", *compilers]]
     header += [f"peak MB {label(c)}" for c in ["eager", *compilers]]
     header += [f"compile s {label(c)} cold / warm" for c in compilers]
     header += ["ember kernels / externs"]
@@ -176,8 +206,8 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
         row += [_cell_ms(case, c) if timed else "n/m" for c in compilers]
         row += [_x(speedup(case, c)) for c in compilers]
         if "inductor" in compilers:
-            row += [_x(versus(case, c)) for c in embers]
-            row += [_range(versus_by_round(case, c)) for c in embers]
+            row += [_x(versus(case, c, baseline(c, compilers))) for c in embers]
+            row += [_range(versus_by_round(case, c, baseline(c, compilers))) for c in embers]
         limit = case.get("limit") or {}
         floor = limit.get("floor_ms")
         bound = ""
@@ -189,6 +219,9 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
             bound = " (mem)" if memory_bound else " (FLOP)"
         row.append(f"{floor:.3f}{bound}" if floor else "-")
         row += [_pct(fraction_of_limit(case, c)) for c in ["eager", *compilers]]
+        row += [_pct(busy_fraction(case, c)) for c in ["eager", *compilers]]
+        if host_rows:
+            row += [_us(case.get("compilers", {}).get(c, {}).get("graph_host_us")) for c in ["eager", *compilers]]
         for c in ["eager", *compilers]:
             peak = case.get("compilers", {}).get(c, {}).get("peak_mb")
             row.append("-" if peak is None else f"{peak:.0f}" if peak >= 10 else f"{peak:.2f}")
@@ -204,8 +237,10 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
             e = case.get("compilers", {}).get(c, {})
             for fb in e.get("fallbacks", []):
                 notes.append(f"{key}: {label(c)} ran a graph eagerly: {fb[:200]}")
-            if e.get("status") in ("mismatch", "error"):
+            if e.get("status") in ("mismatch", "error", "skipped") or e.get("note") and e.get("status") == "ok":
                 notes.append(f"{key}: {label(c)} {e['status']}: {e.get('note', '')[:300]}")
+            if e.get("tokens_matching"):
+                notes.append(f"{key}: {label(c)} greedy tokens equal to eager's: {e['tokens_matching']}")
         crec = run.compile.get(key, {})
         if crec.get("skipped"):
             notes.append(f"{key}: compile time {crec['skipped']}")
@@ -236,9 +271,10 @@ def main_columns(run: Run, header: list[str]) -> list[int]:
     """The columns a terminal shows unless asked for all (`ember bench --wide`): each compiler's time
     and ember's speed-up, its ratio to Inductor and its share of the limit, which fit 80 columns.
     Shapes, peaks, round ranges, compile times and kernel counts are in table.md and table.txt."""
-    embers = [label(c) for c in run.compilers if c.startswith("ember")]
+    embers = [c for c in run.compilers if c.startswith("ember")]
     keep = {"workload", "mode", "eager ms"} | {f"{label(c)} ms" for c in run.compilers}
-    keep |= {f"{e} speed-up" for e in embers} | {f"{e} ÷ Inductor" for e in embers} | {f"% limit {e}" for e in embers}
+    keep |= {f"{label(e)} speed-up" for e in embers} | {f"% limit {label(e)}" for e in embers}
+    keep |= {f"{label(e)} ÷ {label(baseline(e, run.compilers))}" for e in embers}
     return [i for i, name in enumerate(header) if name in keep]
 
 

@@ -18,27 +18,25 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-
-
-@dataclass
-class Built:
-    """One workload instance: fn(*inputs) computes it; autocast names a dtype to autocast to."""
-
-    fn: Callable
-    inputs: tuple
-    autocast: torch.dtype | None = None
+from ember.tools.bench import decode, host_cost, jax_step, optimizers
+from ember.tools.bench.built import Built
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
-    group: str  # "micro" | "model"
+    group: str  # "micro" | "model" | "host" | "optim"
     dtype: str  # what the table shows: "f32", "bf16", "bf16 autocast"
     sizes: dict[str, tuple]
-    build: Callable[[tuple, torch.device], Built]
+    build: Callable[[tuple, torch.device], Built] | None
     modes: tuple[str, ...] = ("inference",)
     requires: str | None = None  # optional package the workload imports
     describe: Callable[[tuple], str] = field(default=lambda size: "×".join(map(str, size)))
+    host_cost: bool = False  # also time each compiled graph's host cost, guards excluded (host_cost.py)
+    # A workload that measures itself: runner(case, settings, record) -> the record (decode.py).
+    runner: Callable | None = None
+    # Other frameworks' programs of the same step: others(case, settings) -> {column: result} (jax_step.py).
+    others: Callable | None = None
 
     def instance(self, scale: str, device: torch.device, mode: str) -> Built:
         """The workload built at `scale`, a module set to the mode's behaviour: `train()` when
@@ -193,6 +191,39 @@ def _shape(fmt: str) -> Callable[[tuple], str]:
     return lambda size: fmt.format(*size)
 
 
+def _optimizer_workloads() -> list[Workload]:
+    """opt_KIND over 50 × 1M fp32 parameters, and opt_KIND_gpt2 over GPT-2 124M's shapes in bf16."""
+    out = []
+    for kind in ("adamw", "adam", "sgd_momentum"):
+        out.append(
+            Workload(
+                f"opt_{kind}",
+                "optim",
+                "f32",
+                {"gpu": (50, 1 << 20), "cpu": (24, 1 << 18), "tiny": (4, 64)},
+                optimizers.optimizer_step(kind, torch.float32),
+                modes=("step",),
+                describe=optimizers.describe,
+            )
+        )
+        out.append(
+            Workload(
+                f"opt_{kind}_gpt2",
+                "optim",
+                "bf16",
+                {
+                    "gpu": ("gpt2", 12, 768, 50257, 1024),
+                    "cpu": ("gpt2", 2, 256, 8192, 256),
+                    "tiny": ("gpt2", 1, 16, 64, 8),
+                },
+                optimizers.optimizer_step(kind, torch.bfloat16),
+                modes=("step",),
+                describe=optimizers.describe,
+            )
+        )
+    return out
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
@@ -322,8 +353,54 @@ WORKLOADS: dict[str, Workload] = {
             requires="torchvision",
             describe=_shape("batch {0}, {1}²"),
         ),
+        Workload(
+            "gpt2_step",
+            "model",
+            "bf16",
+            {"gpu": (8, 1024, 768, 12, 4), "cpu": (2, 128, 768, 12, 4), "tiny": (2, 8, 32, 2, 2)},
+            _gpt2_blocks,
+            modes=("train",),
+            describe=_shape("{4} blocks, {0}×{1}×{2}, + JAX/XLA"),
+            others=jax_step.others,
+        ),
+        *(
+            Workload(
+                name,
+                "model",
+                "bf16",
+                sizes,
+                None,
+                modes=("decode",),
+                requires="transformers",
+                describe=decode.describe,
+                runner=decode.run,
+            )
+            for name, sizes in (("llama_decode", decode.SIZES_B1), ("llama_decode_b8", decode.SIZES_B8))
+        ),
+        Workload(
+            "host_1k",
+            "host",
+            "f32",
+            {"gpu": (256,), "cpu": (256,), "tiny": (64,)},
+            host_cost.build(host_cost.one_kernel),
+            describe=_shape("1 kernel, {0} elements"),
+            host_cost=True,
+        ),
+        Workload(
+            "host_100k",
+            "host",
+            "f32",
+            {"gpu": (64, 64), "cpu": (64, 64), "tiny": (8, 8)},
+            host_cost.build(host_cost.hundred_kernels),
+            describe=_shape("~100 kernels, {0}×{1}"),
+            host_cost=True,
+        ),
+        *_optimizer_workloads(),
     ]
 }
+
+
+GROUPS = ("micro", "model", "host", "optim")
 
 
 @dataclass(frozen=True)
@@ -356,12 +433,13 @@ def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
     for n in wanted:
         if n == "all":
             group = list(WORKLOADS.values())
-        elif n in ("micro", "model"):
+        elif n in GROUPS:
             group = [w for w in WORKLOADS.values() if w.group == n]
         elif n in WORKLOADS:
             group = [WORKLOADS[n]]
         else:
-            raise ValueError(f"unknown workload {n!r}; valid: all, micro, model, {', '.join(WORKLOADS)}")
+            raise ValueError(f"unknown workload {n!r}; valid: all, {', '.join(GROUPS)}, {', '.join(WORKLOADS)}")
         chosen += [w for w in group if w not in chosen]
     mode_set = {m.strip() for m in modes.split(",")}
-    return [Case(w, m) for w in chosen for m in w.modes if m in mode_set]
+    # A workload's own mode (an optimizer "step", a "decode" loop) is always selected.
+    return [Case(w, m) for w in chosen for m in w.modes if m in mode_set or m not in ("inference", "train")]

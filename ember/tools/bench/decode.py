@@ -1,0 +1,190 @@
+"""`llama_decode`: greedy decoding with HF transformers' static KV cache, the decode step compiled.
+
+A Llama-3.2-1B-shaped `LlamaForCausalLM` built from its config (hidden 2048, 16 layers, 32 heads,
+8 KV heads, MLP 8192, vocabulary 128256, tied embeddings, bf16; random weights), `generate` with
+`cache_implementation="static"`. Only the decode step (one new token per sequence) runs compiled:
+the forward is replaced by one that sends a single-token call to the compiled forward
+(`dynamic=False`, so the step's shapes stay static) and the prompt to the eager one.
+
+Per compiler, in its own process (a crash, such as a compiler's segmentation fault, costs that
+cell, not the run): time per token = (time of `generate` of N tokens − time of 1 token) / (N − 1),
+the median over rounds; the GPU's busy time per token likewise from torch.profiler; and the
+greedy tokens, compared with eager's (how many of the N match, and where they first differ).
+
+The floor: the bytes a token must read, the weights (the tied embedding once, as the head) and
+the KV cache over the mean context length, over the measured copy bandwidth.
+
+    python -m ember.tools.bench.decode COMPILER SCALE BATCH   (the child; prints one JSON line)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# (hidden, layers, heads, kv heads, MLP, vocabulary, batch, prompt tokens, new tokens)
+_GPU = (2048, 16, 32, 8, 8192, 128256)
+_CPU = (256, 2, 8, 2, 512, 4096)
+_TINY = (64, 1, 4, 2, 128, 256)
+SIZES_B1 = {"gpu": (*_GPU, 1, 16, 64), "cpu": (*_CPU, 1, 8, 8), "tiny": (*_TINY, 1, 4, 4)}
+SIZES_B8 = {"gpu": (*_GPU, 8, 16, 64), "cpu": (*_CPU, 2, 8, 8), "tiny": (*_TINY, 2, 4, 4)}
+
+
+def describe(size: tuple) -> str:
+    hidden, layers, heads, kv, mlp, vocab, batch, prompt, new = size
+    return f"batch {batch}, {layers}×{hidden}, {heads}/{kv} heads, MLP {mlp}, vocab {vocab}, {prompt}+{new} tokens"
+
+
+def build_model(size: tuple, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, layers, heads, kv, mlp, vocab, batch, prompt, new = size
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        max_position_embeddings=max(2048, prompt + new),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    model.generation_config.disable_compile = True  # transformers' own compile of the forward: not this row's
+    ids = torch.randint(3, vocab, (batch, prompt), device=device)
+    return model, ids
+
+
+def floor_bytes(model, size: tuple) -> int:
+    """Weights (each parameter once: the tied embedding is read whole by the head) and the KV cache
+    over the mean context of the new tokens, bf16."""
+    hidden, layers, heads, kv, _, _, batch, prompt, new = size
+    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    context = prompt + new / 2
+    return int(weights + layers * 2 * batch * kv * (hidden // heads) * context * 2)
+
+
+def _decode_only(model, compiler: str):
+    """The model's forward, its single-token calls through `compiler`."""
+    import torch
+
+    eager = model.forward
+    if compiler == "eager":
+        return eager
+    name, _, mode = compiler.partition(":")
+    if name == "ember":
+        from ember.frontend.backend import register
+
+        register()
+    compiled = torch.compile(
+        eager, backend="ember" if name == "ember" else "inductor", mode=mode or None, dynamic=False
+    )
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        return compiled(*args, **kwargs) if ids is not None and ids.shape[-1] == 1 else eager(*args, **kwargs)
+
+    return forward
+
+
+def child(compiler: str, scale: str, batch: int) -> dict:
+    import torch
+
+    size = (SIZES_B8 if batch > 1 else SIZES_B1)[scale]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, ids = build_model(size, device)
+    new = size[-1]
+    model.forward = _decode_only(model, compiler)
+    kw = {"do_sample": False, "cache_implementation": "static", "pad_token_id": 0}
+
+    def generate(n):
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    t0 = time.perf_counter()
+    tokens = generate(new)[:, ids.shape[1] :]
+    result = {
+        "first_call_s": time.perf_counter() - t0,
+        "tokens": tokens.tolist(),
+        "floor_bytes": floor_bytes(model, size),
+    }
+    generate(1)
+    per_token = []
+    for _ in range(3 if scale == "gpu" else 1):
+        t = time.perf_counter()
+        generate(new)
+        long = time.perf_counter() - t
+        t = time.perf_counter()
+        generate(1)
+        per_token.append((long - (time.perf_counter() - t)) / (new - 1) * 1000)
+    result["ms"] = statistics.median(per_token)
+    if device.type == "cuda":
+        result["busy_ms"] = (_busy(generate, new) - _busy(generate, 1)) / (new - 1)
+    return result
+
+
+def _busy(generate, n: int) -> float:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        generate(n)
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time for e in prof.events() if e.device_type == cuda) / 1000
+
+
+def run(case, s, record: dict, ceilings: dict) -> dict:
+    """Eager and each compiler in its own process; per-token time, % of the floor, tokens against eager's."""
+    batch = case.workload.sizes[s.scale][6]
+    results = {}
+    for compiler in ["eager", *s.compilers]:
+        s.progress(f"{case.key}: {compiler}")
+        results[compiler] = _run_child(compiler, s.scale, batch, s.compile_timeout_s)
+    eager = results["eager"]
+    if "ms" not in eager:
+        record["error"] = f"eager: {eager.get('note', 'failed')}"
+        return record
+    floor_ms = eager["floor_bytes"] / ceilings["bandwidth_Bps"] * 1000
+    record["limit"] = {"bytes": eager["floor_bytes"], "flops": 0, "floor_ms": floor_ms}
+    for compiler, r in results.items():
+        if "ms" in r:
+            same = [a == b for a, b in zip(_flat(r["tokens"]), _flat(eager["tokens"]))]
+            r["tokens_matching"] = f"{sum(same)}/{len(same)}"
+            r["status"] = "ok" if all(same) else "mismatch"
+            if not all(same):
+                r["note"] = f"greedy tokens differ from eager's from position {same.index(False)}"
+                r["err"] = 1.0 - sum(same) / len(same)
+            r.pop("tokens")
+        record["compilers"][compiler] = r
+    return record
+
+
+def _flat(tokens: list) -> list:
+    return [t for row in tokens for t in row]
+
+
+def _run_child(compiler: str, scale: str, batch: int, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "ember.tools.bench.decode", compiler, scale, str(batch)]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "note": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"status": "error", "note": f"exit {p.returncode}: {p.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)

@@ -1,0 +1,114 @@
+"""The bench's host, optimizer, decoding and JAX workloads at tiny scale on the CPU: each builds,
+eager matches its float64 reference, ember matches it too, and the new columns (host µs per call,
+GPU-busy fraction, Inductor in ember's mode) reach the table. No timed assertions."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+
+import pytest
+import torch
+
+from ember.tools.bench import host_cost, jax_step, measure, optimizers, report
+from ember.tools.bench.__main__ import _compilers
+from ember.tools.bench.__main__ import main as bench_main
+from ember.tools.bench.workloads import WORKLOADS, select
+from tests.helpers import repro
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("name", ["opt_adamw", "opt_adam_gpt2", "opt_sgd_momentum_gpt2"])
+def test_optimizer_step_matches_its_float64_reference(name):
+    w = WORKLOADS[name]
+    built = w.instance("tiny", CPU, "step")
+    ref = built.reference()
+    built.reset()
+    got = measure.Step(built.fn, False, None, CPU)()
+    err = measure.max_err(got, ref)
+    tol = 1e-5 if w.dtype == "f32" else 1e-2  # one rounding of the parameters' dtype
+    assert err <= tol, f"{name}: max rel err {err:.2e} > {tol:.0e}  {repro(workload=name)}"
+    built.reset()  # puts the state back: the same step gives the same parameters
+    again = measure.Step(built.fn, False, None, CPU)()
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), repro(workload=name, case="reset")
+
+
+def test_optimizer_floor_counts_params_grads_and_states():
+    # AdamW over 4 × 64 fp32: param, exp_avg, exp_avg_sq read and written, the gradient read.
+    built = WORKLOADS["opt_adamw"].instance("tiny", CPU, "step")
+    assert built.bytes == 4 * 64 * 4 * (2 * 3 + 1), built.bytes
+    assert sum(torch.Size(s).numel() for s in optimizers.gpt2_shapes()) == 124_439_808  # GPT-2 124M
+
+
+def test_hundred_kernel_program_makes_about_a_hundred_kernels():
+    import ember
+
+    with torch.no_grad():
+        (graph,) = ember.explain(host_cost.hundred_kernels, torch.randn(8, 8)).graphs
+    assert len(graph.kernels) >= 100, len(graph.kernels)
+
+
+def test_graph_call_skips_dynamo_and_gives_the_programs_result():
+    x = torch.randn(64)
+    call = host_cost.graph_call(host_cost.one_kernel, "ember", (x,), train=False)
+    with torch.no_grad():
+        (got,) = call()
+    torch.testing.assert_close(got, host_cost.one_kernel(x))
+    assert host_cost.graph_call(host_cost.one_kernel, "ember", (x,), train=True) is None
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = [
+        "--scale", "tiny", "--device", "cpu", "--workloads", "host_1k,opt_sgd_momentum,llama_decode",
+        "--compile-time", "none", "--cpu-budget-s", "0.02", "--rounds", "1", "--no-inductor", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0, "a compiled output did not match eager"
+    return report.load_jsonl([str(out / "results.jsonl")])
+
+
+def test_host_and_optimizer_rows(records):
+    cases = {r["case"]: r for r in records if r["type"] == "case"}
+    host = cases["host_1k/inference"]["compilers"]
+    for name in ("eager", "ember"):  # Inductor's column: test_bench's run covers Inductor beside ember
+        assert host[name]["graph_host_us"] > 0, host[name]
+        assert host[name]["busy_ms"] is None  # no GPU here
+    opt = cases["opt_sgd_momentum/step"]
+    assert opt["limit"]["bytes"] == 4 * 64 * 4 * (2 * 2 + 1), opt["limit"]
+    assert opt["compilers"]["ember"]["status"] == "ok", opt["compilers"]["ember"]
+    decode = cases["llama_decode/decode"]
+    if importlib.util.find_spec("transformers") is None:
+        assert "transformers not importable" in decode["skipped"], decode
+    else:
+        assert decode["compilers"]["ember"]["tokens_matching"], decode
+    header, _, _ = report.table_rows(report.Run.of(records))
+    assert "host µs ember" in header and "% GPU busy ember" in header, header
+
+
+def test_jax_column_says_why_it_is_missing():
+    case = types.SimpleNamespace(workload=WORKLOADS["gpt2_step"])
+    settings = types.SimpleNamespace(scale="tiny", compile_timeout_s=300)
+    (result,) = jax_step.others(case, settings).values()
+    if importlib.util.find_spec("jax") is None:
+        assert result == {"status": "skipped", "note": "jax not importable here"}
+    else:
+        assert result["status"] == "ok" and result["ms"] > 0, result
+
+
+def test_each_ember_mode_has_inductor_in_that_mode_beside_it():
+    args = types.SimpleNamespace(no_inductor=False, max_autotune=False, ember_modes="default,reduce-overhead")
+    compilers = _compilers(args)
+    assert compilers == ["inductor", "inductor:reduce-overhead", "ember", "ember:reduce-overhead"], compilers
+    assert report.baseline("ember:reduce-overhead", compilers) == "inductor:reduce-overhead"
+    assert report.baseline("ember", compilers) == "inductor"
+    case = {"compilers": {"inductor:reduce-overhead": {"status": "ok", "ms": 2.0}, "ember:reduce-overhead": {
+        "status": "ok", "ms": 1.0, "busy_ms": 0.8}}}  # fmt: skip
+    assert report.versus(case, "ember:reduce-overhead", "inductor:reduce-overhead") == 2.0
+    assert report.busy_fraction(case, "ember:reduce-overhead") == 0.8
+
+
+def test_own_modes_are_selected_with_the_default_modes():
+    keys = [c.key for c in select("optim,llama_decode_b8")]
+    assert "opt_adamw/step" in keys and "opt_sgd_momentum_gpt2/step" in keys and "llama_decode_b8/decode" in keys
