@@ -157,8 +157,14 @@ class Pool:
         self.pending_backward = False  # a forward ran whose backward has not
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
         self.stale: list[tuple[StorageWeakRef, str]] = []
+        self.lock = threading.RLock()
 
     def run(self, fn: Graphed, args: list) -> list:
+        # One call at a time: threads share the pool's step, its recordings and their buffers.
+        with self.lock:
+            return self._run(fn, args)
+
+    def _run(self, fn: Graphed, args: list) -> list:
         self._maybe_begin_step()
         key, rec = fn.find(args)
         if rec is None:

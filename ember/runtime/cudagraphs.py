@@ -253,7 +253,8 @@ class Graphed:
         if self.copy_outputs:
             log.artifact("cudagraphs", f"{self.kind} graph", reason)
         else:
-            log.warn(f"ember: a {self.kind} graph: {reason}")
+            article = "an" if self.kind[:1] in "aeiou" else "a"
+            log.warn(f"ember: {article} {self.kind} graph: {reason}")
 
     def note_held(self) -> None:
         if not self._held_noted:

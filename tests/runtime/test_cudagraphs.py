@@ -221,6 +221,18 @@ def test_rerecording_is_bounded_then_one_warning(recorder):
     assert fn.report is None or "off" in fn.report.cudagraphs
 
 
+def test_dynamic_shapes_record_one_graph_per_shape(recorder):
+    def f(x):
+        return torch.softmax(x * 2, -1) + x.shape[0]
+
+    compiled = ember_compile(f, "cpp", dynamic=True, cudagraphs=True)
+    line = repro(program="softmax(x * 2, -1) + x.shape[0]", x="f32[n, 8]", n="3 3 3 5 5 5 3", dynamic=True)
+    for n in (3, 3, 3, 5, 5, 5, 3):
+        x = torch.randn(n, 8)
+        assert_close(compiled(x), f(x), rtol=1e-5, atol=1e-6, what=f"n={n}", line=line)
+    assert len(cg.pool_for(recorder, CPU).recordings) == 2 and recorder.replays == 5, line
+
+
 def test_static_input_at_a_new_address_records_again(recorder):
     pool = cg.Pool(recorder, CPU)
     fn = _graphed(recorder, pool, static=(0,))
