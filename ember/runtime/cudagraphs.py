@@ -198,6 +198,8 @@ class Graphed:
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
         self.program = program
         self.report = getattr(program, "report", None)
+        # The schedule AOTAutograd's cache may keep (frontend/aot_cache.py takes it from here).
+        self.kept, program.kept = getattr(program, "kept", None), None
         self.kind = kind
         self.static = frozenset(static)
         self.symbolic = symbolic
