@@ -148,9 +148,12 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, index: Any) -> None:
 class Pool:
     """One memory pool and its step bookkeeping: every graph one recorder records on one device."""
 
-    def __init__(self, recorder: Recorder, device: torch.device):
+    def __init__(self, recorder: Recorder, device: torch.device, hands_out: bool = True):
         self.recorder = recorder
         self.device = device
+        # False: a pool whose graphs return copies of their outputs (setting cudagraphs_default). No caller
+        # reads its memory, so it has no steps, and its replays never touch memory a caller reads.
+        self.hands_out = hands_out
         self.handle = recorder.new_pool()
         self.recordings: list[Recording] = []  # in the order they were recorded
         self.generation: int | None = None
@@ -165,7 +168,8 @@ class Pool:
             return self._run(fn, args)
 
     def _run(self, fn: Graphed, args: list) -> list:
-        self._maybe_begin_step()
+        if self.hands_out:
+            self._maybe_begin_step()
         key, rec = fn.find(args)
         if rec is None:
             rec = self._recording_for(fn, key, args)
@@ -297,17 +301,17 @@ class Pool:
         return rec.copies() if fn.copy_outputs else rec.hand_out(self.device)
 
 
-_pools: dict[tuple[int, str], Pool] = {}
+_pools: dict[tuple[int, str, bool], Pool] = {}
 
 
 _lock = threading.Lock()
 
 
-def pool_for(recorder: Recorder, device: torch.device) -> Pool:
-    """The one pool of `recorder` on `device`."""
+def pool_for(recorder: Recorder, device: torch.device, hands_out: bool = True) -> Pool:
+    """The one pool of `recorder` on `device` whose graphs hand out their outputs (or copy them)."""
     with _lock:
-        key = (id(recorder), str(device))
+        key = (id(recorder), str(device), hands_out)
         pool = _pools.get(key)
         if pool is None or pool.recorder is not recorder:
-            pool = _pools[key] = Pool(recorder, device)
+            pool = _pools[key] = Pool(recorder, device, hands_out)
         return pool

@@ -293,7 +293,7 @@ def graphed(
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    pool = pool_for(recorder, device)
+    pool = pool_for(recorder, device, hands_out=not default_mode)
     return Graphed(program, kind, static, facts.mutated_inputs, pool, facts.symbolic, copy_outputs=default_mode)
 
 

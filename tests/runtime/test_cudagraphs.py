@@ -134,6 +134,7 @@ def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
         for i, (x, y) in enumerate(zip(xs, outs)):
             assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
     assert recorder.replays >= 4 and not recorder.invalidated, line
+    assert not cg.pool_for(recorder, CPU).recordings and cg.pool_for(recorder, CPU, hands_out=False).recordings, line
     compiled(xs[0]).sum().backward()  # training graphs are not recorded in the default mode
     assert len(recorder.recorded) == 1, line
 
