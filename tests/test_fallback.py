@@ -81,7 +81,8 @@ def test_toolchain_failure_falls_back_with_one_warning(tmp_path):
 
 
 def test_toolchain_failure_in_training_falls_back_per_graph(tmp_path):
-    """Forward and backward graphs each fall back (one warning each); gradients stay correct."""
+    """A forward graph that falls back runs as Dynamo's graph under autograd (eager's own backward): one
+    warning, and the backward graph is never compiled; gradients stay correct."""
     model = LayerNormGelu(16)
     x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
     line = repro(cxx=BAD_CXX, backend="cpp", strict=False)
@@ -98,11 +99,11 @@ def test_toolchain_failure_in_training_falls_back_per_graph(tmp_path):
     assert_close(y, ye, rtol=1e-6, atol=1e-6, what="output", line=line)
     for k, (g, e) in enumerate(zip(grads, expected)):
         assert_close(g, e, rtol=1e-5, atol=1e-6, what=f"grad {k}", line=line)
-    assert sorted(g.kind for g in report.graphs) == ["backward", "forward"], f"{report}\n{line}"
+    assert [g.kind for g in report.graphs] == ["forward"], f"{report}\n{line}"
     assert all(g.fallback and BAD_CXX in g.fallback for g in report.graphs), f"{report}\n{line}"
     msgs = _ember_warnings(caught)
-    assert len(msgs) == 2 and all(BAD_CXX in m for m in msgs), f"expected one warning per graph: {msgs}\n{line}"
-    _assert_names_this_file(caught)  # the backward graph compiles inside autograd.grad: still this file
+    assert len(msgs) == 1 and BAD_CXX in msgs[0], f"expected one warning: {msgs}\n{line}"
+    _assert_names_this_file(caught)
 
 
 def _assert_names_this_file(caught) -> None:

@@ -32,17 +32,24 @@ MODE_SETTINGS: dict[str | None, dict[str, Any]] = {
 KNOWN_MODES = tuple(MODE_SETTINGS)
 
 
-def _compiler(kind: str, options: dict[str, Any], cached: bool):
+def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[str]):
     """The compiler of one graph kind; `cached`: one whose results AOTAutograd's cache may keep
-    (frontend/aot_cache.py)."""
+    (frontend/aot_cache.py). Each graph ember runs eagerly appends its kind to `fell_back`."""
 
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
-        from ember.pipeline import compile_graph
+        from ember.pipeline import EagerGraph, compile_graph
 
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
         # caller's options here so they apply to it too.
         with config.override(**options):
-            program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
+            if kind == "backward" and fell_back:
+                # Compiled with the forward (for AOTAutograd's cache) after the forward fell back:
+                # Dynamo's graph runs in their place (_dynamo_graph_if_eager); this one never runs.
+                program = gm
+            else:
+                program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
+            if isinstance(program, EagerGraph):
+                fell_back.append(kind)
             default_mode = not config.get("cudagraphs") and config.get("cudagraphs_default") and kind == "inference"
             if config.get("cudagraphs") or default_mode:
                 from ember.pipeline import graph_device
@@ -116,10 +123,11 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         recompute = config.get("recompute")
         cached = _aot_cache_usable(gm)
     partition = {"partition_fn": min_cut_rematerialization_partition} if recompute else {}
+    fell_back: list[str] = []
     compiler = aot_autograd(
-        fw_compiler=_compiler("forward", options, cached),
-        bw_compiler=_compiler("backward", options, cached),
-        inference_compiler=_compiler("inference", options, cached),
+        fw_compiler=_compiler("forward", options, cached, fell_back),
+        bw_compiler=_compiler("backward", options, cached, fell_back),
+        inference_compiler=_compiler("inference", options, cached, fell_back),
         decompositions=decomposition_table(),
         # Input mutations (batch norm's running statistics) stay in the graph as copy_ into the
         # input, which ember writes from the kernel computing the new value (importer: mutations).
@@ -135,11 +143,13 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     try:
         with config.override(**options), progress.compiling(lambda: _graph_name(gm)):
             if not cached:
-                return compiler(gm, example_inputs)
-            from ember.frontend import aot_cache
+                compiled = compiler(gm, example_inputs)
+            else:
+                from ember.frontend import aot_cache
 
-            with aot_cache.in_force(options):
-                return compiler(gm, example_inputs)
+                with aot_cache.in_force(options):
+                    compiled = compiler(gm, example_inputs)
+        return _dynamo_graph_if_eager(gm, compiled, fell_back)
     except dynamo_control_flow():
         raise  # PyTorch's own control flow: a restart of the capture, a graph break (ember/signals.py)
     except Exception as e:
@@ -147,6 +157,22 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             if config.get("strict"):
                 raise
         return _eager_after_trace_failure(gm, e)
+
+
+def _dynamo_graph_if_eager(gm: torch.fx.GraphModule, compiled, fell_back: list[str]):
+    """What runs: AOTAutograd's compiled function, or Dynamo's graph where ember runs the inference
+    or forward graph eagerly (the pipeline has warned, once, and its report names the reason).
+
+    AOTAutograd's graphs are functional and decomposed: an optimizer's `_foreach_mul_` over 50
+    tensors is 50 `mul`s there, plus a `copy_` back into each input, where Dynamo's graph calls the
+    one `_foreach_mul_` eager calls (AdamW over 24 tensors on 2 CPU cores: the ATen graph took about
+    1.6x the time of Dynamo's). Dynamo's graph is what `backend="eager"` runs; it can still trail
+    the uncompiled call where the program takes another path while compiled (torch.optim's steps
+    do: their step counts are tensors then). A backward that falls back lazily, after this
+    returned, runs its ATen graph: the forward that saved its inputs is compiled."""
+    if not any(kind in ("inference", "forward") for kind in fell_back):
+        return compiled
+    return gm.forward
 
 
 def _graph_name(gm: torch.fx.GraphModule) -> str:
