@@ -165,8 +165,8 @@ def _dynamo_graph_if_eager(gm: torch.fx.GraphModule, compiled, fell_back: list[s
 
     AOTAutograd's graphs are functional and decomposed: an optimizer's `_foreach_mul_` over 50
     tensors is 50 `mul`s there, plus a `copy_` back into each input, where Dynamo's graph calls the
-    one `_foreach_mul_` eager calls (AdamW over 24 tensors on 2 CPU cores: the ATen graph took about
-    1.6x the time of Dynamo's). Dynamo's graph is what `backend="eager"` runs; it can still trail
+    one `_foreach_mul_` eager calls, so the ATen graph run op by op is the slower of the two.
+    Dynamo's graph is what `backend="eager"` runs; it can still trail
     the uncompiled call where the program takes another path while compiled (torch.optim's steps
     do: their step counts are tensors then). A backward that falls back lazily, after this
     returned, runs its ATen graph: the forward that saved its inputs is compiled."""
