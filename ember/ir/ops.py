@@ -72,7 +72,7 @@ _op("sigmoid", 1, torch.sigmoid, "tl.sigmoid({0})", "(1 / (1 + std::exp(-{0})))"
 _op("erf", 1, torch.erf, "tl.erf({0})", "std::erf({0})", flops=8)
 _op("sin", 1, torch.sin, "tl.sin({0})", "std::sin({0})", flops=8)
 _op("cos", 1, torch.cos, "tl.cos({0})", "std::cos({0})", flops=8)
-_op("pow", 2, torch.pow, "libdevice.pow({0}, {1})", "std::pow({0}, {1})", flops=8, interpreted="")
+_op("pow", 2, torch.pow, "libdevice.pow({0}, {1})", "std::pow({0}, {1})", flops=8, interpreted="ember_pow({0}, {1})")
 _op("floor", 1, torch.floor, "tl.floor({0})", "std::floor({0})")
 _op("ceil", 1, torch.ceil, "tl.ceil({0})", "std::ceil({0})")
 # Comparisons and logic.
