@@ -251,6 +251,21 @@ def test_dynamic_shapes_record_one_graph_per_shape(recorder):
     assert len(cg.pool_for(recorder, CPU).recordings) == 2 and recorder.replays == 5, line
 
 
+def test_a_failed_capture_runs_without_graphs_and_warns_once():
+    class Failing(FakeRecorder):
+        def record(self, run, inputs, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    fn = _graphed(None, cg.Pool(Failing(), CPU))
+    line = repro(program="x * 2", recorder="capture raises")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            assert fn([torch.ones(2)])[0].tolist() == [2.0, 2.0], line
+    assert len([w for w in caught if "its capture failed: RuntimeError" in str(w.message)]) == 1, line
+    assert fn.disabled is not None, line
+
+
 def test_static_input_at_a_new_address_records_again(recorder):
     pool = cg.Pool(recorder, CPU)
     fn = _graphed(recorder, pool, static=(0,))
