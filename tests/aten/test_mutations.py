@@ -242,3 +242,86 @@ def test_tensor_lr_changes_without_recompiling():
         assert_close(p.detach(), e.detach(), **TOL, what=f"param {k}", line=line)
     # The first call initializes the state (its own graph); every later step reuses one compiled graph.
     assert len(report.graphs) <= 2, f"{[g.summary() for g in report.graphs]}\n{line}"
+
+
+# -- mixed precision and capturable steps ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["adamw"])
+def test_bf16_params_step(name):
+    """bf16 params and (torch.optim's) bf16 state: after 3 steps each is no further from a float64 run
+    of the same step than eager's is (ember rounds to bf16 once per value, eager once per op)."""
+    from tests.helpers import assert_not_worse
+
+    def made(dtype):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in SHAPES]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        return params, OPTIMIZERS[name](params, True)
+
+    (eager_params, eager_opt), (params, opt) = made(torch.bfloat16), made(torch.bfloat16)
+    ref_params, ref_opt = made(torch.float64)
+    for p, e in zip(ref_params, eager_params):  # the same bf16 values, held in float64
+        p.data.copy_(e.detach().double())
+        p.grad.copy_(e.grad.double())
+    step = ember_compile(opt.step, "cpp")
+    for _ in range(3):
+        eager_opt.step()
+        ref_opt.step()
+        step()
+    line = repro(backend="cpp", optimizer=name, dtype=torch.bfloat16, shapes=SHAPES, steps=3)
+    for k, (p, e, r) in enumerate(zip(params, eager_params, ref_params)):
+        assert_not_worse(p.detach(), e.detach(), r.detach().float(), what=f"param {k}", line=line)
+        for key in ("exp_avg", "exp_avg_sq"):
+            ref_state = ref_opt.state[r][key].float()
+            assert_not_worse(opt.state[p][key], eager_opt.state[e][key], ref_state, what=f"{key} {k}", line=line)
+
+
+def test_bf16_params_with_fp32_state():
+    """Adam over bf16 params with fp32 moments (which eager's torch.optim refuses: its lerp takes one
+    dtype): the moments equal a float32 run's, and each param is that run's new value rounded to bf16."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    ref_params = [torch.nn.Parameter(p.detach().float()) for p in params]
+    for p, r in zip(params, ref_params):
+        r.grad = p.grad.float()
+    opt = torch.optim.Adam(params, lr=0.01, foreach=True)
+    ref_opt = torch.optim.Adam(ref_params, lr=0.01, foreach=True)
+    for p in params:
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape), "exp_avg_sq": torch.zeros(p.shape)}
+    step = ember_compile(opt.step, "cpp")
+    line = repro(backend="cpp", params=torch.bfloat16, state=torch.float32, shapes=SHAPES, steps=3)
+    for _ in range(3):
+        step()
+        ref_opt.step()
+        with torch.no_grad():  # the reference keeps what a bf16 param can hold
+            for r in ref_params:
+                r.copy_(r.bfloat16().float())
+    for k, (p, r) in enumerate(zip(params, ref_params)):
+        assert_close(p.detach(), r.detach().bfloat16(), rtol=2**-7, atol=1e-5, what=f"param {k}", line=line)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(opt.state[p][key], ref_opt.state[r][key], **TOL, what=f"{key} {k}", line=line)
+
+
+@pytest.mark.parametrize("name,foreach", [("adam", True), ("adamw", False)], ids=["adam-foreach", "adamw-single"])
+def test_capturable_step(name, foreach):
+    """capturable=True (step counts and bias corrections as tensors, no host sync): eager refuses it on
+    CPU tensors, compiled it runs; params and moments after 3 steps equal eager's capturable=False."""
+    make = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    eager_params, params = _params("cpu"), _params("cpu")
+    eager_opt = make(eager_params, lr=0.01, foreach=foreach)
+    opt = make(params, lr=0.01, foreach=foreach, capturable=True)
+    step = ember_compile(opt.step, "cpp")
+    with collecting() as report:
+        for _ in range(3):
+            eager_opt.step()
+            step()
+    line = repro(backend="cpp", optimizer=name, capturable=True, foreach=foreach, shapes=SHAPES, steps=3)
+    for k, (p, e) in enumerate(zip(params, eager_params)):
+        assert_close(p.detach(), e.detach(), **TOL, what=f"param {k}", line=line)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert_close(opt.state[p][key], eager_opt.state[e][key], **TOL, what=f"{key} {k}", line=line)
+    assert all("written in place" in m for g in report.graphs for m in g.mutations), line
