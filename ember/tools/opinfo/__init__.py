@@ -6,8 +6,9 @@
     ember opinfo --rerun-failed   # only (op, dtype) pairs that failed
     ember opinfo --device cuda    # the GPU sweep (Triton)
     ember opinfo --report         # re-render the table from the JSON lines
+    ember opinfo --inplace        # the in-place variants (x.add_(y)): result and written input
 
-Results go to results/opinfo/DEVICE.jsonl and DEVICE.md under the current directory, or to `--out DIR`;
+Results go to results/opinfo/DEVICE.jsonl and DEVICE.md (DEVICE-inplace.* with --inplace) under the current directory, or to `--out DIR`;
 the committed tables are refreshed only when asked: `--out docs/opinfo` from the checkout.
 
 Every sample input of `op_db` (torch.testing._internal.common_methods_invocations) runs through
@@ -20,7 +21,8 @@ ends as one outcome:
   fallback   ember declined a graph on purpose and said why (GraphReport.fallback from a
              GraphUnsupported or NotImplementedError), or Dynamo captured no graph at all (the op
              never reached ember)
-  skipped    eager itself raises on the sample: not counted in the totals
+  skipped    eager itself raises on the sample, or torch.compile does with PyTorch's own `eager`
+             backend (Dynamo fails before any backend sees it): not counted in the totals
   mismatch   compiled and eager disagree: a bug
   crash      the compiled call raised, the worker process died, or ember's fail-safe caught an
              error that is not a deliberate decline (ZeroDivisionError, a C++ compile error, ...): a bug

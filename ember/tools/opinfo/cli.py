@@ -31,6 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", default=None, help="K/N: only the K-th of N contiguous slices of the op list")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples per (op, dtype)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (Triton)")
+    p.add_argument(
+        "--inplace",
+        action="store_true",
+        help="the ops' in-place variants (add_, index_put_, ...): result and written input against eager's",
+    )
     p.add_argument("--timeout-s", type=float, default=300.0, help="wall-time limit per (op, dtype)")
     p.add_argument("--out", default=None, help="folder for DEVICE.jsonl and DEVICE.md (default: ./results/opinfo)")
     p.add_argument("--resume", action="store_true", help="keep results already in the JSON lines; run the rest")
@@ -48,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.out) if args.out else DEFAULT_OUT
     dev = torch.device(args.device).type
-    args.jsonl = str(out / f"{dev}.jsonl")
-    md = out / f"{dev}.md"
+    stem = f"{dev}-inplace" if args.inplace else dev
+    args.jsonl = str(out / f"{stem}.jsonl")
+    md = out / f"{stem}.md"
     if args.merge:
         merge(Path(args.jsonl), [Path(other) for other in args.merge])
     if args.worker or args.in_process:
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "python -m ember.tools.opinfo " + " ".join(
         a for a in argv if a not in ("--report", "--in-process")
     )
-    t = write_report(Path(args.jsonl), md, dev, command.strip())
+    t = write_report(Path(args.jsonl), md, f"{dev}, in-place variants" if args.inplace else dev, command.strip())
     counted = sum(t[k] for k in OUTCOMES if k != "skipped")
     print(
         f"{counted} samples: {t['match']} match, {t['fallback']} fell back, {t['mismatch']} mismatch, "

@@ -9,6 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ember.tools.opinfo.comparison import REF_DTYPE, compare
+from ember.tools.opinfo.selection import settle
 
 OUTCOMES = ("match", "fallback", "skipped", "mismatch", "crash", "timeout")
 # Worse outcomes win when a sample's forward and backward disagree.
@@ -90,7 +91,7 @@ def diff_outputs(out) -> list[torch.Tensor]:
 
 def _call(op, case):
     inp, args, kwargs = case
-    return op(inp, *args, **kwargs)
+    return settle(op, op(inp, *args, **kwargs))
 
 
 def run_eager(op, s: Sample, want_grad: bool, seed: int) -> None:

@@ -106,7 +106,7 @@ def run_worker(args) -> int:
     done = set(records) if args.resume else set()
     if args.rerun_failed:
         done = {k for k, r in records.items() if not any(r["counts"][o] for o in ("mismatch", "crash", "timeout"))}
-    ops = select_ops(args.ops, args.skip_ops)
+    ops = select_ops(args.ops, args.skip_ops, args.inplace)
     if args.shard:
         k, n = (int(x) for x in args.shard.split("/"))
         ops = ops[(k - 1) * len(ops) // n : k * len(ops) // n]
