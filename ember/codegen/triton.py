@@ -67,15 +67,12 @@ def ember_pow(x, y):
     # Only for Triton's CPU interpreter, which has no libdevice: |x|^y as exp2(y * log2|x|), then C's
     # rules: a negative base (-0.0 included) keeps its sign under an odd integer exponent and gives NaN
     # under a fractional one (-inf excepted); x^0, 1^y and (+-1)^+-inf are 1.
-    ax = tl.abs(x)
-    r = tl.exp2(y * tl.log2(ax))
-    whole = tl.floor(y) == y
+    ax, whole = tl.abs(x), tl.floor(y) == y
     odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
-    negative = (x < 0) | ((x == 0) & (1.0 / x < 0))
-    r = tl.where(negative & odd, -r, r)
+    r = tl.exp2(y * tl.log2(ax))
+    r = tl.where(((x < 0) | ((x == 0) & (1.0 / x < 0))) & odd, -r, r)
     r = tl.where((x < 0) & (x > -_EMBER_INF) & ~whole, _EMBER_NAN, r)
-    one = (y == 0) | (x == 1) | ((ax == 1) & (tl.abs(y) == _EMBER_INF))
-    return tl.where(one, 1.0, r)
+    return tl.where((y == 0) | (x == 1) | ((ax == 1) & (tl.abs(y) == _EMBER_INF)), 1.0, r)
 
 
 @triton.jit
