@@ -67,6 +67,7 @@ def ember_pow(x, y):
     # Only for Triton's CPU interpreter, which has no libdevice: |x|^y as exp2(y * log2|x|), then C's
     # rules: a negative base (-0.0 included) keeps its sign under an odd integer exponent and gives NaN
     # under a fractional one (-inf excepted); x^0, 1^y and (+-1)^+-inf are 1.
+    x, y = tl.where(True, x, y), tl.where(True, y, x)  # both blocks, when one is a literal
     ax, whole = tl.abs(x), tl.floor(y) == y
     odd = whole & (tl.floor(y * 0.5) * 2.0 != y)
     r = tl.exp2(y * tl.log2(ax))

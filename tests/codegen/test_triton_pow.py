@@ -25,10 +25,22 @@ def test_pow_special_values(dtype):
     fn = torch.pow
     line = repro(backend="triton", dtype=dtype, pairs=len(PAIRS))
     got, want = ember_compile(fn, "triton")(x, y), fn(x, y)
-    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=0, msg=lambda m: f"{m}\n{line}")
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-5, atol=0, msg=lambda m, line=line: f"{m}\n{line}")
     signed = ~want.isnan()  # a NaN's sign bit is not part of pow's contract
     assert torch.equal(got[signed].signbit(), want[signed].signbit()), (
         f"signs {got.tolist()} != {want.tolist()}\n{line}"
     )
     (kernel,) = explain_strict(fn, x, y, backend="triton").kernels
     assert "ember_pow(" in kernel.source, kernel.source
+
+
+def test_pow_with_a_literal_operand():
+    """A Python-number exponent or base (`x.pow_(-0.5)`, `2.5 ** x`) reaches ember_pow as a literal."""
+    x = torch.randn(6)
+    for name, fn in {"pow_(-0.5)": lambda t: t.abs().pow_(-0.5), "2.5 ** x": lambda t: torch.pow(2.5, t)}.items():
+        torch._dynamo.reset()
+        got, want = ember_compile(fn, "triton")(x.clone()), fn(x.clone())
+        line = repro(backend="triton", program=name, x=x)
+        torch.testing.assert_close(
+            got, want, equal_nan=True, rtol=1e-5, atol=0, msg=lambda m, line=line: f"{m}\n{line}"
+        )
