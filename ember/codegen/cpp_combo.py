@@ -4,9 +4,11 @@ Each part becomes a `static inline` function over a range of its outermost loop 
 dims whole, the innermost an `omp simd` loop), the body codegen/cpp.py renders for a pointwise
 kernel. The combo kernel's work items are the parts' chunks of about
 `heuristics.horizontal.cpu_item_elements` elements, one after another; one OpenMP loop hands them
-to the threads (dynamically: a part's last chunk is short), or runs them on the calling thread
-when the whole launch is below `heuristics.cpp.parallel_threshold` elements, as codegen/cpp.py
-runs a small kernel. An item finds its part in a table of the parts' first items.
+to the threads (dynamically: a part's last chunk is short) where some part alone would have run
+in parallel (over `heuristics.cpp.parallel_threshold` elements, as codegen/cpp.py decides), else
+the calling thread runs them all. A combo kernel never opens a parallel region its parts did not:
+on a machine whose other cores are busy, a region waits at its barrier for a thread that
+is not running, which costs more than small parts run one after another.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def render_cpp_combo(
     args = [f"{'' if p.written else 'const '}{CPP_DTYPE[p.value.dtype]}* {p.name}" for p in params]
     lines = [f'extern "C" void {kernel.name}({", ".join(args)}) {{']
     lines.append(f"    static const int64_t first[{len(firsts)}] = {{{', '.join(map(str, firsts))}}};")
-    total = sum(int(product(p.loop_sizes)) for p in kernel.parts)
-    if total > target.heuristics.cpp.parallel_threshold and items > 1:
+    largest = max(int(product(p.loop_sizes)) for p in kernel.parts)
+    if largest > target.heuristics.cpp.parallel_threshold and items > 1:
         lines.append("    #pragma omp parallel for schedule(dynamic, 1)")
     lines.append(f"    for (int64_t item = 0; item < {items}; item++) {{")
     lines.append(f"        const int64_t part = std::upper_bound(first, first + {len(firsts)}, item) - first - 1;")

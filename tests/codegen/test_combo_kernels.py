@@ -65,8 +65,9 @@ def scattered_updates(x, s, v, w):
 
 @pytest.mark.parametrize("backend,device", ON_DEVICES)
 def test_parts_of_other_ranks_a_counter_and_many_work_items(backend, device):
-    """Work items of 16 elements over a 64-element threshold: the C++ combo kernel hands its parts'
-    chunks to OpenMP threads; a transposed part and a 0-d part run in the same launch."""
+    """Work items of 16 elements, and a 300-element part over a 64-element threshold: the C++ combo
+    kernel hands its parts' chunks to OpenMP threads; a transposed part and a 0-d part run in the
+    same launch."""
     x = torch.randn(40, 9, device=device)
     args = [x, torch.zeros((), device=device), torch.randn(300, device=device)]
     args.append(torch.randn(50, device=device, dtype=torch.bfloat16))
