@@ -18,10 +18,10 @@ from ember.codegen.cpp_combo import render_cpp_combo
 from ember.codegen.triton_combo import render_triton_combo
 from ember.ir.graph import Graph, verify
 from ember.ir.sizes import contiguous_strides
-from ember.schedule.kernel import ComboKernel
+from ember.schedule.kernel import ComboKernel, kernel_parts
 from ember.schedule.memory import plan_memory
 from ember.schedule.scheduler import schedule
-from ember.schedule.steps import KernelStep
+from ember.schedule.steps import ExternStep, KernelStep
 from ember.target import Heuristics, HorizontalHeuristics, Target
 
 I = sympy.Integer
@@ -147,6 +147,12 @@ def test_writer_of_a_mutated_input_follows_its_other_readers():
     for k in combos(sched):
         assert not ({reader.id, new_x.id} <= {v.id for v in k.writes}), "the reader and the writer share a launch"
     assert x in sched.memory.mutations_in_place
+    # Were they parts of one launch, the writer could not write x in place: the reader might load
+    # elements already overwritten. The memory plan copies the new value in at the end instead.
+    (kr,) = [k for p in sched.kernels for k in kernel_parts(p) if reader in k.writes]
+    (kw,) = [k for p in sched.kernels for k in kernel_parts(p) if new_x in k.writes]
+    together = plan_memory(b.g, [KernelStep(ComboKernel("combo", [kr, kw]))], None)
+    assert x not in together.mutations_in_place, together
 
 
 def test_parts_never_write_over_what_another_part_reads():
@@ -182,3 +188,18 @@ def test_a_combination_that_raises_the_peak_is_refused():
     relaxed = b.schedule(y1, e, y3, tgt=target())
     assert len(combos(relaxed)) == 1
     assert dataclasses.asdict(HorizontalHeuristics())  # the rules are plain data
+
+
+def test_extern_calls_keep_their_order():
+    """e3 reads y1 and comes before e2 in the program; packing y1 with y2 (which reads e2) would run
+    e2 first. Extern calls follow each other (random number generators, asserts), so y1 and y2 stay
+    apart."""
+    b = G()
+    y1 = b.axpb(b.extern(b.input(16)))
+    e3 = b.extern(y1)
+    e2 = b.extern(b.input(16))
+    y2 = b.axpb(e2)
+    sched = b.schedule(y1, e3, y2)
+    order = [s.node.out.id for s in sched.steps if isinstance(s, ExternStep)]
+    assert order == sorted(order) and e3.id in order and e2.id in order, order
+    assert not combos(sched)
