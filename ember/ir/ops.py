@@ -84,8 +84,26 @@ _op("gt", 2, torch.gt, "({0} > {1})", "({0} > {1})", kind="compare")
 _op("ge", 2, torch.ge, "({0} >= {1})", "({0} >= {1})", kind="compare")
 _op("isnan", 1, torch.isnan, "({0} != {0})", "({0} != {0})", kind="compare")
 _op("logical_not", 1, torch.logical_not, "({0} == 0)", "(!{0})", kind="compare")
-_op("logical_and", 2, torch.logical_and, "(({0} != 0) & ({1} != 0))", "({0} && {1})", kind="compare")
-_op("logical_or", 2, torch.logical_or, "(({0} != 0) | ({1} != 0))", "({0} || {1})", kind="compare")
+# (Triton's interpreter cannot `&` a block of booleans with a scalar one, as a 0-dim tensor's load gives:
+# it combines them as bytes.)
+_op(
+    "logical_and",
+    2,
+    torch.logical_and,
+    "(({0} != 0) & ({1} != 0))",
+    "({0} && {1})",
+    kind="compare",
+    interpreted="((({0} != 0).to(tl.int8) & ({1} != 0).to(tl.int8)) != 0)",
+)
+_op(
+    "logical_or",
+    2,
+    torch.logical_or,
+    "(({0} != 0) | ({1} != 0))",
+    "({0} || {1})",
+    kind="compare",
+    interpreted="((({0} != 0).to(tl.int8) | ({1} != 0).to(tl.int8)) != 0)",
+)
 _op("bitwise_and", 2, torch.bitwise_and, "({0} & {1})", "({0} & {1})")
 _op("bitwise_or", 2, torch.bitwise_or, "({0} | {1})", "({0} | {1})")
 _op("where", 3, torch.where, "tl.where({0}, {1}, {2})", "({0} ? {1} : {2})", kind="select")

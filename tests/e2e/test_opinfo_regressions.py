@@ -148,8 +148,22 @@ def test_fp_contract_setting_reaches_the_triton_launch(contract):
     from tests.helpers import explain_strict
 
     x = torch.randn(3, 1, requires_grad=True)
-    fn = lambda t: torch.nn.functional.layer_norm(t, (1,)).sum()  # noqa: E731
+    fn = lambda t: torch.nn.functional.layer_norm(t, (1,)).sum()
     report = explain_strict(fn, x, backend="triton", fp_contract=contract)
     host = "\n".join(g.host_source for g in report.graphs)
     assert f"enable_fp_fusion={contract}" in host, host
     _check(lambda t: torch.nn.functional.layer_norm(t, (1,)), x.detach(), grad=True, op="nn.functional.layer_norm")
+
+
+@pytest.mark.parametrize("name", ["logical_and_", "logical_or_"])
+def test_inplace_logical_with_a_0d_operand_on_triton(name):
+    # OpInfo logical_and_/logical_or_ samples 1, 3 (`ember opinfo --inplace`, Triton's interpreter): a 0-d
+    # tensor's load is a scalar boolean there, which the interpreter cannot `&`/`|` with a block.
+    x, other = torch.tensor([0.0, 1.5, -2.0, 0.0, 3.0]), torch.tensor(0.0)
+    for value in (0.0, 3.6):
+        eager_x, comp_x = x.clone(), x.clone()
+        fn = lambda t, o: getattr(t, name)(o)
+        torch._dynamo.reset()
+        ember_compile(fn, "triton")(comp_x, other.fill_(value))
+        fn(eager_x, other)
+        torch.testing.assert_close(comp_x, eager_x, msg=lambda m, v=value: f"{m}\n{repro(op=name, other=v)}")
