@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ember import config
 from ember.tools.opinfo.report import merge, write_report
 from ember.tools.opinfo.samples import OUTCOMES
 from ember.tools.opinfo.selection import DTYPES
@@ -53,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.out) if args.out else DEFAULT_OUT
     dev = torch.device(args.device).type
-    stem = f"{dev}-inplace" if args.inplace else dev
+    # A CPU sweep under EMBER_BACKEND=triton (Triton's interpreter) keeps its own tables.
+    interpreted = dev == "cpu" and config.get("backend") == "triton"
+    stem = dev + ("-triton" if interpreted else "") + ("-inplace" if args.inplace else "")
     args.jsonl = str(out / f"{stem}.jsonl")
     md = out / f"{stem}.md"
     if args.merge:
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command or "python -m ember.tools.opinfo " + " ".join(
         a for a in argv if a not in ("--report", "--in-process")
     )
-    t = write_report(Path(args.jsonl), md, f"{dev}, in-place variants" if args.inplace else dev, command.strip())
+    what = dev + (" (Triton's interpreter)" if interpreted else "") + (", in-place variants" if args.inplace else "")
+    t = write_report(Path(args.jsonl), md, what, command.strip())
     counted = sum(t[k] for k in OUTCOMES if k != "skipped")
     print(
         f"{counted} samples: {t['match']} match, {t['fallback']} fell back, {t['mismatch']} mismatch, "
