@@ -262,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         device, scale = _device_and_scale(args)
         print(f"sizes for {device.type} (scale {scale}; --scale picks another)")
+        width = max(len(name) for name in WORKLOADS) + 2
         for w in WORKLOADS.values():
-            print(f"{w.name:<20}{w.group:<7}{w.dtype:<15}{'+'.join(w.modes):<18}{w.describe(w.sizes[scale])}")
+            print(f"{w.name:<{width}}{w.group:<7}{w.dtype:<15}{'+'.join(w.modes):<18}{w.describe(w.sizes[scale])}")
         return 0
     out = args.out or os.path.join("results", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)
