@@ -180,6 +180,18 @@ def copies_of(inputs: tuple, n: int) -> list[tuple]:
     return out
 
 
+def _single_calls(fn: Callable[[], object], calls: int = 5) -> list[float]:
+    """ms of the host's clock around each of `calls` calls made with the device idle."""
+    singles = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        singles.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return singles
+
+
 _FLUSH_BYTES = 256 << 20  # larger than any GPU's L2 (50 MB on the H100), as triton's do_bench
 
 
@@ -271,14 +283,7 @@ class Timer:
     def host_ms(self, fn: Callable[[], object]) -> float:
         """GPU: the host's time per call alone (calls launched back to back while the device sleeps)."""
         fn()
-        torch.cuda.synchronize()
-        singles = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            singles.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
+        singles = _single_calls(fn)
         self._sleep_cycles_per_ms()
         return self._host_ms(fn, max(singles), statistics.median(singles))
 
@@ -290,14 +295,7 @@ class Timer:
         begin = time.perf_counter()
         while time.perf_counter() - begin < 0.025:  # warm up for ~25 ms, as do_bench
             fn()
-        # The host's latency (single calls, the device idle), to size the waits below.
-        singles = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            singles.append((time.perf_counter() - t) * 1e3)
-        torch.cuda.synchronize()
+        singles = _single_calls(fn)  # the host's latency, to size the waits below
         latency = max(singles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
