@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ember import config
-from tests.helpers import assert_close, ember_compile, repro, reports, tensors
+from tests.helpers import assert_close, ember_compile, reports, repro, tensors
 
 F32 = 4
 N, C = 64, 256  # rows x features of the row-wise patterns

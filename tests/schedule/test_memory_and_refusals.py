@@ -3,14 +3,14 @@ on small real programs compiled through ember and checked against eager."""
 
 from __future__ import annotations
 
-import re
 import io
 import logging
+import re
 
 import torch
 
 from ember import config
-from tests.helpers import assert_close, ember_compile, repro, reports, tensors
+from tests.helpers import assert_close, ember_compile, reports, repro, tensors
 
 
 def _run(fn, *inputs, **options):

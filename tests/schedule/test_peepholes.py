@@ -22,7 +22,7 @@ def _special(n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_small_integer_powers_are_products(backend):
-    fn = lambda x: F.gelu(x, approximate="tanh") + x.pow(2) + x**4 - x**1 + x**3  # noqa: E731
+    fn = lambda x: F.gelu(x, approximate="tanh") + x.pow(2) + x**4 - x**1 + x**3
     x = _special(64)
     got, want = ember_compile(fn, backend)(x), fn(x)
     torch.testing.assert_close(got, want, equal_nan=True, msg=lambda m: f"{m}\n{repro(backend=backend)}")
@@ -31,7 +31,7 @@ def test_small_integer_powers_are_products(backend):
 
 
 def test_non_integer_power_keeps_pow():
-    fn = lambda x: x.abs() ** 2.5  # noqa: E731  (C++ only: Triton's interpreter has no pow)
+    fn = lambda x: x.abs() ** 2.5
     x = _special(64)
     torch.testing.assert_close(ember_compile(fn, "cpp")(x), fn(x), equal_nan=True)
     (kernel,) = explain_strict(fn, x).kernels
@@ -39,7 +39,7 @@ def test_non_integer_power_keeps_pow():
 
 
 def test_bf16_load_has_no_round_trip():
-    fn = lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w  # noqa: E731
+    fn = lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w
     x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
     torch.testing.assert_close(ember_compile(fn, "cpp")(x, w), fn(x, w), rtol=2e-2, atol=2e-2)
     (kernel,) = explain_strict(fn, x, w).kernels
