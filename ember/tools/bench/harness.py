@@ -208,6 +208,20 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
             steps[compiler] = step
         _free(s.device)
     s.progress(f"{case.key}: timing {len(steps)} in {s.rounds} round(s)")
+    _time_steps(steps, inputs, input_sets, record, s)
+    if w.host_cost:
+        _graph_host_costs(case, built, inputs, steps, record, s)
+    if w.others is not None:  # other frameworks' programs of the same step, each in its own process
+        record["compilers"].update(w.others(case, s))
+    del built, inputs, input_sets, ref, steps, eager
+    torch._dynamo.reset()
+    _free(s.device)
+    return record
+
+
+def _time_steps(steps: dict, inputs: tuple, input_sets: list, record: dict, s: Settings) -> None:
+    """Each step's median time over rounds that take turns, its device and host parts (GPU), its
+    peak memory and its GPU-busy time, into its compiler's result."""
     for name, timed in _time_in_rounds(steps, input_sets, s.rounds, s.timer).items():
         result = record["compilers"][name]
         ms = [t for t, _ in timed]
@@ -220,14 +234,6 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
             result["host_ms"] = statistics.median(p["host_ms"] for p in parts)
         result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device)
         result["busy_ms"] = measure.busy_ms(steps[name], input_sets, s.device)
-    if w.host_cost:
-        _graph_host_costs(case, built, inputs, steps, record, s)
-    if w.others is not None:  # other frameworks' programs of the same step, each in its own process
-        record["compilers"].update(w.others(case, s))
-    del built, inputs, input_sets, ref, steps, eager
-    torch._dynamo.reset()
-    _free(s.device)
-    return record
 
 
 def _graph_host_costs(case: Case, built, inputs, steps: dict, record: dict, s: Settings) -> None:
