@@ -238,7 +238,14 @@ class Pool:
             else:
                 inputs.append(a)
         graph, outputs = self.recorder.record(lambda: fn.program(list(inputs)), inputs, self.handle)
-        input_storages = {a.untyped_storage().data_ptr() for a in inputs if isinstance(a, torch.Tensor)}
+        # Static inputs are the caller's own memory: an output viewing one is the caller's (AOTAutograd remakes
+        # it from the caller's tensor). A copy buffer is the recording's, which every replay writes: an output
+        # viewing it (a forward's saved input, a backward's incoming gradient) is handed out like a pool output.
+        caller_storages = {
+            a.untyped_storage().data_ptr()
+            for k, a in enumerate(inputs)
+            if k in fn.static and isinstance(a, torch.Tensor)
+        }
         storages: dict[int, int] = {}  # data pointer -> number
         sizes: list[tuple[int, int]] = []
         handed = []
@@ -247,8 +254,8 @@ class Pool:
                 continue
             storage = o.untyped_storage()
             ptr = storage.data_ptr()
-            if ptr in input_storages:
-                continue  # a view of an input: AOTAutograd remakes it from the caller's tensor
+            if ptr in caller_storages:
+                continue
             if ptr not in storages:
                 storages[ptr] = len(sizes)
                 sizes.append((ptr, storage.nbytes()))

@@ -156,6 +156,62 @@ def test_two_forwards_before_one_backward_match_eager(recorder):
     assert recorder.replays > 0, line
 
 
+class _MatMul(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.w  # saves x, an input that is not static, for w's gradient
+
+
+def test_saved_input_of_two_forwards_in_one_step_match_eager(recorder):
+    """A forward's saved input is the recording's copy of it: the second forward of the step must not
+    write over the first one's while autograd holds it."""
+    model, reference = _MatMul(), _MatMul()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+    line = repro(program="(a @ w).sum() + (b @ w).sum(), one backward", a="f32[4, 8]", b="f32[4, 8]", steps=4)
+    for step in range(4):
+        a, b = torch.randn(4, 8), torch.randn(4, 8)
+        for m, f in ((model, compiled), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            (f(a).sum() + f(b).sum()).backward()  # the outputs are dropped: only autograd keeps a and b
+        assert_close(model.w.grad, reference.w.grad, rtol=1e-5, atol=1e-5, what=f"step {step} grad w", line=line)
+    assert recorder.replays > 0, line
+
+
+class _AddW(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return x + self.w
+
+
+def test_backward_returning_its_incoming_gradient_is_handed_out(recorder):
+    """x's gradient is the backward's incoming one, the recording's copy of it: handed out like a pool
+    output, so a later step invalidates it rather than overwriting it silently."""
+    model, reference = _AddW(), _AddW()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+    line = repro(program="grad(x + w, x, v)", x="f32[4, 8]", v="f32[4, 8] (step)", steps=4)
+    kept = []
+    for step in range(4):
+        x = torch.randn(4, 8, requires_grad=True)
+        v = torch.full((4, 8), float(step + 1))
+        (g,) = torch.autograd.grad(compiled(x), x, v)
+        (expected,) = torch.autograd.grad(reference(x), x, v)
+        assert_close(g, expected, rtol=0, atol=0, what=f"step {step} grad x", line=line)
+        kept.append(g)
+    assert recorder.replays > 0, line
+    recorded = [g for g in kept[:-1] if recorder.invalidated.get(g.untyped_storage()._cdata)]
+    assert recorded and {recorder.invalidated[g.untyped_storage()._cdata] for g in recorded} == {
+        cg.GRADIENT_OVERWRITTEN
+    }, line
+
+
 def test_mutated_inputs_are_captured(recorder):
     class Decay(torch.nn.Module):
         def __init__(self):
