@@ -107,11 +107,19 @@ class Recording:
         return out
 
     def copies(self) -> list:
-        """The outputs, copied into fresh tensors of the same layout: what the host program returns."""
+        """The outputs, on fresh copies of the storages they view: what the host program returns. A
+        storage is copied whole, so expanded (stride 0) outputs and outputs viewing one another keep
+        their layout and aliasing."""
+        sources: dict[int, Any] = {}
+        for pos, number, _ in self.handed:
+            sources.setdefault(number, self.outputs[pos].untyped_storage())
+        fresh = {}
+        for number, source in sources.items():
+            fresh[number] = torch.UntypedStorage(source.nbytes(), device=source.device)
+            fresh[number].copy_(source)
         out = list(self.outputs)
-        for pos, _, meta in self.handed:
-            o = self.outputs[pos]
-            out[pos] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device).copy_(o)
+        for pos, number, meta in self.handed:
+            out[pos] = _on_storage(fresh[number], meta)
         return out
 
 

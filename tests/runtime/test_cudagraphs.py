@@ -58,7 +58,7 @@ class FakeRecorder:
         self.replays += 1
         for static, new in zip(graph.outputs, graph.run()):
             if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
-                static.copy_(new)
+                static.untyped_storage().copy_(new.untyped_storage())  # whole storages: expanded outputs too
 
     def invalidate(self, storage, message):
         self.invalidated[storage] = message
@@ -210,6 +210,22 @@ def test_backward_returning_its_incoming_gradient_is_handed_out(recorder):
     assert recorded and {recorder.invalidated[g.untyped_storage()._cdata] for g in recorded} == {
         cg.GRADIENT_OVERWRITTEN
     }, line
+
+
+def test_default_mode_copies_an_expanded_output(recorder):
+    def f(x, w):
+        h = torch.relu(x @ w).softmax(-1) @ w
+        return h.sum(0, keepdim=True).expand(4, 8)  # stride 0 in dim 0
+
+    compiled = ember_compile(f, "cpp", cudagraphs_default=True, aot_cache=False)
+    w = torch.randn(8, 8)
+    line = repro(program="(relu(x @ w).softmax(-1) @ w).sum(0, keepdim=True).expand(4, 8)", x="f32[4, 8]")
+    with torch.no_grad():
+        outs = [(compiled(x, w), x) for x in torch.randn(4, 4, 8)]
+        for i, (y, x) in enumerate(outs):  # every output held: fresh tensors, none overwritten
+            assert_close(y, f(x, w), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
+            assert y.stride() == (0, 1), line
+    assert recorder.replays >= 2, line
 
 
 def test_mutated_inputs_are_captured(recorder):
