@@ -4,8 +4,9 @@ A compiled graph's launches are recorded into a CUDA graph and replayed: a call 
 launch, not one host-side launch per kernel. The rules are those users know from Inductor's CUDA
 graph trees (docs/cudagraphs.md says them for users):
 
-- Warm-up: the first call with a given key (the addresses of static inputs, the shapes and strides
-  of the others, integer inputs) runs the host program as usual; the next one records, then replays.
+- Warm-up: the first call with a given key (the addresses of static inputs, the strides of the
+  others, and where sizes vary, every input's shape and the integer inputs) runs the host program
+  as usual; the next one records, then replays.
   At most `cudagraphs_max_graphs` keys per compiled graph; past that it runs without CUDA graphs
   and warns once.
 - Static inputs (parameters, buffers, a backward's saved tensors: what AOTAutograd marks static)
@@ -281,7 +282,7 @@ def graphed(
     fallback = getattr(report, "fallback", None)
     reasons = refusals(None if fallback else facts, recorder.device_type, fallback)
     if default_mode and not reasons:
-        reasons = _default_mode_refusals(kind, facts, report)
+        reasons = _default_mode_refusals(facts, report)
     if reasons:
         why = "; ".join(reasons)
         log.artifact("cudagraphs", f"{kind} graph", f"runs without CUDA graphs: {why}")
@@ -297,11 +298,11 @@ def graphed(
     return Graphed(program, kind, static, facts.mutated_inputs, pool, facts.symbolic, copy_outputs=default_mode)
 
 
-def _default_mode_refusals(kind: str, facts: CaptureFacts, report) -> list[str]:
+def _default_mode_refusals(facts: CaptureFacts, report) -> list[str]:
     """Why the default mode does not record a graph it could capture: its outputs must be fresh
-    tensors, so each costs a copy after the replay; that pays only where it replaces more launches."""
-    if kind != "inference":
-        return [f"default mode: a {kind} graph (its saved activations would be copied each step)"]
+    tensors, so each costs a copy after the replay; that pays only where it replaces more launches.
+    Only inference graphs come here (frontend/backend.py): a training graph's saved activations would
+    be copied each step."""
     if facts.symbolic:
         return ["default mode: sizes vary from call to call"]
     launches = len(report.kernels) + len(report.externs) if report is not None else 0
