@@ -303,21 +303,7 @@ def column_partial_input(value: Value, domain: Domain) -> Value | None:
 _FRAMES_PER_VALUE = 3
 
 
-def _values_within(tops: list[Value], owner: dict[Value, int], group_id: int) -> int:
-    """How many values the expression walk from `tops` can pass (those this group computes),
-    counted without recursion."""
-    seen: set[Value] = set()
-    todo = list(tops)
-    while todo:
-        v = todo.pop()
-        if v in seen or v.node.op in ("input", "extern") or owner.get(v, group_id) != group_id:
-            continue
-        seen.add(v)
-        todo.extend(x for x in v.node.inputs if isinstance(x, Value))
-    return len(seen)
-
-
-def _room_for_depth(values: int) -> None:
+def room_for_depth(values: int) -> None:
     """Let the expression walk, which recurses once per value along a chain of fused producers,
     go as deep as a kernel's chain can be: a hundred pointwise steps in a row took ~300 frames
     and, with the caller's frames, passed Python's default limit of 1000. The limit is only ever
@@ -340,7 +326,6 @@ def build_kernel(
     """Build the kernel computing `roots` (reductions included) and storing `stored`.
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
     over this domain's rows are accumulated by the row loop."""
-    _room_for_depth(_values_within(roots + stored, owner, group_id))
     b = KernelBuilder(domain, group_id, owner)
     summed = {v: column_partial_input(v, domain) for v in roots} if column_partials else {}
     partial = {v: x for v, x in summed.items() if x is not None}

@@ -24,6 +24,7 @@ from ember.schedule.gemm import GemmChooser
 from ember.schedule.gemm_plan import plan_gemm_templates
 from ember.schedule.groups import make_groups
 from ember.schedule.horizontal import combine_horizontally
+from ember.schedule.kernel_builder import room_for_depth
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import plan_memory
 from ember.schedule.order import order_steps
@@ -50,6 +51,7 @@ def schedule(
     (state.NO_TARGET). `gemm`: the backend's choice between its GEMM template and ATen per matrix
     product (schedule/gemm.py). `kernel_prefix` starts every kernel's name."""
     renders = target if target is not None else NO_TARGET
+    room_for_depth(len(graph.nodes))  # a kernel's expression walk can pass every value of the graph
     if eager_peak is None:
         eager_peak = eager_peak_bytes(graph)
 
