@@ -146,21 +146,20 @@ def _pytorch_cannot_trace(runner: _Runner, s: Sample, errors: list[str]) -> bool
     `aot_eager` backend fails on the sample too: a PyTorch limitation, which ember ran eagerly."""
     if not all(e.count(": ") >= 2 and e.split(": ", 2)[1] == "AOTAutograd" for e in errors):
         return False
-    try:
-        runner.run([s], fullgraph=False, backend="aot_eager")
-    except SweepTimeout:
-        raise
-    except Exception:  # noqa: BLE001  (that failure is the evidence)
-        return True
-    return False
+    return _fails_with(runner, s, "aot_eager")
 
 
 def _dynamo_cannot_trace(runner: _Runner, s: Sample) -> bool:
     """The compiled call raised, and so does torch.compile with PyTorch's own `eager` backend: Dynamo
     fails on the sample before any backend sees it (eager's `x.addbmm_(...)` resizes a one-element
     `x`, which Dynamo's fake tensors refuse), so no backend could run it."""
+    return _fails_with(runner, s, "eager")
+
+
+def _fails_with(runner: _Runner, s: Sample, backend: str) -> bool:
+    """Whether torch.compile with PyTorch's own `backend` raises on the sample."""
     try:
-        runner.run([s], fullgraph=False, backend="eager")
+        runner.run([s], fullgraph=False, backend=backend)
     except SweepTimeout:
         raise
     except Exception:  # noqa: BLE001  (that failure is the evidence)
