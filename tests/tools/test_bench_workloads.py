@@ -1,4 +1,4 @@
-"""The bench's host, optimizer, decoding and JAX workloads at tiny scale on the CPU: each builds,
+"""The bench's host, optimizer, training-loop, decoding and JAX workloads at tiny scale on the CPU: each builds,
 eager matches its float64 reference, ember matches it too, and the new columns (host µs per call,
 GPU-busy fraction, Inductor in ember's mode) reach the table. No timed assertions."""
 
@@ -62,7 +62,7 @@ def test_graph_call_skips_dynamo_and_gives_the_programs_result():
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = [
-        "--scale", "tiny", "--device", "cpu", "--workloads", "host_1k,opt_sgd_momentum,llama_decode",
+        "--scale", "tiny", "--device", "cpu", "--workloads", "host_1k,opt_sgd_momentum,llama_decode,gpt2_loop",
         "--compile-time", "none", "--cpu-budget-s", "0.02", "--rounds", "1", "--no-inductor", "--out", str(out),
     ]  # fmt: skip
     assert bench_main(argv) == 0, "a compiled output did not match eager"
@@ -83,6 +83,9 @@ def test_host_and_optimizer_rows(records):
         assert "transformers not importable" in decode["skipped"], decode
     else:
         assert decode["compilers"]["ember"]["tokens_matching"], decode
+    loop = cases["gpt2_loop/loop"]["compilers"]
+    assert loop["ember"]["status"] == "ok" and len(loop["ember"]["losses"]) == 20, loop["ember"]
+    assert loop["ember"]["losses"] != loop["eager"]["losses"][:1] * 20  # the loop trains: losses change
     header, _, _ = report.table_rows(report.Run.of(records))
     assert "host µs ember" in header and "% GPU busy ember" in header, header
 

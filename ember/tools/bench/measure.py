@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ember.tools.bench.workloads import Built
+from ember.tools.bench.built import Built
 
 # ---------------------------------------------------------------------------------------------
 # One step: inference under no_grad, or forward + backward with fixed cotangents.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import decode, host_cost, jax_step, optimizers
+from ember.tools.bench import decode, host_cost, jax_step, optimizers, train_loop
 from ember.tools.bench.built import Built
 
 
@@ -362,6 +362,16 @@ WORKLOADS: dict[str, Workload] = {
             modes=("train",),
             describe=_shape("{4} blocks, {0}×{1}×{2}, + JAX/XLA"),
             others=jax_step.others,
+        ),
+        Workload(
+            "gpt2_loop",
+            "model",
+            "bf16",
+            {"gpu": (8, 1024, 768, 12, 4), "cpu": (2, 128, 768, 12, 4), "tiny": (2, 8, 32, 2, 2)},
+            None,
+            modes=("loop",),
+            describe=train_loop.describe,
+            runner=train_loop.run,
         ),
         *(
             Workload(
