@@ -30,7 +30,7 @@ _LR = 1e-3
 
 
 def describe(size: tuple) -> str:
-    b, t, d, heads, layers = size
+    b, t, d, _, layers = size
     return f"{layers} blocks, {b}×{t}×{d}, AdamW, {STEPS} steps checked"
 
 
@@ -121,4 +121,4 @@ def _time(loops: dict[str, _Loop], results: dict, s) -> None:
         if parts:
             result["device_ms"] = statistics.median(p["device_ms"] for p in parts)
             result["host_ms"] = statistics.median(p["host_ms"] for p in parts)
-        result["busy_ms"] = measure.busy_ms(lambda: loops[name].step(), [()], s.device)
+        result["busy_ms"] = measure.busy_ms(loops[name].step, [()], s.device)
