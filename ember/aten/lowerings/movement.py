@@ -115,19 +115,17 @@ def _alias(ctx: GraphBuilder, node):
 
 @lowering(aten.split, aten.split_with_sizes)
 def _split(ctx: GraphBuilder, node):
-    """Pieces along a dim as slice views of x (q/k/v of one projection stay one buffer)."""
+    """Pieces along a dim as slice views of x (q/k/v of one projection stay one buffer). The pieces'
+    lengths are read off the output meta, so a split size computed from a symbolic length (`chunk`
+    under dynamic shapes: ceil(n / 3)) gives each piece its own size expression."""
     x = ctx.arg(node.args[0])
-    sizes = node.args[1]
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % max(len(x.shape), 1)
-    length = x.shape[dim]
-    if isinstance(sizes, int):
-        if not length.is_Integer:
-            raise Unsupported("split of a symbolic length")
-        sizes = [min(sizes, int(length) - s) for s in range(0, int(length), sizes)] if sizes > 0 else []
-    if not sizes or not all(isinstance(s, int) for s in sizes):
-        raise Unsupported("split sizes")
-    pieces, start = [], 0
-    for s in sizes:
-        pieces.append(ctx.view("slice", x, dim=dim, start=as_expr(start), end=as_expr(start + s), step=as_expr(1)))
-        start += s
+    metas = node.meta.get("val")
+    if not isinstance(metas, (list, tuple)) or not metas or not all(isinstance(m, torch.Tensor) for m in metas):
+        raise Unsupported("split without a result per piece")
+    pieces, start = [], as_expr(0)
+    for m in metas:
+        length = as_expr(m.shape[dim])
+        pieces.append(ctx.view("slice", x, dim=dim, start=start, end=start + length, step=as_expr(1)))
+        start = start + length
     return pieces
