@@ -147,8 +147,27 @@ def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> Em
         # A graph compiled anew: AOTAutograd missed or dropped its entry, and with it whatever
         # this compile loaded before (in_force publishes those reports only if nothing was compiled).
         current.compiled_anew.append(kind)
+    if kind == "backward":
+        _no_donated_buffers()
     num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
     return EmberGraphCode(kind=kind, num_nodes=num_nodes, options=options, schedule=kept, program=program)
+
+
+def _no_donated_buffers() -> None:
+    """Clear the backward's donated buffers in AOTAutograd's metadata of the compile in progress.
+
+    AOTAutograd forgets them itself when it compiles a backward lazily under create_graph=True (a
+    gradient penalty's first grad), which then runs, and only a double backward is refused, with
+    AOTAutograd's own "does not currently support double backward" (Inductor's behaviour). Compiled
+    with the forward (`force_non_lazy_backward_lowering`), it keeps them and refuses that first grad
+    with a hint to turn donated buffers off, which leads to the same refusal one step later. ember's
+    memory plan never writes into a backward's inputs, so it donates nothing."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None and getattr(meta, "bw_donated_idxs", None):
+        meta.bw_donated_idxs = []
 
 
 def serializable(compile_fn):
