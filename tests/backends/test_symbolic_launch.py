@@ -1,0 +1,66 @@
+"""Kernels of symbolic sizes launch as directly as static ones: one binary, compiled ahead for
+what holds at every size, and per call only the grid and the sizes computed from the bound
+symbols. The GPU path is built here on the CPU: the warm-up jobs the backend compiles, and the
+launch line the host program runs, executed against a recording launch."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from ember.backends.static_launch import StaticLaunch
+from ember.backends.triton import TritonBackend, _stand_in, _warmup_jobs
+from ember.codegen.triton import render_triton
+from ember.ir.sizes import index_symbol
+from tests.schedule.test_fusion import TRITON, G
+
+
+def _symbolic_softmax_and_scale():
+    s = index_symbol("s0")
+    b = G()
+    x = b.input(s, 48)  # rows: symbolic, 48 * s0 elements (divisible by 16 at every s0)
+    m = b.reduce("max", x, (1,), keepdim=True)
+    e = b.pw("exp", b.pw("sub", x, m))
+    y = b.pw("truediv", e, b.reduce("sum", e, (1,), keepdim=True))
+    z = b.pw("mul", b.input(s, 1), b.input(s, 1))  # s0 elements: not known divisible by 16
+    return s, b.schedule(y, z).kernels
+
+
+def test_a_symbolic_size_is_compiled_for_what_holds_at_every_size():
+    s = index_symbol("s0")
+    assert _stand_in(sympy.Integer(7)) == 7
+    assert _stand_in(48 * s) == 1 << 32  # divisible by 16 for every s0: Triton may assume it
+    assert _stand_in(s) == (1 << 32) + 1  # 64-bit, not 1, not divisible by 16
+    assert _stand_in(3 * s + 16) % 16 != 0
+    _, kernels = _symbolic_softmax_and_scale()
+    rendered = {k.name: render_triton(k, TRITON) for k in kernels}
+    jobs = _warmup_jobs({name: None for name in rendered}, rendered)
+    assert [j[0] for j in jobs] == list(rendered)  # every kernel compiles ahead, symbolic ones too
+    for name, _, args, consts, _, _ in jobs:
+        sizes = [a for a in args if isinstance(a, int)]
+        assert any(v >= 1 << 32 for v in sizes), (name, args)
+        assert all(v >= 1 << 32 or v == 48 for v in sizes), (name, args)  # a static row length stays itself
+        assert consts["XBLOCK"] == rendered[name].launch.xblock
+
+
+def test_a_symbolic_kernel_launches_directly_with_its_grid_computed_per_call():
+    s, kernels = _symbolic_softmax_and_scale()
+    backend = TritonBackend()
+    backend.build(kernels, None)
+    seen = []
+    for k in kernels:
+        r = backend.rendered[k.name]
+        codes = tuple("O" if p.kind == "buffer" else "l" for p in r.params) + ("l",) * (1 + bool(r.launch.rblock))
+        codes += (None,) * (1 + bool(r.launch.rblock))  # XBLOCK, RBLOCK: constexprs
+        backend.static[k.name] = StaticLaunch(None, 77, 4, 0, codes, 0, {})
+        buffers = [f"b{i}" for i, p in enumerate(r.params) if p.kind == "buffer"]
+        line = backend.launch_line(k, {"buffers": buffers, "maybe_unaligned": []})
+        assert "[(" not in line and "triton.cdiv" not in line, line  # not kernel[grid](...)
+        for rows in (1, 5, 1000):
+            namespace = {"_static_launch": lambda *a: seen.append(a), "stream": 0, "s0": rows}
+            namespace.update({b: torch.empty(1) for b in buffers})
+            exec(line, namespace)  # noqa: S102 - the generated statement, as the host program runs it
+            per_program = r.launch.rows_per_program or r.launch.xblock
+            xnumel = int(r.xnumel.subs(s, rows))
+            assert seen[-1][1] == max(1, -(-xnumel // per_program)), (k.name, rows, line)
+            assert xnumel in seen[-1][7]  # the sizes, computed from s0
