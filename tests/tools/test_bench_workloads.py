@@ -115,3 +115,19 @@ def test_each_ember_mode_has_inductor_in_that_mode_beside_it():
 def test_own_modes_are_selected_with_the_default_modes():
     keys = [c.key for c in select("optim,llama_decode_b8")]
     assert "opt_adamw/step" in keys and "opt_sgd_momentum_gpt2/step" in keys and "llama_decode_b8/decode" in keys
+
+
+def test_decode_tokens_are_checked_against_eagers_for_every_compiler():
+    from ember.tools.bench.decode import check_tokens
+
+    results = {
+        "eager": {"ms": 1.0, "tokens": [[5, 6, 7]]},
+        "inductor": {"ms": 0.9, "tokens": [[5, 6, 7]]},
+        "ember": {"ms": 0.8, "tokens": [[5, 9, 7]]},
+        "ember:reduce-overhead": {"status": "error", "note": "timed out"},
+    }
+    checked = check_tokens(results)
+    assert checked["inductor"]["status"] == "ok" and checked["inductor"]["tokens_matching"] == "3/3"
+    assert checked["ember"]["status"] == "mismatch" and "position 1" in checked["ember"]["note"], checked["ember"]
+    assert checked["ember:reduce-overhead"]["status"] == "error"
+    assert all("tokens" not in r for r in checked.values())

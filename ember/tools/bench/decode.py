@@ -155,17 +155,26 @@ def run(case, s, record: dict, ceilings: dict) -> dict:
         return record
     floor_ms = eager["floor_bytes"] / ceilings["bandwidth_Bps"] * 1000
     record["limit"] = {"bytes": eager["floor_bytes"], "flops": 0, "floor_ms": floor_ms}
-    for compiler, r in results.items():
+    for compiler, r in check_tokens(results).items():
+        record["compilers"][compiler] = r
+    return record
+
+
+def check_tokens(results: dict[str, dict]) -> dict[str, dict]:
+    """Each compiler's greedy tokens against eager's (results["eager"]): how many match and where they
+    first differ; the tokens themselves leave the results."""
+    eager_tokens = _flat(results["eager"]["tokens"])
+    for r in results.values():
         if "ms" in r:
-            same = [a == b for a, b in zip(_flat(r["tokens"]), _flat(eager["tokens"]))]
+            same = [a == b for a, b in zip(_flat(r["tokens"]), eager_tokens)]
             r["tokens_matching"] = f"{sum(same)}/{len(same)}"
             r["status"] = "ok" if all(same) else "mismatch"
             if not all(same):
                 r["note"] = f"greedy tokens differ from eager's from position {same.index(False)}"
                 r["err"] = 1.0 - sum(same) / len(same)
-            r.pop("tokens")
-        record["compilers"][compiler] = r
-    return record
+    for r in results.values():
+        r.pop("tokens", None)
+    return results
 
 
 def _flat(tokens: list) -> list:
