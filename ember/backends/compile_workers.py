@@ -9,7 +9,8 @@ warmup then looks up. The parent still warms up (loads) every kernel itself: a w
 fails, dies or computes another key costs time, never a kernel or a wrong one.
 
 Workers are plain subprocesses (`python -m ember.backends.compile_workers`), not
-multiprocessing: a spawned multiprocessing child re-imports the user's `__main__` script. They
+multiprocessing: a spawned multiprocessing child re-imports the user's `__main__` script. Each answer
+carries the batch's Triton stage times (ember/stats.py). They
 talk over stdin/stdout in length-prefixed pickles; their stderr is discarded. A worker never
 creates a CUDA context: Triton's driver is told the target instead of asking the GPU.
 """
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+
+from ember import stats
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Kernels per message: small enough to spread a graph's kernels evenly over the workers.
@@ -105,7 +108,10 @@ class CompileWorkers:
                     ready, _, _ = select.select([proc.stdout], [], [], self.batch_timeout_s)
                     if not ready:
                         raise TimeoutError(f"no answer in {self.batch_timeout_s:g} s")
-                    for name, error in _receive(proc.stdout):
+                    results, times = _receive(proc.stdout)
+                    for stage, seconds in times.items():
+                        stats.add(stage, seconds)
+                    for name, error in results:
                         if error:
                             self.failures.append(f"{name}: {error}")
                 except Exception as e:  # noqa: BLE001  (any failure: this worker is done; the parent compiles)
@@ -198,6 +204,7 @@ def _serve() -> None:
     active.get_current_device = lambda: 0
     active.get_current_stream = lambda *args: 0
     modules: dict = {}
+    stats.listen_to_triton()  # each batch's Triton stage times go back with its results
     while True:
         try:
             module_name, path, batch = _receive(inp)
@@ -211,6 +218,7 @@ def _serve() -> None:
             spec.loader.exec_module(module)
             modules[path] = module
         results = []
+        before = stats.snapshot()
         for name, args, consts, num_warps, fp_fusion in batch:
             try:
                 getattr(module, name).warmup(
@@ -219,7 +227,7 @@ def _serve() -> None:
                 results.append((name, None))
             except Exception as e:  # noqa: BLE001  (any failure: the parent compiles it again and reports it)
                 results.append((name, f"{type(e).__name__}: {e}"[:300]))
-        _send(out, results)
+        _send(out, (results, stats.delta(before)))
 
 
 if __name__ == "__main__":

@@ -33,10 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 import sympy
 import torch
 
-from ember import config, log
-from ember.backends import static_launch
+from ember import config, log, stats
+from ember.backends import kernel_dedup, static_launch
 from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
+from ember.backends.kernel_dedup import SHARED
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
@@ -112,10 +113,18 @@ class TritonBackend:
         direct = config.get("direct_launch") and index is not None and index == _current_device()
         gemm_fns = {n: fns.pop(n) for n in self.gemm_kernels}
         namespace.update(gemm_fns)
-        jobs = []  # Triton's interpreter compiles nothing ahead
-        if not self._target.interpreted:
-            precompile_gemms(self.gemm_kernels, gemm_fns)
-            jobs = _warmup_jobs(fns, self.rendered)
+        jobs = _warmup_jobs(fns, self.rendered)
+        base = kernel_dedup.key_base(PRELUDE, self._target.key(), triton_identity())
+        keys = {j[0]: kernel_dedup.kernel_key(self.sources[j[0]], j[2:], base) for j in jobs}
+        if self._target.interpreted:  # Triton's interpreter compiles nothing: equal kernels share one function
+            for name, key in keys.items():
+                shared = SHARED.get(key, None)
+                if shared is None:
+                    stats.add("kernels_compiled")
+                    shared = SHARED.put(key, None, kernel_dedup.Launchable(function=fns[name]))
+                namespace[name] = shared.function
+            return namespace
+        precompile_gemms(self.gemm_kernels, gemm_fns)
         # A warm start loads each static kernel from its launch record, without Triton.
         records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], self._target.key()) if direct else None
         recorded = records.load() if records is not None else {}
@@ -124,20 +133,52 @@ class TritonBackend:
             if static is not None:
                 self.static[name] = static
         jobs = [j for j in jobs if j[0] not in self.static]
-        for name, compiled in self._precompile(jobs, module).items():
-            static = static_launch.from_compiled(compiled, index) if direct else None
-            if static is not None:
-                self.static[name] = static
-                continue
-            handles = _launch_handles(compiled) if direct else None
-            if handles is not None:
-                self.direct.add(name)
-                namespace.update({f"{name}_run": handles[0], f"{name}_fn": handles[1], f"{name}_meta": handles[2]})
+        self._compile_distinct(jobs, keys, module, index if direct else None, namespace)
         if self.static:
             namespace["_static_launch"] = next(iter(self.static.values())).launch
         if records is not None and jobs and len(recorded) < len(self.static):
             records.save({name: s.record for name, s in self.static.items()})
         return namespace
+
+    def _compile_distinct(self, jobs: list[tuple], keys: dict[str, str], module, device: int | None, namespace) -> None:
+        """Compile each distinct kernel of `jobs` once (backends/kernel_dedup.py) and make every
+        kernel launchable directly on `device` (None: launched through `kernel[grid]`, so every
+        kernel is warmed up in its own function, and nothing is shared)."""
+        if device is None:
+            self._precompile(jobs, module)
+            stats.add("kernels_compiled", len(jobs))
+            return
+        found: dict[str, kernel_dedup.Launchable] = {}
+        first: dict[str, str] = {}  # key -> the kernel of this graph compiled for it
+        distinct = []
+        for job in jobs:
+            name, key = job[0], keys[job[0]]
+            shared = SHARED.get(key, device) or (SHARED.load_record(key, device) if key not in first else None)
+            if shared is not None:
+                found[name] = shared
+            elif key not in first:
+                first[key] = name
+                distinct.append(job)
+        for name, compiled in self._precompile(distinct, module).items():
+            stats.add("kernels_compiled")
+            static = static_launch.from_compiled(compiled, device)
+            if static is not None:
+                kernel_dedup.Shared.save_record(keys[name], static.record)
+            launchable = kernel_dedup.Launchable(static=static, handles=None if static else _launch_handles(compiled))
+            found[name] = SHARED.put(keys[name], device, launchable)
+        for job in jobs:
+            name = job[0]
+            shared = found.get(name)
+            if shared is None:  # a duplicate within this graph
+                shared = SHARED.get(keys[name], device)
+            if shared is None:
+                continue  # its first copy did not compile ahead: it compiles at its first launch
+            if shared.static is not None:
+                self.static[name] = shared.static
+            elif shared.handles is not None:
+                self.direct.add(name)
+                run, fn, meta = shared.handles
+                namespace.update({f"{name}_run": run, f"{name}_fn": fn, f"{name}_meta": meta})
 
     def _precompile(self, jobs: list[tuple], module) -> dict[str, object]:
         """Compile the kernels of `jobs` (`_warmup_jobs`) now, in parallel threads, instead of one

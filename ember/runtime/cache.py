@@ -6,7 +6,8 @@ for, the toolchain that made it, and, for what ember's own passes make, ember's 
 (`ember_identity`: the settings marked `codegen` in config.py, the one list of settings that enter
 keys; ember's source; the Python, torch and sympy versions). Its users: a graph's schedule
 (runtime/schedule_cache.py), a Triton kernel module, its cubins and launch records
-(backends/triton.py, backends/static_launch.py), a C++ library (backends/cpp.py), GEMM timings
+(backends/triton.py, backends/static_launch.py), a distinct kernel's launch record
+(backends/kernel_dedup.py), a C++ library (backends/cpp.py), GEMM timings
 (backends/gemm_tuning.py), and ember's part of AOTAutograd's key (frontend/aot_cache.py).
 
 Layout, under the root (setting `cache_dir`):
@@ -78,7 +79,7 @@ MARKER_TEXT = (
     b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
-KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "gemm"})
+KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm"})
 SECRETS = frozenset({"aot-key"})
 TMP = ".tmp-"
 TRASH = ".trash-"
