@@ -421,7 +421,10 @@ class HostWriter:
         """`dense`: the product whose contract gives its result the meta's layout, or None."""
         name = f"buf{v.id}"
         self.names[v.id] = name
-        promised = dense and all(sympy.sympify(e).is_Integer for e in (*v.shape, *layout_of(v)))
+        # ATen's products return a fresh row-major tensor at every size, so their layout holds with
+        # symbolic sizes too; an aligned product's padded rows are promised where the sizes are static.
+        static = all(sympy.sympify(e).is_Integer for e in (*v.shape, *layout_of(v)))
+        promised = dense is not None and (static or not isinstance(dense, AlignedProduct))
         if promised and not isinstance(dense, AlignedProduct):  # ATen's products: row-major
             promised = tuple(layout_of(v)) == tuple(contiguous_strides(v.shape))
         self.layouts[v.id] = (tuple(layout_of(v)), promised or v in self.layout_sensitive)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import sympy
 import torch
 
+from ember import config
 from ember.backends.static_launch import StaticLaunch
 from ember.backends.triton import TritonBackend, _stand_in, _warmup_jobs
 from ember.codegen.triton import render_triton
 from ember.ir.sizes import index_symbol
+from tests.helpers import reports
 from tests.schedule.test_fusion import TRITON, G
 
 
@@ -64,3 +66,17 @@ def test_a_symbolic_kernel_launches_directly_with_its_grid_computed_per_call():
             xnumel = int(r.xnumel.subs(s, rows))
             assert seen[-1][1] == max(1, -(-xnumel // per_program)), (k.name, rows, line)
             assert xnumel in seen[-1][7]  # the sizes, computed from s0
+
+
+def test_a_products_result_is_trusted_row_major_at_every_size():
+    # ATen's mm/addmm return fresh row-major tensors: with symbolic sizes too, the host program
+    # binds the result as it is, with no layout check per call.
+    lin = torch.nn.Linear(16, 24)
+    f = torch.compile(lin, backend="ember", dynamic=True)
+    with reports() as report, config.override(strict=True, backend="cpp"):
+        for rows in (3, 5, 17, 33, 40):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(f(x), lin(x), rtol=1e-5, atol=1e-5)
+    hosts = [g.host_source for g in report.graphs if "addmm" in g.host_source]
+    assert hosts and all("_fix_layout(addmm" not in h for h in hosts), hosts
+    assert any("s" in h.split("def call")[1] for h in hosts)  # compiled with symbolic sizes
