@@ -249,6 +249,14 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "overlap_collectives",
+            bool,
+            True,
+            "order a graph's functional collectives so compute overlaps them: each starts as soon as its inputs "
+            "allow, each wait just before its result is first read (off: the graph's order)",
+            codegen=True,
+        ),
+        Setting(
             "fusion_rank_every_pair",
             bool,
             False,

@@ -97,6 +97,7 @@ def _check(graph, name: str) -> None:
 def _report_schedule(report: GraphReport, sched, backend: Backend, target: Target) -> None:
     """Each kernel's cost (bytes, FLOPs, roofline estimate), the fusion decisions, the memory plan."""
     from ember.schedule.cost import as_number, bound, estimate_seconds, kernel_cost
+    from ember.schedule import collectives
     from ember.schedule.memory import describe_mutations
 
     report.target = str(target)
@@ -121,6 +122,7 @@ def _report_schedule(report: GraphReport, sched, backend: Backend, target: Targe
     report.memory = str(sched.memory)
     report.peak_bytes, report.eager_peak_bytes = sched.memory.peak_bytes, sched.memory.eager_peak_bytes
     report.mutations = describe_mutations(sched.graph, sched.steps, sched.memory)
+    report.collectives = collectives.describe(sched.steps)
 
 
 def _fusion_log(report: GraphReport) -> str:

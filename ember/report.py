@@ -63,6 +63,8 @@ class GraphReport:
     cudagraphs: str = ""  # under CUDA graphs: "on (...)", or "off: " and why ("" when not asked for)
     # Per mutated input: the kernel or extern that writes its new value in place, or why it is copied.
     mutations: list[str] = field(default_factory=list)
+    # Per functional collective: the step that starts it, the step that waits on it, what runs between.
+    collectives: list[str] = field(default_factory=list)
 
     @property
     def bytes(self) -> int | None:
@@ -110,6 +112,8 @@ class GraphReport:
             lines.append(f"  extern {e}")
         for m in self.mutations:
             lines.append(f"  mutation {m}")
+        for c in self.collectives:
+            lines.append(f"  collective {c}")
         if self.rejected:
             lines.append(f"  fusions refused ({len(self.rejected)}):")
             lines += [f"    {f}" for f in self.rejected]

@@ -17,6 +17,7 @@ import torch.fx
 
 from ember import config
 from ember.aten import lowerings  # noqa: F401  (its modules fill the registry)
+from ember.aten.collectives import collective_role
 from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, values_in
 from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
@@ -224,7 +225,12 @@ class Importer:
         kwargs = {k: b.arg(v) for k, v in node.kwargs.items()}
         if any(b.is_sym_float(v) for v in values_in((args, kwargs))):
             raise GraphUnsupported(f"symbolic float passed to {op_name(node.target)}, which runs as an ATen call")
-        return b.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=op_name(node.target))
+        result = b.extern_call(node.target, args, kwargs, node.meta.get("val"), origin=op_name(node.target))
+        role = collective_role(node.target)
+        if role is not None:
+            first = next(v for v in (result if isinstance(result, tuple) else (result,)) if v is not None)
+            first.node.attrs["collective"] = role  # the scheduler starts it early, waits on it late
+        return result
 
 
 # Ops whose result size always depends on the data (the `dynamic_output_shape` tag also marks

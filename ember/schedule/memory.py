@@ -14,8 +14,9 @@ A mutated graph input's new value (graph.mutations) goes straight into the input
 kernel computing it is the input's last user (see _Uses.mutated_input), or where an extern wrote it
 there itself (a scatter made in place by the importer, `writes_input`).
 
-Buffers are freed after their last use, except storage that a view may still read (alias
-bases, operands of view-returning externs), graph inputs (the caller's) and outputs.
+Buffers are freed after their last use (a functional collective's inputs: after its wait), except
+storage that a view may still read (alias bases, operands of view-returning externs), graph inputs
+(the caller's) and outputs.
 Extern results are ATen's allocations, counted toward the peak; those of matrix products and
 convolutions (fresh memory by contract) and of ember's targets marked `fresh_result` are reused
 like kernel outputs, others never.
@@ -34,6 +35,7 @@ import torch
 
 from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, product
+from ember.schedule import collectives
 from ember.schedule.cost import size_hint
 from ember.schedule.kernel import Kernel, KLoad, KNode, kernel_parts, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
@@ -237,6 +239,7 @@ def _uses(graph: Graph, steps: list[Step]) -> _Uses:
     for pos, step in enumerate(steps):
         for v in step_inputs(step) + step_outputs(step):
             last[v] = pos
+    collectives.hold_inputs(steps, last)  # a collective in flight still reads its inputs
     shared: set[Value] = set()
     for step in steps:
         if isinstance(step, AliasStep):

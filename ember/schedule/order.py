@@ -3,12 +3,18 @@
 Each group's kernel is built a last time, storing only the values another step reads (the
 rest stay in registers). Kernels and extern calls are ordered topologically, ties broken by
 their place in the graph; an alias follows the step that computes its base, and aliases of
-graph inputs come first.
+graph inputs come first. Under the setting `overlap_collectives`, a functional collective starts
+as soon as its inputs allow and is waited on just before its result is first read, the compute
+independent of it running in between (collectives.py).
 """
 
 from __future__ import annotations
 
+import itertools
+
+from ember import config
 from ember.ir.graph import Value
+from ember.schedule import collectives
 from ember.schedule.groups import group_kernel
 from ember.schedule.state import ScheduleState
 from ember.schedule.steps import ExternStep, KernelStep, Step, step_outputs
@@ -23,10 +29,30 @@ def order_steps(state: ScheduleState) -> None:
             produced_by[v] = k
     # Topological order, ties broken by graph position (Kahn's algorithm).
     deps = [{produced_by[v] for v in needs if v in produced_by} - {k} for k, (_, _, needs) in enumerate(items)]
+    roles = [collectives.role(step) for _, step, _ in items]
+    waits: set[int] = set()
+    overlap = config.get("overlap_collectives") and any(roles)
+    if overlap:
+        starts = sorted((k for k, r in enumerate(roles) if r == "start"), key=lambda k: items[k][0])
+        for before, after in itertools.pairwise(starts):
+            deps[after].add(before)  # every rank issues its collectives in the program's order
+        waits = {k for k, r in enumerate(roles) if r == "wait"}
     done: set[int] = set()
     order: list[Step] = []
+
+    def emit(k: int) -> None:
+        done.add(k)
+        order.append(items[k][1])
+        outs = set(step_outputs(items[k][1]))
+        order.extend(a for a in state.aliases.values() if a.base in outs)
+
     while len(done) < len(items):
-        ready = [k for k in range(len(items)) if k not in done and deps[k] <= done]
+        # A wait is taken only for a step that reads it (or when nothing else is left): it counts
+        # as available once its collective has started.
+        open_waits = {w for w in waits - done if deps[w] <= done}
+        ready = [k for k in range(len(items)) if k not in done and k not in waits and deps[k] <= done | open_waits]
+        if not ready:
+            ready = sorted(open_waits)
         if not ready:
             stuck = [
                 (_describe(items[k][1]), sorted(_describe(items[d][1]) for d in deps[k] - done))
@@ -34,11 +60,11 @@ def order_steps(state: ScheduleState) -> None:
                 if k not in done
             ]
             raise RuntimeError(f"schedule has a cycle among {stuck}")
-        k = min(ready, key=lambda k: items[k][0])
-        done.add(k)
-        order.append(items[k][1])
-        outs = set(step_outputs(items[k][1]))
-        order.extend(a for a in state.aliases.values() if a.base in outs)
+        # Starts first, then steps that wait on no collective, then those that do; graph order within.
+        k = min(ready, key=lambda k: (overlap and roles[k] != "start", bool(deps[k] & open_waits), items[k][0]))
+        for w in sorted(deps[k] & open_waits, key=lambda w: items[w][0]):
+            emit(w)
+        emit(k)
     order[:0] = [a for a in state.aliases.values() if a.base.node.op == "input"]
     state.steps = order
 

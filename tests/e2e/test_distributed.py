@@ -222,4 +222,5 @@ def test_functional_collectives_compile_and_match(ranks, rank):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"output {k}: {m}")
     text = "\n".join(result["reports"])
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-        assert op in text, f"{op} not in ember's report:\n{text}"
+        # ember.explain's line for each: where it starts, where it is waited on, what runs between.
+        assert f"collective {op} " in text and "waited at step" in text, f"{op}: no collective line:\n{text}"

@@ -1,0 +1,98 @@
+"""Functional collectives in a schedule: where each starts, where it is waited on, what it holds.
+
+A graph traced from torch.distributed code (functional collectives, tensor parallelism, compiled
+FSDP) holds each collective as two ATen calls: the start (`_c10d_functional.all_reduce`,
+`all_gather_into_tensor`, `reduce_scatter_tensor`, ...), which launches the communication and
+returns at once, and `wait_tensor` on its result, which blocks until it is done. The importer
+marks both extern nodes (attrs["collective"]: "start" or "wait"; aten/collectives.py). Between
+the two, compute overlaps communication; so the ordering pass (order.py) under the setting
+`overlap_collectives`:
+
+- issues each start as soon as the steps computing its inputs have run, before any other ready
+  step; starts keep their graph order among themselves (every rank issues its collectives in the
+  program's order, however ember grouped the kernels around them);
+- places each wait just before the first step that reads its result (the end of the program
+  when only outputs do), and prefers, among the ready steps, those that read no pending wait's
+  result, so that the compute independent of a collective runs while it is in flight.
+
+While a collective is in flight its inputs are still being read (all_gather on NCCL reads its
+input on the communication stream): the memory plan keeps each start's inputs alive up to its
+last wait (`hold_inputs`), so no kernel is placed in their memory before then.
+"""
+
+from __future__ import annotations
+
+from ember.ir.graph import Node, Value
+from ember.schedule.steps import ExternStep, KernelStep, Step, step_outputs
+
+
+def role(step: Step) -> str | None:
+    """A step's part in a functional collective: "start", "wait", or None."""
+    if isinstance(step, ExternStep):
+        return step.node.attrs.get("collective")
+    return None
+
+
+def _start_of(wait: Node) -> Node | None:
+    """The start node a wait's operand comes from."""
+    for v in wait.value_inputs():
+        if v.node.attrs.get("collective") == "start":
+            return v.node
+    return None
+
+
+def hold_inputs(steps: list[Step], last: dict[Value, int]) -> None:
+    """Extend the last use of each collective start's inputs to the last wait on its results."""
+    waited: dict[int, int] = {}
+    for pos, step in enumerate(steps):
+        if role(step) == "wait":
+            start = _start_of(step.node)
+            if start is not None:
+                waited[id(start)] = pos
+    for step in steps:
+        if role(step) == "start" and id(step.node) in waited:
+            for v in step.node.value_inputs():
+                last[v] = max(last.get(v, -1), waited[id(step.node)])
+
+
+def describe(steps: list[Step]) -> list[str]:
+    """One line per collective: the step that starts it, the step that waits on it, and the steps
+    (kernels and other externs) that run between the two, for `ember.explain`."""
+    lines = []
+    wait_at: dict[int, int] = {}
+    for pos, step in enumerate(steps):
+        if role(step) == "wait":
+            start = _start_of(step.node)
+            if start is not None:
+                wait_at.setdefault(id(start), pos)
+    for pos, step in enumerate(steps):
+        if role(step) != "start":
+            continue
+        node = step.node
+        after = _name(steps[pos - 1]) if pos > 0 else "the program's start"
+        end = wait_at.get(id(node))
+        if end is None:
+            lines.append(f"{node.origin}: starts at step {pos} (after {after}), never waited on in this graph")
+            continue
+        between = [s for s in steps[pos + 1 : end] if role(s) is None]
+        before = _name(steps[end + 1]) if end + 1 < len(steps) else "the program's end"
+        hidden = ", ".join(_name(s) for s in between[:6]) + (", ..." if len(between) > 6 else "")
+        overlap = f"overlaps {len(between)} steps ({hidden})" if between else "overlaps nothing"
+        lines.append(
+            f"{node.origin} {_shape(step)}: starts at step {pos} (after {after}), waited at step {end} "
+            f"(before {before}); {overlap}"
+        )
+    return lines
+
+
+def _name(step: Step) -> str:
+    if isinstance(step, KernelStep):
+        return step.kernel.name
+    if isinstance(step, ExternStep):
+        return step.node.origin
+    return f"alias {step.value.name}"
+
+
+def _shape(step: ExternStep) -> str:
+    outs = step_outputs(step)
+    return " ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}" for v in outs)
