@@ -87,7 +87,7 @@ def _default_cache_dir() -> str:
 
 
 # Named log artifacts (log.py prints them); validated when EMBER_LOGS is parsed.
-LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns", "cudagraphs")
+LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns", "cudagraphs", "asm")
 
 
 def _valid_artifacts(value: str) -> bool:
@@ -153,7 +153,8 @@ SETTINGS: dict[str, Setting] = {
             "debug",
             int,
             0,
-            "0 quiet; 1 one line per graph; 2 also generated source; 3 also IR after each pass",
+            "0 quiet; 1 one line per graph; 2 also generated source; 3 also IR after each pass; "
+            "4 also each kernel's machine code (assembly on the CPU, PTX and SASS on the GPU)",
             check=lambda v: 0 <= v <= 4,
         ),
         Setting(

@@ -1,16 +1,19 @@
 """ember's logging: `EMBER_DEBUG` levels, named artifacts (`EMBER_LOGS=fusion,code`) and warnings.
 
 Levels: 1 prints one summary line per compiled graph; 2 adds the generated source;
-3 adds the IR after each pass. Artifacts select one kind of output regardless of level.
+3 adds the IR after each pass; 4 adds each kernel's machine code (assembly; PTX and SASS).
+Artifacts select one kind of output regardless of level.
 Output goes to stderr through the `ember` logger so users can redirect it. Warnings (a graph
 run eagerly) name the user's line that led to them, not ember's.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -21,7 +24,16 @@ from ember import config
 
 ARTIFACTS = config.LOG_ARTIFACTS
 # The debug level at which each artifact turns on without being named in EMBER_LOGS.
-_ARTIFACT_LEVEL = {"code": 2, "graph": 3, "fusion": 3, "schedule": 3, "cache": 3, "patterns": 1, "cudagraphs": 1}
+_ARTIFACT_LEVEL = {
+    "code": 2,
+    "graph": 3,
+    "fusion": 3,
+    "schedule": 3,
+    "cache": 3,
+    "patterns": 1,
+    "cudagraphs": 1,
+    "asm": 4,
+}
 
 logger = logging.getLogger("ember")
 if not logger.handlers:
@@ -82,6 +94,7 @@ def _package_dir(module) -> str:
     return os.path.dirname(os.path.abspath(module.__file__)) + os.sep
 
 
+@functools.lru_cache(maxsize=1)
 def _where_code_lives() -> tuple[tuple[str, ...], tuple[str, ...], str]:
     """(PyTorch's and ember's package folders, installed libraries' folders, the standard library's)."""
     import torch
@@ -121,6 +134,21 @@ def user_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1
     return 2
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([^\n]+)\n([^\n]*)')
+
+
+def innermost_frame(stack_trace: str) -> tuple[str, str]:
+    """("file:line", the line's code) of the innermost frame of an FX node's `stack_trace`
+    (the user's line Dynamo recorded for the op); ("", "") when it names none."""
+    frames = _FRAME.findall(stack_trace or "")
+    if not frames:
+        return "", ""
+    torch_dir = _where_code_lives()[0][0]
+    # The innermost frame outside PyTorch: the user's call of F.layer_norm, not layer_norm's body.
+    path, line, _, code = next((f for f in reversed(frames) if not f[0].startswith(torch_dir)), frames[-1])
+    return f"{path}:{line}", code.strip()
 
 
 def warn(message: str) -> None:

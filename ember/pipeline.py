@@ -17,6 +17,7 @@ Any exception in any pass makes this graph run eagerly, with one warning naming 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 
 from ember import config, faults, log, progress
 from ember.backends.base import Backend
+from ember.backends.layers import format_layers, kernel_layers
 from ember.report import FusionReport, GraphReport, KernelReport, publish
 from ember.signals import dynamo_control_flow
 from ember.target import Target
@@ -115,14 +117,36 @@ def _report_schedule(report: GraphReport, sched, backend: Backend, target: Targe
                 None if flops is None else int(flops),
                 None if seconds is None else seconds * 1e6,
                 bound(cost, target),
+                _lines(report, k.fx_nodes),
             )
         )
     report.externs = [n.origin for n in sched.externs]
+    report.extern_lines = [(_lines(report, [n.fx_node]) or [""])[0] for n in sched.externs]
     report.fusion = [FusionReport(d.consumer, d.producer, d.accepted, d.reason, d.saved_bytes) for d in sched.decisions]
     report.memory = str(sched.memory)
     report.peak_bytes, report.eager_peak_bytes = sched.memory.peak_bytes, sched.memory.eager_peak_bytes
     report.mutations = describe_mutations(sched.graph, sched.steps, sched.memory)
     report.collectives = collectives.describe(sched.steps)
+
+
+def _lines(report: GraphReport, fx_nodes: list[str]) -> list[str]:
+    return list(dict.fromkeys(report.node_lines[n] for n in fx_nodes if n in report.node_lines))
+
+
+def source_lines(report: GraphReport, gm: torch.fx.GraphModule) -> None:
+    """The user's source lines of an ATen graph into the report: each line's code and the ATen ops it
+    became, and each FX node's line. Read from the graph at hand, not kept in a cached schedule: the
+    same graph may come from other lines."""
+    from ember.aten.builder import op_name
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            where, code = log.innermost_frame(node.meta.get("stack_trace") or "")
+            if where:
+                report.node_lines[node.name] = where
+                ops = report.source_lines.setdefault(where, (code, []))[1]
+                if op_name(node.target) not in ops:
+                    ops.append(op_name(node.target))
 
 
 def _fusion_log(report: GraphReport) -> str:
@@ -194,6 +218,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_sch
 
     start = time.perf_counter()
     report = GraphReport(kind=kind, num_nodes=sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+    source_lines(report, gm)
     stage = _StageClock(report.stage_seconds, start)
     try:
         device = graph_device(gm, example_inputs)
@@ -285,6 +310,9 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     _report_schedule(report, sched, backend, target)
     log.artifact("fusion", kind, lambda: _fusion_log(report))
     report.host_source = host.source
+    built = [k for k in sched.kernels if not k.writes_nothing]
+    report.layers = functools.partial(kernel_layers, backend, built)
+    log.artifact("asm", f"{kind} kernels", lambda: format_layers(report.layers(), machine_only=True))
     stage("host")
     return CompiledGraph(host.call, report)
 

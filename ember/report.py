@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -18,6 +18,7 @@ class KernelReport:
     flops: int | None = None
     estimate_us: float | None = None  # roofline estimate on the target (bandwidth measured)
     bound: str = ""  # "memory" | "compute": which roof the estimate sits under
+    lines: list[str] = field(default_factory=list)  # the user's source lines ("file:line") its ops came from
 
     def __str__(self) -> str:
         cost = ""
@@ -48,6 +49,7 @@ class GraphReport:
     backend: str = ""
     kernels: list[KernelReport] = field(default_factory=list)
     externs: list[str] = field(default_factory=list)
+    extern_lines: list[str] = field(default_factory=list)  # each extern's source line ("" where unknown)
     fallback: str | None = None
     compile_seconds: float = 0.0
     # Seconds per pipeline stage, in order (backend, import, cse, pad, split, schedule, cache write,
@@ -63,6 +65,11 @@ class GraphReport:
     cudagraphs: str = ""  # under CUDA graphs: "on (...)", or "off: " and why ("" when not asked for)
     # Per mutated input: the kernel or extern that writes its new value in place, or why it is copied.
     mutations: list[str] = field(default_factory=list)
+    # The user's source lines of the ATen graph: "file:line" -> (its code, the ATen ops it became).
+    source_lines: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+    node_lines: dict[str, str] = field(default_factory=dict)  # ATen FX node name -> its source line
+    # Each kernel's code at every layer below its source (backends/layers.py), made when called.
+    layers: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
     # Per functional collective: the step that starts it, the step that waits on it, what runs between.
     collectives: list[str] = field(default_factory=list)
 

@@ -36,13 +36,23 @@ class GraphBuilder:
         self.graph = graph
         # Each FX node's result: a Value, a size expression, a Python scalar, or a tuple of them.
         self.env: dict[torch.fx.Node, Any] = {}
-        self.current: torch.fx.Node | None = None
+        self._current: torch.fx.Node | None = None
         # Floats computed from sizes (SymFloat), held as 0-d float64 values (importer: _sym_float).
         self.sym_floats: set[Value] = set()
 
     @property
     def device(self) -> torch.device:
         return self.graph.device
+
+    @property
+    def current(self) -> torch.fx.Node | None:
+        return self._current
+
+    @current.setter
+    def current(self, node: torch.fx.Node | None) -> None:
+        """The FX node being lowered; the nodes added for it carry its name."""
+        self._current = node
+        self.graph.current_fx_node = node.name if node is not None else ""
 
     @property
     def origin(self) -> str:

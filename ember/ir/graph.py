@@ -80,6 +80,7 @@ class Node:
     attrs: dict[str, Any]
     outputs: list[Value] = field(default_factory=list)
     origin: str = ""  # the ATen op this node came from, for reports
+    fx_node: str = ""  # the name of the ATen FX node it came from (whose source line reports show)
 
     @property
     def out(self) -> Value:
@@ -103,11 +104,13 @@ class Graph:
         # last and are not returned; the host program leaves each new value in its input.
         self.mutations: list[tuple[Value, int]] = []
         self._next_id = 0  # an int, not itertools.count: a graph is pickled (runtime/schedule_cache.py)
+        # The ATen FX node the nodes added now come from (the importer sets it per node).
+        self.current_fx_node = ""
 
     # -- construction -------------------------------------------------------------------
     def add(self, op: str, inputs, attrs, out_types, origin: str = "") -> Node:
         """Append a node; out_types is a list of (shape, dtype, stride-or-None)."""
-        node = Node(op, list(inputs), dict(attrs), origin=origin)
+        node = Node(op, list(inputs), dict(attrs), origin=origin, fx_node=getattr(self, "current_fx_node", ""))
         for shape, dtype, stride in out_types:
             node.outputs.append(Value(self._next_id, shape, dtype, node, self.device, stride))
             self._next_id += 1

@@ -306,7 +306,7 @@ class GemmKernelBuilder(KernelBuilder):
             if g.beta != 1:
                 bias = self.op("mul", [bias, self.const(g.beta, f32)], f32)
             val = self.op("add", [bias, val], f32)
-        self.origins.setdefault(g.node.origin, None)
+        self.record_origin(g.node)
         # Rounded once to the product's dtype, as ATen stores it; the epilogue reads that value.
         return self.convert(self.convert(val, value.dtype), dtypes.compute_dtype(value.dtype))
 
@@ -343,6 +343,7 @@ def build_gemm_kernel(
         reduces=[],
         reads=list(b.reads),
         origins=list(b.origins),
+        fx_nodes=[n for n in b.fx_nodes if n],
         num_phases=1,
         gemm=gemm,
         acc=b.acc,

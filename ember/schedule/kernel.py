@@ -205,6 +205,7 @@ class Kernel:
     reads: list[Value]  # buffers loaded, in first-use order
     origins: list[str]  # ATen ops fused into it (for reports)
     num_phases: int
+    fx_nodes: list[str] = field(default_factory=list)  # the ATen FX nodes of those ops (their source lines)
     index_vars: list[sympy.Symbol] = field(default_factory=list)
     # After dimension merging: the loop dims the target iterates over.
     loop_sizes: list[Expr] = field(default_factory=list)
@@ -295,6 +296,10 @@ class ComboKernel:
     @property
     def origins(self) -> list[str]:
         return [o for p in self.parts for o in p.origins]
+
+    @property
+    def fx_nodes(self) -> list[str]:
+        return list(dict.fromkeys(n for p in self.parts for n in p.fx_nodes))
 
     @property
     def writes_nothing(self) -> bool:

@@ -89,7 +89,13 @@ class KernelBuilder:
         self.reduces: list[KReduce] = []
         self.reads: dict[Value, None] = {}
         self.origins: dict[str, None] = {}
+        self.fx_nodes: dict[str, None] = {}  # the ATen FX nodes they were
         self.column_partials: list[KColumnPartial] = []
+
+    def record_origin(self, node) -> None:
+        """Note the ATen op (and its FX node) an IR node of this kernel came from."""
+        self.origins.setdefault(node.origin, None)
+        self.fx_nodes.setdefault(node.fx_node, None)
 
     # Interning: identical expressions are one node.
     def _intern(self, key: tuple, make) -> KNode:
@@ -165,7 +171,7 @@ class KernelBuilder:
         if cached is None:
             cached = self.memo[key] = self._expr(value, index)
             if not isinstance(cached, (KLoad, KConvert)) or value.node.op == "cast":
-                self.origins.setdefault(value.node.origin, None)  # post-order: producers first
+                self.record_origin(value.node)  # post-order: producers first
         return cached
 
     def _expr(self, value: Value, index: list[Expr]) -> KNode:
@@ -238,7 +244,7 @@ class KernelBuilder:
         arg = self.convert(self.expr(x, self.domain.vars()), acc)
         phase = arg.ready
         red = KReduce(acc, False, phase + 1, node.attrs["kind"], arg, phase)
-        self.origins.setdefault(node.origin, None)
+        self.record_origin(node)
         self.cse[key] = red
         self.reduces.append(red)
         return red
@@ -255,7 +261,7 @@ class KernelBuilder:
         self.column_partials.append(
             KColumnPartial(value, value.node.attrs["kind"], arg, rows, row, sympy.expand(column), strides[0])
         )
-        self.origins.setdefault(value.node.origin, None)
+        self.record_origin(value.node)
 
     def store(self, value: Value) -> KStore:
         index = self.domain.index_for(value.shape)
@@ -349,6 +355,7 @@ def build_kernel(
         reduces=b.reduces,
         reads=list(b.reads),
         origins=list(b.origins),
+        fx_nodes=[n for n in b.fx_nodes if n],
         num_phases=num_phases,
         column_partials=b.column_partials,
     )
