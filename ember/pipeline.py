@@ -298,6 +298,10 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     kernels = sum(1 for k in sched.kernels if not k.writes_nothing)
     progress.stage(f"{kind}: building {kernels} kernel{'s' if kernels != 1 else ''}")
     namespace = backend.build([k for k in sched.kernels if not k.writes_nothing], sched.memory)
+    if any(n.origin == "flex_attention" for n in sched.externs):
+        from ember.backends.flex import build_flex_kernels
+
+        build_flex_kernels(sched, target)  # FlexAttention's flash-attention kernels
     progress.kernels_built(kind, kernels)
     stage("build")
     # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors

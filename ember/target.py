@@ -193,6 +193,19 @@ class HorizontalHeuristics:
 
 
 @dataclass(frozen=True)
+class FlexHeuristics:
+    """FlexAttention's forward kernel (codegen/flex_triton.py, flex_cpp.py): a Tile is BLOCK_M query
+    rows x BLOCK_N keys a step x warps, each within the BlockMask's blocks. The GPU's by head size
+    (Hopper: two warpgroups where the value tile is wide), the CPU's rows per task and keys per step."""
+
+    small: Tile = Tile(128, 128, 4)  # head size <= 64
+    medium: Tile = Tile(128, 64, 8)  # <= 128
+    large: Tile = Tile(64, 32, 4)  # larger
+    stages: int = 3
+    cpu: Tile = Tile(32, 128, 1)
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
@@ -201,6 +214,7 @@ class Heuristics:
     pad: PadHeuristics = PadHeuristics()
     horizontal: HorizontalHeuristics = HorizontalHeuristics()
     cpp: CppHeuristics = CppHeuristics()
+    flex: FlexHeuristics = FlexHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`

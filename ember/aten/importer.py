@@ -87,6 +87,8 @@ class Importer:
 
     def _constant_tensor(self, node):
         tensor = getattr(self.gm, node.target)
+        if isinstance(tensor, torch.fx.GraphModule):
+            return tensor  # a higher-order op's function (flex_attention's score_mod): its lowering reads it
         return self.builder.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
 
     def _output(self, arg):

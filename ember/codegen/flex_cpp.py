@@ -1,0 +1,186 @@
+"""FlexAttention's forward as a C++ kernel (ir/flex.py says what it computes).
+
+One task per (batch, query head, BlockMask query block), spread over OpenMP threads. A task walks
+the key blocks its BlockMask row lists (partial blocks with mask_mod, then full blocks without),
+and for each query row of its block computes the scores of one key block (a dot product vectorized
+over the head dim), applies score_mod and the mask, and updates the row's online softmax: running
+max, sum of exponentials and the weighted sum of values (vectorized over the value dim). Rows hold
+their state across blocks in per-task arrays. Scores compute in the spec's working precision.
+
+The signature is `void name(void* const* ptrs, const int64_t* p)`: `ptrs` the tensors (q, k, v,
+out, lse, max, kv_num_blocks, kv_indices, [full_kv_num_blocks, full_kv_indices], captured
+tensors), `p` the sizes and strides in `PARAMS` order, then each captured tensor's sizes and
+strides.
+"""
+
+from __future__ import annotations
+
+from ember.codegen.flex_expr import CPP_HELPERS, CPP_TYPES, render_program
+from ember.ir.flex import FlexSpec
+
+# The leading integer parameters, in order (backends/flex.py fills them).
+PARAMS = [
+    *("B", "H", "M", "N", "G", "SB", "SH"),
+    *("sqb", "sqh", "sqm", "sqd", "skb", "skh", "skn", "skd", "svb", "svh", "svn", "svd", "sob", "soh", "som", "sod"),
+    *("snb", "snh", "snq", "sib", "sih", "siq", "sik", "sfb", "sfh", "sfq", "sjb", "sjh", "sjq", "sjk"),
+]
+
+
+def _load_scalar(dtype, ptr: str) -> str:
+    if CPP_TYPES[dtype] == "uint16_t":
+        return f"ember_bf16_to_f32({ptr})"
+    return f"static_cast<W>({ptr})"
+
+
+def render_flex_cpp(spec: FlexSpec, name: str, block_m: int, block_n: int) -> str:
+    block_m, block_n = min(block_m, spec.q_block), min(block_n, spec.kv_block)
+    t = CPP_TYPES[spec.dtype]
+    w = CPP_TYPES[spec.work_dtype]
+    n_fixed = 10 if spec.has_full_blocks else 8
+    buf_lines = []
+    offset = len(PARAMS)
+    for i, buf in enumerate(spec.buffers):
+        buf_lines.append(
+            f"const {CPP_TYPES[buf.dtype]}* __restrict__ buf{i} = (const {CPP_TYPES[buf.dtype]}*)ptrs[{n_fixed + i}];"
+        )
+        buf_lines.append(
+            f"const int64_t* buf{i}_size = p + {offset}; const int64_t* buf{i}_stride = p + {offset + buf.ndim};"
+        )
+        offset += 2 * buf.ndim
+
+    def load(number: int, indices: list[str]) -> str:
+        ndim = len(indices)
+        wrapped = [f"({ix} < 0 ? {ix} + buf{number}_size[{d}] : {ix})" for d, ix in enumerate(indices)]
+        inside = " && ".join(f"({wx}) >= 0 && ({wx}) < buf{number}_size[{d}]" for d, wx in enumerate(wrapped))
+        where = " + ".join(f"({wx}) * buf{number}_stride[{d}]" for d, wx in enumerate(wrapped)) if ndim else "0"
+        return f"(({inside or 'true'}) ? buf{number}[{where}] : ({CPP_TYPES[spec.buffers[number].dtype]})0)"
+
+    args = {0: "sc", 1: "bi", 2: "hi", 3: "qi", 4: "ki"}
+    score_lines, score_result = (
+        render_program(spec.score, "cpp", args, load, "s") if spec.score is not None else ([], "sc")
+    )
+    mask_lines, mask_result = (
+        render_program(spec.mask, "cpp", args, load, "m") if spec.mask is not None else ([], "true")
+    )
+    indent = "\n" + " " * 20
+    score_code = indent.join(score_lines)
+    mask_code = indent.join(mask_lines)
+    unpack = "\n    ".join(f"const int64_t {n} = p[{i}];" for i, n in enumerate(PARAMS))
+    full_walk = (
+        """
+        {
+            const int64_t nfull = full_num[sb * sfb + sh * sfh + qb * sfq];
+            for (int64_t t = 0; t < nfull; t++) block(full_idx[sb * sjb + sh * sjh + qb * sjq + t * sjk], true);
+        }"""
+        if spec.has_full_blocks
+        else ""
+    )
+    full_ptrs = (
+        "const int32_t* full_num = (const int32_t*)ptrs[8];\n    const int32_t* full_idx = (const int32_t*)ptrs[9];"
+        if spec.has_full_blocks
+        else ""
+    )
+    bufs = "\n    ".join(buf_lines)
+    return f"""
+{CPP_HELPERS}
+extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
+    typedef {w} W;
+    const {t}* __restrict__ Q = (const {t}*)ptrs[0];
+    const {t}* __restrict__ K = (const {t}*)ptrs[1];
+    const {t}* __restrict__ V = (const {t}*)ptrs[2];
+    {t}* __restrict__ O = ({t}*)ptrs[3];
+    W* __restrict__ LSE = (W*)ptrs[4];
+    W* __restrict__ MAX = (W*)ptrs[5];
+    const int32_t* kv_num = (const int32_t*)ptrs[6];
+    const int32_t* kv_idx = (const int32_t*)ptrs[7];
+    {full_ptrs}
+    {bufs}
+    {unpack}
+    constexpr int64_t QB = {spec.q_block}LL, KB = {spec.kv_block}LL, D = {spec.head_dim}, DV = {spec.value_dim};
+    constexpr int64_t BM = {block_m}, BN = {block_n};  // rows per task, keys per step (powers of two)
+    const W scale = (W){spec.scale!r};
+    const W LN2 = (W)0.6931471805599453;
+    const int64_t ntiles = (M + BM - 1) / BM;
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+    for (int64_t tile = 0; tile < ntiles; tile++) {{
+        const int64_t hk = h / G, sb = b % SB, sh = h % SH, qb = tile * BM / QB, m0 = tile * BM;
+        const int64_t rows = std::min(BM, M - m0);
+        W acc[BM * DV], mrow[BM], lrow[BM], s[BN], qrow[D];
+        for (int64_t i = 0; i < rows; i++) {{ mrow[i] = -INFINITY; lrow[i] = 0; }}
+        for (int64_t i = 0; i < rows * DV; i++) acc[i] = 0;
+        const int32_t bi = (int32_t)b, hi = (int32_t)h;
+        auto step = [&](int64_t n0, int64_t n1, bool full) {{
+            for (int64_t i = 0; i < rows; i++) {{
+                const int64_t qpos = m0 + i;
+                const int32_t qi = (int32_t)qpos;
+                const {t}* qp = Q + b * sqb + h * sqh + qpos * sqm;
+                for (int64_t d = 0; d < D; d++) qrow[d] = {_load_scalar(spec.dtype, "qp[d * sqd]")};
+                W mx = -INFINITY;
+                for (int64_t n = n0; n < n1; n++) {{
+                    const {t}* kp = K + b * skb + hk * skh + n * skn;
+                    W dot = 0;
+                    #pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qrow[d] * {_load_scalar(spec.dtype, "kp[d * skd]")};
+                    const int32_t ki = (int32_t)n;
+                    W sc = dot * scale;
+                    {score_code}
+                    W val = {score_result};
+                    if (!full) {{
+                    {mask_code}
+                    if (!({mask_result})) val = -INFINITY;
+                    }}
+                    s[n - n0] = val;
+                    mx = mx < val ? val : mx;
+                }}
+                const W mnew = mrow[i] < mx ? mx : mrow[i];
+                if (mnew == -INFINITY) continue;
+                const W alpha = std::exp(mrow[i] - mnew);
+                W* a = acc + i * DV;
+                if (alpha != 1) {{
+                    lrow[i] *= alpha;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < DV; d++) a[d] *= alpha;
+                }}
+                for (int64_t n = n0; n < n1; n++) {{
+                    const W pr = std::exp(s[n - n0] - mnew);
+                    if (pr == 0) continue;
+                    lrow[i] += pr;
+                    const {t}* vp = V + b * svb + hk * svh + n * svn;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < DV; d++) a[d] += pr * {_load_scalar(spec.dtype, "vp[d * svd]")};
+                }}
+                mrow[i] = mnew;
+            }}
+        }};
+        auto block = [&](int64_t kb, bool full) {{
+            const int64_t end = std::min(N, (kb + 1) * KB);
+            for (int64_t n0 = kb * KB; n0 < end; n0 += BN) step(n0, std::min(end, n0 + BN), full);
+        }};
+        {{
+            const int64_t npart = kv_num[sb * snb + sh * snh + qb * snq];
+            for (int64_t t = 0; t < npart; t++) block(kv_idx[sb * sib + sh * sih + qb * siq + t * sik], false);
+        }}{full_walk}
+        for (int64_t i = 0; i < rows; i++) {{
+            const int64_t qpos = m0 + i;
+            const W l = lrow[i];
+            const W inv = l > 0 ? (W)1 / l : (W)0;
+            {t}* op = O + b * sob + h * soh + qpos * som;
+            for (int64_t d = 0; d < DV; d++) op[d * sod] = {_store("acc[i * DV + d] * inv", spec.dtype)};
+            const int64_t r = (b * H + h) * M + qpos;
+            LSE[r] = l > 0 ? (mrow[i] + std::log(l)) / LN2 : (W)-INFINITY;
+            MAX[r] = mrow[i] / LN2;
+        }}
+    }}
+}}
+"""
+
+
+def _store(expr: str, dtype) -> str:
+    if CPP_TYPES[dtype] == "uint16_t":
+        return f"ember_f32_to_bf16((float)({expr}))"
+    return f"({CPP_TYPES[dtype]})({expr})"
+
+
+__all__ = ["PARAMS", "render_flex_cpp"]

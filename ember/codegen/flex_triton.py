@@ -1,0 +1,171 @@
+"""FlexAttention's forward as a Triton kernel (ir/flex.py says what it computes).
+
+A program holds BLOCK_M query rows of one (batch, query head) and walks the key blocks that the
+BlockMask lists for their query block: partial blocks (mask_mod applied), then full blocks (not),
+BLOCK_N keys a step (BLOCK_N divides the BlockMask's key block, BLOCK_M its query block). Each step
+is a flash-attention step: q @ k^T on the tensor cores, the score and mask programs inlined over the
+tile, an online softmax in base 2, and p @ v accumulated in fp32. GQA reads key/value head
+`h // G`. Tiles, warps and stages come from the Target (`heuristics.flex`).
+
+Parameters: Q, K, V, O, LSE, MAX, KV_NUM, KV_IDX, [FULL_NUM, FULL_IDX], each captured tensor, then
+the integers of flex_cpp.PARAMS, then each captured tensor's sizes and strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ember.codegen.flex_cpp import PARAMS
+from ember.codegen.flex_expr import TRITON_TYPES, render_program
+from ember.ir.flex import FlexSpec
+
+
+@dataclass(frozen=True)
+class FlexLaunch:
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interpreted: bool) -> str:
+    fixed = ["Q", "K", "V", "O", "LSE", "MAX", "KV_NUM", "KV_IDX"] + (
+        ["FULL_NUM", "FULL_IDX"] if spec.has_full_blocks else []
+    )
+    bufs = [f"BUF{i}" for i in range(len(spec.buffers))]
+    buf_ints = [f"BUF{i}_{kind}{d}" for i, b in enumerate(spec.buffers) for kind in ("Z", "S") for d in range(b.ndim)]
+    params = fixed + bufs + PARAMS + buf_ints
+    wt = TRITON_TYPES[spec.work_dtype]
+    fp64 = spec.work_dtype.itemsize == 8
+
+    def load(number: int, indices: list[str]) -> str:
+        wrapped = [f"tl.where({ix} < 0, {ix} + BUF{number}_Z{d}, {ix})" for d, ix in enumerate(indices)]
+        # The bounds as a product of bytes: Triton's interpreter cannot `&` a block of booleans with a
+        # scalar one (an index that depends only on the head is a scalar).
+        inside = " * ".join(f"(({wx} >= 0) & ({wx} < BUF{number}_Z{d})).to(tl.int8)" for d, wx in enumerate(wrapped))
+        inside = f"({inside}) != 0" if inside else ""
+        where = " + ".join(f"({wx}) * BUF{number}_S{d}" for d, wx in enumerate(wrapped)) or "0"
+        return f"tl.load(BUF{number} + ({where}), mask={inside or 'None'}, other=0)"
+
+    args = {0: "sc", 1: "b", 2: "h", 3: "q_idx", 4: "kv_idx"}
+    score_lines, score_result = (
+        render_program(spec.score, "triton", args, load, "s", interpreted) if spec.score is not None else ([], "sc")
+    )
+    mask_lines, mask_result = (
+        render_program(spec.mask, "triton", args, load, "mk", interpreted) if spec.mask is not None else ([], None)
+    )
+    precision = "" if fp64 else ', input_precision="ieee"' if spec.dtype.itemsize == 4 else ""
+
+    def dot(a: str, bt: str, acc: str | None) -> str:
+        if fp64:  # Triton's dot has no fp64 path everywhere: a broadcast sum (small sizes only)
+            prod = f"tl.sum({a}[:, :, None] * {bt}[None, :, :], 1)"
+            return prod if acc is None else f"{acc} + {prod}"
+        return f"tl.dot({a}, {bt}{', ' + acc if acc else ''}{precision})"
+
+    def step(full: bool) -> str:
+        ind = " " * 12
+        lines = [
+            "offs_n = n0 + tl.arange(0, BLOCK_N)",
+            "kv_idx = offs_n[None, :]",
+            "kmask = offs_n < N",
+            (
+                "k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, "
+                "mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)"
+            ),
+            f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale",
+            *score_lines,
+            f"val = ({score_result}).to({wt}) + tl.zeros([BLOCK_M, BLOCK_N], {wt})",
+            "keep = kmask[None, :]",
+        ]
+        if not full and mask_result is not None:
+            zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
+            lines += [*mask_lines, f"keep = keep & ((({mask_result}).to(tl.int8) + {zeros}) != 0)"]
+        lines += [
+            'val = tl.where(keep, val * LOG2E, -float("inf"))',
+            "m_new = tl.maximum(m_i, tl.max(val, 1))",
+            'm_safe = tl.where(m_new == -float("inf"), 0.0, m_new)',
+            "alpha = tl.exp2(m_i - m_safe)",
+            "p = tl.exp2(val - m_safe[:, None])",
+            "l_i = l_i * alpha + tl.sum(p, 1)",
+            (
+                "v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd, "
+                "mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)"
+            ),
+            f"acc = {dot('p.to(v.dtype)', 'v', 'acc * alpha[:, None]')}",
+            "m_i = m_new",
+        ]
+        return "\n".join(ind + line for line in lines)
+
+    def walk(num: str, idx: str, cs: str, ix: str, full: bool) -> str:
+        """The loop over the key blocks a count tensor (strides `{cs}b/h/q`) and an index tensor
+        (strides `{ix}b/h/q/k`) list for this program's query block."""
+        return f"""
+    count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
+    for t in range(0, count):
+        kb = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + t * {ix}k).to(tl.int64)
+        start = kb * KB
+        end = tl.minimum(start + KB, N)
+        for n0 in range(start.to(tl.int32), end.to(tl.int32), BLOCK_N):
+{step(full)}
+"""
+
+    part = walk("KV_NUM", "KV_IDX", "sn", "si", False)
+    full = walk("FULL_NUM", "FULL_IDX", "sf", "sj", True) if spec.has_full_blocks else ""
+    qload = (
+        "q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd, "
+        "mask=(q_idx < M) & (offs_d[None, :] < D), other=0.0)"
+    )
+    store = (
+        "tl.store(O + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod, out.to(O.dtype.element_ty), "
+        "mask=(q_idx < M) & (offs_v[None, :] < DV))"
+    )
+    return f"""
+@triton.jit
+def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    sb = b % SB
+    sh = h % SH
+    m0 = tile * BLOCK_M
+    qb = m0 // QB
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_idx = offs_m[:, None]
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+    {qload}
+    m_i = tl.full([BLOCK_M], -float("inf"), {wt})
+    l_i = tl.zeros([BLOCK_M], {wt})
+    acc = tl.zeros([BLOCK_M, DV_PAD], {wt})
+{part}{full}
+    out = acc / tl.where(l_i == 0, 1.0, l_i)[:, None]
+    {store}
+    rmask = offs_m < M
+    row = (b * H + h).to(tl.int64) * M + offs_m
+    tl.store(LSE + row, tl.where(l_i == 0, -float("inf"), m_i + tl.log2(tl.where(l_i == 0, 1.0, l_i))), mask=rmask)
+    tl.store(MAX + row, m_i, mask=rmask)
+"""
+
+
+def block_sizes(spec: FlexSpec, launch: FlexLaunch) -> tuple[int, int, int, int]:
+    """BLOCK_M, BLOCK_N (within the BlockMask's blocks), D_PAD, DV_PAD (powers of two, 16 at least)."""
+    return (
+        min(launch.block_m, spec.q_block),
+        min(launch.block_n, spec.kv_block),
+        max(16, _pow2(spec.head_dim)),
+        max(16, _pow2(spec.value_dim)),
+    )
+
+
+__all__ = ["FlexLaunch", "block_sizes", "render_flex_triton"]

@@ -1,0 +1,108 @@
+"""FlexAttention compiled into ember's own flash-attention kernel, against eager flex_attention (fp32):
+score_mod and mask_mod functions inlined (reading captured tensors), BlockMask sparsity, GQA and the
+log-sum-exp, on the C++ kernel and, at tiny sizes, the Triton kernel in Triton's interpreter."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _sliding(window):
+    def mask(b, h, q, kv):
+        return (q >= kv) & (q - kv <= window)
+
+    return mask
+
+
+def _alibi(heads):
+    def score(s, b, h, q, kv):
+        return s + torch.exp2(-((h + 1) * 8.0 / heads)) * (kv - q)
+
+    return score
+
+
+def _documents(doc):
+    def mask(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    return mask
+
+
+def _t5_bias(table):
+    """T5's bucketed relative position bias, read from a captured [buckets, heads] table."""
+
+    def score(s, b, h, q, kv):
+        rel = kv - q
+        near = rel.abs()
+        far = (8 + torch.log(near.float() / 8) / 2.77 * 8).to(torch.int32).clamp(max=15)
+        bucket = torch.where(near < 8, near, far) + (rel > 0).to(torch.int32) * 16
+        return s + table[bucket, h]
+
+    return score
+
+
+def _case(name, B, H, S, heads_kv=None):
+    """(score_mod, block_mask) of one named program."""
+    if name == "causal":
+        return None, create_block_mask(_causal, 1, 1, S, S, device="cpu")
+    if name == "sliding":
+        return None, create_block_mask(_sliding(S // 4), B, 1, S, S, device="cpu", BLOCK_SIZE=32)
+    if name == "alibi":
+        return _alibi(H), None
+    if name == "document":
+        doc = torch.randint(0, 4, (S,)).sort().values
+        return None, create_block_mask(_documents(doc), 1, 1, S, S, device="cpu")
+    if name == "t5":
+        return _t5_bias(torch.randn(32, H)), create_block_mask(_causal, 1, 1, S, S, device="cpu")
+    raise ValueError(name)
+
+
+def _check(name, backend, B, H, S, D, heads_kv=None, transpose_q=False):
+    heads_kv = heads_kv or H
+    score_mod, block_mask = _case(name, B, H, S)
+    q = torch.randn(B, S, H, D).transpose(1, 2) if transpose_q else torch.randn(B, H, S, D)
+    k, v = torch.randn(B, heads_kv, S, D), torch.randn(B, heads_kv, S, D)
+    enable_gqa = heads_kv != H
+
+    def fn(q, k, v):
+        out, lse = flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, return_lse=True
+        )
+        return out * 2, lse
+
+    line = repro(case=name, backend=backend, shape=(B, H, S, D), heads_kv=heads_kv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention's "called without torch.compile"
+        want = fn(q, k, v)
+        with reports() as report:
+            got = ember_compile(fn, backend)(q, k, v)
+    assert_no_fallback(report, line)
+    hosts = "\n".join(g.host_source for g in report.graphs)
+    assert "flex_attention_kernel" in hosts, f"flex_attention ran as PyTorch's op\n{line}"
+    assert_close(got[0], want[0], rtol=1e-4, atol=1e-5, what="out", line=line)
+    assert_close(got[1], want[1], rtol=1e-4, atol=1e-5, what="lse", line=line)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding", "alibi", "document", "t5"])
+def test_flex_attention_cpp(name):
+    # 200 is no multiple of the blocks: the last block of keys and of queries is partial.
+    _check(name, "cpp", B=2, H=4, S=200, D=32)
+
+
+def test_flex_attention_cpp_gqa_and_strided_query():
+    _check("t5", "cpp", B=1, H=4, S=96, D=16, heads_kv=2, transpose_q=True)
+
+
+@pytest.mark.parametrize("name", ["document", "t5"])
+def test_flex_attention_triton_interpreted(name):
+    _check(name, "triton", B=1, H=2, S=80, D=16, heads_kv=1)
