@@ -8,8 +8,8 @@ does not take makes the call decline (`Unsupported`): it then runs as PyTorch's 
 reference implementation on the CPU), with one log line naming the reason, and the rest of the
 graph still compiles.
 
-`flex_attention_backward` has no kernel of ember's yet: it runs as PyTorch's op, announced the same
-way.
+`flex_attention_backward` has no kernel of ember's yet: it runs as PyTorch's op (an extern that
+flattens its nested result), announced the same way; the rest of the backward graph compiles.
 """
 
 from __future__ import annotations
@@ -310,9 +310,27 @@ def _build(b, node: torch.fx.Node):
     return b.extern_call(FlexAttention(spec), args, {}, meta, origin="flex_attention")
 
 
+class _ReferenceBackward:
+    """flex_attention_backward run as PyTorch's op, its nested result (dq, dk, dv, (grads of the
+    captured tensors)) flattened for the extern."""
+
+    fresh_result = True
+    __name__ = "flex_attention_backward"
+
+    def __call__(self, *args):
+        dq, dk, dv, grads = _HOP_BACKWARD(*args)
+        return (dq, dk, dv, *grads)
+
+
 def _lower_flex_backward(b, node: torch.fx.Node):
+    meta = node.meta.get("val")
+    if not isinstance(meta, (tuple, list)) or len(meta) != 4 or not isinstance(meta[3], (tuple, list)):
+        raise Unsupported("flex_attention_backward of an unknown result structure")
     log.warn("ember: flex_attention_backward runs as PyTorch's op (ember has no backward kernel for it yet)")
-    raise Unsupported("flex_attention_backward")
+    flat = (*meta[:3], *meta[3])
+    args = b.arg(node.args)
+    results = b.extern_call(_ReferenceBackward(), args, {}, flat, origin="flex_attention_backward")
+    return (*results[:3], tuple(results[3:]))
 
 
 if _HOP is not None:
