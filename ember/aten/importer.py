@@ -22,7 +22,7 @@ from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, val
 from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
-from ember.ir.sizes import Expr, as_expr
+from ember.ir.sizes import Expr, as_expr, from_torch_sympy
 
 
 class Importer:
@@ -120,7 +120,7 @@ class Importer:
     def _call(self, node):
         val = node.meta.get("val")
         if isinstance(val, torch.SymBool):
-            raise GraphUnsupported(f"symbolic boolean {node.name}")
+            return _condition(node, val)
         if isinstance(val, torch.SymFloat):
             return self._sym_float(node)
         self._check_sym_float_use(node)
@@ -233,6 +233,15 @@ class Importer:
             first = next(v for v in (result if isinstance(result, tuple) else (result,)) if v is not None)
             first.node.attrs["collective"] = role  # the scheduler starts it early, waits on it late
         return result
+
+
+def _condition(node: torch.fx.Node, val: torch.SymBool):
+    """A SymBool (a check on a data-dependent size, a predicate over sizes) as a sympy condition over
+    ember's size symbols, which the host program evaluates."""
+    try:
+        return from_torch_sympy(val.node.expr)
+    except (TypeError, AttributeError) as e:
+        raise GraphUnsupported(f"symbolic boolean {node.name}: {e}") from None
 
 
 # Ops whose result size always depends on the data (the `dynamic_output_shape` tag also marks

@@ -170,7 +170,9 @@ class HostWriter:
         self.layouts: dict[int, tuple[tuple, bool]] = {}
 
     def py(self, expr: Expr) -> str:
-        return print_index(sympy.sympify(expr), "//")
+        text = print_index(sympy.sympify(expr), "//")
+        # Python's own max/min for a size's clamp (a stride over a data-dependent size: max(1, u0)).
+        return text.replace("tl.maximum(", "max(").replace("tl.minimum(", "min(")
 
     def constant(self, obj: Any) -> str:
         if isinstance(obj, float) and not math.isfinite(obj):
@@ -188,12 +190,27 @@ class HostWriter:
             return self.names[x.id]
         if isinstance(x, sympy.Expr):
             return self.py(x)
+        if isinstance(x, sympy.logic.boolalg.Boolean):
+            return self.condition(x)
         if isinstance(x, (list, tuple)):
             inner = ", ".join(self.arg(a) for a in x)
             return f"[{inner}]" if isinstance(x, list) else f"({inner}{',' if len(x) == 1 else ''})"
         if isinstance(x, dict):
             return "{" + ", ".join(f"{k!r}: {self.arg(v)}" for k, v in x.items()) + "}"
         return self.constant(x)
+
+    def condition(self, c: Any) -> str:
+        """A condition over sizes (a size check, a branch predicate over sizes) as a Python expression."""
+        if c in (sympy.true, sympy.false):
+            return repr(bool(c))
+        if isinstance(c, sympy.core.relational.Relational):
+            return f"({self.py(c.lhs)} {c.rel_op} {self.py(c.rhs)})"
+        if isinstance(c, sympy.Not):
+            return f"(not {self.condition(c.args[0])})"
+        if isinstance(c, (sympy.And, sympy.Or)):
+            word = " and " if isinstance(c, sympy.And) else " or "
+            return "(" + word.join(self.condition(a) for a in c.args) + ")"
+        raise NotImplementedError(f"condition {c}")
 
     def write(self) -> HostProgram:
         g = self.graph
@@ -298,9 +315,29 @@ class HostWriter:
         for v in self.graph.values():
             for e in list(v.shape) + list(v.stride or ()):
                 needed |= sympy.sympify(e).free_symbols
-        missing = needed - bound
+        self.bound = bound
+        # A size that depends on data (nonzero's row count: an unbacked symbol) is bound where the extern
+        # producing it returns, from its result; kernels and allocations after it read the variable.
+        missing = needed - bound - self._extern_symbols()
         if missing:
             raise NotImplementedError(f"cannot bind sizes {sorted(map(str, missing))} from the graph inputs")
+
+    def _extern_symbols(self) -> set:
+        """Symbols an extern's result carries as a whole size or stride (bound from that result)."""
+        found = set()
+        for step in self.schedule.steps:
+            if isinstance(step, ExternStep):
+                for v in step.node.outputs:
+                    found |= {e for e in (*v.shape, *(v.stride or ())) if isinstance(e, sympy.Symbol)}
+        return found
+
+    def _bind_result_symbols(self, v: Value, name: str) -> None:
+        """Bind the symbols first seen in an extern result's sizes and strides (data-dependent sizes)."""
+        for what, exprs in (("size", v.shape), ("stride", v.stride or ())):
+            for d, e in enumerate(exprs):
+                if isinstance(e, sympy.Symbol) and e not in self.bound:
+                    self.lines.append(f"    {e.name} = {name}.{what}({d})")
+                    self.bound.add(e)
 
     def _last_uses(self) -> dict[Value, int]:
         last: dict[Value, int] = {}
@@ -421,6 +458,10 @@ class HostWriter:
         """`dense`: the product whose contract gives its result the meta's layout, or None."""
         name = f"buf{v.id}"
         self.names[v.id] = name
+        if any(isinstance(e, sympy.Symbol) and e not in self.bound for e in (*v.shape, *(v.stride or ()))):
+            self.lines.append(f"    {name} = {src}")
+            self._bind_result_symbols(v, name)
+            src = name
         # ATen's products return a fresh row-major tensor at every size, so their layout holds with
         # symbolic sizes too; an aligned product's padded rows are promised where the sizes are static.
         static = all(sympy.sympify(e).is_Integer for e in (*v.shape, *layout_of(v)))

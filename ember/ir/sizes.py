@@ -98,10 +98,12 @@ def from_torch_sympy(expr: Expr) -> Expr:
     rule = _TORCH_INDEX_FUNCTIONS.get(type(expr).__name__)
     if rule is not None:
         return rule(*args)
-    if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow)):
-        return expr.func(*args)
+    if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow, sympy.core.relational.Relational, *_CONNECTIVES)):
+        return expr.func(*args)  # a relation: a SymBool's condition (a size check, a branch predicate)
     raise TypeError(f"size expression {expr} uses {type(expr).__name__}, which ember does not generate code for")
 
+
+_CONNECTIVES = (sympy.And, sympy.Or, sympy.Not)  # of relations: a SymBool's condition
 
 _TORCH_INDEX_FUNCTIONS = {
     "FloorDiv": lambda a, b: IndexDiv(a, b),
@@ -109,6 +111,9 @@ _TORCH_INDEX_FUNCTIONS = {
     "ModularIndexing": lambda base, div, mod: IndexMod(IndexDiv(base, div), mod),
     "PythonMod": lambda a, b: IndexMod(a, b),
     "Mod": lambda a, b: IndexMod(a, b),
+    # A stride over a data-dependent size: torch lays out a (2, u0) result with stride max(1, u0).
+    "Max": lambda *a: sympy.Max(*a),
+    "Min": lambda *a: sympy.Min(*a),
 }
 
 

@@ -5,4 +5,13 @@ Ops absent here run as externs. A lowering raises `Unsupported` to decline a par
 a rounding mode ember does not generate); that call then runs as an extern too.
 """
 
-from ember.aten.lowerings import cat_pad, elementwise, flex, gather_scatter, movement, pooling, reductions  # noqa: F401
+from ember.aten.lowerings import (  # noqa: F401
+    cat_pad,
+    elementwise,
+    flex,
+    gather_scatter,
+    movement,
+    pooling,
+    reductions,
+    size_checks,
+)
