@@ -182,7 +182,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.schedule.split import split_reductions
 
     faults.at("schedule")
-    graph = import_graph(gm, device)
+    graph = import_graph(gm, device, compile_subgraph=_subgraph_compiler(kind))
     _check(graph, "import")
     stage("import")
     eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
@@ -201,6 +201,16 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     )
     stage("schedule")
     return sched
+
+
+def _subgraph_compiler(kind: str) -> Callable:
+    """How the importer compiles a cond branch or loop body of a `kind` graph: as a graph of its own,
+    with its own fallback (aten/lowerings/control_flow.py)."""
+
+    def compile_subgraph(gm: torch.fx.GraphModule, what: str) -> Callable:
+        return compile_graph(gm, [], f"{kind} {what}")
+
+    return compile_subgraph
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, kind: str, keep_schedule: bool = False) -> Callable:

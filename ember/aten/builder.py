@@ -9,6 +9,7 @@ kernel operand (a kernel dtype, the graph's device) lives here, and declines wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,10 @@ class GraphBuilder:
         self._current: torch.fx.Node | None = None
         # Floats computed from sizes (SymFloat), held as 0-d float64 values (importer: _sym_float).
         self.sym_floats: set[Value] = set()
+        # compile_subgraph(gm, what) -> a callable taking a list of inputs: how a higher-order op's
+        # branch or loop body becomes its own compiled graph (the pipeline passes it; this layer
+        # cannot import the pipeline). None: such ops run as ATen calls.
+        self.compile_subgraph: Callable[[torch.fx.GraphModule, str], Callable] | None = None
 
     @property
     def device(self) -> torch.device:

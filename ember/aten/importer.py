@@ -17,8 +17,8 @@ import torch.fx
 
 from ember import config
 from ember.aten import lowerings  # noqa: F401  (its modules fill the registry)
-from ember.aten.collectives import collective_role
 from ember.aten.builder import GraphBuilder, ShapeDtype, node_meta, op_name, values_in
+from ember.aten.collectives import collective_role
 from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
@@ -28,9 +28,10 @@ from ember.ir.sizes import Expr, as_expr, from_torch_sympy
 class Importer:
     """One FX graph's import: binds each FX node to its ember value, through the lowerings."""
 
-    def __init__(self, gm: torch.fx.GraphModule, device: torch.device):
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None):
         self.gm = gm
         self.builder = GraphBuilder(Graph(device))
+        self.builder.compile_subgraph = compile_subgraph
         # The nodes lowered to ember IR, in order. `ember bisect` sets bisect_ops=N: the first N
         # are lowered and every later op runs as an ATen extern.
         self.lowered: list[torch.fx.Node] = []
@@ -55,7 +56,9 @@ class Importer:
             elif node.op == "get_attr":
                 env[node] = self._constant_tensor(node)
             elif node.op == "output":
-                self.graph.outputs = [self._output(a) for a in node.args[0]]
+                # One value, not a tuple: a while_loop's condition graph returns its predicate.
+                outs = (node.args[0],) if isinstance(node.args[0], torch.fx.Node) else node.args[0]
+                self.graph.outputs = [self._output(a) for a in outs]
                 for inp, new in self.mutations.items():
                     self.graph.mutations.append((inp, len(self.graph.outputs)))
                     self.graph.outputs.append(new)
@@ -88,7 +91,9 @@ class Importer:
     def _constant_tensor(self, node):
         tensor = getattr(self.gm, node.target)
         if isinstance(tensor, torch.fx.GraphModule):
-            return tensor  # a higher-order op's function (flex_attention's score_mod): its lowering reads it
+            # A higher-order op's function (a cond branch, a loop body, flex_attention's score_mod):
+            # its lowering reads it.
+            return tensor
         return self.builder.extern_call(_ConstantTensor(tensor), (), {}, tensor, origin=f"constant {node.target}")
 
     def _output(self, arg):
@@ -343,5 +348,7 @@ def _is_dense(shape, stride) -> bool:
     return True
 
 
-def import_graph(gm: torch.fx.GraphModule, device: torch.device) -> Graph:
-    return Importer(gm, device).run()
+def import_graph(gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None) -> Graph:
+    """`compile_subgraph(gm, what)`: compiles a cond branch or loop body into a callable of a list of
+    inputs (builder.GraphBuilder.compile_subgraph); without it, those ops run as ATen calls."""
+    return Importer(gm, device, compile_subgraph).run()

@@ -23,7 +23,8 @@ graph trees (docs/cudagraphs.md says them for users):
 - Mutated inputs are captured: a static one is written in place by the graph, another is copied
   back after the replay.
 - What cannot be captured (`refusals`: CPU tensors, host syncs, data-dependent sizes, RNG with an
-  explicit generator, ops marked cudagraph_unsafe) runs without CUDA graphs and says why
+  explicit generator, ops marked cudagraph_unsafe, a cond or while_loop whose branch the host picks
+  from a device value, anything of these inside a branch or loop body) runs without CUDA graphs and says why
   (EMBER_LOGS=cudagraphs, EMBER_DEBUG=1, the graph's report in ember.explain).
 
 The device calls go through a `Recorder` (pool, record, replay, invalidate): `CudaRecorder` on a
@@ -132,9 +133,9 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        reason = extern_refusal(node.target, node.args, node.kwargs)
-        if reason and reason not in reasons:
-            reasons.append(reason)
+        for reason in [extern_refusal(node.target, node.args, node.kwargs), *_subgraph_refusals(gm, node)]:
+            if reason and reason not in reasons:
+                reasons.append(reason)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:
             mutated.append(positions[node.args[0]])
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
@@ -145,6 +146,13 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
 
 def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     """Why an ATen call cannot be captured into a CUDA graph, or None."""
+    if target is getattr(torch.ops.higher_order, "while_loop", None):
+        return "control flow on the host: torch.while_loop reads its condition on the host every turn"
+    if target is getattr(torch.ops.higher_order, "cond", None):
+        pred = args[0] if args else None
+        if isinstance(pred, torch.fx.Node) and isinstance(pred.meta.get("val"), torch.Tensor):
+            return "control flow on the host: torch.cond reads its predicate, a device tensor, on the host"
+        return None  # a predicate over sizes: the recording is per set of sizes, its branch fixed
     if not isinstance(target, torch._ops.OpOverload):
         return None
     name = f"aten.{target._opname}" if target.namespace == "aten" else str(target)
@@ -160,6 +168,18 @@ def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     ):
         return f"RNG with an explicit generator: {name} (only the default CUDA generator's state is graph-safe)"
     return None
+
+
+def _subgraph_refusals(gm: Any, node: torch.fx.Node) -> list[str]:
+    """The refusals of what a higher-order op's branches or body call (a sync inside a cond branch)."""
+    found = []
+    for arg in node.args:
+        sub = getattr(gm, arg.target, None) if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" else None
+        if isinstance(sub, torch.fx.GraphModule):
+            for inner in sub.graph.nodes:
+                if inner.op == "call_function":
+                    found += [extern_refusal(inner.target, inner.args, inner.kwargs), *_subgraph_refusals(sub, inner)]
+    return [r for r in found if r]
 
 
 def refusals(facts: CaptureFacts | None, device_type: str, fallback: str | None = None) -> list[str]:
