@@ -326,6 +326,7 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     report.host_source = host.source
     built = [k for k in sched.kernels if not k.writes_nothing]
     report.layers = functools.partial(kernel_layers, backend, built)
+    report.namespace = host.namespace
     log.artifact("asm", f"{kind} kernels", lambda: format_layers(report.layers(), machine_only=True))
     stage("host")
     return CompiledGraph(host.call, report)

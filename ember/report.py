@@ -70,6 +70,8 @@ class GraphReport:
     node_lines: dict[str, str] = field(default_factory=dict)  # ATen FX node name -> its source line
     # Each kernel's code at every layer below its source (backends/layers.py), made when called.
     layers: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
+    # The host program's namespace: its kernels by name, which `ember explain` times one by one.
+    namespace: dict | None = field(default=None, repr=False, compare=False)
     # Per functional collective: the step that starts it, the step that waits on it, what runs between.
     collectives: list[str] = field(default_factory=list)
 

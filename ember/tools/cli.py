@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bisect", help="find the op that makes a result differ from eager (ember bisect --help)", add_help=False
     )
+    sub.add_parser(
+        "explain",
+        help="every layer of what ember did to a script's function, timed (ember explain --help)",
+        add_help=False,
+    )
     sub.add_parser("opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False)
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser(
@@ -41,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.tools.bench.__main__ import main as bench
 
         return bench(rest)
+    if args.command == "explain":
+        from ember.tools.explain_cli import main as explain
+
+        return explain(rest)
     if args.command == "opinfo":
         from ember.tools.opinfo import main as opinfo
 

@@ -1,0 +1,152 @@
+"""`ember explain script.py [--function NAME]`: what ember did with a program, at every layer.
+
+With `--function NAME`, the script's NAME (a function or an nn.Module) is compiled with ember, run once
+(forward and backward where anything requires grad) and then timed; its arguments come from the
+script's `example_inputs()`, which returns a tuple, or a dict of tuples by function name (none needed
+for a function without parameters). Shown: Dynamo's graph breaks with reason and line; each graph's
+kernels, externs and fusion decisions; each source line and the ATen ops and kernels it became; each
+kernel's code at every layer (C++ and assembly; Triton, TTIR, TTGIR, LLVM IR, PTX and SASS) with its
+registers, spills, shared memory and occupancy; each kernel's measured time against the device's
+measured ceilings. `--html FILE` writes all of it as one self-contained page.
+
+Without `--function`, the script runs as `__main__` and every graph ember compiles in it is shown
+(graph breaks as Dynamo counted them; no timing, since ember does not know the script's step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+from ember.tools.explain import Explanation, explain_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ember explain", description=__doc__.split("\n\n")[0])
+    p.add_argument("script", help="a Python file")
+    p.add_argument("--function", help="the function or nn.Module of the script to compile, run and time")
+    p.add_argument("--html", help="write the report as one self-contained HTML page to this file")
+    p.add_argument("--layers", choices=["none", "machine", "all"], default="none", help="print kernel code layers")
+    p.add_argument("--no-measure", action="store_true", help="do not time the kernels")
+    p.add_argument("--calls", type=int, default=10, help="steps timed (default 10)")
+    args = p.parse_args(argv)
+    script = Path(args.script)
+    if not script.is_file():
+        print(f"ember explain: no such file: {script}", file=sys.stderr)
+        return 2
+    try:
+        explanation = explain_script(script, args.function, measure=not args.no_measure, calls=args.calls)
+    except ScriptError as e:
+        print(f"ember explain: {e}", file=sys.stderr)
+        return 2
+    print(render_text(explanation, args.layers))
+    if args.html:
+        from ember.tools.explain_html import write_html
+
+        write_html(explanation, args.html)
+        print(f"wrote {args.html}")
+    return 0
+
+
+class ScriptError(ValueError):
+    """The script, or the function named, cannot be explained as asked."""
+
+
+def explain_script(script: Path, function: str | None, measure: bool = True, calls: int = 10) -> Explanation:
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        if function is None:
+            return _explain_main(script)
+        namespace = runpy.run_path(str(script), run_name="__ember_explain__")
+        if function not in namespace:
+            found = sorted(n for n, v in namespace.items() if callable(v) and not n.startswith("_"))
+            raise ScriptError(f"{script} defines no {function!r}; callables there: {', '.join(found[:20])}")
+        fn = namespace[function]
+        return explain_all(fn, _inputs(namespace, function, fn), measure=measure, calls=calls, title=str(script))
+    finally:
+        sys.path.remove(str(script.resolve().parent))
+
+
+def _inputs(namespace: dict, function: str, fn) -> tuple:
+    make = namespace.get("example_inputs")
+    if make is None:
+        target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+        required = [
+            p
+            for p in inspect.signature(target).parameters.values()
+            if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+        if required:
+            raise ScriptError(f"{function} takes arguments: define example_inputs() in the script to give them")
+        return ()
+    inputs = make()
+    if isinstance(inputs, dict):
+        if function not in inputs:
+            raise ScriptError(f"example_inputs() gives inputs for {sorted(inputs)}, not for {function!r}")
+        inputs = inputs[function]
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def _explain_main(script: Path) -> Explanation:
+    """Run the script as __main__ and collect every graph ember compiles (backend="ember" in it)."""
+    from torch._dynamo.utils import counters
+
+    from ember.report import collecting
+
+    counters.clear()
+    argv = sys.argv
+    sys.argv = [str(script)]
+    try:
+        with collecting() as report:
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    breaks = [f"{reason} ({n}x)" for reason, n in counters["graph_break"].items()]
+    result = Explanation(report, breaks, len(report.graphs), title=str(script))
+    for g in report.graphs:
+        if g.layers is not None:
+            result.layers[g.kind] = g.layers()
+    return result
+
+
+def short_path(where: str) -> str:
+    """ "file:line" with the file relative to the working folder where it lies below it."""
+    path, _, line = where.rpartition(":")
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"
+
+
+def render_text(e: Explanation, layers: str = "none") -> str:
+    from ember.backends.layers import MACHINE_LAYERS
+    from ember.tools.explain_measure import table
+
+    out = [f"Dynamo: {e.dynamo_graphs} graph(s), {len(e.breaks)} graph break(s)"]
+    out += [f"  break: {b}" for b in e.breaks]
+    for g in e.report.graphs:
+        out.append(str(g))
+        if g.source_lines:
+            out.append("  source lines -> ATen ops -> kernels:")
+            for where, (code, ops) in g.source_lines.items():
+                kernels = [k.name for k in g.kernels if where in k.lines]
+                kernels += [f"extern {x}" for x, w in zip(g.externs, g.extern_lines) if w == where]
+                out.append(f"    {short_path(where)}  {code}")
+                out.append(f"        ops {', '.join(ops)} -> {', '.join(kernels) or '(no kernel: views or folded)'}")
+        for name, kl in e.layers.get(g.kind, {}).items():
+            missing = f"; missing: {', '.join(kl.missing)}" if kl.missing else ""
+            out.append(f"  {name} layers: {', '.join(kl.layers)}; {kl.describe_resources()}{missing}")
+            for layer, text in kl.layers.items():
+                if layers == "all" or (layers == "machine" and layer in MACHINE_LAYERS):
+                    out.append(f"--- {name} {layer} ---\n{text.rstrip()}")
+    if e.measured and e.ceilings is not None:
+        out.append(table(e.measured, e.ceilings))
+    return "\n".join(out)

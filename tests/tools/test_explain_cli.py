@@ -1,0 +1,84 @@
+"""`ember explain script.py --function NAME`: graph breaks with reason and line, graphs, source lines linked
+to ops and kernels, layers, and each kernel and extern measured against the measured ceilings."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from ember.tools.cli import main as ember_main
+from ember.tools.explain import explain_all
+from ember.tools.explain_cli import ScriptError, explain_script
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 32)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.fc(x))
+            return h * 2
+
+    block = Block()
+
+    def breaks(x):
+        y = torch.sin(x)
+        print("a graph break")
+        return torch.cos(y)
+
+    def example_inputs():
+        return {"block": (torch.randn(8, 16),), "breaks": (torch.randn(8),)}
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_cli_prints_graphs_lines_and_layers(script, capsys):
+    assert ember_main(["explain", str(script), "--function", "block", "--no-measure", "--layers", "machine"]) == 0
+    out = capsys.readouterr().out
+    assert "Dynamo: 1 graph(s), 0 graph break(s)" in out, out[:2000]
+    assert "forward graph" in out and "backward graph" in out, out[:2000]
+    assert "h = torch.nn.functional.gelu(self.fc(x))" in out and "-> fk" in out, out
+    assert "x86 assembly ---" in out and "instructions" in out, out[:3000]
+
+
+def test_graph_breaks_name_reason_and_line(script):
+    e = explain_script(script, "breaks", measure=False)
+    assert e.dynamo_graphs == 2, e.breaks
+    (brk,) = e.breaks
+    assert "print" in brk and f"{script}:17" in brk, brk
+    assert [g.kind for g in e.report.graphs] == ["inference", "inference"], e.report
+
+
+def test_bad_names_are_clear_errors(script, capsys):
+    with pytest.raises(ScriptError, match="defines no 'nope'.*block"):
+        explain_script(script, "nope")
+    assert ember_main(["explain", str(script.parent / "missing.py")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_each_kernel_and_extern_is_timed_against_the_ceilings():
+    fc = torch.nn.Linear(16, 64)
+    x = torch.randn(32, 16)
+    e = explain_all(lambda t: torch.relu(fc(t)) * 2, (x,), calls=3, small_ceilings=True)
+    assert e.ceilings.bandwidth > 1e8 and e.ceilings.matmul > 1e8, e.ceilings
+    kernels = {m.name: m for m in e.measured if m.kind == "kernel"}
+    assert set(kernels) == {k.name for k in e.report.kernels}, e.measured
+    assert all(m.us > 0 and m.runs == 1 for m in kernels.values()), kernels
+    assert all(m.bytes and m.percent_of_roof(e.ceilings) > 0 for m in kernels.values()), kernels
+    externs = {m.name: m for m in e.measured if m.kind == "extern"}
+    assert {"addmm", "mm"} <= set(externs), e.measured
+    assert externs["addmm"].flops == 2 * 32 * 16 * 64 and externs["addmm"].us > 0, externs["addmm"]
+    assert fc.weight.grad is None  # explaining does not change the model
