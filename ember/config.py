@@ -320,6 +320,38 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "autotune",
+            bool,
+            False,
+            "measure each static Triton kernel's launch configurations (blocks, warps, loop stages: the "
+            "heuristic's and its neighbours, target.heuristics.tune) on first use and keep the fastest, "
+            "cached on disk by device, SM count and kernel source (mode='max-autotune' turns it on, with gemm=auto)",
+            codegen=True,
+        ),
+        Setting(
+            "autotune_budget",
+            float,
+            0.1,
+            "fraction of a graph's compile time, before tuning, that tuning its kernels may add (measured "
+            "or cached results cost nothing; the kernels moving the most bytes are tuned first)",
+            check=lambda v: v >= 0,
+        ),
+        Setting(
+            "autotune_min_s",
+            float,
+            0.5,
+            "seconds that tuning a graph's kernels may take at least, whatever autotune_budget allows",
+            check=lambda v: v >= 0,
+        ),
+        Setting(
+            "autotune_timer",
+            str,
+            "auto",
+            "how candidates are timed: cuda (CUDA events, L2 flushed before each run, the median), wall "
+            "(the host's clock, for Triton's CPU interpreter), auto (cuda on a GPU, else wall)",
+            choices=("auto", "cuda", "wall"),
+        ),
+        Setting(
             "compile_threads",
             int,
             min(8, os.cpu_count() or 1),

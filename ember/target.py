@@ -206,6 +206,29 @@ class FlexHeuristics:
 
 
 @dataclass(frozen=True)
+class TuneHeuristics:
+    """Which launch configurations the tuner (backends/launch_tuning.py, under the setting `autotune`)
+    measures around the one launch_config picks: each of the heuristic's block sizes, warps and loop
+    stages changed alone, by factors of two, nearest first (a coordinate step, as in Inductor's
+    coordinate-descent tuning)."""
+
+    # Each block size and the warps are tried times and divided by 2, 4, ... up to 2**steps.
+    block_steps: int = 1
+    warp_steps: int = 1
+    # Software-pipelining stages tried for a kernel's loop (its heuristic's besides): up to this many.
+    max_loop_stages: int = 4
+    # Candidates measured per kernel, the heuristic's included.
+    max_candidates: int = 8
+    # Largest block of a program (XBLOCK * RBLOCK elements) and most warps a candidate may have.
+    max_block_elements: int = 1 << 15
+    max_warps: int = 32
+    # Kernels moving fewer bytes are launch-bound: their blocks matter little, and are not tuned.
+    min_bytes: int = 1 << 20
+    # A candidate replaces the heuristic's choice only if it is faster by this much (timing noise).
+    min_gain_percent: int = 2
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
@@ -214,6 +237,7 @@ class Heuristics:
     pad: PadHeuristics = PadHeuristics()
     horizontal: HorizontalHeuristics = HorizontalHeuristics()
     cpp: CppHeuristics = CppHeuristics()
+    tune: TuneHeuristics = TuneHeuristics()
     flex: FlexHeuristics = FlexHeuristics()
 
     def tuned(self, text: str) -> Heuristics:

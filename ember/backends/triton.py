@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import sympy
@@ -38,6 +39,7 @@ from ember.backends import kernel_dedup, static_launch
 from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
+from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launches
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
@@ -62,10 +64,14 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, device=None):
+    def __init__(self, device=None, timer: Timer | None = None):
         _check_can_run(device)
         self.device = device
         self._target = _make_target(device)
+        # Launch tuning (setting `autotune`) times candidates with `timer` (None: the one the setting
+        # autotune_timer names), within a budget from this graph's compile time: it starts here.
+        self._timer = timer
+        self._created = time.perf_counter()
         # GEMM tuning is a stage of this backend: it compiles the tiles it times as this backend
         # loads its kernels.
         self.gemm_chooser = GemmTuning(self._target, device, self._load).choose
@@ -100,6 +106,9 @@ class TritonBackend:
                 self.rendered[k.name] = r
             self.sources[k.name] = r.source
             parts.append(r.source)
+        if config.get("autotune") and self.rendered:
+            self._autotune(kernels)
+            parts = [PRELUDE] + [self.sources[k.name] for k in kernels]
         source = "\n\n".join(parts) + "\n"
         self.full_source = source
         if not kernels:
@@ -179,6 +188,15 @@ class TritonBackend:
                 self.direct.add(name)
                 run, fn, meta = shared.handles
                 namespace.update({f"{name}_run": run, f"{name}_fn": fn, f"{name}_meta": meta})
+
+    def _autotune(self, kernels: list[Kernel]) -> None:
+        """Each static kernel's launch by measurement (backends/launch_tuning.py), within the budget."""
+        timer = self._timer or make_timer(self.device, self._target)
+        budget = Budget.for_graph(timer, time.perf_counter() - self._created)
+        tuned = tune_launches(kernels, self.rendered, self._target, self.device, self._load, timer, budget)
+        for name, r in tuned.items():
+            self.rendered[name] = r
+            self.sources[name] = r.source
 
     def _precompile(self, jobs: list[tuple], module) -> dict[str, object]:
         """Compile the kernels of `jobs` (`_warmup_jobs`) now, in parallel threads, instead of one

@@ -593,7 +593,9 @@ class TritonKernelSource:
         return product(s for s, r in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if r)
 
 
-def render_triton(kernel: Kernel, target: Target) -> TritonKernelSource:
-    launch = launch_config(kernel, target)
+def render_triton(kernel: Kernel, target: Target, launch: LaunchConfig | None = None) -> TritonKernelSource:
+    """The kernel's source, launched as `launch` says (default: launch_config's choice; the tuner
+    passes its candidates, codegen/triton_tuning.py)."""
+    launch = launch or launch_config(kernel, target)
     r = TritonRenderer(kernel, launch, target.interpreted)
     return TritonKernelSource(kernel, r.render(), r.params, launch)

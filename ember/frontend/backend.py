@@ -26,8 +26,10 @@ MODE_SETTINGS: dict[str | None, dict[str, Any]] = {
     None: {},
     "default": {},
     "reduce-overhead": {"cudagraphs": True},
-    "max-autotune": {"cudagraphs": True},
-    "max-autotune-no-cudagraphs": {"cudagraphs_default": False},
+    # Tuning: each kernel's launch measured (autotune), and ATen's matrix products against ember's
+    # GEMM template with its fused epilogue (gemm=auto).
+    "max-autotune": {"cudagraphs": True, "autotune": True, "gemm": "auto"},
+    "max-autotune-no-cudagraphs": {"cudagraphs_default": False, "autotune": True, "gemm": "auto"},
 }
 KNOWN_MODES = tuple(MODE_SETTINGS)
 

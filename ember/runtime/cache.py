@@ -79,7 +79,7 @@ MARKER_TEXT = (
     b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
-KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm"})
+KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning"})
 SECRETS = frozenset({"aot-key"})
 TMP = ".tmp-"
 TRASH = ".trash-"
