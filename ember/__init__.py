@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ember import config
+from ember import config, stats
 from ember.config import ConfigError
 
-__all__ = ["ConfigError", "compile", "config", "explain"]
+__all__ = ["ConfigError", "compile", "config", "explain", "load_cache", "save_cache", "stats"]
 __version__ = "0.1.0"
 
 
@@ -50,3 +50,20 @@ def explain(fn: Callable, *args: Any, **kwargs: Any):
     from ember.tools.explain import explain as _explain
 
     return _explain(fn, *args, **kwargs)
+
+
+def save_cache(path: str):
+    """Write every entry of ember's disk cache (setting `cache_dir`) to one file, for `load_cache`
+    on another machine of the same kind (same GPU, torch, Triton and ember). Returns a summary."""
+    from ember.runtime.portable import export_cache
+
+    return export_cache(path)
+
+
+def load_cache(path: str):
+    """Check a file `save_cache` wrote and add its entries to ember's disk cache. A damaged file,
+    or one made for another GPU, torch, Triton or ember, raises `ember.runtime.portable.CacheFileError`
+    (a ValueError) and imports nothing. Import files only from a source you trust: their kernels run."""
+    from ember.runtime.portable import import_cache
+
+    return import_cache(path)

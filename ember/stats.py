@@ -14,6 +14,9 @@ Names in use:
                               (another layer, another graph, the forward's kernel in the backward)
     kernel_dedup_disk_hits    kernels loaded from the launch record another module left in the
                               disk cache, without compiling
+    cpp_builds                C++ libraries built (a library found in the disk cache is not)
+    build_*_s                 wall seconds of the Triton backend's build parts (render, module
+                              load, kernel keys and GEMM templates, loads from launch records, compile)
     triton_<stage>_s          seconds Triton's stages took (front end, ttir, ttgir, llir, ptx,
                               cubin = ptxas), summed over threads and compile workers; filled only
                               where a compile listener is installed (`listen_to_triton`)

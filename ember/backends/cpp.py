@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ember import config, faults
+from ember import config, faults, stats
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.cpp_combo import render_cpp_combo
@@ -196,6 +196,7 @@ class CppBackend:
             out = build / "graph.so"
             src.write_text(source)
             cmd = [self.cxx, *FLAGS, str(src), "-o", str(out), *self.link_flags]
+            stats.add("cpp_builds")
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             except (OSError, subprocess.SubprocessError) as e:

@@ -1,4 +1,5 @@
-"""`ember` command line: `ember demo`, `ember bench`, `ember fuzz`, `ember bisect`, `ember config`, `ember cache clear`."""
+"""`ember` command line: `ember demo`, `ember bench`, `ember fuzz`, `ember bisect`, `ember config`,
+`ember cache path|clear|export FILE|import FILE`."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ def main(argv: list[str] | None = None) -> int:
         description="ember's disk cache of compiled graphs (setting cache_dir, env EMBER_CACHE_DIR).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="actions:\n"
-        "  path   print the folder the disk cache lives in\n"
-        "  clear  delete ember's entries in it; a folder without the marker ember writes when it\n"
-        "         creates a cache (CACHEDIR.TAG) is left untouched, and so is anything not ember's",
+        "  path         print the folder the disk cache lives in\n"
+        "  clear        delete ember's entries in it; a folder without the marker ember writes when it\n"
+        "               creates a cache (CACHEDIR.TAG) is left untouched, and so is anything not ember's\n"
+        "  export FILE  write every entry to one file (checksummed), for another machine of the same kind\n"
+        "  import FILE  check such a file and add its entries; a damaged file, or one made for another\n"
+        "               GPU, torch, Triton or ember, is refused and nothing is imported",
     )
-    cache.add_argument("action", choices=["path", "clear"], help="path or clear (see below)")
+    cache.add_argument("action", choices=["path", "clear", "export", "import"], help="see below")
+    cache.add_argument("file", nargs="?", help="export/import: the cache file")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from ember.tools.demo import main as demo
@@ -68,8 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         print(config.describe())
     elif args.action == "path":
         print(config.get("cache_dir"))
+    elif args.action in ("export", "import"):
+        return _move_cache(args.action, args.file)
     else:
         return _clear_cache()
+    return 0
+
+
+def _move_cache(action: str, path: str | None) -> int:
+    from ember import config
+    from ember.runtime.portable import CacheFileError, export_cache, import_cache
+
+    if not path:
+        print(f"ember cache {action}: name the file (ember cache {action} FILE)", file=sys.stderr)
+        return 2
+    try:
+        done = export_cache(path) if action == "export" else import_cache(path)
+    except (CacheFileError, OSError) as e:
+        print(f"ember cache {action}: {e}", file=sys.stderr)
+        return 1
+    where = f"to {path}" if action == "export" else f"from {path} into {config.get('cache_dir')}"
+    print(f"{action}ed {done.entries} entries ({done.files} files, {done.bytes / 1e6:.1f} MB) {where}")
     return 0
 
 
