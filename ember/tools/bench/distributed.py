@@ -1,0 +1,377 @@
+"""`ember bench --distributed`: training steps under DDP or FSDP2 on N processes, eager vs Inductor vs ember.
+
+    ember bench --distributed ddp,fsdp2 --nproc 2 --dist-workload tiny          # CPU, gloo
+    ember bench --distributed ddp,fsdp2 --nproc 1 --dist-workload gpt2 --out DIR  # one GPU, NCCL
+    torchrun --nproc-per-node 2 -m ember.tools.bench.distributed --distributed ddp,fsdp2 --dist-workload gpt2
+
+Without torchrun's variables in the environment, the command launches itself under torchrun
+(`python -m torch.distributed.run --standalone --nproc-per-node N`); each rank runs on its own GPU
+with NCCL, or on the CPU with gloo. Per wrapper (DDP: the whole model compiled, Dynamo's
+optimize_ddp splitting it at bucket boundaries; FSDP2: `fully_shard` per block and on the root,
+each block compiled, or with --fsdp-compile whole the whole model) and per compiler:
+
+- correctness: the first step's loss and every parameter's full gradient against eager's and a
+  float64 reference (the same wrapper in float64, no autocast), under the float64 rule of
+  accuracy.py; on the same ranks, each rank checking its own;
+- step time: the median of --steps timed steps after --warmup (forward, loss, backward, AdamW),
+  the slowest rank's;
+- overlap: one step under torch.profiler: how much of the communication ran under compute
+  (overlap.py), and a PNG of that step per wrapper (timeline-WRAPPER.png) where matplotlib is.
+
+Rank 0 writes distributed.json (every record) and distributed.md (the table) in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from ember.tools.bench import accuracy, overlap
+from ember.tools.bench.dist_workloads import WORKLOADS, DistWorkload
+
+COMPILERS = ("eager", "inductor", "ember")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", default=None, help="wrappers to run under: ddp, fsdp2 or both (comma-separated)")
+    p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, or 2 on the CPU)")
+    p.add_argument("--dist-workload", default=None, help=f"{', '.join(WORKLOADS)} (default: gpt2 on GPUs, else tiny)")
+    p.add_argument("--dist-compilers", default=",".join(COMPILERS[1:]), help="beside eager: inductor, ember")
+    p.add_argument("--fsdp-compile", default="blocks", choices=["blocks", "whole"], help="FSDP2: what is compiled")
+    p.add_argument("--dist-steps", type=int, default=10, help="timed steps")
+    p.add_argument("--dist-warmup", type=int, default=3, help="steps before timing (the first compiles)")
+    p.add_argument("--dist-dtype", default="auto", choices=["auto", "f32", "bf16"], help="auto: bf16 autocast on GPUs")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ember bench --distributed", description=__doc__)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    p.add_argument("--out", default=None, help="results folder (default results/dist-DATE-TIME)")
+    add_arguments(p)
+    return p
+
+
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this module under torchrun on --nproc processes, then print rank 0's table."""
+    cuda = _device_kind(args) == "cuda"
+    nproc = args.nproc or (torch.cuda.device_count() if cuda else 2)
+    out = args.out or os.path.join("results", time.strftime("dist-%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    rest = _without(argv, "--out", "--nproc")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", "ember.tools.bench.distributed", *rest, f"--out={out}"]
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)  # ember from a checkout too
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.run(cmd, env=env, check=False).returncode
+    table = os.path.join(out, "distributed.md")
+    if os.path.exists(table):
+        with open(table) as f:
+            print(f.read())
+    print(f"results in {out}/ (distributed.json, distributed.md, timeline-*.png)")
+    return rc
+
+
+def _without(argv: list[str], *options: str) -> list[str]:
+    """argv less these options and their values (the launcher passes its own --out; torchrun would take
+    --nproc for its --nproc-per-node)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in options:
+            skip = True
+        elif not any(a.startswith(f"{o}=") for o in options):
+            out.append(a)
+    return out
+
+
+def _device_kind(args) -> str:
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def _wrap(model: torch.nn.Module, workload: DistWorkload, wrapper: str, device: torch.device) -> torch.nn.Module:
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in workload.blocks(model):
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _compile(model: torch.nn.Module, workload: DistWorkload, compiler: str, wrapper: str, how: str):
+    """The callable a step runs: the wrapped model, compiled as the wrapper wants."""
+    if compiler == "eager":
+        return model
+    backend = "ember" if compiler == "ember" else "inductor"
+    if wrapper == "fsdp2" and how == "blocks":
+        for block in workload.blocks(model):
+            block.compile(backend=backend)
+        return model
+    return torch.compile(model, backend=backend)
+
+
+class _Trainer:
+    """One wrapped, compiled model and its optimizer, stepping over a workload's batches."""
+
+    def __init__(self, base, workload, wrapper, compiler, args, device, dtype, autocast):
+        model = copy.deepcopy(base).to(device=device, dtype=dtype)
+        self.model = _wrap(model, workload, wrapper, device)
+        self.run = _compile(self.model, workload, compiler, wrapper, args.fsdp_compile)
+        self.workload, self.device, self.autocast = workload, device, autocast
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        rank = dist.get_rank()
+        x, y = self.workload.batch(step, rank, self.device)
+        if x.is_floating_point():
+            x, y = x.to(next(self.model.parameters()).dtype), y.to(next(self.model.parameters()).dtype)
+        ctx = torch.autocast(self.device.type, torch.bfloat16) if self.autocast else contextlib.nullcontext()
+        with ctx:
+            loss = self.workload.loss(self.run(x), y)
+        loss.backward()
+        return loss.detach()
+
+    def step(self, step: int) -> None:
+        self.forward_backward(step)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Every parameter's whole gradient (FSDP2's are sharded DTensors: gathered)."""
+        return [
+            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            for p in self.model.parameters()
+        ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_steps(trainer: _Trainer, first: int, count: int, device: torch.device) -> list[float]:
+    times = []
+    for k in range(count):
+        _sync(device)
+        start = time.perf_counter()
+        trainer.step(first + k)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def _profiled_step(trainer: _Trainer, step: int, device: torch.device) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.step(step)
+        _sync(device)
+    return overlap.lanes(prof.events(), device.type == "cuda")
+
+
+def _slowest(ms: float) -> float:
+    t = torch.tensor([ms], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _checks(name_grads, compiled, eager, ref, tol) -> dict:
+    """The float64 rule over the loss and every gradient: how many pass, the first failures."""
+    checks = [accuracy.check_tensor(n, c, e, r, tol) for n, c, e, r in zip(name_grads, compiled, eager, ref)]
+    failed = [c for c in checks if not c.passed]
+    return {
+        "status": "pass" if not failed else "mismatch",
+        "tensors": len(checks),
+        "failed": [f"{c.name} ({c.how}: rmse {c.compiled_rmse:.3g} vs bound {c.bound:.3g})" for c in failed[:5]],
+    }
+
+
+def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device) -> dict:
+    """One wrapper: every compiler's first step checked, its steps timed, one step profiled."""
+    from ember.report import collecting
+
+    autocast = args.dist_dtype == "bf16" or (args.dist_dtype == "auto" and device.type == "cuda")
+    torch.manual_seed(0)
+    base = workload.build()
+    names = ["loss"] + [n for n, _ in base.named_parameters()]
+    ref_trainer = _Trainer(base, workload, wrapper, "eager", args, device, torch.float64, False)
+    reference = [ref_trainer.forward_backward(0)] + ref_trainer.gradients()
+    del ref_trainer
+    tol = 1e-2 if autocast else 1e-3
+    record: dict = {"wrapper": wrapper, "compilers": {}}
+    lanes: dict = {}
+    eager_values = None
+    for compiler in ["eager", *compilers]:
+        torch._dynamo.reset()
+        entry: dict = {}
+        try:
+            trainer = _Trainer(base, workload, wrapper, compiler, args, device, torch.float32, autocast)
+            start = time.perf_counter()
+            with collecting() as report:
+                values = [trainer.forward_backward(0)] + trainer.gradients()
+                trainer.opt.zero_grad(set_to_none=True)
+            entry["first_step_s"] = time.perf_counter() - start
+            if compiler == "ember":
+                entry["graphs"] = len(report.graphs)
+                entry["fallbacks"] = [g.fallback for g in report.graphs if g.fallback]
+                entry["collectives"] = [c for g in report.graphs for c in g.collectives]
+            if compiler == "eager":
+                eager_values = values
+            entry["accuracy"] = _checks(names, [v.float() for v in values], eager_values, reference, tol)
+            del values
+            for k in range(args.dist_warmup):
+                trainer.step(1 + k)
+            times = _timed_steps(trainer, 1 + args.dist_warmup, args.dist_steps, device)
+            entry["ms"] = _slowest(statistics.median(times))
+            entry["ms_rank0"] = statistics.median(times)
+            lanes[compiler] = _profiled_step(trainer, 1 + args.dist_warmup + args.dist_steps, device)
+            entry["overlap"] = overlap.summary(lanes[compiler])
+            entry["status"] = entry["accuracy"]["status"]
+            del trainer
+        except Exception as e:  # noqa: BLE001  (one compiler's failure is its row; the others still run)
+            entry["status"] = "error"
+            entry["error"] = f"{type(e).__name__}: {e}"[:400]
+        record["compilers"][compiler] = entry
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["lanes"] = lanes
+    return record
+
+
+def environment(workload: DistWorkload, device: torch.device, args) -> dict:
+    return {
+        "type": "env",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "torch": torch.__version__,
+        "workload": f"{workload.name}: {workload.describe}",
+        "fsdp_compile": args.fsdp_compile,
+        "steps": args.dist_steps,
+        "warmup": args.dist_warmup,
+        "autocast_bf16": args.dist_dtype == "bf16" or (args.dist_dtype == "auto" and device.type == "cuda"),
+    }
+
+
+def markdown(env: dict, records: list[dict], command: str) -> str:
+    lines = [
+        f"# Distributed training steps: {env['workload']}",
+        "",
+        (
+            f"{env['date']}, {env['world_size']} x {env['device']} ({env['backend']}), torch {env['torch']}, "
+            f"bf16 autocast {'on' if env['autocast_bf16'] else 'off'}, FSDP2 compiles {env['fsdp_compile']}; "
+            f"median of {env['steps']} steps after {env['warmup']}, the slowest rank's."
+        ),
+        "",
+        f"Command: `{command}`",
+        "",
+        (
+            "| wrapper | compiler | step ms | vs eager | vs Inductor | first step s | float64 rule | comm ms "
+            "| hidden under compute | exposed comm ms |"
+        ),
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in records:
+        eager = r["compilers"].get("eager", {}).get("ms")
+        inductor = r["compilers"].get("inductor", {}).get("ms")
+        for comp, c in r["compilers"].items():
+            if c.get("status") == "error":
+                lines.append(f"| {r['wrapper']} | {comp} | error: {c['error'][:120]} | | | | | | | |")
+                continue
+            ov = c.get("overlap", {})
+            acc = c.get("accuracy", {})
+            verdict = f"{acc.get('status')} ({acc.get('tensors')} tensors)"
+            if c.get("fallbacks"):
+                verdict += f"; {len(c['fallbacks'])} graphs ran eagerly"
+            hidden = ov.get("hidden")
+            lines.append(
+                f"| {r['wrapper']} | {comp} | {c['ms']:.2f} | {_ratio(eager, c['ms'])} | {_ratio(inductor, c['ms'])} "
+                f"| {c['first_step_s']:.1f} | {verdict} | {ov.get('comm_ms', 0):.2f} "
+                f"| {'n/a' if hidden is None else f'{hidden:.0%}'} | {ov.get('exposed_comm_ms', 0):.2f} |"
+            )
+    lines += ["", "vs eager / vs Inductor: their step time over this row's (above 1: this row is faster)."]
+    failed = [f"{r['wrapper']}/{c}: {v['accuracy']['failed']}" for r in records for c, v in r["compilers"].items()]
+    failed = [f for f in failed if not f.endswith(": []")]
+    if failed:
+        lines += ["", "Tensors outside the float64 rule:", *[f"- {f}" for f in failed]]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(base: float | None, ms: float) -> str:
+    return f"{base / ms:.2f}x" if base and ms else ""
+
+
+def worker(args: argparse.Namespace, argv: list[str]) -> int:
+    cuda = _device_kind(args) == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    try:
+        workload = WORKLOADS[args.dist_workload or ("gpt2" if cuda else "tiny")]
+        compilers = [c.strip() for c in args.dist_compilers.split(",") if c.strip()]
+        env = environment(workload, device, args)
+        records = [run_wrapper(workload, w.strip(), compilers, args, device) for w in args.distributed.split(",")]
+        if dist.get_rank() == 0:
+            _write(env, records, args.out or ".", argv)
+    finally:
+        dist.destroy_process_group()
+    bad = [c for r in records for c in r["compilers"].values() if c.get("status") != "pass"]
+    return 1 if bad else 0
+
+
+def _write(env: dict, records: list[dict], out: str, argv: list[str]) -> None:
+    os.makedirs(out, exist_ok=True)
+    command = "ember bench " + " ".join([*_without(argv, "--out"), f"--nproc {env['world_size']}"])
+    notes = []
+    for r in records:
+        title = f"{env['workload']}, {r['wrapper']}, rank 0 of {env['world_size']} x {env['device']}"
+        note = overlap.timeline_png(r["lanes"], os.path.join(out, f"timeline-{r['wrapper']}.png"), title)
+        if note:
+            notes.append(note)
+    with open(os.path.join(out, "distributed.json"), "w") as f:
+        json.dump({"env": env, "records": [{k: v for k, v in r.items() if k != "lanes"} for r in records]}, f, indent=1)
+    with open(os.path.join(out, "distributed.md"), "w") as f:
+        f.write(markdown(env, records, command) + "".join(f"\nNote: {n}\n" for n in dict.fromkeys(notes)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, _ = _parser().parse_known_args(argv)  # `ember bench`'s other options do not apply
+    if not args.distributed:
+        args.distributed = "ddp,fsdp2"
+    missing = [w for w in args.distributed.split(",") if w.strip() not in ("ddp", "fsdp2")]
+    if missing:
+        raise SystemExit(f"--distributed: unknown wrapper(s) {missing}: ddp, fsdp2")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return worker(args, argv)
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
