@@ -44,6 +44,9 @@ class _Loop:
         self.opt_step = compile_time.compile_fn(self.opt.step, compiler)
 
     def step(self) -> torch.Tensor:
+        # A new iteration: outputs of CUDA graphs replayed in the last one may be overwritten (the
+        # documented rule of torch.compile's reduce-overhead mode; a no-op without CUDA graphs).
+        torch.compiler.cudagraph_mark_step_begin()
         loss = self.forward(self.x).float().square().mean()
         loss.backward()
         self.opt_step()
