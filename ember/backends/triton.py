@@ -92,6 +92,7 @@ class TritonBackend:
         aliasing, and a program reads each element it writes in place before storing it."""
         import triton
 
+        clock = _BuildClock()
         parts = [PRELUDE]
         for k in kernels:
             if is_gemm_kernel(k):
@@ -113,7 +114,9 @@ class TritonBackend:
         self.full_source = source
         if not kernels:
             return {}
+        clock("build_render_s")
         module = self._load(source)
+        clock("build_module_load_s")
         fns = {k.name: getattr(module, k.name) for k in kernels}
         namespace = {"triton": triton, "_stream": _current_stream, **fns}
         # A compiled kernel is loaded on the device current at compile time: launch it directly
@@ -134,6 +137,7 @@ class TritonBackend:
                 namespace[name] = shared.function
             return namespace
         precompile_gemms(self.gemm_kernels, gemm_fns)
+        clock("build_gemm_compile_s")
         # A warm start loads each static kernel from its launch record, without Triton.
         records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], self._target.key()) if direct else None
         recorded = records.load() if records is not None else {}
@@ -142,7 +146,9 @@ class TritonBackend:
             if static is not None:
                 self.static[name] = static
         jobs = [j for j in jobs if j[0] not in self.static]
+        clock("build_kernel_load_s")
         self._compile_distinct(jobs, keys, module, index if direct else None, namespace)
+        clock("build_compile_s")
         if self.static:
             namespace["_static_launch"] = next(iter(self.static.values())).launch
         if records is not None and jobs and len(recorded) < len(self.static):
@@ -301,6 +307,18 @@ class TritonBackend:
             return direct
         check = " | ".join(f"{b}.data_ptr()" for b in unaligned)
         return f"{slow} if ({check}) & 15 else {direct}"
+
+
+class _BuildClock:
+    """Adds the seconds since its previous call to an ember.stats counter (`ember bench --compile-time`)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def __call__(self, counter: str) -> None:
+        now = time.perf_counter()
+        stats.add(counter, now - self.last)
+        self.last = now
 
 
 def _fp_fusion() -> bool:

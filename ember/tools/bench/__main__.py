@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         help="cases to time compiling in fresh processes: all, none, or names (workload or workload/mode)",
     )
     p.add_argument("--compile-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--compile-imported",
+        action="store_true",
+        help="compile time: also a fresh process with empty caches that imports the file the cold run exported "
+        "(ember.save_cache; Inductor's torch.compiler.save_cache_artifacts)",
+    )
     p.add_argument("--no-timing", action="store_true", help="only compile times (e.g. to merge with another run)")
     p.add_argument("--budget-s", type=float, default=None, help="start no new measurement after this many seconds")
     p.add_argument(
@@ -66,9 +72,6 @@ def _parser() -> argparse.ArgumentParser:
         "ember's explain/CASE.txt (graphs, measured kernels, host program) in --out",
     )
     p.add_argument("--top", type=int, default=25, help="--profile: kernels listed per compiler")
-    from ember.tools.bench import distributed  # its options: --distributed ddp,fsdp2 --nproc N ...
-
-    distributed.add_arguments(p)
     return p
 
 
@@ -108,7 +111,8 @@ def _compile_keys(spec: str, cases) -> list[str] | None:
 
 
 def write_outputs(records: list[dict], out: str, wide: bool = False) -> list[str]:
-    """table.md, table.txt and bench.png from the records; prints the table (its main columns,
+    """table.md, table.txt, bench.png and, after compile times, compile_stages.md (each first step's
+    stages) from the records; prints the table (its main columns,
     or every one if `wide`); returns notes."""
     run = report.Run.of(records)
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -116,6 +120,11 @@ def write_outputs(records: list[dict], out: str, wide: bool = False) -> list[str
     with open(os.path.join(out, "table.txt"), "w") as f:
         f.write(report.plain(run))
     report.print_table(run, wide=wide)
+    if any(r.get("type") == "compile" and "compilers" in r for r in records):
+        from ember.tools.bench.compile_stages import stage_table
+
+        with open(os.path.join(out, "compile_stages.md"), "w") as f:
+            f.write(stage_table(records))
     note = report.plot(run, os.path.join(out, "bench.png"))
     return [note] if note else []
 
@@ -260,10 +269,6 @@ def _profile(cases, args, device, scale: str, out: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.distributed:
-        from ember.tools.bench import distributed
-
-        return distributed.main(sys.argv[1:] if argv is None else argv)
     from ember.tools.bench.workloads import WORKLOADS, select
 
     if args.list:
@@ -308,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             timer=measure.Timer(device, cpu_budget_s=args.cpu_budget_s),
             compile_time=compile_keys,
             compile_timeout_s=args.compile_timeout_s,
+            compile_imported=args.compile_imported,
             deadline=time.time() + args.budget_s if args.budget_s else None,
             rounds=max(1, args.rounds),
             emit=emit,

@@ -3,15 +3,18 @@
 For each case and compiler, two fresh subprocesses run one step and report when its result was
 ready: *cold* with empty cache directories for ember (EMBER_CACHE_DIR), Inductor
 (TORCHINDUCTOR_CACHE_DIR) and Triton (TRITON_CACHE_DIR), then *warm* with the directories the cold
-run filled. The time is taken from the parent's clock before it starts the process to the child's
+run filled; with `imported`, a third with empty directories that first imports the file the cold
+run exported (ember.save_cache / ember.load_cache; Inductor's mega-cache,
+torch.compiler.save_cache_artifacts / load_cache_artifacts), as a new machine of a fleet would. The time is taken from the parent's clock before it starts the process to the child's
 clock after the first step synchronized, so Python start-up and imports count. The child also
 reports the parts: start-up (interpreter and imports), set-up (building the model and inputs)
 and the first step (capture, compile, run), which is what compiling adds over eager, and for
 ember the seconds of each pipeline stage over all graphs (`GraphReport.stage_seconds`: backend,
 import, cse, pad, split, schedule, cache write, build, host; a cached schedule replaces import
-through cache write).
+through cache write), and `breakdown`: the first step split into Dynamo, AOTAutograd, the
+compiler's stages and the first run (compile_stages.py).
 
-    python -m ember.tools.bench.compile_time WORKLOAD MODE COMPILER SCALE DEVICE   (the child)
+    python -m ember.tools.bench.compile_time WORKLOAD MODE COMPILER SCALE DEVICE [EXPORT_TO [IMPORT_FROM]]   (the child)
 
 The child alone, under cProfile, shows which functions a compile spends its time in (empty
 caches, so the compile is cold):
@@ -48,15 +51,25 @@ def compile_fn(fn, compiler: str):
     raise ValueError(f"unknown compiler {compiler!r}")
 
 
-def _child(workload: str, mode: str, compiler: str, scale: str, device_name: str) -> None:
+def _child(
+    workload: str, mode: str, compiler: str, scale: str, device_name: str, export: str = "", imported: str = ""
+) -> None:
+    """One first step; `export`: a file to export the caches to after it; `imported`: one to import before."""
     t_start = time.time()
     import torch
+    from torch._dynamo.utils import compilation_time_metrics
 
+    from ember import stats
     from ember.report import collecting
+    from ember.tools.bench.compile_stages import breakdown
     from ember.tools.bench.measure import Step, prepare_inputs, sync
     from ember.tools.bench.workloads import WORKLOADS
 
+    stats.listen_to_triton()
     t_import = time.time()
+    if imported:
+        _import_cache(compiler, imported)
+    t_cache = time.time()
     device = torch.device(device_name)
     w = WORKLOADS[workload]
     torch.manual_seed(0)
@@ -65,25 +78,61 @@ def _child(workload: str, mode: str, compiler: str, scale: str, device_name: str
     sync(device)
     t_ready = time.time()
     step = Step(compile_fn(built.fn, compiler), mode == "train", built.autocast, device)
+    before = stats.snapshot()
     with collecting() as report:
         step(*inputs)
         sync(device)
     t_first = time.time()
+    stages = _stage_seconds(report.graphs)
+    metrics = {k: list(v) for k, v in compilation_time_metrics.items()}
+    if export:
+        _export_cache(compiler, export)
     print(
         "BENCH_RESULT "
         + json.dumps(
             {
                 "child_start": t_start,
                 "imported": t_import,
+                "cache_imported": t_cache,
                 "ready": t_ready,
                 "first_result": t_first,
                 "graphs": len(report.graphs),
                 "fallbacks": [g.fallback for g in report.graphs if g.fallback],
-                "stages": _stage_seconds(report.graphs),
+                "stages": stages,
+                "breakdown": breakdown(t_first - t_ready, metrics, stages, stats.delta(before), compiler),
             }
         ),
         flush=True,
     )
+
+
+def _export_cache(compiler: str, path: str) -> None:
+    """ember: `ember.save_cache`; Inductor: torch's mega-cache (`torch.compiler.save_cache_artifacts`)."""
+    if compiler.startswith("ember"):
+        import ember
+
+        ember.save_cache(path)
+    elif compiler.startswith("inductor"):
+        import torch
+
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            with open(path, "wb") as f:
+                f.write(saved[0])
+
+
+def _import_cache(compiler: str, path: str) -> None:
+    if not os.path.exists(path):
+        return
+    if compiler.startswith("ember"):
+        import ember
+
+        ember.load_cache(path)
+    elif compiler.startswith("inductor"):
+        import torch
+
+        with open(path, "rb") as f:
+            torch.compiler.load_cache_artifacts(f.read())
 
 
 def _stage_seconds(graphs) -> dict[str, float]:
@@ -114,33 +163,52 @@ def _spawn(args: list[str], env: dict, timeout: float) -> dict:
             return {
                 "seconds": r["first_result"] - t0,
                 "startup_s": r["imported"] - t0,
-                "setup_s": r["ready"] - r["imported"],
+                "cache_import_s": r["cache_imported"] - r["imported"],
+                "setup_s": r["ready"] - r["cache_imported"],
                 "first_step_s": r["first_result"] - r["ready"],
                 "fallbacks": r["fallbacks"],
                 "ember_stages_s": r["stages"],
+                "breakdown": r["breakdown"],
             }
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {proc.returncode}: {' | '.join(tail)[-300:]}"}
 
 
+def _cache_env(base_env: dict, root: str) -> dict:
+    env = dict(base_env)
+    for var in ("EMBER_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env[var] = os.path.join(root, var.lower())
+    return env
+
+
 def measure(
-    workload: str, mode: str, compilers: list[str], scale: str, device: str, timeout: float = 600.0
+    workload: str,
+    mode: str,
+    compilers: list[str],
+    scale: str,
+    device: str,
+    timeout: float = 600.0,
+    imported: bool = False,
 ) -> dict[str, dict]:
-    """{compiler: {"cold": {...}, "warm": {...}}} for one case."""
+    """{compiler: {"cold": {...}, "warm": {...}[, "imported": {...}]}} for one case. `imported`: also a
+    third fresh process with empty caches that first imports the file the cold run exported
+    (ember.save_cache; Inductor's torch.compiler.save_cache_artifacts)."""
     results: dict[str, dict] = {}
     base_env = dict(os.environ)
     base_env["PYTHONPATH"] = _EMBER_ROOT + (os.pathsep + base_env["PYTHONPATH"] if base_env.get("PYTHONPATH") else "")
     base_env["PYTHONUNBUFFERED"] = "1"
     for compiler in compilers:
         with tempfile.TemporaryDirectory(prefix="ember-bench-cache-") as root:
-            env = dict(base_env)
-            for var in ("EMBER_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-                env[var] = os.path.join(root, var.lower())
+            env = _cache_env(base_env, os.path.join(root, "first"))
             args = [workload, mode, compiler, scale, device]
-            cold = _spawn(args, env, timeout)
+            exported = os.path.join(root, "exported.bin")
+            cold = _spawn(args + ([exported] if imported else []), env, timeout)
             results[compiler] = {"cold": cold, "warm": _spawn(args, env, timeout) if "seconds" in cold else cold}
+            if imported and "seconds" in cold:
+                fresh = _cache_env(base_env, os.path.join(root, "imported"))
+                results[compiler]["imported"] = _spawn([*args, "", exported], fresh, timeout)
     return results
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:6])
+    _child(*sys.argv[1:8])

@@ -37,6 +37,7 @@ class Settings:
     timer: measure.Timer
     compile_time: list[str] | None = None  # case keys to measure compile time for, in this order
     compile_timeout_s: float = 600.0
+    compile_imported: bool = False  # compile time: also a fresh process that imports the cold run's cache file
     deadline: float | None = None  # time.time() after which no new measurement starts
     emit: Callable[[dict], None] = print
     progress: Callable[[str], None] = lambda line: None
@@ -257,7 +258,7 @@ def run_compile_times(case: Case, s: Settings) -> dict:
         record["skipped"] = "not measured: the run's time budget was spent"
     else:
         record["compilers"] = compile_time.measure(
-            case.workload.name, case.mode, s.compilers, s.scale, str(s.device), s.compile_timeout_s
+            case.workload.name, case.mode, s.compilers, s.scale, str(s.device), s.compile_timeout_s, s.compile_imported
         )
     return record
 
