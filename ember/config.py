@@ -87,7 +87,7 @@ def _default_cache_dir() -> str:
 
 
 # Named log artifacts (log.py prints them); validated when EMBER_LOGS is parsed.
-LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns", "cudagraphs", "asm")
+LOG_ARTIFACTS = ("graph", "fusion", "schedule", "code", "cache", "patterns", "cudagraphs", "asm", "recompiles")
 
 
 def _valid_artifacts(value: str) -> bool:

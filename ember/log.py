@@ -32,6 +32,7 @@ _ARTIFACT_LEVEL = {
     "cache": 3,
     "patterns": 1,
     "cudagraphs": 1,
+    "recompiles": 1,
     "asm": 4,
 }
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ember import config, log, progress
+from ember.frontend.recompiles import explained
 from ember.signals import dynamo_control_flow
 
 # torch.compile's modes are accepted so code written for Inductor runs unchanged. Each one means
@@ -143,7 +144,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         **partition,
     )
     try:
-        with config.override(**options), progress.compiling(lambda: _graph_name(gm)):
+        with config.override(**options), progress.compiling(lambda: _graph_name(gm)), explained():
             if not cached:
                 compiled = compiler(gm, example_inputs)
             else:
