@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
         "ember's explain/CASE.txt (graphs, measured kernels, host program) in --out",
     )
     p.add_argument("--top", type=int, default=25, help="--profile: kernels listed per compiler")
+    from ember.tools.bench import distributed  # its options: --distributed ddp,fsdp2 --nproc N ...
+
+    distributed.add_arguments(p)
     return p
 
 
@@ -269,6 +272,10 @@ def _profile(cases, args, device, scale: str, out: str, argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.distributed:
+        from ember.tools.bench import distributed
+
+        return distributed.main(sys.argv[1:] if argv is None else argv)
     from ember.tools.bench.workloads import WORKLOADS, select
 
     if args.list:

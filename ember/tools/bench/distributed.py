@@ -157,10 +157,11 @@ class _Trainer:
 
     def gradients(self) -> list[torch.Tensor]:
         """Every parameter's whole gradient (FSDP2's are sharded DTensors: gathered)."""
-        return [
-            (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for p in self.model.parameters()
-        ]
+        out = []
+        for p in self.model.parameters():
+            grad = torch.zeros_like(p) if p.grad is None else p.grad  # a parameter the loss does not reach
+            out.append((grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone())
+        return out
 
 
 def _sync(device: torch.device) -> None:
