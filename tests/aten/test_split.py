@@ -15,8 +15,10 @@ PROGRAMS = {
 }
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-@pytest.mark.parametrize("name", list(PROGRAMS))
+CASES = [(name, True) for name in PROGRAMS] + [("chunk_all", False)]
+
+
+@pytest.mark.parametrize("name, dynamic", CASES)
 def test_split_matches_eager(name, dynamic):
     fn = PROGRAMS[name]
     compiled = ember_compile(fn, "cpp", dynamic=dynamic)
