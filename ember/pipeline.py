@@ -308,7 +308,7 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     kernels = sum(1 for k in sched.kernels if not k.writes_nothing)
     progress.stage(f"{kind}: building {kernels} kernel{'s' if kernels != 1 else ''}")
     namespace = backend.build([k for k in sched.kernels if not k.writes_nothing], sched.memory)
-    if any(n.origin == "flex_attention" for n in sched.externs):
+    if any(n.origin.startswith("flex_attention") for n in sched.externs):
         from ember.backends.flex import build_flex_kernels
 
         build_flex_kernels(sched, target)  # FlexAttention's flash-attention kernels

@@ -203,6 +203,9 @@ class FlexHeuristics:
     large: Tile = Tile(64, 32, 4)  # larger
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)
+    # The backward's two kernels: BLOCK_M query rows x BLOCK_N keys x warps, by head size (<= 64, larger).
+    backward: Tile = Tile(64, 64, 4)
+    backward_wide: Tile = Tile(64, 64, 8)
 
 
 @dataclass(frozen=True)

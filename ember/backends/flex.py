@@ -15,11 +15,12 @@ import sys
 
 import torch
 
-from ember import config
+from ember import config, log
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import FlexLaunch, block_sizes, render_flex_triton
-from ember.ir.flex import FlexAttention, FlexSpec
+from ember.codegen.flex_triton_bwd import render_flex_triton_bwd
+from ember.ir.flex import FlexAttention, FlexAttentionBackward, FlexBackwardSpec, FlexSpec
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.steps import ExternStep, Schedule
@@ -27,12 +28,21 @@ from ember.target import Target
 
 
 def build_flex_kernels(sched: Schedule, target: Target) -> int:
-    """Give each flex_attention extern of `sched` its kernel; returns how many there were."""
+    """Give each flex_attention extern of `sched` its kernel, and each flex_attention_backward extern
+    its kernels where the code generator has them (Triton); returns how many kernels were built."""
     built = 0
     for step in sched.steps:
-        if isinstance(step, ExternStep) and isinstance(step.node.attrs["target"], FlexAttention):
-            spec = step.node.attrs["target"].spec
-            step.node.attrs["target"] = FlexKernel(spec, target, len(step.node.attrs["output_positions"]))
+        if not isinstance(step, ExternStep):
+            continue
+        fn = step.node.attrs["target"]
+        if isinstance(fn, FlexAttention):
+            step.node.attrs["target"] = FlexKernel(fn.spec, target, len(step.node.attrs["output_positions"]))
+            built += 1
+        elif isinstance(fn, FlexAttentionBackward) and fn.spec is not None:
+            if target.name == "cpp":
+                log.warn("ember: flex_attention_backward runs as PyTorch's op (no C++ backward kernel)")
+                continue
+            step.node.attrs["target"] = FlexBackwardKernel(fn.spec, target)
             built += 1
     return built
 
@@ -63,7 +73,7 @@ class FlexKernel:
         else:
             self.interpreted = target.interpreted
             self.source = render_flex_triton(spec, "flex_fwd", self.launch, target.interpreted)
-            self.fn = _load_triton(self.source)
+            self.fn = _load_triton(self.source, "ember_flex").flex_fwd
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
@@ -111,6 +121,54 @@ class FlexKernel:
         return (out, lse, mx)[: self.results]
 
 
+class FlexBackwardKernel:
+    """A flex_attention_backward call's two Triton kernels (dq; dk and dv), called with the op's own
+    arguments; returns dq, dk, dv and None for each captured tensor (none needs a gradient)."""
+
+    fresh_result = True
+
+    def __init__(self, spec: FlexBackwardSpec, target: Target):
+        self.spec = spec
+        h = target.heuristics.flex
+        tile = h.backward if spec.forward.head_dim <= 64 else h.backward_wide
+        self.launch = FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
+        self.interpreted = target.interpreted
+        self.__name__ = "flex_attention_backward_kernel"
+        self.source = render_flex_triton_bwd(spec, self.launch, target.interpreted)
+        module = _load_triton(self.source, "ember_flex_bwd")
+        self.dq_fn, self.dkdv_fn = module.flex_bwd_dq, module.flex_bwd_dkdv
+
+    def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
+        fwd = self.spec.forward
+        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = block_mask[2:10]
+        B, H, M, _ = q.shape
+        N = k.shape[2]
+        dq, dk, dv = _like_query(q, fwd.head_dim), _like_query(k, fwd.head_dim), _like_query(v, fwd.value_dim)
+        nones = (None,) * len(sbufs)
+        if q.numel() == 0 or k.numel() == 0:
+            return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
+        lse = lse.to(fwd.work_dtype).contiguous()
+        delta = (dout.to(fwd.work_dtype) * out.to(fwd.work_dtype)).sum(-1).contiguous()
+        if not fwd.has_full_blocks:
+            full_num, full_idx, full_q_num, full_q_idx = kv_num, kv_idx, q_num, q_idx
+        ints = [B, H, M, N, H // k.shape[1], kv_num.shape[0], kv_num.shape[1]]
+        for t in (q, k, v, dout, dq, dk, dv, kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx):
+            ints += t.stride()
+        buffers = (*sbufs, *mbufs)
+        buf_ints = [x for buf in buffers for x in (*buf.shape, *buf.stride())]
+        blocks = (kv_num, kv_idx, *((full_num, full_idx) if fwd.has_full_blocks else ()))
+        blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
+        tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
+        block_m, block_n, d_pad, dv_pad = block_sizes(fwd, self.launch)
+        kwargs = {} if self.interpreted else {"num_warps": self.launch.warps, "num_stages": self.launch.stages}
+        consts = {"QB": fwd.q_block, "KB": fwd.kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
+        consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, **kwargs)
+        self.dq_fn[((M + block_m - 1) // block_m, B * H)](*tensors, *ints, *buf_ints, fwd.scale, **consts)
+        grid = ((N + block_n - 1) // block_n, B * k.shape[1])
+        self.dkdv_fn[grid](*tensors, *ints, *buf_ints, fwd.scale, **consts)
+        return (dq, dk, dv, *nones)
+
+
 def _like_query(q: torch.Tensor, dv: int) -> torch.Tensor:
     """out in the dim order of q's strides (eager's `_permute_strides`)."""
     shape = (*q.shape[:3], dv)
@@ -156,7 +214,7 @@ def _compile_cpp(source: str, target: Target):
     return fn
 
 
-def _load_triton(body: str):
+def _load_triton(body: str, prefix: str):
     from ember.codegen.flex_expr import TRITON_HELPERS
     from ember.codegen.triton import PRELUDE as TRITON_PRELUDE
     from ember.runtime.cache import triton_identity
@@ -165,7 +223,7 @@ def _load_triton(body: str):
     key = content_key("triton", source, toolchain=triton_identity())
     cache = DiskCache()
     entry = cache.get("triton", key) or cache.put("triton", key, {"kernels.py": source.encode()})
-    name = f"ember_flex_{key[:16]}"
+    name = f"{prefix}_{key[:16]}"
     module = sys.modules.get(name)
     if module is None:
         # Imported from a private copy of the checked bytes: Triton reads the kernel's source back.
@@ -174,7 +232,7 @@ def _load_triton(body: str):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    return module.flex_fwd
+    return module
 
 
-__all__ = ["FlexKernel", "build_flex_kernels"]
+__all__ = ["FlexBackwardKernel", "FlexKernel", "build_flex_kernels"]

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-# The arguments of a score program; a mask program uses 1-4.
-ARG_NAMES = ("score", "b", "h", "q_idx", "kv_idx")
+# The arguments of a score program; a mask program uses 1-4; the score's gradient program (the joint
+# graph's first output) 0-5, 5 being the gradient of score_mod's result.
+ARG_NAMES = ("score", "b", "h", "q_idx", "kv_idx", "grad")
 # Ops a program may use beyond ir/ops.py's pointwise table, rendered by each code generator.
 EXTRA_OPS = {"floordiv": 2, "remainder": 2}
 
@@ -92,6 +93,18 @@ class FlexSpec:
         return "flex_attention " + " ".join(parts)
 
 
+@dataclass(frozen=True)
+class FlexBackwardSpec:
+    """flex_attention_backward's kernels: the forward's spec, and the program giving the gradient of
+    the score before score_mod from the one after it (None: score_mod's derivative is 1)."""
+
+    forward: FlexSpec
+    grad: FlexProgram | None
+
+    def describe(self) -> str:
+        return self.forward.describe().replace("flex_attention", "flex_attention_backward", 1)
+
+
 class FlexAttention:
     """The extern target of a `flex_attention` call until the backend builds its kernel
     (backends/flex.py replaces it with a callable of the kernel). Arguments at run time:
@@ -111,4 +124,31 @@ class FlexAttention:
         return self.spec.describe()
 
 
-__all__ = ["ARG_NAMES", "EXTRA_OPS", "FlexAttention", "FlexBuffer", "FlexNode", "FlexProgram", "FlexSpec"]
+class FlexAttentionBackward:
+    """The extern target of a `flex_attention_backward` call: PyTorch's op (its reference
+    implementation) until the backend builds ember's kernels for it (backends/flex.py), which it does
+    where the code generator has them (Triton). Called with the op's own arguments; returns dq, dk,
+    dv and the captured tensors' gradients (None: none of them needs one), flattened."""
+
+    fresh_result = True
+
+    def __init__(self, spec: FlexBackwardSpec | None, reference):
+        self.spec, self.reference = spec, reference
+        self.__name__ = "flex_attention_backward"
+
+    def __call__(self, *args):
+        dq, dk, dv, grads = self.reference(*args)
+        return (dq, dk, dv, *grads)
+
+
+__all__ = [
+    "ARG_NAMES",
+    "EXTRA_OPS",
+    "FlexAttention",
+    "FlexAttentionBackward",
+    "FlexBackwardSpec",
+    "FlexBuffer",
+    "FlexNode",
+    "FlexProgram",
+    "FlexSpec",
+]

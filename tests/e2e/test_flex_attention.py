@@ -95,14 +95,55 @@ def _check(name, backend, B, H, S, D, heads_kv=None, transpose_q=False):
 
 @pytest.mark.parametrize("name", ["causal", "sliding", "alibi", "document", "t5"])
 def test_flex_attention_cpp(name):
-    # 200 is no multiple of the blocks: the last block of keys and of queries is partial.
-    _check(name, "cpp", B=2, H=4, S=200, D=32)
+    # 200 is no multiple of the blocks: the last block of keys and of queries is partial. T5's case
+    # also takes GQA (two query heads a key head) and a query whose heads are not its outer dim.
+    gqa = {"heads_kv": 2, "transpose_q": True} if name == "t5" else {}
+    _check(name, "cpp", B=2, H=4, S=200, D=32, **gqa)
 
 
-def test_flex_attention_cpp_gqa_and_strided_query():
-    _check("t5", "cpp", B=1, H=4, S=96, D=16, heads_kv=2, transpose_q=True)
+def test_flex_attention_triton_interpreted():
+    # (The backward tests below run the forward kernel too, with GQA, score_mod and a document mask.)
+    _check("sliding", "triton", B=2, H=2, S=80, D=16)
 
 
-@pytest.mark.parametrize("name", ["document", "t5"])
-def test_flex_attention_triton_interpreted(name):
-    _check(name, "triton", B=1, H=2, S=80, D=16, heads_kv=1)
+def _softcap(s, b, h, q, kv):
+    return 5 * torch.tanh(s / 5)
+
+
+@pytest.mark.parametrize("name", ["t5", "softcap_document"])
+def test_flex_attention_backward_triton_interpreted(name):
+    """ember's backward kernels (dq; dk and dv), the gradient through score_mod inlined from the joint
+    graph, GQA, against PyTorch's reference backward. Eager flex_attention refuses a backward on CPU
+    tensors before any kernel runs; its reference implementation computes one, so that guard is lifted
+    here, for this test only."""
+    from unittest import mock
+
+    import torch.nn.attention.flex_attention as flex_module
+
+    B, H, S, D = 1, 2, 80, 16
+    if name == "t5":
+        score_mod, block_mask = _case("t5", B, H, S)
+    else:
+        doc = torch.randint(0, 3, (S,)).sort().values
+        score_mod = _softcap
+        block_mask = create_block_mask(_documents(doc), 1, 1, S, S, device="cpu", BLOCK_SIZE=32)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+
+    line = repro(case=name, backend="triton", shape=(B, H, S, D), heads_kv=1)
+    q = torch.randn(B, H, S, D, requires_grad=True)
+    k, v = (torch.randn(B, 1, S, D, requires_grad=True) for _ in range(2))
+    with mock.patch.object(flex_module, "_validate_device", lambda *args: None), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fn(q, k, v)
+        grad = torch.randn_like(out)
+        want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+        with reports() as report:
+            out = ember_compile(fn, "triton")(q, k, v)
+            got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    assert_no_fallback(report, line)
+    hosts = "\n".join(g.host_source for g in report.graphs)
+    assert "flex_attention_backward_kernel" in hosts, f"the backward ran as PyTorch's op\n{line}"
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)

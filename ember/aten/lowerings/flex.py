@@ -21,7 +21,16 @@ import torch.fx
 
 from ember import log
 from ember.aten.registry import Unsupported, lowering
-from ember.ir.flex import EXTRA_OPS, FlexAttention, FlexBuffer, FlexNode, FlexProgram, FlexSpec
+from ember.ir.flex import (
+    EXTRA_OPS,
+    FlexAttention,
+    FlexAttentionBackward,
+    FlexBackwardSpec,
+    FlexBuffer,
+    FlexNode,
+    FlexProgram,
+    FlexSpec,
+)
 from ember.ir.ops import POINTWISE
 
 _HOP = getattr(torch.ops.higher_order, "flex_attention", None)
@@ -81,8 +90,10 @@ def _work(dtype: torch.dtype, work: torch.dtype) -> torch.dtype:
 class _Tracer:
     """One score or mask GraphModule -> a FlexProgram; buffers numbered from `first_buffer`."""
 
-    def __init__(self, gm: torch.fx.GraphModule, work: torch.dtype, first_arg: int, first_buffer: int):
-        self.gm, self.work = gm, work
+    def __init__(
+        self, gm: torch.fx.GraphModule, work: torch.dtype, first_arg: int, first_buffer: int, last_arg: int = 4
+    ):
+        self.gm, self.work, self.last_arg = gm, work, last_arg
         self.first_arg, self.first_buffer = first_arg, first_buffer
         self.nodes: list[FlexNode] = []
         self.keys: dict[tuple, int] = {}
@@ -116,7 +127,7 @@ class _Tracer:
 
     def run(self) -> FlexProgram:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-        fixed = 5 - self.first_arg
+        fixed = self.last_arg + 1 - self.first_arg
         for k, ph in enumerate(placeholders):
             meta = ph.meta.get("val")
             if not isinstance(meta, torch.Tensor):
@@ -132,7 +143,11 @@ class _Tracer:
                 self.env[node] = self.call(node)
             elif node.op == "output":
                 out = node.args[0]
-                result = self.env[out[0] if isinstance(out, (list, tuple)) else out]
+                if isinstance(out, (list, tuple)):
+                    if any(o is not None for o in out[1:]):
+                        raise Unsupported("a captured tensor that needs a gradient")
+                    out = out[0]
+                result = self.env[out]
             elif node.op != "placeholder":
                 raise Unsupported(f"{node.op} {node.target} in a flex_attention function")
         if result is None or result < 0:
@@ -236,6 +251,14 @@ def _lower_flex(b, node: torch.fx.Node):
 
 def _build(b, node: torch.fx.Node):
     query, key, value, score_gm, block_mask, scale, _options, score_bufs, mask_bufs = (list(node.args) + [(), ()])[:9]
+    spec, operands = _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bufs)
+    args = tuple(b.arg(x) for x in operands)
+    log.summary(f"{spec.describe()} compiles into ember's flash-attention kernel")
+    return b.extern_call(FlexAttention(spec), args, {}, node.meta.get("val"), origin="flex_attention")
+
+
+def _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bufs) -> tuple[FlexSpec, list]:
+    """The forward's spec, and the extern's operands: q, k, v, the BlockMask's kv tensors, buffers."""
     q, k, v = (_tensor_meta(x) for x in (query, key, value))
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise Unsupported("query, key and value of 4 dims")
@@ -304,33 +327,48 @@ def _build(b, node: torch.fx.Node):
         if meta.dtype not in (torch.int32, torch.int64) or meta.device != q.device:
             raise Unsupported(f"BlockMask tensors of {meta.dtype} on {meta.device}")
     operands = [query, key, value, kv_num, kv_idx, *((full_num, full_idx) if has_full else ()), *score_bufs, *mask_bufs]
-    args = tuple(b.arg(x) for x in operands)
-    meta = node.meta.get("val")
-    log.summary(f"{spec.describe()} compiles into ember's flash-attention kernel")
-    return b.extern_call(FlexAttention(spec), args, {}, meta, origin="flex_attention")
-
-
-class _ReferenceBackward:
-    """flex_attention_backward run as PyTorch's op, its nested result (dq, dk, dv, (grads of the
-    captured tensors)) flattened for the extern."""
-
-    fresh_result = True
-    __name__ = "flex_attention_backward"
-
-    def __call__(self, *args):
-        dq, dk, dv, grads = _HOP_BACKWARD(*args)
-        return (dq, dk, dv, *grads)
+    return spec, operands
 
 
 def _lower_flex_backward(b, node: torch.fx.Node):
     meta = node.meta.get("val")
     if not isinstance(meta, (tuple, list)) or len(meta) != 4 or not isinstance(meta[3], (tuple, list)):
         raise Unsupported("flex_attention_backward of an unknown result structure")
-    log.warn("ember: flex_attention_backward runs as PyTorch's op (ember has no backward kernel for it yet)")
+    try:
+        spec = _backward_spec(b, node)
+    except Unsupported as e:
+        spec = None
+        log.warn(f"ember: flex_attention_backward runs as PyTorch's op: {e}")
     flat = (*meta[:3], *meta[3])
-    args = b.arg(node.args)
-    results = b.extern_call(_ReferenceBackward(), args, {}, flat, origin="flex_attention_backward")
+    target = FlexAttentionBackward(spec, _HOP_BACKWARD)
+    results = b.extern_call(target, b.arg(node.args), {}, flat, origin="flex_attention_backward")
     return (*results[:3], tuple(results[3:]))
+
+
+def _backward_spec(b, node: torch.fx.Node) -> FlexBackwardSpec:
+    args = list(node.args) + [(), ()]
+    query, key, value, _out, _lse, _grad_out, grad_lse, fw_gm, joint_gm, block_mask, scale = args[:11]
+    score_bufs, mask_bufs = args[12], args[13]
+    if grad_lse is not None:
+        raise Unsupported("a gradient of the log-sum-exp")
+    if len(block_mask) < 13 or not all(isinstance(t, torch.fx.Node) for t in block_mask[6:8]):
+        raise Unsupported("a BlockMask without its query blocks")
+    spec, _ = _spec(b, query, key, value, fw_gm, block_mask, scale, score_bufs, mask_bufs)
+    q, k = _tensor_meta(query), _tensor_meta(key)
+    if k.shape[0] != q.shape[0]:
+        raise Unsupported("keys broadcast over the batch")
+    if spec.dtype == torch.float64:
+        raise Unsupported("float64")
+    joint = b.arg(joint_gm)
+    if not isinstance(joint, torch.fx.GraphModule):
+        raise Unsupported(f"a {type(joint).__name__} as the joint graph")
+    tracer = _Tracer(joint, spec.work_dtype, 0, 0, last_arg=5)
+    grad = tracer.run()
+    if len(tracer.buffers) != len(score_bufs):
+        raise Unsupported("captured tensors not matching the joint graph's inputs")
+    if grad.nodes[grad.result] == FlexNode("arg", (), spec.work_dtype, 5):
+        grad = None  # d score_mod / d score = 1 (a bias)
+    return FlexBackwardSpec(spec, grad)
 
 
 if _HOP is not None:
