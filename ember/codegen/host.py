@@ -240,6 +240,7 @@ class HostWriter:
         outputs = {o for o in g.outputs if isinstance(o, Value)}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
+                self._require_bound([*step.kernel.reads, *step.kernel.writes], step.kernel.name)
                 for v in step.kernel.writes:
                     self._allocate(v)
                 if step.kernel.writes_nothing:
@@ -331,6 +332,29 @@ class HostWriter:
                     found |= {e for e in (*v.shape, *(v.stride or ())) if isinstance(e, sympy.Symbol)}
         return found
 
+    def _require_bound(self, things: list, step: str) -> None:
+        """Every size symbol a step reads is bound before it (a data-dependent size only after the extern
+        whose result carries it); checked here, at compile time, not as a NameError in the first call."""
+        found: set = set()
+
+        def walk(x: Any) -> None:
+            if isinstance(x, Value):
+                for e in (*x.shape, *(x.stride or ())):
+                    found.update(sympy.sympify(e).free_symbols)
+            elif isinstance(x, sympy.Basic):
+                found.update(x.free_symbols)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    walk(y)
+            elif isinstance(x, dict):
+                for y in x.values():
+                    walk(y)
+
+        walk(things)
+        unbound = found - self.bound
+        if unbound:
+            raise NotImplementedError(f"{step} reads sizes {sorted(map(str, unbound))} before they are known")
+
     def _bind_result_symbols(self, v: Value, name: str) -> None:
         """Bind the symbols first seen in an extern result's sizes and strides (data-dependent sizes)."""
         for what, exprs in (("size", v.shape), ("stride", v.stride or ())):
@@ -377,6 +401,7 @@ class HostWriter:
     def _extern(self, step: ExternStep) -> None:
         node = step.node
         target = node.attrs["target"]
+        self._require_bound([node.attrs["args"], node.attrs["kwargs"], *node.value_inputs()], node.origin)
         if node.attrs.get("writes_input") in self.plan.mutations_in_place:
             target = node.attrs["inplace_target"]  # a scatter into the input itself (memory plan)
         call = self._extern_call(target, node.attrs["args"], node.attrs["kwargs"])

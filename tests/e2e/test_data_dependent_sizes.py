@@ -42,3 +42,25 @@ def test_matches_eager(name, backend):
                 assert_close(got, want, rtol=1e-5, atol=1e-5, what=name, line=line)
     domains = [k.domain for g in report.graphs for k in g.kernels]
     assert any("u0" in d for d in domains), f"no kernel over the data-dependent size\n{report}\n{line}"
+
+
+def test_range_constraint_on_a_data_dependent_size_is_a_host_check():
+    """`sym_constrain_range_for_size` (recorded by some torch versions beside nonzero) checks the size
+    on the host after the extern that binds it, and a size outside the range raises eager's way."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember import config
+    from ember.pipeline import compile_graph
+
+    def fn(x, high):
+        rows = torch.nonzero(x > 0)
+        torch.ops.aten.sym_constrain_range_for_size.default(rows.size(0), min=0, max=high)
+        return rows + 1
+
+    x = torch.randn(16)
+    with config.override(strict=True, backend="cpp"):
+        within = compile_graph(make_fx(lambda x: fn(x, 16), tracing_mode="symbolic")(x), [x], "inference")
+        beyond = compile_graph(make_fx(lambda x: fn(x, 2), tracing_mode="symbolic")(x), [x], "inference")
+    assert torch.equal(within([x])[0], fn(x, 16)), repro(program="nonzero within its range")
+    with pytest.raises(RuntimeError, match="is not within"):
+        beyond([torch.ones(16)])

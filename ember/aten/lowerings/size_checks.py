@@ -1,10 +1,12 @@
 """Runtime checks on sizes: AOTAutograd's `_assert_scalar` on a condition over symbolic sizes.
 
 A size that depends on data (`nonzero`'s row count, a boolean mask's length: an unbacked symbol
-`u0`) comes with checks Dynamo records (`u0 <= 16`). The importer turns the condition (a SymBool)
-into a sympy relation over ember's size symbols; one that sympy proves (`u0 >= 0`, sizes are
-non-negative) vanishes, and any other is checked by the host program once the values carrying its
-symbols exist (they are the check's operands, so the schedule orders it after them).
+`u0`) comes with checks Dynamo records (`u0 <= 16`; `sym_constrain_range_for_size` where a torch
+version records that). The importer turns the condition (a SymBool) into a sympy relation over
+ember's size symbols; one that sympy proves (`u0 >= 0`, sizes are non-negative) vanishes, and any
+other is checked by the host program once the values carrying its symbols exist (they are the
+check's operands, so the schedule orders it after them; the host program refuses at compile time a
+step that would read a size before it is bound).
 """
 
 from __future__ import annotations
@@ -33,8 +35,22 @@ class SizeCheck:
 
 @lowering(aten._assert_scalar)
 def _assert_scalar(ctx: GraphBuilder, node):
-    condition = ctx.arg(node.args[0])
     message = str(node.args[1]) if len(node.args) > 1 else "a runtime assertion on sizes failed"
+    _check(ctx, ctx.arg(node.args[0]), message)
+
+
+@lowering(aten.sym_constrain_range_for_size, aten.sym_constrain_range)
+def _constrain_range(ctx: GraphBuilder, node):
+    """`torch._check_is_size` and range constraints on a size: min <= size <= max, as a check."""
+    size = ctx.arg(node.args[0])
+    if not isinstance(size, sympy.Expr):
+        raise Unsupported("a range constraint on a value that is not a size")
+    low, high = node.kwargs.get("min"), node.kwargs.get("max")
+    parts = [size >= (0 if low is None else low)] + ([size <= high] if high is not None else [])
+    _check(ctx, sympy.And(*parts), f"{size} is not within [{low}, {high}]")
+
+
+def _check(ctx: GraphBuilder, condition, message: str) -> None:
     if condition is True or condition == sympy.true:
         return
     if condition is False or condition == sympy.false:
@@ -47,7 +63,6 @@ def _assert_scalar(ctx: GraphBuilder, node):
         if carrier is not None and carrier not in carriers:
             carriers.append(carrier)
     ctx.extern_call(SizeCheck(message), (condition, *carriers), {}, None, origin="size check")
-    return
 
 
 def _sizes(v) -> tuple:
