@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         help="every layer of what ember did to a script's function, timed (ember explain --help)",
         add_help=False,
     )
+    sub.add_parser(
+        "profile", help="where a model's step spends its time, and a verdict (ember profile --help)", add_help=False
+    )
     sub.add_parser("opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False)
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser(
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.tools.explain_cli import main as explain
 
         return explain(rest)
+    if args.command == "profile":
+        from ember.tools.profile_step import main as profile
+
+        return profile(rest)
     if args.command == "opinfo":
         from ember.tools.opinfo import main as opinfo
 
