@@ -70,7 +70,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
         return f"tl.dot({a}, {bt}{', ' + acc if acc else ''}{precision})"
 
     def step(full: bool) -> str:
-        ind = " " * 12
+        ind = " " * 8
         lines = [
             "offs_n = n0 + tl.arange(0, BLOCK_N)",
             "kv_idx = offs_n[None, :]",
@@ -105,14 +105,14 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
 
     def walk(num: str, idx: str, cs: str, ix: str, full: bool) -> str:
         """The loop over the key blocks a count tensor (strides `{cs}b/h/q`) and an index tensor
-        (strides `{ix}b/h/q/k`) list for this program's query block."""
+        (strides `{ix}b/h/q/k`) list for this program's query block, BLOCK_N keys a step: one flat
+        loop, so that Triton pipelines the loads across blocks too."""
         return f"""
     count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
-    for t in range(0, count):
-        kb = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + t * {ix}k).to(tl.int64)
-        start = kb * KB
-        end = tl.minimum(start + KB, N)
-        for n0 in range(start.to(tl.int32), end.to(tl.int32), BLOCK_N):
+    per_block = (tl.minimum(KB, N) + BLOCK_N - 1) // BLOCK_N
+    for it in range(0, count * per_block):
+        kb = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // per_block) * {ix}k).to(tl.int64)
+        n0 = (kb * KB + (it % per_block) * BLOCK_N).to(tl.int32)
 {step(full)}
 """
 
@@ -126,7 +126,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
         "tl.store(O + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod, out.to(O.dtype.element_ty), "
         "mask=(q_idx < M) & (offs_v[None, :] < DV))"
     )
-    return f"""
+    source = f"""
 @triton.jit
 def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -156,6 +156,17 @@ def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl
     tl.store(LSE + row, tl.where(l_i == 0, -float("inf"), m_i + tl.log2(tl.where(l_i == 0, 1.0, l_i))), mask=rmask)
     tl.store(MAX + row, m_i, mask=rmask)
 """
+    return drop_full_masks(source, spec)
+
+
+def drop_full_masks(source: str, spec: FlexSpec) -> str:
+    """Without padding on the head dims (a power-of-two head size), their load masks are all true:
+    left out, so that loads along them stay unpredicated."""
+    if spec.head_dim == max(16, _pow2(spec.head_dim)):
+        source = source.replace(" & (offs_d[None, :] < D)", "")
+    if spec.value_dim == max(16, _pow2(spec.value_dim)):
+        source = source.replace(" & (offs_v[None, :] < DV)", "")
+    return source
 
 
 def block_sizes(spec: FlexSpec, launch: FlexLaunch) -> tuple[int, int, int, int]:
@@ -168,4 +179,4 @@ def block_sizes(spec: FlexSpec, launch: FlexLaunch) -> tuple[int, int, int, int]
     )
 
 
-__all__ = ["FlexLaunch", "block_sizes", "render_flex_triton"]
+__all__ = ["FlexLaunch", "block_sizes", "drop_full_masks", "render_flex_triton"]

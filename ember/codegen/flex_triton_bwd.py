@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import FlexLaunch
+from ember.codegen.flex_triton import FlexLaunch, drop_full_masks
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -92,41 +92,39 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, launch: FlexLaunch, interpret
     def kv_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
         return f"""
     count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
-    for t in range(0, count):
-        blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + t * {ix}k).to(tl.int64)
-        start = blk * KB
-        end = tl.minimum(start + KB, N)
-        for n0 in range(start.to(tl.int32), end.to(tl.int32), BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            kv_idx = offs_n[None, :]
-            kmask = offs_n < N
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,
-                        mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
-{tile(masked, 12, False)}
+    per_block = (tl.minimum(KB, N) + BLOCK_N - 1) // BLOCK_N
+    for it in range(0, count * per_block):
+        blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // per_block) * {ix}k).to(tl.int64)
+        n0 = (blk * KB + (it % per_block) * BLOCK_N).to(tl.int32)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        kv_idx = offs_n[None, :]
+        kmask = offs_n < N
+        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                    mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)
+        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,
+                    mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
+{tile(masked, 8, False)}
 """
 
     def q_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
         return f"""
         count = tl.load({num} + sb * {cs}b + sh * {cs}h + kvb * {cs}k)
-        for t in range(0, count):
-            blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k + t * {ix}q).to(tl.int64)
-            start = blk * QB
-            end = tl.minimum(start + QB, M)
-            for m0 in range(start.to(tl.int32), end.to(tl.int32), BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                q_idx = offs_m[:, None]
-                qmask = offs_m < M
-                q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd,
-                            mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
-                do = tl.load(DO + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod,
-                             mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)
-                row = (b * H + h).to(tl.int64) * M + offs_m
-                lse = tl.load(LSE + row, mask=qmask, other=0.0)
-                lse = tl.where(lse == -float("inf"), 0.0, lse)
-                delta = tl.load(DELTA + row, mask=qmask, other=0.0)
-{tile(masked, 16, True)}
+        per_block = (tl.minimum(QB, M) + BLOCK_M - 1) // BLOCK_M
+        for it in range(0, count * per_block):
+            blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k + (it // per_block) * {ix}q).to(tl.int64)
+            m0 = (blk * QB + (it % per_block) * BLOCK_M).to(tl.int32)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            q_idx = offs_m[:, None]
+            qmask = offs_m < M
+            q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd,
+                        mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
+            do = tl.load(DO + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod,
+                         mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)
+            row = (b * H + h).to(tl.int64) * M + offs_m
+            lse = tl.load(LSE + row, mask=qmask, other=0.0)
+            lse = tl.where(lse == -float("inf"), 0.0, lse)
+            delta = tl.load(DELTA + row, mask=qmask, other=0.0)
+{tile(masked, 12, True)}
 """
 
     constexprs = (
@@ -135,7 +133,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, launch: FlexLaunch, interpret
     )
     dq_full = kv_walk("FULL_NUM", "FULL_IDX", "sf", "sj", False) if full else ""
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
-    return f"""
+    source = f"""
 @triton.jit
 def flex_bwd_dq({params}, {constexprs}):
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -200,6 +198,7 @@ def flex_bwd_dkdv({params}, {constexprs}):
     tl.store(GV + b * seb + hk * seh + offs_n[:, None] * sen + offs_v[None, :] * sed, dv.to(GV.dtype.element_ty),
              mask=kmask[:, None] & (offs_v[None, :] < DV))
 """
+    return drop_full_masks(source, spec.forward)
 
 
 __all__ = ["PARAMS", "render_flex_triton_bwd"]
