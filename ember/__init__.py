@@ -53,17 +53,18 @@ def explain(fn: Callable, *args: Any, **kwargs: Any):
 
 
 def save_cache(path: str):
-    """Write every entry of ember's disk cache (setting `cache_dir`) to one file, for `load_cache`
-    on another machine of the same kind (same GPU, torch, Triton and ember). Returns a summary."""
-    from ember.runtime.portable import export_cache
+    """Write every entry of ember's disk cache (setting `cache_dir`), and AOTAutograd's entries of
+    ember's graphs, to one file, for `load_cache` on another machine of the same kind (same GPU,
+    torch, Triton and ember). Returns a summary."""
+    from ember.frontend.cache_file import save_cache as _save
 
-    return export_cache(path)
+    return _save(path)
 
 
 def load_cache(path: str):
     """Check a file `save_cache` wrote and add its entries to ember's disk cache. A damaged file,
     or one made for another GPU, torch, Triton or ember, raises `ember.runtime.portable.CacheFileError`
     (a ValueError) and imports nothing. Import files only from a source you trust: their kernels run."""
-    from ember.runtime.portable import import_cache
+    from ember.frontend.cache_file import load_cache as _load
 
-    return import_cache(path)
+    return _load(path)

@@ -12,9 +12,9 @@ program from it (pipeline.compile_from_schedule).
 
 AOTAutograd's key knows nothing of ember (not its decompositions, partitioner or settings), so
 ember adds its own part through `torch.compiler.config.cache_key_tag`, a key of runtime/cache.py's
-recipe: ember's identity (its source, the settings that change generated code, versions), an
-identifier of the signing key below (a new key, as `ember cache clear` makes, orphans these
-entries), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32
+recipe: ember's identity (its source, the settings that change generated code, versions), the
+cache's random name for its entries (`aot-id` in ember's cache folder: `ember cache clear` makes a
+new one, orphaning them; a cache file imported brings its own, frontend/cache_file.py), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32
 flags). The target a schedule was made for is stored with it and checked on a hit. Used only
 where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for),
 where ember's cache folder is usable, and where the Dynamo graph captures no tensor constant; a
@@ -26,8 +26,11 @@ may have made it, and a flipped bit in a pickled constant would be a wrong answe
 process. So ember signs what it stores (the schedule's pickle and the fields that say how to build
 it) with an HMAC-SHA256 under a random key kept in ember's own cache folder (`aot-key`: 0600,
 read through the checks of runtime/cache.py), and checks the signature before unpickling the
-schedule; an entry that does not match is not loaded, and the graph is compiled anew. (The rest
-of the entry is AOTAutograd's, unpickled by torch before ember sees it.)
+schedule; an entry that does not match is not loaded, and the graph is compiled anew. Each entry
+saved also leaves a voucher in ember's cache (kind `vouch`: the SHA-256 of what was signed), which
+a cache file carries to another machine, whose key differs: there an entry is loaded if its
+signature matches or a voucher names it (`_trusted`). (The rest of the entry is AOTAutograd's,
+unpickled by torch before ember sees it.)
 
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
@@ -91,6 +94,8 @@ class EmberGraphCode(OutputCode):
             key = b"not ember's key"  # a testing aid: an entry planted by someone without the key
         self.signature = _signature(key, self)
         self.program = None
+        if faults.armed("aot_sign") is None:
+            _vouch(self)
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         if self.program is not None:
@@ -106,7 +111,7 @@ class EmberGraphCode(OutputCode):
                 start = time.perf_counter()
                 key = _signing_key() if current is None else current.key
                 kept = self.schedule
-                if kept is None or key is None or not hmac.compare_digest(self.signature, _signature(key, self)):
+                if kept is None or key is None or not _trusted(key, self):
                     # Checked before unpickling: the pickle runs code.
                     raise ValueError(
                         "its signature does not match ember's key: the entry is damaged, or was not "
@@ -250,6 +255,14 @@ class _Compile:
 _current: contextvars.ContextVar[_Compile | None] = contextvars.ContextVar("ember_aot_compile", default=None)
 
 
+def aot_id() -> bytes | None:
+    """The random name of this cache's AOTAutograd entries, part of their key (ember's cache folder
+    keeps it, `aot-id`); None where that folder is off or cannot be trusted."""
+    from ember.runtime.cache import DiskCache
+
+    return DiskCache().secret("aot-id", 16)
+
+
 def _signing_key() -> bytes | None:
     """The key that signs ember's part of AOTAutograd's entries, from ember's cache folder (made
     there on first use); None where that folder is off or cannot be trusted."""
@@ -258,14 +271,46 @@ def _signing_key() -> bytes | None:
     return DiskCache().secret("aot-key")
 
 
+def _signed(code: EmberGraphCode) -> list[bytes]:
+    """Everything post_compile builds from, as the bytes that are signed."""
+    kept = code.schedule
+    parts = (code.kind, code.num_nodes, sorted(code.options.items()), kept.device, kept.target)
+    return [repr(part).encode() + b"\0" for part in parts] + [kept.pickled]
+
+
 def _signature(key: bytes, code: EmberGraphCode) -> bytes:
     """HMAC-SHA256 of everything post_compile builds from."""
-    kept = code.schedule
     mac = hmac.new(key, digestmod=hashlib.sha256)
-    for part in (code.kind, code.num_nodes, sorted(code.options.items()), kept.device, kept.target):
-        mac.update(repr(part).encode() + b"\0")
-    mac.update(kept.pickled)
+    for part in _signed(code):
+        mac.update(part)
     return mac.digest()
+
+
+def _digest(code: EmberGraphCode) -> str:
+    h = hashlib.sha256()
+    for part in _signed(code):
+        h.update(part)
+    return h.hexdigest()
+
+
+def _vouch(code: EmberGraphCode) -> None:
+    """Record in ember's own cache that it wrote this entry (its signed content's SHA-256): a
+    voucher, which a cache file carries to another machine, where the entry's signature (under
+    this machine's key) cannot match."""
+    from ember.runtime.cache import DiskCache
+
+    digest = _digest(code)
+    DiskCache().put("vouch", digest, {"signed.sha256": digest.encode()})
+
+
+def _trusted(key: bytes, code: EmberGraphCode) -> bool:
+    """Whether ember wrote this entry: signed under this cache's key, or vouched for in this cache
+    (an entry imported from a cache file, runtime/portable.py). Checked before anything is unpickled."""
+    if hmac.compare_digest(code.signature, _signature(key, code)):
+        return True
+    from ember.runtime.cache import DiskCache
+
+    return DiskCache().get("vouch", _digest(code)) is not None
 
 
 def _state_tag() -> tuple:
@@ -293,9 +338,10 @@ def in_force(options: dict) -> Iterator[None]:
 
     with config.override(**options):
         key = _signing_key()
-        # Names the key without revealing it: entries signed with another key are other entries.
-        key_id = hmac.new(key, b"ember aot-cache key id", hashlib.sha256).hexdigest() if key else "none"
-        tag = content_key("aot", key_id, _state_tag(), ember=True)
+        # This cache's name for its entries (aot-id): a cache cleared gets a new one, orphaning them;
+        # a cache file imported (runtime/portable.py) brings its own, so that its entries are found.
+        name = aot_id()
+        tag = content_key("aot", name.hex() if key and name else "none", _state_tag(), ember=True)
     old = torch.compiler.config.cache_key_tag
     current = _Compile(options, key)
     with (

@@ -15,6 +15,7 @@ Layout, under the root (setting `cache_dir`):
     CACHEDIR.TAG                    written when ember creates the root: the folder is ember's
     <kind>/<key[:2]>/<key>/         one entry: its files and manifest.json (each file's SHA-256)
     aot-key                         a random key (frontend/aot_cache.py signs with it), 0600
+    aot-id                          a random name of this cache's AOTAutograd entries (their key's tag), 0600
     .trash-*                        entries on their way out (evicted, replaced or cleared)
 
 Trust. Loading a cached binary or unpickling a cached schedule runs its code, so an entry is
@@ -79,8 +80,8 @@ MARKER_TEXT = (
     b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
-KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning"})
-SECRETS = frozenset({"aot-key"})
+KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch"})
+SECRETS = frozenset({"aot-key", "aot-id"})
 TMP = ".tmp-"
 TRASH = ".trash-"
 # A temporary or trash folder older than this was left by a process that died writing or removing it.
@@ -412,6 +413,18 @@ class DiskCache:
         except OSError as e:
             self._refused(e)
             return None
+
+    def replace_secret(self, name: str, data: bytes) -> None:
+        """Put `data` in place of the secret `name` (atomically; a cache import adopts the AOTAutograd
+        entries' name of the cache it came from). Raises OSError where the cache cannot be written."""
+        if name not in SECRETS:
+            raise ValueError(f"not one of ember's secrets: {name!r}")
+        with open_root(self.root, create=True) as (root, created):
+            if created:
+                _mark(root)
+            tmp = TMP + secrets.token_hex(8)
+            write_new(root, tmp, data, 0o600)
+            os.rename(tmp, name, src_dir_fd=root, dst_dir_fd=root)
 
     def clear(self) -> list[str]:
         """Remove every entry and secret from a cache that ember made (it has ember's marker);

@@ -2,8 +2,9 @@
 `ember cache import FILE` (`ember.save_cache(path)`, `ember.load_cache(path)`).
 
 The file holds every entry of the cache (schedules, Triton kernel modules, cubins, launch records,
-distinct kernels' records, C++ libraries, GEMM timings: runtime/cache.py's kinds), each with its
-files' SHA-256, and the identity of what made them (`identity()`: ember's source, the Python,
+distinct kernels' records, C++ libraries, GEMM timings, vouchers of AOTAutograd entries:
+runtime/cache.py's kinds), each with its files' SHA-256, AOTAutograd's entries of ember's graphs
+with the cache's name for them (frontend/cache_file.py adds and installs those), and the identity of what made them (`identity()`: ember's source, the Python,
 torch and Triton versions, the GPU or CPU). Layout:
 
     MAGIC (12 bytes) | SHA-256 of the rest (32 bytes) | header length (8 bytes, little-endian)
@@ -40,6 +41,8 @@ MAGIC = b"EMBERCACHE1\n"
 FORMAT = 1
 _KEY = re.compile(r"[0-9a-f]{64}")
 _FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+# An AOTAutograd entry's file: <its key>/<its content's hash>, as torch names them.
+_AOT_FILE = re.compile(r"[A-Za-z0-9_-]{1,128}/[A-Za-z0-9_-]{1,128}")
 
 
 class CacheFileError(ValueError):
@@ -98,11 +101,20 @@ def _entries(cache: DiskCache) -> list[tuple[str, str, dict[str, bytes]]]:
     return found
 
 
-def export_cache(path: str | Path, cache: DiskCache | None = None) -> Summary:
-    """Write every intact entry of `cache` (default: the setting `cache_dir`'s) to the file `path`."""
+def export_cache(path: str | Path, cache: DiskCache | None = None, aot: tuple[bytes, dict] | None = None) -> Summary:
+    """Write every intact entry of `cache` (default: the setting `cache_dir`'s) to the file `path`.
+    `aot`: (the cache's aot-id, {path under AOTAutograd's folder: bytes}), AOTAutograd's entries
+    (frontend/cache_file.py), carried as they are."""
     cache = cache or DiskCache()
     header: dict = {"format": FORMAT, "identity": identity(), "entries": []}
     chunks, offset = [], 0
+    if aot is not None and aot[1]:
+        spans = {}
+        for name, data in sorted(aot[1].items()):
+            spans[name] = [offset, len(data), hashlib.sha256(data).hexdigest()]
+            chunks.append(data)
+            offset += len(data)
+        header["aot"] = {"id": aot[0].hex(), "files": spans}
     for kind, key, files in _entries(cache):
         spans = {}
         for name, data in sorted(files.items()):
@@ -155,7 +167,25 @@ def read_cache_file(path: str | Path) -> tuple[dict, list[tuple[str, str, dict[s
                 raise CacheFileError(f"{path}: {e['kind']}/{e['key']}/{name} does not match its checksum")
             files[name] = blob
         entries.append((e["kind"], e["key"], files))
+    header["aot_files"] = _aot_files(path, header.get("aot"), payload)
     return header, entries
+
+
+def _aot_files(path, aot, payload: bytes) -> dict[str, bytes]:
+    """The checked files of the header's AOTAutograd section ({} where there is none)."""
+    if aot is None:
+        return {}
+    if not isinstance(aot, dict) or not re.fullmatch(r"[0-9a-f]{32}", str(aot.get("id"))):
+        raise CacheFileError(f"{path}: its AOTAutograd section is not ember's")
+    files = {}
+    for name, span in (aot.get("files") or {}).items():
+        if not isinstance(name, str) or not _AOT_FILE.fullmatch(name) or not _is_span(span, len(payload)):
+            raise CacheFileError(f"{path}: a bad AOTAutograd file record {str(name)[:80]!r}")
+        blob = payload[span[0] : span[0] + span[1]]
+        if hashlib.sha256(blob).hexdigest() != span[2]:
+            raise CacheFileError(f"{path}: AOTAutograd's {name} does not match its checksum")
+        files[name] = blob
+    return files
 
 
 def _is_span(span, size: int) -> bool:
@@ -169,9 +199,11 @@ def _is_span(span, size: int) -> bool:
     )
 
 
-def import_cache(path: str | Path, cache: DiskCache | None = None) -> Summary:
+def import_cache(path: str | Path, cache: DiskCache | None = None, install_aot=None) -> Summary:
     """Check the file `path` (see the module's docstring), then write its entries into `cache`
-    (default: the setting `cache_dir`'s). Raises CacheFileError, writing nothing, if it is refused."""
+    (default: the setting `cache_dir`'s). Raises CacheFileError, writing nothing, if it is refused.
+    `install_aot(aot_id, files)`: writes the AOTAutograd entries the file carries, once ember's are
+    written (frontend/cache_file.py); None leaves them out."""
     cache = cache or DiskCache()
     header, entries = read_cache_file(path)
     mine = identity()
@@ -188,6 +220,8 @@ def import_cache(path: str | Path, cache: DiskCache | None = None) -> Summary:
         raise CacheFileError(f"the disk cache {cache.root} cannot be written; nothing imported")
     for kind, key, files in entries:
         cache.put(kind, key, files)  # an intact entry already there is kept
+    if install_aot is not None and header["aot_files"]:
+        install_aot(bytes.fromhex(header["aot"]["id"]), header["aot_files"])
     return Summary(
         len(entries), sum(len(f) for _, _, f in entries), sum(len(b) for _, _, f in entries for b in f.values())
     )

@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _move_cache(action: str, path: str | None) -> int:
     from ember import config
-    from ember.runtime.portable import CacheFileError, export_cache, import_cache
+    from ember.frontend.cache_file import load_cache, save_cache
+    from ember.runtime.portable import CacheFileError
 
     if not path:
         print(f"ember cache {action}: name the file (ember cache {action} FILE)", file=sys.stderr)
         return 2
     try:
-        done = export_cache(path) if action == "export" else import_cache(path)
+        done = save_cache(path) if action == "export" else load_cache(path)
     except (CacheFileError, OSError) as e:
         print(f"ember cache {action}: {e}", file=sys.stderr)
         return 1
