@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "profile", help="where a model's step spends its time, and a verdict (ember profile --help)", add_help=False
     )
+    sub.add_parser(
+        "ladder", help="matmul and layer norm + GELU from Python loops to ember (ember ladder --help)", add_help=False
+    )
     sub.add_parser("opinfo", help="ember vs eager on PyTorch's OpInfo database (ember opinfo --help)", add_help=False)
     sub.add_parser("config", help="list every setting with its current value")
     cache = sub.add_parser(
@@ -62,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         from ember.tools.profile_step import main as profile
 
         return profile(rest)
+    if args.command == "ladder":
+        from ember.tools.ladder import main as ladder
+
+        return ladder(rest)
     if args.command == "opinfo":
         from ember.tools.opinfo import main as opinfo
 
