@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import decode, host_cost, jax_step, optimizers, train_loop
+from ember.tools.bench import decode, flex_workloads, host_cost, jax_step, optimizers, train_loop
 from ember.tools.bench.built import Built
 
 
@@ -224,6 +224,16 @@ def _optimizer_workloads() -> list[Workload]:
     return out
 
 
+def _attention_workloads() -> list[Workload]:
+    """FlexAttention programs and SDPA at the same shapes (flex_workloads.py)."""
+    return [
+        Workload(
+            name, "attention", "bf16", sizes, build, modes=("inference", "train"), describe=flex_workloads.describe
+        )
+        for name, (build, sizes) in flex_workloads.PROGRAMS.items()
+    ]
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in [
@@ -406,11 +416,12 @@ WORKLOADS: dict[str, Workload] = {
             host_cost=True,
         ),
         *_optimizer_workloads(),
+        *_attention_workloads(),
     ]
 }
 
 
-GROUPS = ("micro", "model", "host", "optim")
+GROUPS = ("micro", "model", "host", "optim", "attention")
 
 
 @dataclass(frozen=True)
