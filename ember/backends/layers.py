@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ class KernelLayers:
     # instructions and vector width (CPU).
     resources: dict[str, Any] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)  # layer -> why it is not shown
+    # The device function its launches run, as a profiler names them: Triton kernels equal up to names
+    # share the first one's binary (backends/kernel_dedup.py), so two kernels may run one symbol.
+    symbol: str = ""
 
     def describe_resources(self) -> str:
         return ", ".join(f"{k} {v}" for k, v in self.resources.items())
@@ -67,7 +71,7 @@ def format_layers(layers: dict[str, KernelLayers], machine_only: bool = False) -
 def cpp_layers(backend, kernels: list) -> dict[str, KernelLayers]:
     from ember.backends.cpp import FLAGS
 
-    out = {k.name: KernelLayers(k.name, {"C++": backend.sources.get(k.name, "")}) for k in kernels}
+    out = {k.name: KernelLayers(k.name, {"C++": backend.sources.get(k.name, "")}, symbol=k.name) for k in kernels}
     if not kernels:
         return out
     flags = [f for f in FLAGS if f not in ("-shared",)]
@@ -131,6 +135,9 @@ def cpu_resources(assembly: str) -> dict[str, Any]:
 
 def triton_layers(backend, kernels: list) -> dict[str, KernelLayers]:
     out = {k.name: KernelLayers(k.name, {"Triton": backend.sources.get(k.name, "")}) for k in kernels}
+    for name, kl in out.items():
+        static = getattr(backend, "static", {}).get(name)
+        kl.symbol = static.record.get("name", name) if static is not None else name
     target = backend.target()
     if target.interpreted:
         for kl in out.values():
@@ -166,9 +173,12 @@ def _compiled_kernels(backend, names: list[str]) -> dict[str, Any]:
 
     module = backend._load(backend.full_source)
     fns = {n: getattr(module, n) for n in names if n in backend.rendered}
-    compiled = {}
-    for job in tb._warmup_jobs(fns, backend.rendered):
-        compiled[job[0]] = tb._warmup(*job[1:])
+    jobs = tb._warmup_jobs(fns, backend.rendered)
+    # Kernels that share another's binary were never compiled under their own name: compile them here,
+    # in threads (Triton's stages and ptxas run outside the GIL).
+    with ThreadPoolExecutor(max(1, min(8, len(jobs)))) as pool:
+        futures = {job[0]: pool.submit(tb._warmup, *job[1:]) for job in jobs}
+    compiled = {name: f.result() for name, f in futures.items()}
     for name, src in backend.gemm_kernels.items():
         warm = src.warmup_args() if name in names else None
         if warm is not None:

@@ -47,7 +47,7 @@ class Explanation:
     report: ExplainReport
     breaks: list[str] = field(default_factory=list)  # "reason (file:line: code)"
     dynamo_graphs: int = 0
-    layers: dict[str, dict] = field(default_factory=dict)  # graph kind -> kernel name -> KernelLayers
+    layers: dict[int, dict] = field(default_factory=dict)  # graph index -> kernel name -> KernelLayers
     measured: list = field(default_factory=list)  # explain_measure.Measured
     ceilings: object | None = None  # explain_measure.Ceilings
     title: str = ""
@@ -107,14 +107,15 @@ def explain_all(
     with collecting() as report:
         step()
     result = Explanation(report, breaks, count, title=title)
-    for g in report.graphs:
+    for gi, g in enumerate(report.graphs):
         if g.layers is not None:
-            result.layers[g.kind] = g.layers()
+            result.layers[gi] = g.layers()
     if measure and report.graphs:
         device = _device_of(args, kwargs, fn)
         dtype = next((a.dtype for a in _tensors(args, kwargs, fn) if a.is_floating_point()), torch.float32)
         result.ceilings = explain_measure.measure_ceilings(device, dtype, small=small_ceilings)
-        result.measured = explain_measure.measure_step(report, step, device, calls)
+        symbols = {(gi, name): kl.symbol for gi, ls in result.layers.items() for name, kl in ls.items() if kl.symbol}
+        result.measured = explain_measure.measure_step(report, step, device, calls, symbols)
     return result
 
 

@@ -109,9 +109,9 @@ def _explain_main(script: Path) -> Explanation:
         sys.argv = argv
     breaks = [f"{reason} ({n}x)" for reason, n in counters["graph_break"].items()]
     result = Explanation(report, breaks, len(report.graphs), title=str(script))
-    for g in report.graphs:
+    for gi, g in enumerate(report.graphs):
         if g.layers is not None:
-            result.layers[g.kind] = g.layers()
+            result.layers[gi] = g.layers()
     return result
 
 
@@ -132,7 +132,7 @@ def render_text(e: Explanation, layers: str = "none") -> str:
 
     out = [f"Dynamo: {e.dynamo_graphs} graph(s), {len(e.breaks)} graph break(s)"]
     out += [f"  break: {b}" for b in e.breaks]
-    for g in e.report.graphs:
+    for gi, g in enumerate(e.report.graphs):
         out.append(str(g))
         if g.source_lines:
             out.append("  source lines -> ATen ops -> kernels:")
@@ -141,7 +141,7 @@ def render_text(e: Explanation, layers: str = "none") -> str:
                 kernels += [f"extern {x}" for x, w in zip(g.externs, g.extern_lines) if w == where]
                 out.append(f"    {short_path(where)}  {code}")
                 out.append(f"        ops {', '.join(ops)} -> {', '.join(kernels) or '(no kernel: views or folded)'}")
-        for name, kl in e.layers.get(g.kind, {}).items():
+        for name, kl in e.layers.get(gi, {}).items():
             missing = f"; missing: {', '.join(kl.missing)}" if kl.missing else ""
             out.append(f"  {name} layers: {', '.join(kl.layers)}; {kl.describe_resources()}{missing}")
             for layer, text in kl.layers.items():

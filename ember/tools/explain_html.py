@@ -60,7 +60,7 @@ def write_html(e: Explanation, path: str | Path) -> None:
 
 
 def render_html(e: Explanation) -> str:
-    measured = {m.name: m for m in e.measured}
+    measured = {(m.graph_index, m.name): m for m in e.measured if m.kind == "kernel"}
     nav = ['<a href="#top">summary</a>', '<a href="#roofline">roofline</a>', '<a href="#breaks">graph breaks</a>']
     body = [f'<h1 id="top">ember explain {_e(e.title)}</h1>', _summary(e)]
     body.append(_roofline_section(e))
@@ -73,11 +73,11 @@ def render_html(e: Explanation) -> str:
         if g.fallback:
             continue
         body.append(f"<p>target: {_e(g.target)}<br>memory: {_e(g.memory)}</p>")
-        body.append(_source_table(g, gid))
-        layers = e.layers.get(g.kind, {})
+        body.append(_source_table(g, gi))
+        layers = e.layers.get(gi, {})
         for k in g.kernels:
-            nav.append(f'<a href="#k-{_e(k.name)}">&nbsp;&nbsp;{_e(k.name)}</a>')
-            body.append(_kernel_section(g, gid, k, layers.get(k.name), measured.get(k.name), e))
+            nav.append(f'<a href="#{_kid(gi, k.name)}">&nbsp;&nbsp;{_e(k.name)}</a>')
+            body.append(_kernel_section(g, gi, k, layers.get(k.name), measured.get((gi, k.name)), e))
         if g.externs:
             body.append("<h3>externs (ATen calls)</h3><ul>")
             for x, where in zip(g.externs, g.extern_lines or [""] * len(g.externs)):
@@ -122,17 +122,22 @@ def _short(where: str) -> str:
     return short_path(where)
 
 
+def _kid(gi: int, name: str) -> str:
+    return f"k-{gi}-{_e(name)}"
+
+
 def _line_id(gid: str, where: str) -> str:
     return f"{gid}-line-{hashlib.sha1(where.encode()).hexdigest()[:10]}"
 
 
-def _source_table(g, gid: str) -> str:
+def _source_table(g, gi: int) -> str:
+    gid = f"g{gi}"
     if not g.source_lines:
         return "<p>(no source lines recorded for this graph)</p>"
     rows = ["<h3>source lines -> ATen ops -> kernels</h3><table><tr><th>line</th><th>code</th><th>ATen ops</th>"]
     rows.append("<th>kernels</th></tr>")
     for where, (code, ops) in g.source_lines.items():
-        links = [f'<a href="#k-{_e(k.name)}">{_e(k.name)}</a>' for k in g.kernels if where in k.lines]
+        links = [f'<a href="#{_kid(gi, k.name)}">{_e(k.name)}</a>' for k in g.kernels if where in k.lines]
         links += [f"extern {_e(x)}" for x, w in zip(g.externs, g.extern_lines) if w == where]
         rows.append(
             f'<tr id="{_line_id(gid, where)}"><td>{_e(_short(where))}</td><td><code>{_e(code)}</code></td>'
@@ -141,8 +146,9 @@ def _source_table(g, gid: str) -> str:
     return "".join(rows) + "</table>"
 
 
-def _kernel_section(g, gid: str, k, kl, m, e: Explanation) -> str:
-    parts = [f'<div class="kernel" id="k-{_e(k.name)}"><h3>{_e(k.name)} <small>({_e(g.kind)})</small></h3>']
+def _kernel_section(g, gi: int, k, kl, m, e: Explanation) -> str:
+    gid, kid = f"g{gi}", _kid(gi, k.name)
+    parts = [f'<div class="kernel" id="{kid}"><h3>{_e(k.name)} <small>({_e(g.kind)})</small></h3>']
     parts.append(f"<p>over {_e(k.domain)}: {_e(' + '.join(k.ops) or '(copy)')}<br>")
     lines = [f'<a href="#{_line_id(gid, w)}">{_e(_short(w))}</a>' for w in k.lines]
     parts.append(f"from {', '.join(lines) or '(no source line)'}<br>")
@@ -164,14 +170,14 @@ def _kernel_section(g, gid: str, k, kl, m, e: Explanation) -> str:
         for i, layer in enumerate(names):
             on = " on" if i == 0 else ""
             parts.append(
-                f'<button class="tab{on}" data-k="{_e(k.name)}" data-i="{i}" '
-                f"onclick=\"showLayer('{_e(k.name)}',{i})\">{_e(layer)}</button>"
+                f'<button class="tab{on}" data-k="{kid}" data-i="{i}" '
+                f"onclick=\"showLayer('{kid}',{i})\">{_e(layer)}</button>"
             )
         parts.append("</div>")
         for i, layer in enumerate(names):
             on = " on" if i == 0 else ""
             parts.append(
-                f'<pre class="layer{on}" data-k="{_e(k.name)}" data-i="{i}" data-layer="{_e(layer)}">'
+                f'<pre class="layer{on}" data-k="{kid}" data-i="{i}" data-layer="{_e(layer)}">'
                 f"{_e(kl.layers[layer])}</pre>"
             )
         for layer, why in kl.missing.items():
@@ -183,7 +189,7 @@ def _measured_table(e: Explanation) -> str:
     rows = ['<h2 id="measured">measurements</h2><table><tr><th>name</th><th>graph</th><th>µs/step</th>']
     rows.append("<th>runs</th><th>MB</th><th>MFLOP</th><th>GB/s</th><th>GFLOP/s</th><th>% roof</th><th>ops</th></tr>")
     for m in sorted(e.measured, key=lambda m: -m.us):
-        name = f'<a href="#k-{_e(m.name)}">{_e(m.name)}</a>' if m.kind == "kernel" else _e(m.name)
+        name = f'<a href="#{_kid(m.graph_index, m.name)}">{_e(m.name)}</a>' if m.kind == "kernel" else _e(m.name)
         rows.append(
             f"<tr><td>{name}</td><td>{_e(m.graph)}</td><td class=n>{m.us:.1f}</td><td class=n>{m.runs:.1f}</td>"
             f"<td class=n>{_fmt(m.bytes and m.bytes / 1e6, '.3f')}</td>"
@@ -253,7 +259,7 @@ def roofline_svg(points: list, c) -> str:
     for m, x, y in zip(points, xs, ys):
         color = {"forward": "#1a4f9c", "backward": "#27ae60"}.get(m.graph, "#8e44ad")
         parts.append(
-            f'<a href="#k-{_e(m.name)}"><circle class="point" cx="{px(x):.1f}" cy="{py(y):.1f}" r="5" '
+            f'<a href="#{_kid(m.graph_index, m.name)}"><circle class="point" cx="{px(x):.1f}" cy="{py(y):.1f}" r="5" '
             f'fill="{color}" fill-opacity="0.75"><title>{_e(m.name)} ({_e(m.graph)}): {m.us:.1f} µs, '
             f"{_fmt(m.percent_of_roof(c), '.1f')}% of the roof</title></circle></a>"
         )

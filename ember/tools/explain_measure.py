@@ -48,6 +48,7 @@ class Measured:
     flops: int | None = None
     kind: str = "kernel"  # "kernel" | "extern"
     ops: list[str] = field(default_factory=list)
+    graph_index: int = -1  # the kernel's graph in the report (-1: an extern, by op over the step)
 
     @property
     def gbps(self) -> float | None:
@@ -105,37 +106,46 @@ class _Timed:
         return statistics.median(self.seconds) * 1e6 * len(self.seconds) / steps if self.seconds else 0.0
 
 
-def measure_step(report: ExplainReport, step: Callable[[], object], device: torch.device, calls: int = 10) -> list:
-    """Measured kernels (ember's, per graph) and externs (ATen ops) of one step, per step."""
+def measure_step(
+    report: ExplainReport,
+    step: Callable[[], object],
+    device: torch.device,
+    calls: int = 10,
+    symbols: dict[tuple[int, str], str] | None = None,
+) -> list:
+    """Measured kernels (ember's, per graph) and externs (ATen ops) of one step, per step. `symbols`: the
+    device function each kernel's launches run (layers.KernelLayers.symbol), by (graph index, kernel
+    name); kernels that share one (equal programs, one binary) share its time equally."""
     step()  # warm: caches, lazily compiled backward
     cuda = device.type == "cuda"
-    wrapped: list[tuple[dict, str, _Timed]] = []
+    timers: dict[tuple[int, str], _Timed] = {}
     if not cuda:
-        for g in report.graphs:
-            if g.namespace is None:
-                continue
-            for k in g.kernels:
+        for gi, g in enumerate(report.graphs):
+            for k in g.kernels if g.namespace is not None else []:
                 fn = g.namespace.get(k.name)
                 if fn is not None:
-                    timed = _Timed(fn)
-                    g.namespace[k.name] = timed
-                    wrapped.append((g.namespace, k.name, timed))
+                    timers[gi, k.name] = g.namespace[k.name] = _Timed(fn)
     try:
         events = _profiled(step, calls, cuda)
     finally:
-        for namespace, name, timed in wrapped:
-            namespace[name] = timed.fn
-    timers = {name: t for _, name, t in wrapped}
+        for (gi, name), timed in timers.items():
+            report.graphs[gi].namespace[name] = timed.fn
     device_us = _device_kernel_us(events) if cuda else {}
+    symbols = symbols or {}
+    of = {(gi, k.name): symbols.get((gi, k.name), k.name) for gi, g in enumerate(report.graphs) for k in g.kernels}
+    sharing = {s: list(of.values()).count(s) for s in set(of.values())}
     out = []
-    for g in report.graphs:
+    for gi, g in enumerate(report.graphs):
         for k in g.kernels:
             if cuda:
-                us, runs = device_us.get(k.name, (0.0, 0))
+                symbol = of[gi, k.name]
+                us, runs = device_us.get(symbol, (0.0, 0))
+                us, runs = us / sharing[symbol], runs / sharing[symbol]
             else:
-                t = timers.get(k.name)
+                t = timers.get((gi, k.name))
                 us, runs = (t.per_step_us(1), len(t.seconds)) if t is not None else (0.0, 0)
-            out.append(Measured(k.name, g.kind, us / calls, runs / calls, k.bytes, k.flops, "kernel", list(k.ops)))
+            m = Measured(k.name, g.kind, us / calls, runs / calls, k.bytes, k.flops, "kernel", list(k.ops), gi)
+            out.append(m)
     extern_names = {e for g in report.graphs for e in g.externs}
     out += _externs(events, extern_names, cuda, calls)
     return out

@@ -56,16 +56,16 @@ def test_page_loads_without_errors_or_network(page):
 def test_navigation_graph_kernel_line_and_back(page):
     browser, e = page
     fk = next(k for k in e.report.graphs[0].kernels if k.lines)
-    browser.evaluate(f"document.querySelector('nav a[href=\"#k-{fk.name}\"]').click()")
-    assert browser.evaluate("location.hash") == f"#k-{fk.name}"
-    assert browser.evaluate(f"document.querySelector('#k-{fk.name}').matches(':target')")
+    browser.evaluate(f"document.querySelector('nav a[href=\"#k-0-{fk.name}\"]').click()")
+    assert browser.evaluate("location.hash") == f"#k-0-{fk.name}"
+    assert browser.evaluate(f"document.querySelector('#k-0-{fk.name}').matches(':target')")
     # kernel -> its source line's row -> that row's link back to the kernel
     row = browser.evaluate(
-        f"(() => {{ const a = document.querySelector('#k-{fk.name} p a'); a.click(); return location.hash; }})()"
+        f"(() => {{ const a = document.querySelector('#k-0-{fk.name} p a'); a.click(); return location.hash; }})()"
     )
     assert row.startswith("#g0-line-"), row
     back = browser.evaluate(f"Array.from(document.querySelectorAll('{row} a')).map(a => a.getAttribute('href'))")
-    assert f"#k-{fk.name}" in back, back
+    assert f"#k-0-{fk.name}" in back, back
     assert "gelu" in browser.evaluate(f"document.querySelector('{row}').textContent")
 
 
@@ -75,14 +75,14 @@ def test_layer_tabs_switch(page):
 
     def shown():
         return browser.evaluate(
-            f"Array.from(document.querySelectorAll('pre.layer[data-k=\"{name}\"]'))"
+            f"Array.from(document.querySelectorAll('pre.layer[data-k=\"k-0-{name}\"]'))"
             ".filter(p => p.offsetParent !== null).map(p => p.dataset.layer)"
         )
 
     assert shown() == ["C++"]
-    browser.evaluate(f'document.querySelector(\'button.tab[data-k="{name}"][data-i="1"]\').click()')
+    browser.evaluate(f'document.querySelector(\'button.tab[data-k="k-0-{name}"][data-i="1"]\').click()')
     assert shown() == ["x86 assembly"]
-    text = browser.evaluate(f'document.querySelector(\'pre.layer[data-k="{name}"][data-i="1"]\').textContent')
+    text = browser.evaluate(f'document.querySelector(\'pre.layer[data-k="k-0-{name}"][data-i="1"]\').textContent')
     assert f"{name}:" in text and "ret" in text
 
 
