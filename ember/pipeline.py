@@ -315,8 +315,9 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     progress.kernels_built(kind, kernels)
     stage("build")
     # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors
-    # come from ember's forward, whose layout need not be the one AOTAutograd recorded.
-    host = write_host(sched, backend, check_input_layouts=kind == "backward")
+    # come from ember's forward, and a cond branch's or loop body's operands from the graph around it,
+    # whose layouts need not be the ones AOTAutograd recorded.
+    host = write_host(sched, backend, check_input_layouts=kind not in ("inference", "forward"))
     host.namespace.update(namespace)
     log.generated_source(f"{kind} kernels", backend.full_source, backend.sources.values())
     log.artifact("code", f"{kind} host program", host.source)

@@ -155,6 +155,7 @@ class HostWriter:
         self.device = self.graph.device
         self.plan: MemoryPlan = schedule.memory
         self.check_input_layouts = check_input_layouts
+        self.stride_symbols: set = set()  # symbols bound from an input's strides (_bind_symbols)
         # Inputs the graph writes: kept to the end, where those not written in place are copied into.
         self.mutated = {inp for inp, _ in self.graph.mutations}
         # Donors whose memory a later buffer takes: that buffer's line drops the old name.
@@ -280,7 +281,9 @@ class HostWriter:
 
     def _fix_input_layouts(self) -> None:
         """Inputs kernels index (or alias) with the recorded strides: copied into them if they
-        arrive otherwise (a backward graph's saved tensors; static layouts only)."""
+        arrive otherwise (a backward graph's saved tensors, a cond branch's operands computed by the
+        graph around it). Symbolic strides too, where they are expressions of the sizes (a transposed
+        [s0, s1] as (1, s0)); a stride read off an input as it comes is its own, nothing to fix."""
         if not self.check_input_layouts:
             return
         for k, inp in enumerate(self.graph.inputs):
@@ -289,7 +292,7 @@ class HostWriter:
             if inp in self.mutated:
                 # A copy in the promised layout would take the writes, not the caller's tensor.
                 raise NotImplementedError("a mutated input whose layout the program would have to fix")
-            if all(e.is_Integer for e in (*inp.shape, *inp.stride)):
+            if not any(sympy.sympify(e).free_symbols & self.stride_symbols for e in inp.stride):
                 size, stride = self.arg(tuple(inp.shape)), self.arg(tuple(inp.stride))
                 self.lines.append(f"    a{k} = _fix_layout(a{k}, {size}, {stride})")
                 self.layouts[inp.id] = (tuple(inp.stride), True)
@@ -312,6 +315,7 @@ class HostWriter:
                 if isinstance(stride, sympy.Symbol) and stride not in bound:
                     self.lines.append(f"    {stride.name} = a{k}.stride({d})")
                     bound.add(stride)
+                    self.stride_symbols.add(stride)
         needed = set()
         for v in self.graph.values():
             for e in list(v.shape) + list(v.stride or ()):

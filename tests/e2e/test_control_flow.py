@@ -105,3 +105,17 @@ def test_host_control_flow_is_a_named_refusal_under_cudagraphs(name, reason):
     fn, inputs = CASES[name]
     found = cg.refusals(cg.capture_facts(_aten_graph(fn, inputs()[0]), torch.device("cpu")), "cpu")
     assert any(reason in r for r in found), f"{found}\n{repro(name=name)}"
+
+
+def test_operand_in_another_layout_than_recorded():
+    """A branch's operand computed around the cond (x.t() + 1: column-major in eager, row-major where
+    ember computes it under dynamic sizes) reaches the branch in the layout its kernels index."""
+
+    def fn(x):
+        y = x.t() + 1
+        return torch.cond(x.sum() > 0, lambda y: y[0] * 2 + y.sum(0), lambda y: y[1] - 1, (y,))
+
+    compiled = ember_compile(fn, "cpp", dynamic=True)
+    for x in [torch.rand(3, 5), -torch.rand(4, 6)]:
+        line = repro(program="cond over x.t() + 1", x=x)
+        assert_close(compiled(x), fn(x), rtol=1e-5, atol=1e-5, what="cond", line=line)
