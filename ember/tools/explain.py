@@ -46,6 +46,7 @@ class Explanation:
 
     report: ExplainReport
     breaks: list[str] = field(default_factory=list)  # "reason (file:line: code)"
+    recompiles: list[str] = field(default_factory=list)  # each recompile: Dynamo's reason, what ember reused
     dynamo_graphs: int = 0
     layers: dict[int, dict] = field(default_factory=dict)  # graph index -> kernel name -> KernelLayers
     measured: list = field(default_factory=list)  # explain_measure.Measured
@@ -106,7 +107,7 @@ def explain_all(
 
     with collecting() as report:
         step()
-    result = Explanation(report, breaks, count, title=title)
+    result = Explanation(report, breaks=breaks, dynamo_graphs=count, title=title)
     for gi, g in enumerate(report.graphs):
         if g.layers is not None:
             result.layers[gi] = g.layers()

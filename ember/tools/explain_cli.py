@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import os
 import runpy
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ember import config
 from ember.tools.explain import Explanation, explain_all
 
 
@@ -102,17 +104,36 @@ def _explain_main(script: Path) -> Explanation:
     counters.clear()
     argv = sys.argv
     sys.argv = [str(script)]
+    recompiles = _Recompiles()
+    logging.getLogger("ember").addHandler(recompiles)
+    logs = ",".join(n for n in (config.get("logs"), "recompiles") if n)
     try:
-        with collecting() as report:
+        with collecting() as report, config.override(logs=logs):
             runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = argv
+        logging.getLogger("ember").removeHandler(recompiles)
     breaks = [f"{reason} ({n}x)" for reason, n in counters["graph_break"].items()]
-    result = Explanation(report, breaks, len(report.graphs), title=str(script))
+    result = Explanation(
+        report, breaks=breaks, recompiles=recompiles.found, dynamo_graphs=len(report.graphs), title=str(script)
+    )
     for gi, g in enumerate(report.graphs):
         if g.layers is not None:
             result.layers[gi] = g.layers()
     return result
+
+
+class _Recompiles(logging.Handler):
+    """Keeps what `EMBER_LOGS=recompiles` (frontend/recompiles.py) logs: each recompile's reasons."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("=== recompiles: "):
+            self.found.append(" ".join(message.removeprefix("=== recompiles: ").replace(" ===", ":", 1).split()))
 
 
 def short_path(where: str) -> str:
@@ -132,6 +153,7 @@ def render_text(e: Explanation, layers: str = "none") -> str:
 
     out = [f"Dynamo: {e.dynamo_graphs} graph(s), {len(e.breaks)} graph break(s)"]
     out += [f"  break: {b}" for b in e.breaks]
+    out += [f"  {r}" for r in e.recompiles]
     for gi, g in enumerate(e.report.graphs):
         out.append(str(g))
         if g.source_lines:

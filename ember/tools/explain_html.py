@@ -66,6 +66,8 @@ def render_html(e: Explanation) -> str:
     body.append(_roofline_section(e))
     body.append('<h2 id="breaks">Dynamo graph breaks</h2>')
     body.append("<ul>" + "".join(f"<li>{_e(b)}</li>" for b in e.breaks) + "</ul>" if e.breaks else "<p>none</p>")
+    if e.recompiles:
+        body.append("<h2>recompiles</h2><ul>" + "".join(f"<li>{_e(r)}</li>" for r in e.recompiles) + "</ul>")
     for gi, g in enumerate(e.report.graphs):
         gid = f"g{gi}"
         nav.append(f'<a class="g" href="#{gid}">{_e(g.kind)} graph</a>')

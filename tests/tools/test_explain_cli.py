@@ -82,3 +82,22 @@ def test_each_kernel_and_extern_is_timed_against_the_ceilings():
     assert {"addmm", "mm"} <= set(externs), e.measured
     assert externs["addmm"].flops == 2 * 32 * 16 * 64 and externs["addmm"].us > 0, externs["addmm"]
     assert fc.weight.grad is None  # explaining does not change the model
+
+
+def test_a_script_run_whole_shows_its_graphs_and_recompiles(tmp_path, capsys):
+    path = tmp_path / "run.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import torch
+
+            f = torch.compile(lambda x: torch.relu(x) * 2, backend="ember", dynamic=False)
+            f(torch.randn(8))
+            f(torch.randn(16))
+            """
+        )
+    )
+    assert ember_main(["explain", str(path), "--layers", "none"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("inference graph") == 2, out
+    assert "recompile [0/1]" in out and "Dynamo:" in out and "ember:" in out, out
