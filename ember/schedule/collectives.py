@@ -15,6 +15,13 @@ the two, compute overlaps communication; so the ordering pass (order.py) under t
   when only outputs do), and prefers, among the ready steps, those that read no pending wait's
   result, so that the compute independent of a collective runs while it is in flight.
 
+Fusion (fusion.py) would undo some of that: a kernel computing a collective's input that also
+computes its siblings delays the start, and a kernel after a wait that takes in independent
+compute delays that compute past the wait; so would horizontal fusion (horizontal.py), packing
+either into one launch. So under the same setting, `FusionBarriers` keeps the kernel computing a
+start's input from merging with its siblings or consumers (and out of combo kernels), and a kernel
+that depends on a wait's result from merging or sharing a launch with one that does not.
+
 While a collective is in flight its inputs are still being read (all_gather on NCCL reads its
 input on the communication stream): the memory plan keeps each start's inputs alive up to its
 last wait (`hold_inputs`), so no kernel is placed in their memory before then.
@@ -22,7 +29,9 @@ last wait (`hold_inputs`), so no kernel is placed in their memory before then.
 
 from __future__ import annotations
 
-from ember.ir.graph import Node, Value
+from dataclasses import dataclass
+
+from ember.ir.graph import Graph, Node, Value
 from ember.schedule.steps import ExternStep, KernelStep, Step, step_outputs
 
 
@@ -39,6 +48,45 @@ def _start_of(wait: Node) -> Node | None:
         if v.node.attrs.get("collective") == "start":
             return v.node
     return None
+
+
+@dataclass(frozen=True)
+class FusionBarriers:
+    """Which merges would delay a collective's start or pull independent compute past a wait."""
+
+    start_inputs: frozenset  # values a collective start reads
+    after_wait: frozenset  # values computed from a wait's result (directly or through other values)
+
+    def feeds_start(self, roots) -> bool:
+        return any(v in self.start_inputs for v in roots)
+
+    def after_wait_of(self, roots) -> bool:
+        return any(v in self.after_wait for v in roots)
+
+    def keep_apart(self, a_roots, b_roots, siblings: bool) -> bool:
+        """Whether groups with these roots stay apart: siblings, or `a` the producer of `b`."""
+        if siblings:
+            return (
+                self.feeds_start(a_roots)
+                or self.feeds_start(b_roots)
+                or self.after_wait_of(a_roots) != self.after_wait_of(b_roots)
+            )
+        return self.feeds_start(a_roots) or (self.after_wait_of(b_roots) and not self.after_wait_of(a_roots))
+
+
+def fusion_barriers(graph: Graph) -> FusionBarriers | None:
+    """The barriers of a graph holding functional collectives (None without any)."""
+    starts: set[Value] = set()
+    after: set[Value] = set()
+    for node in graph.nodes:
+        kind = node.attrs.get("collective") if node.op == "extern" else None
+        if kind == "start":
+            starts |= set(node.value_inputs())
+        if kind == "wait" or any(v in after for v in node.value_inputs()):
+            after |= set(node.outputs)
+    if not starts:
+        return None
+    return FusionBarriers(frozenset(starts), frozenset(after))
 
 
 def hold_inputs(steps: list[Step], last: dict[Value, int]) -> None:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ember import config
 from ember.ir.graph import Value
+from ember.schedule import collectives
 from ember.schedule.cost import size_hint
 from ember.schedule.memory import nbytes
 from ember.schedule.merge import FusionMemo, merged_domain, try_merge
@@ -35,6 +37,8 @@ def fuse(state: ScheduleState, policy: FusionPolicy = FusionPolicy()) -> None:
     """Best first: merge the candidate pair that saves the most bytes, until none saves any."""
     state.update_readers()  # kept current by each merge
     memo = FusionMemo()
+    if config.get("overlap_collectives"):
+        memo.barriers = collectives.fusion_barriers(state.graph)
     # Each group's candidate pairs, ranked, kept between merges.
     pairs: dict[int, list[tuple]] = {}
     stale = set(state.groups)
@@ -83,6 +87,9 @@ def _candidates(state: ScheduleState, memo: FusionMemo, policy: FusionPolicy, b:
     reductions: a cross-entropy's mean and its index check; merged, one launch instead of two)."""
     groups, readers = state.groups, state.readers
     out = [groups[p] for p in sorted(_producers(state, b)) if p != b.id and p in groups]
+    barriers = memo.barriers  # merges that would delay a collective's start or pull compute past a wait
+    if barriers is not None:
+        out = [p for p in out if not barriers.keep_apart(p.roots, b.roots, siblings=False)]
     if not policy.siblings:
         return out
     producers = {g.id for g in out}
@@ -96,6 +103,8 @@ def _candidates(state: ScheduleState, memo: FusionMemo, policy: FusionPolicy, b:
         if {g.id, b.id} & set(state.gemms.by_group):
             continue  # a GEMM template takes epilogues only, never siblings
         if policy.no_siblings and not policy.no_siblings.isdisjoint(g.roots + b.roots):
+            continue
+        if barriers is not None and barriers.keep_apart(g.roots, b.roots, siblings=True):
             continue
         if g.id < b.id and merged_domain(state, memo, g, b) is not None:  # each unordered pair once
             out.append(g)

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import heapq
 
+from ember import config
 from ember.ir.graph import Value
 from ember.ir.sizes import product
+from ember.schedule import collectives
+from ember.schedule.collectives import FusionBarriers
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import plan_memory
@@ -45,7 +48,8 @@ def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
         return
     steps = state.steps
     deps = dependencies(state, steps)
-    groups = pack(steps, levels(deps), rules)
+    barriers = collectives.fusion_barriers(state.graph) if config.get("overlap_collectives") else None
+    groups = pack(steps, levels(deps), rules, barriers)
     if not groups:
         return
     combos = [ComboKernel(f"{state.kernel_prefix}combo{n}", [steps[k].kernel for k in g]) for n, g in enumerate(groups)]
@@ -108,13 +112,21 @@ def eligible(kernel: object, rules: HorizontalHeuristics) -> bool:
     return numel.is_Integer and 0 < int(numel) <= rules.max_elements
 
 
-def pack(steps: list[Step], level: list[int], rules: HorizontalHeuristics) -> list[list[int]]:
+def pack(
+    steps: list[Step], level: list[int], rules: HorizontalHeuristics, barriers: FusionBarriers | None = None
+) -> list[list[int]]:
     """Groups of at least two step positions, each of eligible kernels of one level, in step
-    order, within the caps on parts and buffers."""
-    by_level: dict[int, list[int]] = {}
+    order, within the caps on parts and buffers. With `barriers` (a graph's functional
+    collectives), a kernel computing a collective's input keeps its own launch, and kernels
+    after a wait share launches only with kernels after a wait."""
+    by_level: dict[tuple, list[int]] = {}
     for k, step in enumerate(steps):
         if isinstance(step, KernelStep) and eligible(step.kernel, rules):
-            by_level.setdefault(level[k], []).append(k)
+            writes = step.kernel.writes
+            if barriers is not None and barriers.feeds_start(writes):
+                continue
+            after = barriers is not None and barriers.after_wait_of(writes)
+            by_level.setdefault((level[k], after), []).append(k)
     groups: list[list[int]] = []
     for members in by_level.values():
         current: list[int] = []

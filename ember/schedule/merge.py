@@ -43,6 +43,8 @@ class FusionMemo:
     deps: dict | None = None
     # Candidate pairs that are siblings, not producer and consumer.
     sibling_pairs: set[frozenset] = field(default_factory=set)
+    # Merges kept apart around functional collectives (collectives.FusionBarriers), None without any.
+    barriers: object = None
     # size_hint(nbytes(v)): every candidate pair is ranked again after each merge, and the sympy
     # arithmetic made a graph of ~200 kernels take minutes to schedule (OpInfo bicubic).
     bytes_hint: dict[Value, int] = field(default_factory=dict)

@@ -4,7 +4,8 @@ process group), imported and scheduled, and the order of the steps inspected.
 Under `overlap_collectives` (the default) each collective starts right after the step computing
 its input and is waited on just before the first step reading its result, the independent compute
 running in between; starts keep the program's order; the memory plan places nothing in a
-collective's input before its wait. Off, the steps keep the graph's order (each wait right after
+collective's input before its wait; neither fusion nor combo kernels put independent compute into
+the kernel computing a collective's input. Off, the steps keep the graph's order (each wait right after
 its start, as Dynamo traces `wait_tensor(all_reduce(x))`)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ember.aten.importer import import_graph
 from ember.schedule import collectives
 from ember.schedule.scheduler import schedule
 from ember.schedule.steps import ExternStep, KernelStep, step_inputs, step_outputs
+from ember.target import Heuristics, Target
 
 c10d = torch.ops._c10d_functional
 
@@ -38,10 +40,21 @@ def only_output(x, w):
     return c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", "0")), torch.exp(x) @ w
 
 
-def scheduled(fn, overlap: bool = True):
+def siblings(x, w):
+    """The collective's input and six independent values all read x: fused or packed with the input's
+    kernel, they would delay the start."""
+    reduced = c10d.wait_tensor(c10d.all_reduce(x * 3, "sum", "0"))
+    return reduced + 1, *[torch.sin(x + i) for i in range(6)]
+
+
+# A target whose horizontal fusion packs small independent kernels into one launch (as a GPU's does).
+PACKING = Target("triton", heuristics=Heuristics())
+
+
+def scheduled(fn, overlap: bool = True, target: Target | None = None):
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 16))
     with config.override(overlap_collectives=overlap):
-        return schedule(import_graph(gm, torch.device("cpu")))
+        return schedule(import_graph(gm, torch.device("cpu")), target=target)
 
 
 def names(steps) -> list[str]:
@@ -110,3 +123,24 @@ def test_explain_lines_name_start_wait_and_overlapped_steps():
     assert len(lines) == 3, lines
     assert lines[0].startswith("all_reduce float32[8, 16]: starts at step"), lines
     assert all("waited at step" in line and "overlaps" in line and "overlaps nothing" not in line for line in lines)
+
+
+@pytest.mark.parametrize("target", [None, PACKING], ids=["no-combo", "combo"])
+def test_kernel_feeding_a_collective_computes_only_its_input(target):
+    steps = scheduled(siblings, target=target).steps
+    order = names(steps)
+    (start,) = positions(steps, "start")
+    (wait,) = positions(steps, "wait")
+    feeding = steps[start - 1]
+    assert isinstance(feeding, KernelStep), order
+    assert feeding.kernel.writes == steps[start].node.value_inputs(), f"{feeding.kernel.name} computes more: {order}"
+    between = [s for s in steps[start + 1 : wait] if isinstance(s, KernelStep)]
+    assert between, f"the sines do not run while the all_reduce is in flight: {order}"
+
+
+@pytest.mark.parametrize("target", [None, PACKING], ids=["no-combo", "combo"])
+def test_overlap_off_fuses_as_before(target):
+    """Without the setting the input's kernel takes in its siblings again: one kernel before the start."""
+    steps = scheduled(siblings, overlap=False, target=target).steps
+    kernels_before = [s for s in steps[: positions(steps, "start")[0]] if isinstance(s, KernelStep)]
+    assert len(kernels_before) == 1 and len(kernels_before[0].kernel.writes) > 1, names(steps)
