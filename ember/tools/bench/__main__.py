@@ -185,6 +185,9 @@ def _one_line(r: dict) -> str:
             parts.append(f"{comp} {cold:.1f}s" if cold else f"{comp} err")
             if warm:
                 parts[-1] += f"/{warm:.1f}s"
+            imported = (m.get("imported") or {}).get("seconds")
+            if imported:
+                parts[-1] += f"/{imported:.1f}s imported"
         stages = (r["compilers"].get("ember", {}).get("cold") or {}).get("ember_stages_s")
         if stages:
             slowest = sorted(stages.items(), key=lambda kv: -kv[1])[:4]

@@ -173,7 +173,8 @@ def _compile_cell(run: Run, key: str, compiler: str) -> str:
     def one(m):
         return f"{m['seconds']:.1f}" if m and "seconds" in m else "err"
 
-    return one(c.get("cold")) + (f" / {one(c.get('warm'))}" if "warm" in c else "")
+    cell = one(c.get("cold")) + (f" / {one(c.get('warm'))}" if "warm" in c else "")
+    return cell + (f" / {one(c.get('imported'))}" if "imported" in c else "")
 
 
 def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
@@ -191,7 +192,7 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
     if host_rows:
         header += [f"host µs {label(c)}" for c in ["eager", *compilers]]
     header += [f"peak MB {label(c)}" for c in ["eager", *compilers]]
-    header += [f"compile s {label(c)} cold / warm" for c in compilers]
+    header += [f"compile s {label(c)} cold / warm (/ imported)" for c in compilers]
     header += ["ember kernels / externs"]
     rows, notes = [], []
     for key, case in run.cases.items():
