@@ -52,7 +52,9 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
         inside = " * ".join(f"(({wx} >= 0) & ({wx} < BUF{number}_Z{d})).to(tl.int8)" for d, wx in enumerate(wrapped))
         inside = f"({inside}) != 0" if inside else ""
         where = " + ".join(f"({wx}) * BUF{number}_S{d}" for d, wx in enumerate(wrapped)) or "0"
-        return f"tl.load(BUF{number} + ({where}), mask={inside or 'None'}, other=0)"
+        if not inside:  # a 0-dim tensor
+            return f"tl.load(BUF{number})"
+        return f"tl.load(BUF{number} + ({where}), mask={inside}, other=0)"
 
     args = {0: "sc", 1: "b", 2: "h", 3: "q_idx", 4: "kv_idx"}
     score_lines, score_result = (

@@ -47,8 +47,9 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, launch: FlexLaunch, interpret
         wrapped = [f"tl.where({ix} < 0, {ix} + BUF{number}_Z{d}, {ix})" for d, ix in enumerate(indices)]
         inside = " * ".join(f"(({wx} >= 0) & ({wx} < BUF{number}_Z{d})).to(tl.int8)" for d, wx in enumerate(wrapped))
         where = " + ".join(f"({wx}) * BUF{number}_S{d}" for d, wx in enumerate(wrapped)) or "0"
-        mask = f"({inside}) != 0" if inside else "None"
-        return f"tl.load(BUF{number} + ({where}), mask={mask}, other=0)"
+        if not inside:  # a 0-dim tensor
+            return f"tl.load(BUF{number})"
+        return f"tl.load(BUF{number} + ({where}), mask=({inside}) != 0, other=0)"
 
     names = {0: "sc", 1: "b", 2: "h", 3: "q_idx", 4: "kv_idx", 5: "ds"}
     score_lines, score_result = (

@@ -115,7 +115,15 @@ class _Tracer:
 
     def operand(self, x, like: torch.dtype | None = None) -> int:
         if isinstance(x, torch.fx.Node):
-            return self.env[x]
+            slot = self.env[x]
+            if slot >= 0:
+                return slot
+            info = self.buffers[-1 - slot]  # a captured tensor used whole: only a 0-dim one is a value
+            if info.ndim != 0:
+                raise Unsupported(f"a captured tensor of {info.ndim} dims used without indexing")
+            return self.cast(
+                self.add("load", (), info.dtype, self.first_buffer - 1 - slot), _work(info.dtype, self.work)
+            )
         if isinstance(x, bool):
             return self.add("const", (), torch.bool, x)
         if isinstance(x, int):
