@@ -134,10 +134,12 @@ def _lines(report: GraphReport, fx_nodes: list[str]) -> list[str]:
 
 
 def source_lines(report: GraphReport, gm: torch.fx.GraphModule) -> None:
-    """The user's source lines of an ATen graph into the report: each line's code and the ATen ops it
-    became, and each FX node's line. Read from the graph at hand, not kept in a cached schedule: the
-    same graph may come from other lines."""
+    """The ATen graph's code, and the user's source lines of it into the report: each line's code and
+    the ATen ops it became, and each FX node's line. Read from the graph at hand, not kept in a cached
+    schedule: the same graph may come from other lines."""
     from ember.aten.builder import op_name
+
+    report.aten_graph = gm.code.strip()
 
     for node in gm.graph.nodes:
         if node.op == "call_function":

@@ -68,6 +68,7 @@ class GraphReport:
     # The user's source lines of the ATen graph: "file:line" -> (its code, the ATen ops it became).
     source_lines: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     node_lines: dict[str, str] = field(default_factory=dict)  # ATen FX node name -> its source line
+    aten_graph: str = ""  # the ATen graph ember compiled, as FX prints its code
     # Each kernel's code at every layer below its source (backends/layers.py), made when called.
     layers: Callable[[], dict] | None = field(default=None, repr=False, compare=False)
     # The host program's namespace: its kernels by name, which `ember explain` times one by one.

@@ -48,22 +48,23 @@ class Explanation:
     breaks: list[str] = field(default_factory=list)  # "reason (file:line: code)"
     recompiles: list[str] = field(default_factory=list)  # each recompile: Dynamo's reason, what ember reused
     dynamo_graphs: int = 0
+    dynamo_code: list[str] = field(default_factory=list)  # each graph Dynamo captured, as FX prints its code
     layers: dict[int, dict] = field(default_factory=dict)  # graph index -> kernel name -> KernelLayers
     measured: list = field(default_factory=list)  # explain_measure.Measured
     ceilings: object | None = None  # explain_measure.Ceilings
     title: str = ""
 
 
-def graph_breaks(fn: Callable, args: tuple, kwargs: dict) -> tuple[int, list[str]]:
-    """(graphs Dynamo captures, each graph break with its reason and user line), from torch._dynamo.explain
-    (which runs fn once with a backend of its own)."""
+def graph_breaks(fn: Callable, args: tuple, kwargs: dict) -> tuple[int, list[str], list[str]]:
+    """(graphs Dynamo captures, each graph break with its reason and user line, each graph's code), from
+    torch._dynamo.explain (which runs fn once with a backend of its own)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     try:
         out = torch._dynamo.explain(fn)(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - the breaks are a help; the explanation goes on without them
-        return 0, [f"(Dynamo's explain failed: {type(e).__name__}: {str(e)[:200]})"]
+        return 0, [f"(Dynamo's explain failed: {type(e).__name__}: {str(e)[:200]})"], []
     finally:
         torch._dynamo.reset()
     breaks = []
@@ -72,7 +73,7 @@ def graph_breaks(fn: Callable, args: tuple, kwargs: dict) -> tuple[int, list[str
         where = b.user_stack[-1] if b.user_stack else None
         at = f" at {where.filename}:{where.lineno}: {(where.line or '').strip()}" if where is not None else ""
         breaks.append(reason + at)
-    return out.graph_count, breaks
+    return out.graph_count, breaks, [g.code.strip() for g in out.graphs]
 
 
 def explain_all(
@@ -90,7 +91,7 @@ def explain_all(
     from ember.tools import explain_measure
 
     kwargs = kwargs or {}
-    count, breaks = graph_breaks(fn, args, kwargs)
+    count, breaks, code = graph_breaks(fn, args, kwargs)
     import torch._dynamo
 
     from ember.frontend.backend import ember_backend
@@ -107,7 +108,7 @@ def explain_all(
 
     with collecting() as report:
         step()
-    result = Explanation(report, breaks=breaks, dynamo_graphs=count, title=title)
+    result = Explanation(report, breaks=breaks, dynamo_graphs=count, dynamo_code=code, title=title)
     for gi, g in enumerate(report.graphs):
         if g.layers is not None:
             result.layers[gi] = g.layers()

@@ -154,8 +154,12 @@ def render_text(e: Explanation, layers: str = "none") -> str:
     out = [f"Dynamo: {e.dynamo_graphs} graph(s), {len(e.breaks)} graph break(s)"]
     out += [f"  break: {b}" for b in e.breaks]
     out += [f"  {r}" for r in e.recompiles]
+    if layers == "all":
+        out += [f"--- Dynamo's FX graph {i} ---\n{code}" for i, code in enumerate(e.dynamo_code)]
     for gi, g in enumerate(e.report.graphs):
         out.append(str(g))
+        if layers == "all" and g.aten_graph:
+            out.append(f"--- {g.kind} ATen graph ---\n{g.aten_graph}")
         if g.source_lines:
             out.append("  source lines -> ATen ops -> kernels:")
             for where, (code, ops) in g.source_lines.items():

@@ -66,6 +66,8 @@ def render_html(e: Explanation) -> str:
     body.append(_roofline_section(e))
     body.append('<h2 id="breaks">Dynamo graph breaks</h2>')
     body.append("<ul>" + "".join(f"<li>{_e(b)}</li>" for b in e.breaks) + "</ul>" if e.breaks else "<p>none</p>")
+    for i, code in enumerate(e.dynamo_code):
+        body.append(f"<details><summary>Dynamo's FX graph {i}</summary><pre>{_e(code)}</pre></details>")
     if e.recompiles:
         body.append("<h2>recompiles</h2><ul>" + "".join(f"<li>{_e(r)}</li>" for r in e.recompiles) + "</ul>")
     for gi, g in enumerate(e.report.graphs):
@@ -76,6 +78,8 @@ def render_html(e: Explanation) -> str:
             continue
         body.append(f"<p>target: {_e(g.target)}<br>memory: {_e(g.memory)}</p>")
         body.append(_source_table(g, gi))
+        if g.aten_graph:
+            body.append(f"<details><summary>ATen graph</summary><pre>{_e(g.aten_graph)}</pre></details>")
         layers = e.layers.get(gi, {})
         for k in g.kernels:
             nav.append(f'<a href="#{_kid(gi, k.name)}">&nbsp;&nbsp;{_e(k.name)}</a>')

@@ -46,9 +46,10 @@ def script(tmp_path):
 
 
 def test_cli_prints_graphs_lines_and_layers(script, capsys):
-    assert ember_main(["explain", str(script), "--function", "block", "--no-measure", "--layers", "machine"]) == 0
+    assert ember_main(["explain", str(script), "--function", "block", "--no-measure", "--layers", "all"]) == 0
     out = capsys.readouterr().out
     assert "Dynamo: 1 graph(s), 0 graph break(s)" in out, out[:2000]
+    assert "--- Dynamo's FX graph 0 ---" in out and "--- forward ATen graph ---" in out, out[:3000]
     assert "forward graph" in out and "backward graph" in out, out[:2000]
     assert "h = torch.nn.functional.gelu(self.fc(x))" in out and "-> fk" in out, out
     assert "x86 assembly ---" in out and "instructions" in out, out[:3000]
