@@ -140,6 +140,10 @@ class LaunchHeuristics:
     # blocks are chosen: large, as a dynamic batch or sequence usually is.
     symbolic_outputs: int = 8192
     symbolic_rows: int = 1 << 20
+    # A kernel of symbolic sizes runs with 32-bit index math while every extent it indexes is below
+    # this, checked per call, else its 64-bit form (codegen/triton.py: narrow_guard). The margin
+    # below 2**31 covers a last block's masked lanes.
+    symbolic_int32_below: int = (1 << 31) - (1 << 24)
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,9 @@ class TritonBackend:
         clock("build_module_load_s")
         fns = {k.name: getattr(module, k.name) for k in kernels}
         namespace = {"triton": triton, "_stream": _current_stream, **fns}
+        # The 64-bit forms of symbolic kernels, launched through kernel[grid] past their guard.
+        wide = [n for n, r in self.rendered.items() if getattr(r, "guard", ())]
+        namespace.update({f"{n}_wide": getattr(module, f"{n}_wide") for n in wide})
         # A compiled kernel is loaded on the device current at compile time: launch it directly
         # only on that device (Triton's own path looks up the current device per call).
         index = _device_index(self.device)
@@ -277,6 +280,19 @@ class TritonBackend:
         if name in self.gemm_kernels:
             return self.gemm_kernels[name].launch_line(args["buffers"])
         r = self.rendered[name]
+        line, slow = self._launch(r, name, args)
+        guard = getattr(r, "guard", ())
+        if not guard:
+            return line
+        # 32-bit index math while every extent the kernel indexes is small enough (one comparison
+        # each, per call), else its 64-bit form through kernel[grid] (codegen/triton.py: narrow_guard).
+        limit = self._target.heuristics.launch.symbolic_int32_below
+        small = " and ".join(f"{print_index(e, '//')} < {limit}" for e in guard)
+        wide = slow.replace(f"{name}[", f"{name}_wide[", 1)
+        return f"({line}) if {small} else {wide}"
+
+    def _launch(self, r, name: str, args: dict) -> tuple[str, str]:
+        """The launch statement of rendered kernel `r`, and its `kernel[grid]` form."""
         bufs = iter(args["buffers"])
         parts = [next(bufs) if p.kind == "buffer" else print_index(p.value, "//") for p in r.params]
         xnumel = print_index(r.xnumel, "//")
@@ -290,7 +306,7 @@ class TritonBackend:
         keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
         slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps}, enable_fp_fusion={_fp_fusion()})"
         if name not in self.static and name not in self.direct:
-            return slow
+            return slow, slow
         # Every parameter in order; the grid a number where the sizes are static, else computed per
         # call from the bound size symbols (one program at least: a grid of 0 is a launch error).
         xsize = sympy.sympify(r.xnumel)
@@ -304,9 +320,9 @@ class TritonBackend:
             direct = f"{name}_run({blocks}, 1, 1, stream, {name}_fn, {name}_meta, None, None, None, {', '.join(every)})"
         unaligned = args["maybe_unaligned"]
         if not unaligned:
-            return direct
+            return direct, slow
         check = " | ".join(f"{b}.data_ptr()" for b in unaligned)
-        return f"{slow} if ({check}) & 15 else {direct}"
+        return f"{slow} if ({check}) & 15 else {direct}", slow
 
 
 class _BuildClock:
@@ -345,21 +361,24 @@ def _warmup_jobs(fns: dict, rendered: dict[str, TritonKernelSource]) -> list[tup
     for name, fn in fns.items():
         r = rendered[name]
         sizes = [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
-        args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [_stand_in(x) for x in sizes]
+        narrow = bool(getattr(r, "guard", ()))
+        args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [_stand_in(x, narrow) for x in sizes]
         consts = {"XBLOCK": r.launch.xblock, **({"RBLOCK": r.launch.rblock} if r.launch.rblock else {})}
         jobs.append((name, fn, args, consts, r.launch.num_warps, fp_fusion))
     return jobs
 
 
-def _stand_in(size) -> int:
+def _stand_in(size, narrow: bool = False) -> int:
     """The value `warmup` specializes a size parameter for: a static size's own; for a symbolic one,
-    a 64-bit value (so no later size overflows the parameter's type) that is not 1 (Triton makes a
-    1 a constant) and divisible by 16 exactly where the expression is for every value of its
-    symbols (`768*s0` is, `s0` is not): Triton assumes that divisibility in the binary."""
+    a value that is not 1 (Triton makes a 1 a constant), divisible by 16 exactly where the expression
+    is for every value of its symbols (`768*s0` is, `s0` is not: Triton assumes that divisibility in
+    the binary), and 32-bit for a kernel's 32-bit form (`narrow`: launched only while its extents fit,
+    codegen/triton.py: narrow_guard), else 64-bit, so no later size overflows the parameter's type."""
     size = sympy.sympify(size)
     if size.is_Integer:
         return int(size)
-    return 1 << 32 if sympy.Mod(size, 16) == 0 else (1 << 32) + 1
+    big = 1 << 30 if narrow else 1 << 32
+    return big if sympy.Mod(size, 16) == 0 else big + 1
 
 
 def interpreting() -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from ember.codegen.render import Param, Renderer, is_scalar, print_index
 from ember.ir import dtypes, ops
+from ember.ir.graph import layout_of
 from ember.ir.sizes import product
 from ember.schedule.cost import is_persistent
 from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore, walk
@@ -288,7 +289,7 @@ def _pow2_floor(n: int) -> int:
 
 
 class TritonRenderer(Renderer):
-    def __init__(self, kernel: Kernel, launch: LaunchConfig, interpreted: bool):
+    def __init__(self, kernel: Kernel, launch: LaunchConfig, interpreted: bool, narrow: bool = False):
         super().__init__(kernel)
         self.launch = launch
         self.reduction = any(kernel.loop_reduce)
@@ -296,7 +297,9 @@ class TritonRenderer(Renderer):
         # each result is its argument, computed in the row's own scope with no r-loop or RBLOCK.
         self.single_element = bool(kernel.reduces) and not self.reduction
         self.persistent = launch.persistent or self.single_element
-        self.wide_index = self._needs_int64()
+        # `narrow`: 32-bit index math whatever the sizes (render_triton's form of a symbolic kernel,
+        # launched only while its extents are small enough: narrow_guard).
+        self.wide_index = not narrow and self._needs_int64()
         # Triton's CPU interpreter (the target's): its fp32 -> bf16 conversion truncates, and
         # some ops render another way there.
         self.interpreted = interpreted
@@ -583,6 +586,10 @@ class TritonKernelSource:
     source: str
     params: list[Param]
     launch: LaunchConfig
+    # A kernel of symbolic sizes: the extents it indexes (narrow_guard), and `source` holds two
+    # functions, the kernel with 32-bit index math under its own name, run while every one of these
+    # is below launch.symbolic_int32_below, and with 64-bit math as NAME_wide. (): one function.
+    guard: tuple = ()
 
     @property
     def xnumel(self):
@@ -598,4 +605,35 @@ def render_triton(kernel: Kernel, target: Target, launch: LaunchConfig | None = 
     passes its candidates, codegen/triton_tuning.py)."""
     launch = launch or launch_config(kernel, target)
     r = TritonRenderer(kernel, launch, target.interpreted)
-    return TritonKernelSource(kernel, r.render(), r.params, launch)
+    source = r.render()
+    guard = narrow_guard(kernel, target.heuristics.launch.symbolic_int32_below) if r.wide_index else ()
+    if guard:
+        # 64-bit index math costs a memory-bound kernel little, but its divisions and remainders (a
+        # loop variable recovered from a flat index) take several times the instructions of 32-bit ones.
+        narrow = TritonRenderer(kernel, launch, target.interpreted, narrow=True).render()
+        source = narrow + "\n\n\n" + source.replace(f"def {kernel.name}(", f"def {kernel.name}_wide(", 1)
+    return TritonKernelSource(kernel, source, r.params, launch, guard)
+
+
+def narrow_guard(kernel: Kernel, limit: int) -> tuple:
+    """The symbolic extents a kernel indexes: its loop domain and each buffer's (1 + the sum of
+    (size - 1) * stride), one of each set that differ by a constant factor (the largest), all of
+    which must stay below `limit` for 32-bit index math to hold. () for a kernel of static sizes,
+    or one with a static extent of `limit` or more (it keeps 64-bit math)."""
+    extents = [product(kernel.loop_sizes)]
+    for v in list(kernel.reads) + list(kernel.writes):
+        extents.append(1 + sum(((n - 1) * st for n, st in zip(v.shape, layout_of(v))), sympy.Integer(0)))
+    kept: list = []
+    for e in (sympy.expand(e) for e in extents):
+        if e.is_Integer:
+            if int(e) >= limit:
+                return ()
+            continue
+        for i, other in enumerate(kept):
+            ratio = sympy.simplify(e / other)
+            if ratio.is_number:
+                kept[i] = e if ratio > 1 else other
+                break
+        else:
+            kept.append(e)
+    return tuple(kept)
