@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 
+import pytest
 import torch
 
 import ember
@@ -24,8 +25,12 @@ def _inputs():
     return torch.randn(8, 16, requires_grad=True), torch.randn(16, 32)
 
 
-def test_kernels_name_their_source_lines_and_ops():
-    report = explain_strict(_gelu_sum, *_inputs(), backend="cpp")
+@pytest.fixture(scope="module")
+def report():
+    return explain_strict(_gelu_sum, *_inputs(), backend="cpp")
+
+
+def test_kernels_name_their_source_lines_and_ops(report):
     forward = report.graphs[0]
     here = __file__
     gelu_line = next(loc for loc, (code, _) in forward.source_lines.items() if "gelu(y)" in code)
@@ -40,8 +45,7 @@ def test_kernels_name_their_source_lines_and_ops():
     assert any(gelu_line in k.lines for k in backward.kernels), [k.lines for k in backward.kernels]
 
 
-def test_cpu_kernels_show_their_assembly():
-    report = explain_strict(_gelu_sum, *_inputs(), backend="cpp")
+def test_cpu_kernels_show_their_assembly(report):
     for graph in report.graphs:
         layers = graph.layers()
         assert set(layers) == {k.name for k in graph.kernels}
