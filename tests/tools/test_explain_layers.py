@@ -102,3 +102,22 @@ def test_occupancy_is_limited_by_registers_threads_or_shared_memory():
     assert occupancy(128, 0, 4, h100) == (4, 0.25)  # registers: 65536 / (128 * 128)
     assert occupancy(32, 100_000, 4, h100) == (2, 0.125)  # shared memory: 233472 // 100000
     assert occupancy(255, 0, 8, h100)[0] == 1  # 256 registers a thread rounded: one 8-warp block
+
+
+def test_gpu_resources_of_a_compiled_kernel():
+    from types import SimpleNamespace
+
+    from ember.backends.layers import disassemble, gpu_resources
+
+    h100 = {"regs_per_sm": 65536, "threads_per_sm": 2048, "shared_per_sm": 233472, "blocks_per_sm": 32}
+    compiled = SimpleNamespace(metadata=SimpleNamespace(num_warps=8, shared=16384), n_regs=64, n_spills=2)
+    res = gpu_resources(compiled, h100)
+    assert res == {
+        "registers": 64,
+        "spills": 2,
+        "shared bytes": 16384,
+        "warps": 8,
+        "blocks/SM": 4,  # registers: 65536 / (64 * 256)
+        "occupancy": "50%",
+    }
+    assert disassemble(None) == ("", "the compiled kernel holds no cubin")
