@@ -24,7 +24,7 @@ nav a{display:block;text-decoration:none;color:#1a4f9c;padding:1px 0}
 nav .g{font-weight:600;margin-top:8px}
 main{flex:1;padding:12px 20px;min-width:0}
 pre{background:#f7f7f7;border:1px solid #ddd;padding:8px;overflow:auto;max-height:480px;font-size:12px}
-table{border-collapse:collapse;font-size:13px;margin:6px 0}
+table{border-collapse:collapse;font-size:13px;margin:6px 0;display:block;overflow-x:auto;max-width:100%}
 td,th{border:1px solid #ccc;padding:2px 6px;text-align:left;vertical-align:top}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
 .kernel{border-top:2px solid #e0e0e0;margin-top:14px;padding-top:4px}
