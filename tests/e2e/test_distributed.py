@@ -22,34 +22,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from ember.tools.bench.dist_workloads import TinyNet as Net  # the distributed bench's CPU workload
+
 WORLD = 2
 STEPS = 5
-DIM = 256  # two blocks of 2 x 256 x 512 weights: past DDP's 1 MB bucket, so optimize_ddp splits the graph
+DIM = 256  # Net's width: two blocks of 2 x 256 x 512 weights, past DDP's 1 MB bucket, so optimize_ddp splits the graph
 # float32 against eager: the compiled kernels reorder sums (layer norm, GEMM epilogues) a little.
 RTOL, ATOL = 1e-4, 1e-5
-
-
-class Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
-
-
-class Net(nn.Module):
-    def __init__(self, d: int = DIM, blocks: int = 2):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(blocks))
-        self.head = nn.Linear(d, 8)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _ember(module):
