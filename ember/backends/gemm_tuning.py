@@ -102,8 +102,17 @@ class GemmTuning:
     epilogue's round trip; an interpreted target measures nothing). `load_module`: Triton source
     -> its loaded module, as the backend loads its kernels (through ember's cache)."""
 
-    def __init__(self, target: Target, device: torch.device | None, load_module: Callable[[str], ModuleType]):
+    def __init__(
+        self,
+        target: Target,
+        device: torch.device | None,
+        load_module: Callable[[str], ModuleType],
+        tuning: Callable[[], tuple | None] | None = None,
+    ):
         self.target, self.device, self.load_module = target, device, load_module
+        # () -> (Timer, Budget) of the graph's tuning (backends/launch_tuning.py), or None: no bound
+        # on measuring (gemm=auto set alone).
+        self.tuning = tuning
 
     def choose(self, problem: GemmProblem, epilogue_bytes: int) -> GemmChoice:
         mode = config.get("gemm")
@@ -116,7 +125,12 @@ class GemmTuning:
                 c = fit_config(problem)
                 return GemmChoice(True, c, f"GEMM template (gemm=template; tile {c} by size: nothing to measure on)")
             return GemmChoice(False, None, "ATen: gemm=auto measures only on a GPU (gemm=template forces the template)")
-        timings = measure(problem, self.device, self.target, self.load_module)
+        timings = measure(problem, self.device, self.target, self.load_module, self.tuning)
+        if timings is None:
+            if mode == "template":
+                c = fit_config(problem)
+                return GemmChoice(True, c, f"GEMM template (gemm=template; tile {c} by size: tuning's budget spent)")
+            return GemmChoice(False, None, "ATen: the graph's tuning budget was spent before this shape was measured")
         tried = [(TileConfig(*c), t) for c, t in timings["configs"] if t is not None]
         if not tried:
             return GemmChoice(False, None, "ATen: no template tile compiled for this problem")
@@ -155,10 +169,15 @@ def _cache_key(problem: GemmProblem, target: Target) -> str:
 
 
 def measure(
-    problem: GemmProblem, device: torch.device, target: Target, load_module: Callable[[str], ModuleType]
-) -> dict:
+    problem: GemmProblem,
+    device: torch.device,
+    target: Target,
+    load_module: Callable[[str], ModuleType],
+    tuning: Callable[[], tuple | None] | None = None,
+) -> dict | None:
     """{"aten": seconds, "configs": [[tile fields, seconds or None], ...]}: from memory, the disk
-    cache, or a fresh measurement (written to the cache)."""
+    cache, or a fresh measurement (written to the cache). `tuning`: () -> (Timer, Budget) or None;
+    with a budget, a fresh measurement starts only while some is left (else None) and is charged."""
     key = _cache_key(problem, target)
     with _lock:
         if key in _memo:
@@ -174,10 +193,15 @@ def measure(
                 pass
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+        bound = tuning() if tuning is not None else None
+        if bound is not None and bound[1].left(bound[0]) <= 0:
+            return None
         start = time.perf_counter()
         with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
             timings = _measure(problem, device, target, load_module)
         timings["seconds"] = time.perf_counter() - start
+        if bound is not None:
+            bound[1].charge(timings["seconds"], f"gemm {problem}")
         log.artifact("cache", "gemm", f"measured {problem} in {timings['seconds']:.2f} s: {timings}")
         if config.get("cache"):
             cache.put("gemm", key, {"timings.json": json.dumps(timings).encode()})

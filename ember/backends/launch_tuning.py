@@ -10,9 +10,9 @@ tune.min_gain_percent; else the heuristic stays.
 Time is read through a `Timer` (`clock()` for the budget, `time(run)` for a candidate's seconds per
 call): `CudaTimer` on a GPU (warm-up, L2 flushed before each run, CUDA events around each, the
 median), `WallTimer` under Triton's CPU interpreter; tests pass their own. The budget: a graph's
-tuning may add the fraction `autotune_budget` of its compile time before tuning (at least
-`autotune_min_s`); a kernel whose tuning starts within it is finished, later ones keep the
-heuristic. Results go to the disk cache (kind "tuning"), keyed by the kernel's source (its name
+tuning (with the GEMM choices of gemm=auto) may add the fraction `autotune_budget` of its own
+compile time (at least `autotune_min_s`, class Budget); a kernel whose tuning starts within it is
+finished, later ones keep the heuristic. Results go to the disk cache (kind "tuning"), keyed by the kernel's source (its name
 left out, so that graphs and models sharing a kernel share its tuning), its sizes and layouts, the
 candidates, the device's name and SM count, the target and Triton: later compiles read them and
 measure nothing.
@@ -115,25 +115,36 @@ def make_timer(device: torch.device | None, target: Target) -> Timer:
         if not gpu:
             raise config.ConfigError("autotune_timer=cuda times candidates on a GPU, and this graph runs on none")
         return CudaTimer(device)
-    return WallTimer()
+    # Under the interpreter a timing says little about a GPU: one run is enough (tests run it).
+    return WallTimer(reps=1 if target.interpreted else 3)
 
 
 @dataclass
 class Budget:
-    """Seconds that tuning may take, from `start` on the timer's clock."""
+    """What tuning may still take of a compile: `fraction` of the compile's own time so far (its
+    time since `start`, on the timer's clock, less what tuning took), at least `min_seconds`, less
+    what tuning took. Shared by a graph's GEMM choices (during scheduling) and its launch tuning
+    (at build): a measurement starts only while some is left, and is charged when it ends."""
 
-    seconds: float
+    fraction: float
+    min_seconds: float
     start: float
-    spent_on: list[str] = field(default_factory=list)  # kernels measured (not read from the cache)
+    spent: float = 0.0
+    spent_on: list[str] = field(default_factory=list)  # what was measured (not read from the cache)
 
     def left(self, timer: Timer) -> float:
-        return self.seconds - (timer.clock() - self.start)
+        own = timer.clock() - self.start - self.spent
+        return max(self.min_seconds, self.fraction * own) - self.spent
+
+    def charge(self, seconds: float, what: str) -> None:
+        self.spent += seconds
+        self.spent_on.append(what)
 
     @classmethod
-    def for_graph(cls, timer: Timer, compile_seconds: float) -> Budget:
-        """The settings' budget for a graph that has compiled for `compile_seconds` so far."""
-        seconds = max(config.get("autotune_min_s"), config.get("autotune_budget") * compile_seconds)
-        return cls(seconds, timer.clock())
+    def from_settings(cls, timer: Timer, compile_seconds: float) -> Budget:
+        """The settings' budget (autotune_budget, autotune_min_s) for a compile that has run for
+        `compile_seconds` so far."""
+        return cls(config.get("autotune_budget"), config.get("autotune_min_s"), timer.clock() - compile_seconds)
 
 
 _memo: dict[str, dict] = {}
@@ -169,7 +180,7 @@ def choose(
         runs = prepare()
         seconds = [None if run is None else timer.time(run) for run in runs]
         timings = {"seconds": seconds, "tuning_seconds": timer.clock() - start}
-        budget.spent_on.append(key)
+        budget.charge(timings["tuning_seconds"], key)
         DiskCache().put("tuning", key, {"timings.json": json.dumps(timings).encode()})
     with _lock:
         _memo[key] = timings

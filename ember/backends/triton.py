@@ -68,13 +68,15 @@ class TritonBackend:
         _check_can_run(device)
         self.device = device
         self._target = _make_target(device)
-        # Launch tuning (setting `autotune`) times candidates with `timer` (None: the one the setting
-        # autotune_timer names), within a budget from this graph's compile time: it starts here.
+        # Tuning (setting `autotune`: launch configurations, and GEMM choices under gemm=auto) times
+        # candidates with `timer` (None: the one the setting autotune_timer names), within one budget
+        # from this graph's compile time (_tuning): the compile starts here.
         self._timer = timer
+        self._budget: Budget | None = None
         self._created = time.perf_counter()
         # GEMM tuning is a stage of this backend: it compiles the tiles it times as this backend
         # loads its kernels.
-        self.gemm_chooser = GemmTuning(self._target, device, self._load).choose
+        self.gemm_chooser = GemmTuning(self._target, device, self._load, self._tuning).choose
         self.rendered: dict[str, TritonKernelSource] = {}
         self.sources: dict[str, str] = {}
         self.full_source = ""
@@ -198,10 +200,18 @@ class TritonBackend:
                 run, fn, meta = shared.handles
                 namespace.update({f"{name}_run": run, f"{name}_fn": fn, f"{name}_meta": meta})
 
+    def _tuning(self) -> tuple[Timer, Budget] | None:
+        """The timer and the budget of this graph's tuning, made at first use; None without autotune."""
+        if not config.get("autotune"):
+            return None
+        if self._budget is None:
+            self._timer = self._timer or make_timer(self.device, self._target)
+            self._budget = Budget.from_settings(self._timer, time.perf_counter() - self._created)
+        return self._timer, self._budget
+
     def _autotune(self, kernels: list[Kernel]) -> None:
         """Each static kernel's launch by measurement (backends/launch_tuning.py), within the budget."""
-        timer = self._timer or make_timer(self.device, self._target)
-        budget = Budget.for_graph(timer, time.perf_counter() - self._created)
+        timer, budget = self._tuning()
         tuned = tune_launches(kernels, self.rendered, self._target, self.device, self._load, timer, budget)
         for name, r in tuned.items():
             self.rendered[name] = r

@@ -73,13 +73,13 @@ def test_candidates_are_the_heuristics_choice_then_its_neighbours():
 def test_the_fastest_candidate_wins_by_a_margin(tmp_path):
     with config.override(cache_dir=str(tmp_path)):
         timer = FakeTimer({"a": 10.0, "b": 7.0, "c": 9.0, "d": 9.9})
-        best, timings = choose("k-fastest", "abc", _runs("a", "b", "c"), timer, Budget(100, 0), 2)
+        best, timings = choose("k-fastest", "abc", _runs("a", "b", "c"), timer, Budget(0, 100, 0), 2)
         assert best == 1 and timings["seconds"] == [10.0, 7.0, 9.0]
         # Within the margin of the heuristic's time (2%): the heuristic stays.
-        assert choose("k-margin", "ad", _runs("a", "d"), FakeTimer(timer.seconds), Budget(100, 0), 2)[0] == 0
+        assert choose("k-margin", "ad", _runs("a", "d"), FakeTimer(timer.seconds), Budget(0, 100, 0), 2)[0] == 0
         # A candidate that was dropped (None: did not compile, or gave another result) is not timed.
         timer = FakeTimer(timer.seconds)
-        assert choose("k-dropped", "abc", _runs("a", None, "c"), timer, Budget(100, 0), 2)[0] == 2
+        assert choose("k-dropped", "abc", _runs("a", None, "c"), timer, Budget(0, 100, 0), 2)[0] == 2
         assert timer.timed == ["a", "c"]
 
 
@@ -89,14 +89,21 @@ def test_the_budget_bounds_what_is_measured(tmp_path):
 
     with config.override(cache_dir=str(tmp_path)):
         timer = FakeTimer({"a": 2.0, "b": 1.0}, cost=3.0)
-        budget = Budget(5.0, timer.clock())
+        budget = Budget(0.0, 5.0, timer.clock())
         assert choose("k-budget-1", "ab", _runs("a", "b"), timer, budget, 2)[0] == 1  # started within: finished
-        assert budget.left(timer) < 0 and budget.spent_on == ["k-budget-1"]
+        assert budget.left(timer) < 0 and budget.spent == 6.0 and budget.spent_on == ["k-budget-1"]
         assert choose("k-budget-2", "ab", never, timer, budget, 2) == (0, None)
-        # The settings' budget: a fraction of the graph's compile time so far, at least autotune_min_s.
+        # The settings' budget: a fraction of the compile's own time so far (tuning excluded), at
+        # least autotune_min_s; it grows as the compile goes on.
         with config.override(autotune_budget=0.1, autotune_min_s=0.5):
-            assert Budget.for_graph(timer, 30.0).seconds == pytest.approx(3.0)
-            assert Budget.for_graph(timer, 1.0).seconds == 0.5
+            budget = Budget.from_settings(timer, 30.0)
+            assert budget.left(timer) == pytest.approx(3.0)
+            assert Budget.from_settings(timer, 1.0).left(timer) == 0.5
+            budget.charge(2.0, "x")
+            timer.now += 2.0  # tuning's own two seconds: the compile's time is still 30 s
+            assert budget.left(timer) == pytest.approx(1.0)
+            timer.now += 20.0  # 20 s more of the compile's own
+            assert budget.left(timer) == pytest.approx(3.0)
 
 
 def test_timings_are_kept_on_disk_and_read_back(tmp_path):
@@ -104,14 +111,14 @@ def test_timings_are_kept_on_disk_and_read_back(tmp_path):
         raise AssertionError("cached: nothing is measured")
 
     with config.override(cache_dir=str(tmp_path)):
-        choose("k-disk", "ab", _runs("a", "b"), FakeTimer({"a": 2.0, "b": 1.0}), Budget(100, 0), 2)
+        choose("k-disk", "ab", _runs("a", "b"), FakeTimer({"a": 2.0, "b": 1.0}), Budget(0, 100, 0), 2)
         entry = DiskCache().get("tuning", "k-disk")
         assert json.loads(entry["timings.json"])["seconds"] == [2.0, 1.0]
         # Written by another process: read from the disk, with no budget left and nothing measured.
         DiskCache().put("tuning", "k-other", {"timings.json": json.dumps({"seconds": [3.0, None, 1.0]}).encode()})
-        assert choose("k-other", "abc", never, FakeTimer({}), Budget(0, 0), 2)[0] == 2
+        assert choose("k-other", "abc", never, FakeTimer({}), Budget(0, 0, 0), 2)[0] == 2
     with config.override(cache_dir=str(tmp_path), cache=False):
-        choose("k-off", "ab", _runs("a", "b"), FakeTimer({"a": 2.0, "b": 1.0}), Budget(100, 0), 2)
+        choose("k-off", "ab", _runs("a", "b"), FakeTimer({"a": 2.0, "b": 1.0}), Budget(0, 100, 0), 2)
     with config.override(cache_dir=str(tmp_path)):
         assert DiskCache().get("tuning", "k-off") is None
 
@@ -149,7 +156,7 @@ def test_max_autotune_through_the_interpreter_tunes_and_matches_eager(tmp_path):
         "heuristics": "tune.min_bytes=1,tune.max_candidates=3",
         "autotune_min_s": 60.0,
     }
-    x, w = torch.randn(24, 40), torch.randn(40)
+    x, w = torch.randn(8, 24), torch.randn(24)
     with config.override(**options):  # torch.compile takes a mode or options, not both
         compiled = torch.compile(f, backend="ember", mode="max-autotune-no-cudagraphs")
         torch.testing.assert_close(compiled(x, w), f(x, w), rtol=1e-5, atol=1e-5)
@@ -158,3 +165,22 @@ def test_max_autotune_through_the_interpreter_tunes_and_matches_eager(tmp_path):
         for key in keys:
             seconds = json.loads(DiskCache().get("tuning", key)["timings.json"])["seconds"]
             assert len(seconds) >= 2 and all(s is not None and s > 0 for s in seconds), seconds
+
+
+def test_gemm_choices_share_the_budget(tmp_path):
+    # gemm=auto's measurements (one per shape class) start only while the graph's tuning budget
+    # lasts; a shape measured before is read from the cache whatever the budget.
+    from ember.backends.gemm_tuning import _cache_key, measure
+    from ember.schedule.gemm import GemmProblem
+
+    def no_loading(source):
+        raise AssertionError("no budget left: nothing is compiled")
+
+    problem = GemmProblem(1, 512, 256, 128, torch.float16, "row", "row", "cuda:0")
+    spent = Budget(0.0, 1.0, 0.0, spent=1.0)
+    timer = FakeTimer({})
+    with config.override(cache_dir=str(tmp_path)):
+        assert measure(problem, torch.device("cuda", 0), TRITON, no_loading, lambda: (timer, spent)) is None
+        timings = {"aten": 1e-4, "configs": [], "seconds": 1.5}
+        DiskCache().put("gemm", _cache_key(problem, TRITON), {"timings.json": json.dumps(timings).encode()})
+        assert measure(problem, torch.device("cuda", 0), TRITON, no_loading, lambda: (timer, spent)) == timings
