@@ -49,8 +49,15 @@ def _run_step(env: dict, *args: str) -> dict:
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stderr[-2000:]
-    assert "did not load" not in proc.stderr, proc.stderr[-2000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return {**json.loads(lines[-1][len("RESULT ") :]), "stderr": proc.stderr}
+
+
+def _assert_eager(result: dict) -> None:
+    model, x = _model_and_input()
+    ref = model(x)
+    ref.sum().backward()
+    torch.testing.assert_close(torch.tensor(result["out"]), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(result["grad"]), model[0].weight.grad, rtol=1e-5, atol=1e-5)
 
 
 def _env(root: Path) -> dict:
@@ -77,10 +84,17 @@ def exported(tmp_path_factory) -> Path:
             summary = ember.save_cache(str(path))
     finally:
         torch._dynamo.reset()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = torch_dir or ""
+        _restore("TORCHINDUCTOR_CACHE_DIR", torch_dir)
     assert summary.entries >= 4 and path.read_bytes().startswith(MAGIC)
     assert len(read_cache_file(path)[0]["aot_files"]) == 1  # AOTAutograd's entry of the step
     return path
+
+
+def _restore(var: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
 
 
 def _model_and_input():
@@ -93,13 +107,9 @@ def test_a_fresh_process_that_imports_the_file_compiles_nothing_and_matches_eage
     result = _run_step(_env(tmp_path), str(exported))
     assert result["counted"].get("cpp_builds", 0) == 0, result["counted"]
     # AOTAutograd's entries came with the file, vouched for: tracing is skipped too.
-    assert result["aot_hits"] == 1, result
+    assert result["aot_hits"] == 1 and "did not load" not in result["stderr"], result
     assert result["stages"] and all("cached schedule" in stages for stages in result["stages"]), result["stages"]
-    model, x = _model_and_input()
-    ref = model(x)
-    ref.sum().backward()
-    torch.testing.assert_close(torch.tensor(result["out"]), ref.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.tensor(result["grad"]), model[0].weight.grad, rtol=1e-5, atol=1e-5)
+    _assert_eager(result)
 
 
 def _rewritten(data: bytes, edit) -> bytes:
@@ -153,3 +163,35 @@ def test_a_damaged_or_foreign_file_is_refused_and_imports_nothing(exported, tmp_
     with ember.config.override(cache_dir=str(tmp_path / "cache")):
         assert main(["cache", "import", str(bad)]) == 1
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_aotautograd_entry_no_voucher_names_is_not_loaded(exported, tmp_path):
+    """A file whose vouchers were taken out (its checksum made right again): its AOTAutograd entry
+    is found under the adopted name, but neither signed with this cache's key nor vouched for, so
+    ember refuses it before unpickling and compiles the graph anew (from the imported schedule)."""
+
+    def drop_vouchers(header):
+        header["entries"] = [e for e in header["entries"] if e["kind"] != "vouch"]
+
+    crafted = tmp_path / "unvouched.bin"
+    crafted.write_bytes(_rewritten(exported.read_bytes(), drop_vouchers))
+    torch_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "torch")
+    torch._dynamo.reset()
+    try:
+        with ember.config.override(cache_dir=str(tmp_path / "ember"), backend="cpp", strict=True):
+            ember.load_cache(str(crafted))
+            before = ember.stats.snapshot()
+            model, x = _model_and_input()
+            with pytest.warns(UserWarning, match="from AOTAutograd's cache did not load.*does not match ember's key"):
+                out = torch.compile(model, backend="ember")(x)
+            out.sum().backward()
+            assert ember.stats.delta(before).get("cpp_builds", 0) == 0  # the imported libraries
+    finally:
+        torch._dynamo.reset()
+        _restore("TORCHINDUCTOR_CACHE_DIR", torch_dir)
+    ref_model, ref_x = _model_and_input()
+    ref = ref_model(ref_x)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[0].weight.grad, ref_model[0].weight.grad, rtol=1e-5, atol=1e-5)
