@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("script", help="a Python file")
     p.add_argument("--function", help="the function or nn.Module of the script to compile, run and time")
     p.add_argument("--html", help="write the report as one self-contained HTML page to this file")
+    p.add_argument(
+        "--html-layers", help="the layers the page holds, comma-separated (e.g. Triton,PTX,SASS; default: all)"
+    )
     p.add_argument("--layers", choices=["none", "machine", "all"], default="none", help="print kernel code layers")
     p.add_argument("--no-measure", action="store_true", help="do not time the kernels")
     p.add_argument("--calls", type=int, default=10, help="steps timed (default 10)")
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.html:
         from ember.tools.explain_html import write_html
 
-        write_html(explanation, args.html)
+        write_html(explanation, args.html, args.html_layers.split(",") if args.html_layers else None)
         print(f"wrote {args.html}")
     return 0
 

@@ -9,6 +9,7 @@ against the measured copy bandwidth and matmul rate; each point links to its ker
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import html
 import math
@@ -55,11 +56,12 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def write_html(e: Explanation, path: str | Path) -> None:
-    Path(path).write_text(render_html(e), encoding="utf-8")
+def write_html(e: Explanation, path: str | Path, layers: list[str] | None = None) -> None:
+    Path(path).write_text(render_html(e, layers), encoding="utf-8")
 
 
-def render_html(e: Explanation) -> str:
+def render_html(e: Explanation, only: list[str] | None = None) -> str:
+    """The page; `only`: the layers to include (by name, e.g. ["Triton", "PTX", "SASS"]; None: every one)."""
     measured = {(m.graph_index, m.name): m for m in e.measured if m.kind == "kernel"}
     nav = ['<a href="#top">summary</a>', '<a href="#roofline">roofline</a>', '<a href="#breaks">graph breaks</a>']
     body = [f'<h1 id="top">ember explain {_e(e.title)}</h1>', _summary(e)]
@@ -83,7 +85,10 @@ def render_html(e: Explanation) -> str:
         layers = e.layers.get(gi, {})
         for k in g.kernels:
             nav.append(f'<a href="#{_kid(gi, k.name)}">&nbsp;&nbsp;{_e(k.name)}</a>')
-            body.append(_kernel_section(g, gi, k, layers.get(k.name), measured.get((gi, k.name)), e))
+            kl = layers.get(k.name)
+            if kl is not None and only is not None:
+                kl = dataclasses.replace(kl, layers={n: t for n, t in kl.layers.items() if n in only})
+            body.append(_kernel_section(g, gi, k, kl, measured.get((gi, k.name)), e))
         if g.externs:
             body.append("<h3>externs (ATen calls)</h3><ul>")
             for x, where in zip(g.externs, g.extern_lines or [""] * len(g.externs)):

@@ -13,7 +13,7 @@ import torch
 
 from ember.tools.browser import Chromium, find_chromium
 from ember.tools.explain import explain_all
-from ember.tools.explain_html import write_html
+from ember.tools.explain_html import render_html, write_html
 
 
 class _Block(torch.nn.Module):
@@ -84,6 +84,8 @@ def test_layer_tabs_switch(page):
     assert shown() == ["x86 assembly"]
     text = browser.evaluate(f'document.querySelector(\'pre.layer[data-k="k-0-{name}"][data-i="1"]\').textContent')
     assert f"{name}:" in text and "ret" in text
+    only = render_html(e, ["x86 assembly"])
+    assert 'data-layer="x86 assembly"' in only and 'data-layer="C++"' not in only
 
 
 def test_roofline_plot_renders(page):
