@@ -159,7 +159,8 @@ def collecting() -> Iterator[ExplainReport]:
         yield report
     finally:
         with _lock:
-            _collectors.remove(report)
+            # By identity: nested collectors hold equal reports (the same graphs), and list.remove would take the outer one.
+            _collectors[:] = [r for r in _collectors if r is not report]
 
 
 def publish(graph_report: GraphReport) -> None:
