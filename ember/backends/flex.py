@@ -179,10 +179,12 @@ def _like_query(q: torch.Tensor, dv: int) -> torch.Tensor:
 
 
 def _compile_cpp(source: str, target: Target):
-    from ember.backends.cpp import FLAGS, ToolchainError, load_library, toolchain_identity
+    from ember.backends.cpp import FLAGS, ToolchainError, load_library, toolchain_identity, vector_math
 
     cxx = config.get("cxx")
-    key = content_key("cpp", source, target=target.key(), toolchain=(toolchain_identity(cxx), FLAGS))
+    declarations, link = vector_math()  # libmvec's vector exp for the `omp simd` loops
+    source = source.replace("#include <cstring>\n", "#include <cstring>\n" + declarations, 1)
+    key = content_key("cpp", source, target=target.key(), toolchain=(toolchain_identity(cxx), FLAGS, link))
     cache = DiskCache()
     hit = cache.get("cpp", key)
     if hit is not None:
@@ -194,7 +196,11 @@ def _compile_cpp(source: str, target: Target):
             src.write_text(source)
             try:
                 proc = subprocess.run(
-                    [cxx, *FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=600, check=False
+                    [cxx, *FLAGS, str(src), "-o", str(out), *link],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=False,
                 )
             except (OSError, subprocess.SubprocessError) as e:
                 raise ToolchainError(f"{cxx} failed to run: {e}") from None

@@ -83,7 +83,8 @@ def render_flex_cpp(spec: FlexSpec, name: str, block_m: int, block_n: int) -> st
     bufs = "\n    ".join(buf_lines)
     return f"""
 {CPP_HELPERS}
-extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
+template <bool UNIT>
+static void {name}_body(void* const* ptrs, const int64_t* p) {{
     typedef {w} W;
     const {t}* __restrict__ Q = (const {t}*)ptrs[0];
     const {t}* __restrict__ K = (const {t}*)ptrs[1];
@@ -96,6 +97,8 @@ extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
     {full_ptrs}
     {bufs}
     {unpack}
+    // Unit strides along the head dims (the common layout) as constants, so those loops vectorize.
+    const int64_t sqd_ = UNIT ? 1 : sqd, skd_ = UNIT ? 1 : skd, svd_ = UNIT ? 1 : svd, sod_ = UNIT ? 1 : sod;
     constexpr int64_t QB = {spec.q_block}LL, KB = {spec.kv_block}LL, D = {spec.head_dim}, DV = {spec.value_dim};
     constexpr int64_t BM = {block_m}, BN = {block_n};  // rows per task, keys per step (powers of two)
     const W scale = (W){spec.scale!r};
@@ -107,33 +110,47 @@ extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
     for (int64_t tile = 0; tile < ntiles; tile++) {{
         const int64_t hk = h / G, sb = b % SB, sh = h % SH, qb = tile * BM / QB, m0 = tile * BM;
         const int64_t rows = std::min(BM, M - m0);
-        W acc[BM * DV], mrow[BM], lrow[BM], s[BN], qrow[D];
+        W acc[BM * DV], mrow[BM], lrow[BM], s[BN], qrow[D], kt[D * BN];
         for (int64_t i = 0; i < rows; i++) {{ mrow[i] = -INFINITY; lrow[i] = 0; }}
         for (int64_t i = 0; i < rows * DV; i++) acc[i] = 0;
         const int32_t bi = (int32_t)b, hi = (int32_t)h;
         auto step = [&](int64_t n0, int64_t n1, bool full) {{
+            // The step's keys transposed (kt[d][j]): each row's scores are then FMAs along j, in vectors.
+            const int64_t cnt = n1 - n0;
+            for (int64_t j = 0; j < cnt; j++) {{
+                const {t}* kp = K + b * skb + hk * skh + (n0 + j) * skn;
+                for (int64_t d = 0; d < D; d++) kt[d * BN + j] = {_load_scalar(spec.dtype, "kp[d * skd_]")};
+            }}
             for (int64_t i = 0; i < rows; i++) {{
                 const int64_t qpos = m0 + i;
                 const int32_t qi = (int32_t)qpos;
                 const {t}* qp = Q + b * sqb + h * sqh + qpos * sqm;
-                for (int64_t d = 0; d < D; d++) qrow[d] = {_load_scalar(spec.dtype, "qp[d * sqd]")};
-                W mx = -INFINITY;
-                for (int64_t n = n0; n < n1; n++) {{
-                    const {t}* kp = K + b * skb + hk * skh + n * skn;
-                    W dot = 0;
-                    #pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < D; d++) dot += qrow[d] * {_load_scalar(spec.dtype, "kp[d * skd]")};
-                    const int32_t ki = (int32_t)n;
-                    W sc = dot * scale;
+                for (int64_t d = 0; d < D; d++) qrow[d] = {_load_scalar(spec.dtype, "qp[d * sqd_]")};
+                #pragma omp simd
+                for (int64_t j = 0; j < cnt; j++) s[j] = 0;
+                for (int64_t d = 0; d < D; d++) {{
+                    const W qd = qrow[d];
+                    const W* kr = kt + d * BN;
+                    #pragma omp simd
+                    for (int64_t j = 0; j < cnt; j++) s[j] += qd * kr[j];
+                }}
+                #pragma omp simd
+                for (int64_t j = 0; j < cnt; j++) s[j] *= scale;
+                #pragma omp simd
+                for (int64_t j = 0; j < cnt; j++) {{
+                    const int32_t ki = (int32_t)(n0 + j);
+                    const W sc = s[j];
                     {score_code}
                     W val = {score_result};
                     if (!full) {{
                     {mask_code}
-                    if (!({mask_result})) val = -INFINITY;
+                    val = ({mask_result}) ? val : (W)-INFINITY;
                     }}
-                    s[n - n0] = val;
-                    mx = mx < val ? val : mx;
+                    s[j] = val;
                 }}
+                W mx = -INFINITY;
+                #pragma omp simd reduction(max : mx)
+                for (int64_t j = 0; j < cnt; j++) mx = mx < s[j] ? s[j] : mx;
                 const W mnew = mrow[i] < mx ? mx : mrow[i];
                 if (mnew == -INFINITY) continue;
                 const W alpha = std::exp(mrow[i] - mnew);
@@ -143,13 +160,19 @@ extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
                     #pragma omp simd
                     for (int64_t d = 0; d < DV; d++) a[d] *= alpha;
                 }}
-                for (int64_t n = n0; n < n1; n++) {{
-                    const W pr = std::exp(s[n - n0] - mnew);
+                W total = 0;
+                #pragma omp simd reduction(+ : total)
+                for (int64_t j = 0; j < cnt; j++) {{
+                    s[j] = std::exp(s[j] - mnew);
+                    total += s[j];
+                }}
+                lrow[i] += total;
+                for (int64_t j = 0; j < cnt; j++) {{
+                    const W pr = s[j];
                     if (pr == 0) continue;
-                    lrow[i] += pr;
-                    const {t}* vp = V + b * svb + hk * svh + n * svn;
+                    const {t}* vp = V + b * svb + hk * svh + (n0 + j) * svn;
                     #pragma omp simd
-                    for (int64_t d = 0; d < DV; d++) a[d] += pr * {_load_scalar(spec.dtype, "vp[d * svd]")};
+                    for (int64_t d = 0; d < DV; d++) a[d] += pr * {_load_scalar(spec.dtype, "vp[d * svd_]")};
                 }}
                 mrow[i] = mnew;
             }}
@@ -167,14 +190,24 @@ extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
             const W l = lrow[i];
             const W inv = l > 0 ? (W)1 / l : (W)0;
             {t}* op = O + b * sob + h * soh + qpos * som;
-            for (int64_t d = 0; d < DV; d++) op[d * sod] = {_store("acc[i * DV + d] * inv", spec.dtype)};
+            for (int64_t d = 0; d < DV; d++) op[d * sod_] = {_store("acc[i * DV + d] * inv", spec.dtype)};
             const int64_t r = (b * H + h) * M + qpos;
             LSE[r] = l > 0 ? (mrow[i] + std::log(l)) / LN2 : (W)-INFINITY;
             MAX[r] = mrow[i] / LN2;
         }}
     }}
 }}
+
+extern "C" void {name}(void* const* ptrs, const int64_t* p) {{
+    const int64_t unit = p[{_index("sqd")}] == 1 && p[{_index("skd")}] == 1 && p[{_index("svd")}] == 1 && p[{_index("sod")}] == 1;
+    if (unit) {name}_body<true>(ptrs, p);
+    else {name}_body<false>(ptrs, p);
+}}
 """
+
+
+def _index(name: str) -> int:
+    return PARAMS.index(name)
 
 
 def _store(expr: str, dtype) -> str:
