@@ -117,11 +117,11 @@ def _report_schedule(report: GraphReport, sched, backend: Backend, target: Targe
                 None if flops is None else int(flops),
                 None if seconds is None else seconds * 1e6,
                 bound(cost, target),
-                _lines(report, k.fx_nodes),
+                _lines(report, getattr(k, "fx_nodes", [])),
             )
         )
     report.externs = [n.origin for n in sched.externs]
-    report.extern_lines = [(_lines(report, [n.fx_node]) or [""])[0] for n in sched.externs]
+    report.extern_lines = [(_lines(report, [getattr(n, "fx_node", "")]) or [""])[0] for n in sched.externs]
     report.fusion = [FusionReport(d.consumer, d.producer, d.accepted, d.reason, d.saved_bytes) for d in sched.decisions]
     report.memory = str(sched.memory)
     report.peak_bytes, report.eager_peak_bytes = sched.memory.peak_bytes, sched.memory.eager_peak_bytes
