@@ -44,6 +44,10 @@ def test_fsdp2_step_checked_timed_and_profiled(world_of_one, tmp_path):
     assert "| fsdp2 | ember |" in table and "pass (15 tensors)" in table, table
     assert json.loads((tmp_path / "distributed.json").read_text())["records"][0]["wrapper"] == "fsdp2"
     assert (tmp_path / "timeline-fsdp2.png").exists() or "matplotlib is not installed" in table
+    # Against itself as the baseline: 100% scaling from one process.
+    distributed._write(env, [record], str(tmp_path / "again"), [], baseline=str(tmp_path / "distributed.json"))
+    table = (tmp_path / "again" / "distributed.md").read_text()
+    assert "scaling from 1 |" in table and table.count(" 100% |") == 2, table
 
 
 def test_unknown_wrapper_is_refused():

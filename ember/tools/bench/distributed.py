@@ -48,6 +48,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, or 2 on the CPU)")
     p.add_argument("--dist-workload", default=None, help=f"{', '.join(WORKLOADS)} (default: gpt2 on GPUs, else tiny)")
     p.add_argument("--dist-compilers", default=",".join(COMPILERS[1:]), help="beside eager: inductor, ember")
+    p.add_argument(
+        "--dist-baseline",
+        default=None,
+        help="distributed.json of a run on fewer processes, same per-rank batch: adds each row's scaling efficiency",
+    )
     p.add_argument("--fsdp-compile", default="blocks", choices=["blocks", "whole"], help="FSDP2: what is compiled")
     p.add_argument("--dist-steps", type=int, default=10, help="timed steps")
     p.add_argument("--dist-warmup", type=int, default=3, help="steps before timing (the first compiles)")
@@ -290,11 +295,13 @@ def markdown(env: dict, records: list[dict], command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        (
-            "| wrapper | compiler | step ms | vs eager | vs Inductor | first step s | float64 rule | comm ms "
-            "| hidden under compute | exposed comm ms |"
-        ),
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    scaled = {c["scaling"]["from"] for r in records for c in r["compilers"].values() if c.get("scaling")}
+    extra = "".join(f" scaling from {n} |" for n in sorted(scaled))
+    lines += [
+        "| wrapper | compiler | step ms | vs eager | vs Inductor | first step s | float64 rule | comm ms "
+        "| hidden under compute | exposed comm ms |" + extra,
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|" + "---:|" * len(scaled),
     ]
     for r in records:
         eager = r["compilers"].get("eager", {}).get("ms")
@@ -313,8 +320,14 @@ def markdown(env: dict, records: list[dict], command: str) -> str:
                 f"| {r['wrapper']} | {comp} | {c['ms']:.2f} | {_ratio(eager, c['ms'])} | {_ratio(inductor, c['ms'])} "
                 f"| {c['first_step_s']:.1f} | {verdict} | {ov.get('comm_ms', 0):.2f} "
                 f"| {'n/a' if hidden is None else f'{hidden:.0%}'} | {ov.get('exposed_comm_ms', 0):.2f} |"
+                + (f" {c['scaling']['efficiency']:.0%} |" if c.get("scaling") else " |" * len(scaled))
             )
     lines += ["", "vs eager / vs Inductor: their step time over this row's (above 1: this row is faster)."]
+    if scaled:
+        lines.append(
+            "Scaling from N: the same wrapper and compiler's step time on N processes (same per-rank batch) over "
+            "this row's; 100% is perfect weak scaling."
+        )
     failed = [f"{r['wrapper']}/{c}: {v['accuracy']['failed']}" for r in records for c, v in r["compilers"].items()]
     failed = [f for f in failed if not f.endswith(": []")]
     if failed:
@@ -339,15 +352,30 @@ def worker(args: argparse.Namespace, argv: list[str]) -> int:
         env = environment(workload, device, args)
         records = [run_wrapper(workload, w.strip(), compilers, args, device) for w in args.distributed.split(",")]
         if dist.get_rank() == 0:
-            _write(env, records, args.out or ".", argv)
+            _write(env, records, args.out or ".", argv, args.dist_baseline)
     finally:
         dist.destroy_process_group()
     bad = [c for r in records for c in r["compilers"].values() if c.get("status") != "pass"]
     return 1 if bad else 0
 
 
-def _write(env: dict, records: list[dict], out: str, argv: list[str]) -> None:
+def add_scaling(records: list[dict], baseline_path: str) -> None:
+    """Each entry's scaling efficiency against the same wrapper and compiler in a run on fewer processes."""
+    with open(baseline_path) as f:
+        base = json.load(f)
+    procs = base["env"]["world_size"]
+    times = {(r["wrapper"], comp): c.get("ms") for r in base["records"] for comp, c in r["compilers"].items()}
+    for r in records:
+        for comp, c in r["compilers"].items():
+            before = times.get((r["wrapper"], comp))
+            if before and c.get("ms"):
+                c["scaling"] = {"from": procs, "baseline_ms": before, "efficiency": before / c["ms"]}
+
+
+def _write(env: dict, records: list[dict], out: str, argv: list[str], baseline: str | None = None) -> None:
     os.makedirs(out, exist_ok=True)
+    if baseline:
+        add_scaling(records, baseline)
     command = "ember bench " + " ".join([*_without(argv, "--out"), f"--nproc {env['world_size']}"])
     notes = []
     for r in records:
