@@ -149,3 +149,27 @@ def test_flex_attention_backward_triton_interpreted(name):
     assert "flex_attention_backward_kernel" in hosts, f"the backward ran as PyTorch's op\n{line}"
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
+
+
+def test_flex_attention_function_ember_cannot_map_runs_as_pytorch_op():
+    """A score_mod using an op the tracer has no mapping for keeps PyTorch's op for that call, with one
+    warning naming the op; the graph still compiles and the answer is eager's."""
+
+    def signed(s, b, h, q, kv):
+        return s + torch.sign(s) * 0.1
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=signed)
+
+    line = repro(case="sign score_mod", backend="cpp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = fn(q, k, v)
+        with reports() as report:
+            got = ember_compile(fn, "cpp")(q, k, v)
+    assert_no_fallback(report, line)
+    notes = [str(w.message) for w in caught if "flex_attention runs as PyTorch's op" in str(w.message)]
+    assert len(notes) == 1 and "sign" in notes[0], f"{notes}\n{line}"
+    assert_close(got, want, rtol=1e-5, atol=1e-6, what="out", line=line)
