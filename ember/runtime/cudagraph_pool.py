@@ -92,15 +92,29 @@ class Recording:
     addresses: list[int] = field(default_factory=list)
     strides: list[tuple[int, tuple]] = field(default_factory=list)
     live: list[StorageWeakRef] = field(default_factory=list)  # this step's outputs
+    # Every storage ever handed out that is still alive, of this step or an earlier one: the recording's
+    # memory is released only when none is left (a stale output may not yet be invalidated).
+    given: list[StorageWeakRef] = field(default_factory=list)
+    released: bool = False
 
     def held(self) -> bool:
         return any(not ref.expired() for ref in self.live)
+
+    def any_given_alive(self) -> bool:
+        self.given = [ref for ref in self.given if not ref.expired()]
+        return bool(self.given)
+
+    def release(self) -> None:
+        """Drop the graph, its copy buffers and its outputs' memory (back to the pool): it never replays again."""
+        self.graph, self.inputs, self.outputs, self.copy_in = None, [], [], []
+        self.live, self.given, self.released = [], [], True
 
     def hand_out(self, device: torch.device) -> list:
         """The outputs, on storages made for this replay: a later step invalidates these without
         touching the recording's own."""
         storages = [torch._C._construct_storage_from_data_pointer(ptr, device, nbytes) for ptr, nbytes in self.storages]
         self.live = [StorageWeakRef(s) for s in storages]
+        self.given += self.live
         out = list(self.outputs)
         for pos, number, meta in self.handed:
             out[pos] = _on_storage(storages[number], meta)
@@ -168,7 +182,25 @@ class Pool:
         self.pending_backward = False  # a forward ran whose backward has not
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
         self.stale: list[tuple[StorageWeakRef, str]] = []
+        # Recordings of graphs that were dropped or disabled, released once no output they handed out is alive.
+        self.dying: list[Recording] = []
         self.lock = threading.RLock()
+
+    def release(self, recordings: list[Recording]) -> None:
+        """The recordings of a compiled graph that is gone (or runs without CUDA graphs from now on):
+        their graphs and memory are freed now, or once the caller holds none of their outputs."""
+        with self.lock:
+            self.dying += [r for r in recordings if not r.released]
+            self._reap()
+
+    def _reap(self) -> None:
+        alive = []
+        for rec in self.dying:
+            if rec.any_given_alive():
+                alive.append(rec)
+            else:
+                rec.release()
+        self.dying = alive
 
     def run(self, fn: Graphed, args: list) -> list:
         # One call at a time: threads share the pool's step, its recordings and their buffers.
@@ -178,6 +210,8 @@ class Pool:
     def _run(self, fn: Graphed, args: list) -> list:
         if self.hands_out:
             self._maybe_begin_step()
+        if self.dying:
+            self._reap()
         key, rec = fn.find(args)
         if rec is None:
             rec = self._recording_for(fn, key, args)
@@ -245,7 +279,9 @@ class Pool:
                 _copy(inputs[-1], a, copy_in[-1][1])  # the capture sees real values (a fake recorder runs it)
             else:
                 inputs.append(a)
-        graph, outputs = self.recorder.record(lambda: fn.program(list(inputs)), inputs, self.handle)
+        # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
+        program = fn.program
+        graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
         # Static inputs are the caller's own memory: an output viewing one is the caller's (AOTAutograd remakes
         # it from the caller's tensor). A copy buffer is the recording's, which every replay writes: an output
         # viewing it (a forward's saved input, a backward's incoming gradient) is handed out like a pool output.

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -234,6 +235,9 @@ class Graphed:
         self.seen: set[tuple] = set()
         self.disabled: str | None = None
         self._held_noted = False
+        # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
+        # and memory go back to the pool; the callback holds the recordings, not this object.
+        weakref.finalize(self, _release, pool, self.recordings)
 
     def __call__(self, args: list) -> list:
         if self.disabled is not None:
@@ -269,6 +273,7 @@ class Graphed:
     def disable(self, reason: str) -> None:
         """From here on, run without CUDA graphs; one warning says why."""
         self.disabled = reason
+        self.pool.release(list(self.recordings.values()))
         self.recordings.clear()
         self.last = None
         if self.report is not None:
@@ -289,6 +294,10 @@ class Graphed:
                 "call ran without its CUDA graph (call torch.compiler.cudagraph_mark_step_begin() "
                 "between steps, or drop the outputs before calling again)",
             )
+
+
+def _release(pool: Pool, recordings: dict) -> None:
+    pool.release(list(recordings.values()))
 
 
 def graphed(

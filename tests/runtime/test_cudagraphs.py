@@ -7,6 +7,7 @@ without a GPU. Programs are compiled by the C++ backend and compared with eager 
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import types
@@ -282,6 +283,49 @@ def test_held_output_runs_without_the_graph_until_a_new_step(recorder):
     del new
     fn([x])  # same step, nothing held: replays
     assert recorder.replays == 3, line
+
+
+def test_a_dropped_graph_releases_its_recording_once_its_outputs_are_gone(recorder):
+    pool = cg.Pool(recorder, CPU)
+    fn, other = _graphed(recorder, pool), _graphed(recorder, pool, program=lambda a: [a.pop() + 1])
+    x = torch.ones(3)
+    fn([x])
+    held = fn([x])[0]  # recorded; its output is still held
+    other([x])
+    other([x])
+    rec = pool.recordings[0]
+    line = repro(program="x * 2, dropped while its output is held", rule="release")
+    del fn
+    gc.collect()
+    assert not rec.released and held.tolist() == [2.0] * 3, line  # the caller still reads its memory
+    del held
+    torch.compiler.cudagraph_mark_step_begin()
+    other([x])  # the pool's next call frees it
+    assert rec.released and rec.graph is None and not rec.outputs, line
+    assert not pool.recordings[1].released and other([x])[0].tolist() == [2.0] * 3, line
+
+
+def test_dynamo_reset_releases_a_compiled_models_recordings(recorder):
+    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(2, 8))
+    rec = cg.pool_for(recorder, CPU).recordings[0]
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert rec.released and rec.graph is None, repro(program="mlp", rule="released after torch._dynamo.reset()")
+
+
+def test_a_disabled_graph_releases_its_recordings(recorder):
+    with config.override(cudagraphs_max_graphs=1):
+        fn = _graphed(recorder)
+    fn([torch.ones(2)])
+    fn([torch.ones(2)])  # recorded
+    rec = fn.pool.recordings[0]
+    with pytest.warns(UserWarning, match="cudagraphs_max_graphs"):
+        fn([torch.ones(3)])  # a second shape past the bound: no more CUDA graphs
+    assert rec.released, repro(rule="disabled graph released")
 
 
 def test_output_of_a_later_recording_blocks_an_earlier_one(recorder):
