@@ -332,8 +332,9 @@ SETTINGS: dict[str, Setting] = {
             "autotune_budget",
             float,
             0.1,
-            "fraction of a graph's compile time, before tuning, that tuning its kernels may add (measured "
-            "or cached results cost nothing; the kernels moving the most bytes are tuned first)",
+            "fraction of a graph's own compile time so far (tuning excluded) that tuning its kernels and "
+            "GEMM shapes may add (results read from the disk cache cost nothing; the kernels moving the most "
+            "bytes are tuned first)",
             check=lambda v: v >= 0,
         ),
         Setting(
