@@ -109,6 +109,12 @@ def test_ceilings_and_compile_times(records):
     assert {"import", "schedule", "build", "host"} <= set(stages), stages
     assert 0 < sum(stages.values()) <= compiles[0]["compilers"]["ember"]["cold"]["first_step_s"], stages
     assert compiles[0]["compilers"]["inductor"]["cold"]["ember_stages_s"] == {}
+    # Each first step split into Dynamo, AOTAutograd, the compiler and the first run (compile_stages.py).
+    for comp in COMPILERS:
+        cold = compiles[0]["compilers"][comp]["cold"]
+        top = [cold["breakdown"][k] for k in ("dynamo", "aot_autograd", "compiler", "first run")]
+        assert min(top) >= 0 and 0 < sum(top) <= cold["first_step_s"] * 1.05 + 0.05, cold["breakdown"]
+    assert compiles[0]["compilers"]["ember"]["cold"]["breakdown"]["ember: build"] > 0
 
 
 def test_rerender_from_jsonl(run_dir, tmp_path):
