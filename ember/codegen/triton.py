@@ -617,23 +617,35 @@ def render_triton(kernel: Kernel, target: Target, launch: LaunchConfig | None = 
 
 def narrow_guard(kernel: Kernel, limit: int) -> tuple:
     """The symbolic extents a kernel indexes: its loop domain and each buffer's (1 + the sum of
-    (size - 1) * stride), one of each set that differ by a constant factor (the largest), all of
+    (size - 1) * stride), and each symbolic stride (a stride of a size-1 dim is in no extent, yet
+    passed as a 32-bit size), one of each set that differ by a constant factor (the largest), all of
     which must stay below `limit` for 32-bit index math to hold. () for a kernel of static sizes,
     or one with a static extent of `limit` or more (it keeps 64-bit math)."""
     extents = [product(kernel.loop_sizes)]
     for v in list(kernel.reads) + list(kernel.writes):
-        extents.append(1 + sum(((n - 1) * st for n, st in zip(v.shape, layout_of(v))), sympy.Integer(0)))
+        layout = layout_of(v)
+        extents.append(1 + sum(((n - 1) * st for n, st in zip(v.shape, layout)), sympy.Integer(0)))
+        extents += [st for st in layout if not sympy.sympify(st).is_Integer]
     kept: list = []
     for e in (sympy.expand(e) for e in extents):
         if e.is_Integer:
             if int(e) >= limit:
                 return ()
             continue
-        for i, other in enumerate(kept):
-            ratio = sympy.simplify(e / other)
-            if ratio.is_number:
-                kept[i] = e if ratio > 1 else other
-                break
-        else:
-            kept.append(e)
+        if any(_at_least(other / e) for other in kept):
+            continue  # another term is as large at every size
+        kept = [other for other in kept if not _at_least(e / other)] + [e]
     return tuple(kept)
+
+
+def _at_least(ratio) -> bool:
+    """Whether a ratio of two extents is at least 1 at every size of 1 or more: a number of at least 1,
+    or such a number times a product of size symbols (768 * s0 * s1 over 768 * s0 is s1)."""
+    ratio = sympy.simplify(ratio)
+    coeff, rest = ratio.as_coeff_Mul()
+    if not coeff.is_number or coeff < 1:
+        return False
+    return all(
+        f == 1 or f.is_Symbol or (f.is_Pow and f.base.is_Symbol and f.exp.is_Integer and f.exp > 0)
+        for f in sympy.Mul.make_args(rest)
+    )
