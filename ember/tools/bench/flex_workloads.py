@@ -1,10 +1,10 @@
-"""FlexAttention workloads for `ember bench` (group `attention`): one attention call a step, bf16,
+"""FlexAttention workloads for `ember bench` (group `flex`): one attention call a step, bf16,
 [B, H, S, D] query, key and value; each compiler compiles the same `flex_attention` program, and
-`sdpa_causal` is the same shapes through F.scaled_dot_product_attention (the fastest fused kernel
-PyTorch picks on the machine), the bar for plain causal attention.
+`flex_sdpa_causal` is the same shapes through F.scaled_dot_product_attention (the fastest fused
+kernel PyTorch picks on the machine), the bar for plain causal attention.
 
-    ember bench --workloads attention                      # every row, inference and training
-    ember bench --workloads flex_causal,sdpa_causal --modes inference
+    ember bench --workloads flex                            # every row, inference and training
+    ember bench --workloads flex_causal,flex_sdpa_causal --modes inference
 
 The size is a tuple (B, H, S, D); the BlockMask, tables and document ids are built with the inputs.
 """
@@ -109,8 +109,8 @@ PROGRAMS = {
     "flex_alibi": (_program(score_mod=_alibi), SIZES),
     "flex_document": (_program(mask_mod=_documents), SIZES),
     "flex_relative": (_program(score_mod=_relative, mask_mod=lambda size, device: _causal), SIZES),
-    "sdpa_causal": (_sdpa_causal, SIZES),
-    "sdpa_causal_d128": (_sdpa_causal, SIZES_WIDE),
+    "flex_sdpa_causal": (_sdpa_causal, SIZES),
+    "flex_sdpa_causal_d128": (_sdpa_causal, SIZES_WIDE),
 }
 
 

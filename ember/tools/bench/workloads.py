@@ -227,9 +227,7 @@ def _optimizer_workloads() -> list[Workload]:
 def _attention_workloads() -> list[Workload]:
     """FlexAttention programs and SDPA at the same shapes (flex_workloads.py)."""
     return [
-        Workload(
-            name, "attention", "bf16", sizes, build, modes=("inference", "train"), describe=flex_workloads.describe
-        )
+        Workload(name, "flex", "bf16", sizes, build, modes=("inference", "train"), describe=flex_workloads.describe)
         for name, (build, sizes) in flex_workloads.PROGRAMS.items()
     ]
 
@@ -421,7 +419,7 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-GROUPS = ("micro", "model", "host", "optim", "attention")
+GROUPS = ("micro", "model", "host", "optim", "flex")
 
 
 @dataclass(frozen=True)
