@@ -273,8 +273,14 @@ def tune_launches(
 
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
-            best, timings = choose(key, candidates, prepare, timer, budget, h.min_gain_percent)
+        try:
+            with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
+                best, timings = choose(key, candidates, prepare, timer, budget, h.min_gain_percent)
+        except Exception as e:  # tuning is an optimization: the heuristic's launch stays (strict: raise)
+            if config.get("strict"):
+                raise
+            log.artifact("cache", "autotune", f"{k.name}: not tuned ({type(e).__name__}: {e})"[:300])
+            continue
         if timings is not None:
             log.artifact(
                 "cache", "autotune", f"{k.name}: {candidates[best]} of {len(candidates)}: {timings['seconds']}"
@@ -289,7 +295,9 @@ def _static(r: TritonKernelSource) -> bool:
         _sizes(r)
     except TypeError:
         return False
-    return all(sympy.sympify(s).is_Integer for p in r.params if p.kind == "buffer" for s in p.value.shape)
+    return all(
+        sympy.sympify(s).is_Integer for p in r.params if p.kind == "buffer" for s in (*p.value.shape, *_layout(p.value))
+    )
 
 
 def _prepare(
