@@ -3,7 +3,8 @@ then its neighbours, each changing one of its numbers by a factor of two (a coor
 Inductor's coordinate-descent tuning takes), nearest first.
 
 Which numbers vary, how far, and how many candidates there are at most are the target's data
-(target.heuristics.tune). A candidate keeps what the kernel's form fixes: a row held whole keeps
+(target.heuristics.tune); a candidate that would leave some of the target's SMs idle where the
+heuristic's does not is pruned before anything is compiled. A candidate keeps what the kernel's form fixes: a row held whole keeps
 its RBLOCK (the whole row) and a row kernel that also sums columns its rows per program (the
 schedule sized its partial sums for them); blocks stay powers of two within the kernel's extent.
 Measuring is the backend's (backends/launch_tuning.py).
@@ -56,8 +57,15 @@ def launch_candidates(kernel: Kernel, target: Target) -> list[LaunchConfig]:
         for stages in range(2, h.max_loop_stages + 1):
             if stages != base.loop_stages:
                 moves.append(replace(base, loop_stages=stages))
+    # Pruned by a cost model's first rule before anything is compiled: a candidate with fewer
+    # programs than the target has SMs (and than the heuristic's) leaves SMs idle.
+    fill = min(_programs(base, xnumel), target.sm_count)
     out = [base]
     for c in moves:
-        if c not in out and c.xblock * max(c.rblock, 1) <= h.max_block_elements:
+        if c not in out and c.xblock * max(c.rblock, 1) <= h.max_block_elements and _programs(c, xnumel) >= fill:
             out.append(c)
     return out[: h.max_candidates]
+
+
+def _programs(c: LaunchConfig, xnumel: int) -> int:
+    return -(-xnumel // (c.rows_per_program or c.xblock))

@@ -59,6 +59,13 @@ def test_candidates_are_the_heuristics_choice_then_its_neighbours():
         changed = [f.name for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(base, f.name)]
         assert len(changed) == 1 and changed[0] in ("xblock", "num_warps"), (c, base)
         assert c.rblock == base.rblock and c.persistent
+
+    # 256 rows of 1024: the heuristic's row a program makes 256 programs; two rows would make 128,
+    # fewer than an H100's 132 SMs, which is no candidate there, but is on a GPU of 8 SMs.
+    k256 = _softmax_kernel(256, 1024)
+    assert launch_config(k256, TRITON).xblock == 1
+    assert 2 not in [c.xblock for c in launch_candidates(k256, TRITON)]
+    assert 2 in [c.xblock for c in launch_candidates(k256, dataclasses.replace(TRITON, sm_count=8))]
     fewer = dataclasses.replace(TRITON, heuristics=TRITON.heuristics.tuned("tune.max_candidates=2"))
     assert launch_candidates(k, fewer) == cands[:2]
     # A row walked in chunks: its step and its loop's pipelining stages vary too.
