@@ -4,10 +4,10 @@ From the events of one profiled step:
 
 - communication: on a GPU, the NCCL kernels (`ncclDevKernel_*`, `ncclKernel_*`); on the CPU, gloo's
   work as its own threads record it (`gloo:all_reduce`, ...);
-- compute: on a GPU, every other kernel and copy; on the CPU, the innermost operator events of the
-  other threads (not waits or c10d calls). A compiled graph's own CPU kernels are not profiler
-  events, so on the CPU compute is undercounted for Inductor and ember and their figure is a lower
-  bound: read the GPU's.
+- compute: on a GPU, every other kernel and copy; on the CPU, the ATen operator events of the other
+  threads (not waits or c10d calls). A compiled graph's own CPU kernels are not profiler events, so
+  on the CPU compute is undercounted for Inductor and ember (only their ATen calls, such as matrix
+  products, count) and their figure is a lower bound: read the GPU's.
 
 The hidden fraction is the time during which both run, over the time communication runs (each side
 first merged into disjoint intervals). `timeline_png` draws one step per compiler: a compute lane
@@ -69,8 +69,8 @@ def lanes(events, cuda: bool) -> dict[str, list[Interval]]:
         span = (e.time_range.start, e.time_range.end)
         if e.name.startswith("gloo:"):
             comm.append(span)
-        elif e.thread not in comm_threads and not e.cpu_children and not any(w in e.name for w in _COMM_WORDS):
-            compute.append(span)
+        elif e.thread not in comm_threads and e.name.startswith("aten::") and not any(w in e.name for w in _COMM_WORDS):
+            compute.append(span)  # nested operators overlap their callers: the union counts each moment once
     return {"compute": compute, "comm": comm}
 
 
