@@ -77,6 +77,8 @@ class FlexKernel:
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
+        q_block, kv_block = (spec.q_block, spec.kv_block) if spec.q_block else (int(rest[-2]), int(rest[-1]))
+        rest = rest if spec.q_block else rest[:-2]
         full = rest[:2] if spec.has_full_blocks else ()
         buffers = rest[2:] if spec.has_full_blocks else rest
         B, H, M, _ = q.shape
@@ -97,10 +99,10 @@ class FlexKernel:
         tensors = [q, k, v, out, lse, mx, kv_num, kv_idx, *full, *buffers]
         if self.cpp:
             ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-            params = (ctypes.c_int64 * (len(ints) + len(buf_ints)))(*ints, *buf_ints)
+            params = (ctypes.c_int64 * (len(ints) + 2 + len(buf_ints)))(*ints, q_block, kv_block, *buf_ints)
             self.fn(ptrs, params)
         else:
-            block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch)
+            block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
             grid = ((M + block_m - 1) // block_m, B * H)
             kwargs = {} if self.interpreted else {"num_warps": self.launch.warps, "num_stages": self.launch.stages}
             self.fn[grid](
@@ -108,8 +110,8 @@ class FlexKernel:
                 *ints,
                 *buf_ints,
                 spec.scale,
-                QB=spec.q_block,
-                KB=spec.kv_block,
+                QB=q_block,
+                KB=kv_block,
                 D=spec.head_dim,
                 DV=spec.value_dim,
                 D_PAD=d_pad,
@@ -159,9 +161,10 @@ class FlexBackwardKernel:
         blocks = (kv_num, kv_idx, *((full_num, full_idx) if fwd.has_full_blocks else ()))
         blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
         tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
-        block_m, block_n, d_pad, dv_pad = block_sizes(fwd, self.launch)
+        q_block, kv_block = int(block_mask[-3]), int(block_mask[-2])
+        block_m, block_n, d_pad, dv_pad = block_sizes(fwd, self.launch, q_block, kv_block)
         kwargs = {} if self.interpreted else {"num_warps": self.launch.warps, "num_stages": self.launch.stages}
-        consts = {"QB": fwd.q_block, "KB": fwd.kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
+        consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
         consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, **kwargs)
         self.dq_fn[((M + block_m - 1) // block_m, B * H)](*tensors, *ints, *buf_ints, fwd.scale, **consts)
         grid = ((N + block_n - 1) // block_n, B * k.shape[1])

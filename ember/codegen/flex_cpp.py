@@ -9,7 +9,7 @@ their state across blocks in per-task arrays. Scores compute in the spec's worki
 
 The signature is `void name(void* const* ptrs, const int64_t* p)`: `ptrs` the tensors (q, k, v,
 out, lse, max, kv_num_blocks, kv_indices, [full_kv_num_blocks, full_kv_indices], captured
-tensors), `p` the sizes and strides in `PARAMS` order, then each captured tensor's sizes and
+tensors), `p` the sizes and strides in `CPP_PARAMS` order, then each captured tensor's sizes and
 strides.
 """
 
@@ -24,6 +24,8 @@ PARAMS = [
     *("sqb", "sqh", "sqm", "sqd", "skb", "skh", "skn", "skd", "svb", "svh", "svn", "svd", "sob", "soh", "som", "sod"),
     *("snb", "snh", "snq", "sib", "sih", "siq", "sik", "sfb", "sfh", "sfq", "sjb", "sjh", "sjq", "sjk"),
 ]
+# The C++ kernel's: PARAMS, then the BlockMask's block sizes (Triton's kernel takes them as constants).
+CPP_PARAMS = [*PARAMS, "QB", "KB"]
 
 
 def _load_scalar(dtype, ptr: str) -> str:
@@ -33,12 +35,11 @@ def _load_scalar(dtype, ptr: str) -> str:
 
 
 def render_flex_cpp(spec: FlexSpec, name: str, block_m: int, block_n: int) -> str:
-    block_m, block_n = min(block_m, spec.q_block), min(block_n, spec.kv_block)
     t = CPP_TYPES[spec.dtype]
     w = CPP_TYPES[spec.work_dtype]
     n_fixed = 10 if spec.has_full_blocks else 8
     buf_lines = []
-    offset = len(PARAMS)
+    offset = len(CPP_PARAMS)
     for i, buf in enumerate(spec.buffers):
         buf_lines.append(
             f"const {CPP_TYPES[buf.dtype]}* __restrict__ buf{i} = (const {CPP_TYPES[buf.dtype]}*)ptrs[{n_fixed + i}];"
@@ -65,7 +66,7 @@ def render_flex_cpp(spec: FlexSpec, name: str, block_m: int, block_n: int) -> st
     indent = "\n" + " " * 20
     score_code = indent.join(score_lines)
     mask_code = indent.join(mask_lines)
-    unpack = "\n    ".join(f"const int64_t {n} = p[{i}];" for i, n in enumerate(PARAMS))
+    unpack = "\n    ".join(f"const int64_t {n} = p[{i}];" for i, n in enumerate(CPP_PARAMS))
     full_walk = (
         """
         {
@@ -99,17 +100,19 @@ static void {name}_body(void* const* ptrs, const int64_t* p) {{
     {unpack}
     // Unit strides along the head dims (the common layout) as constants, so those loops vectorize.
     const int64_t sqd_ = UNIT ? 1 : sqd, skd_ = UNIT ? 1 : skd, svd_ = UNIT ? 1 : svd, sod_ = UNIT ? 1 : sod;
-    constexpr int64_t QB = {spec.q_block}LL, KB = {spec.kv_block}LL, D = {spec.head_dim}, DV = {spec.value_dim};
-    constexpr int64_t BM = {block_m}, BN = {block_n};  // rows per task, keys per step (powers of two)
+    constexpr int64_t D = {spec.head_dim}, DV = {spec.value_dim};
+    constexpr int64_t BM = {block_m}, BN = {block_n};  // rows per task, keys per step: at most
+    // Within the BlockMask's blocks: the largest power of two dividing each block size, at most BM / BN.
+    const int64_t BMr = std::min<int64_t>(BM, QB & -QB), BNr = std::min<int64_t>(BN, KB & -KB);
     const W scale = (W){spec.scale!r};
     const W LN2 = (W)0.6931471805599453;
-    const int64_t ntiles = (M + BM - 1) / BM;
+    const int64_t ntiles = (M + BMr - 1) / BMr;
     #pragma omp parallel for collapse(3) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; b++)
     for (int64_t h = 0; h < H; h++)
     for (int64_t tile = 0; tile < ntiles; tile++) {{
-        const int64_t hk = h / G, sb = b % SB, sh = h % SH, qb = tile * BM / QB, m0 = tile * BM;
-        const int64_t rows = std::min(BM, M - m0);
+        const int64_t hk = h / G, sb = b % SB, sh = h % SH, qb = tile * BMr / QB, m0 = tile * BMr;
+        const int64_t rows = std::min(BMr, M - m0);
         W acc[BM * DV], mrow[BM], lrow[BM], s[BN], qrow[D], kt[D * BN];
         for (int64_t i = 0; i < rows; i++) {{ mrow[i] = -INFINITY; lrow[i] = 0; }}
         for (int64_t i = 0; i < rows * DV; i++) acc[i] = 0;
@@ -179,7 +182,7 @@ static void {name}_body(void* const* ptrs, const int64_t* p) {{
         }};
         auto block = [&](int64_t kb, bool full) {{
             const int64_t end = std::min(N, (kb + 1) * KB);
-            for (int64_t n0 = kb * KB; n0 < end; n0 += BN) step(n0, std::min(end, n0 + BN), full);
+            for (int64_t n0 = kb * KB; n0 < end; n0 += BNr) step(n0, std::min(end, n0 + BNr), full);
         }};
         {{
             const int64_t npart = kv_num[sb * snb + sh * snh + qb * snq];
@@ -216,4 +219,4 @@ def _store(expr: str, dtype) -> str:
     return f"({CPP_TYPES[dtype]})({expr})"
 
 
-__all__ = ["PARAMS", "render_flex_cpp"]
+__all__ = ["CPP_PARAMS", "PARAMS", "render_flex_cpp"]

@@ -171,11 +171,19 @@ def drop_full_masks(source: str, spec: FlexSpec) -> str:
     return source
 
 
-def block_sizes(spec: FlexSpec, launch: FlexLaunch) -> tuple[int, int, int, int]:
-    """BLOCK_M, BLOCK_N (within the BlockMask's blocks), D_PAD, DV_PAD (powers of two, 16 at least)."""
+def block_sizes(spec: FlexSpec, launch: FlexLaunch, q_block: int, kv_block: int) -> tuple[int, int, int, int]:
+    """BLOCK_M, BLOCK_N (within the BlockMask's blocks of these sizes: at most the largest power of two
+    dividing each), D_PAD, DV_PAD (powers of two, 16 at least). Raises where a block would be smaller
+    than Triton's dot takes."""
+    block_m, block_n = min(launch.block_m, q_block & -q_block), min(launch.block_n, kv_block & -kv_block)
+    if block_m < 16 or block_n < 16:
+        raise RuntimeError(
+            f"flex_attention: BlockMask blocks of {q_block} x {kv_block} give Triton tiles of {block_m} x {block_n}, "
+            "below the 16 its dot takes"
+        )
     return (
-        min(launch.block_m, spec.q_block),
-        min(launch.block_n, spec.kv_block),
+        block_m,
+        block_n,
         max(16, _pow2(spec.head_dim)),
         max(16, _pow2(spec.value_dim)),
     )

@@ -78,7 +78,7 @@ class FlexSpec:
     score: FlexProgram | None  # None: the score is kept as it is
     mask: FlexProgram | None  # None: no mask_mod (every element of a listed block is kept)
     buffers: tuple[FlexBuffer, ...]  # the score program's captured tensors, then the mask program's
-    q_block: int  # the BlockMask's block sizes
+    q_block: int  # the BlockMask's block sizes; 0: sizes only known at run time (passed after the buffers)
     kv_block: int
     has_full_blocks: bool  # the BlockMask lists full blocks apart (mask_mod is skipped there)
 
@@ -108,8 +108,8 @@ class FlexBackwardSpec:
 class FlexAttention:
     """The extern target of a `flex_attention` call until the backend builds its kernel
     (backends/flex.py replaces it with a callable of the kernel). Arguments at run time:
-    q, k, v, kv_num_blocks, kv_indices, [full_kv_num_blocks, full_kv_indices], *buffers.
-    Results: out, lse, max (base 2), in the op's layouts."""
+    q, k, v, kv_num_blocks, kv_indices, [full_kv_num_blocks, full_kv_indices], *buffers,
+    [q_block, kv_block] where the spec's are 0. Results: out, lse, max (base 2), in the op's layouts."""
 
     fresh_result = True
 

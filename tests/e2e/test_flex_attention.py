@@ -173,3 +173,25 @@ def test_flex_attention_function_ember_cannot_map_runs_as_pytorch_op():
     notes = [str(w.message) for w in caught if "flex_attention runs as PyTorch's op" in str(w.message)]
     assert len(notes) == 1 and "sign" in notes[0], f"{notes}\n{line}"
     assert_close(got, want, rtol=1e-5, atol=1e-6, what="out", line=line)
+
+
+def test_flex_attention_cpp_dynamic_shapes():
+    """Under dynamic=True the sequence lengths and the BlockMask's block sizes are symbols: the kernel
+    reads them per call (blocks of 48, no power of two, tiled by 16)."""
+
+    def fn(q, k, v, block_mask):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    compiled = ember_compile(fn, "cpp", dynamic=True)
+    for S in (96, 160):
+        q, k, v = (torch.randn(2, 2, S, 16) for _ in range(3))
+        block_mask = create_block_mask(_causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=48)
+        line = repro(case="causal dynamic", backend="cpp", seq=S)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = fn(q, k, v, block_mask)
+            with reports() as report:
+                got = compiled(q, k, v, block_mask)
+        assert_no_fallback(report, line)
+        assert all("flex_attention_kernel" in g.host_source for g in report.graphs), line
+        assert_close(got, want, rtol=1e-4, atol=1e-5, what="out", line=line)

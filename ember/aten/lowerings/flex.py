@@ -289,8 +289,12 @@ def _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bu
     score_gm, mask_gm = b.arg(score_gm), b.arg(block_mask[-1])
     kv_num, kv_idx, full_num, full_idx = block_mask[2:6]
     q_block, kv_block = block_mask[-3], block_mask[-2]
-    if not all(isinstance(s, int) and s > 0 and s & (s - 1) == 0 for s in (q_block, kv_block)):
-        raise Unsupported(f"BlockMask block sizes {q_block}, {kv_block} (powers of two only)")
+    symbolic = [
+        isinstance(s, torch.fx.Node) and isinstance(s.meta.get("val"), torch.SymInt) for s in (q_block, kv_block)
+    ]
+    if not all(sym or (isinstance(s, int) and s > 0) for s, sym in zip((q_block, kv_block), symbolic)):
+        raise Unsupported(f"BlockMask block sizes {q_block}, {kv_block}")
+    sizes_at_run_time = any(symbolic)  # (dynamic=True makes them symbols): the kernel reads them per call
     buffers = []
     for buf in (*score_bufs, *mask_bufs):
         if not isinstance(buf, torch.fx.Node) or not isinstance(buf.meta.get("val"), torch.Tensor):
@@ -326,8 +330,8 @@ def _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bu
         score=score,
         mask=mask,
         buffers=tuple(buffers),
-        q_block=q_block,
-        kv_block=kv_block,
+        q_block=0 if sizes_at_run_time else q_block,
+        kv_block=0 if sizes_at_run_time else kv_block,
         has_full_blocks=has_full,
     )
     for t in (kv_num, kv_idx, *((full_num, full_idx) if has_full else ())):
@@ -335,6 +339,8 @@ def _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bu
         if meta.dtype not in (torch.int32, torch.int64) or meta.device != q.device:
             raise Unsupported(f"BlockMask tensors of {meta.dtype} on {meta.device}")
     operands = [query, key, value, kv_num, kv_idx, *((full_num, full_idx) if has_full else ()), *score_bufs, *mask_bufs]
+    if sizes_at_run_time:
+        operands += [q_block, kv_block]
     return spec, operands
 
 
