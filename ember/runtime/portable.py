@@ -143,7 +143,7 @@ def read_cache_file(path: str | Path) -> tuple[dict, list[tuple[str, str, dict[s
     (size,) = struct.unpack("<Q", body[:8])
     try:
         header = json.loads(body[8 : 8 + size])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise CacheFileError(f"{path}: its header is not valid JSON") from None
     payload = body[8 + size :]
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -151,7 +151,9 @@ def read_cache_file(path: str | Path) -> tuple[dict, list[tuple[str, str, dict[s
             f"{path}: format {header.get('format') if isinstance(header, dict) else '?'}, not {FORMAT}"
         )
     entries = []
-    for e in header.get("entries", []):
+    if not isinstance(header.get("entries"), list):
+        raise CacheFileError(f"{path}: its header lists no entries")
+    for e in header["entries"]:
         if not isinstance(e, dict) or e.get("kind") not in KINDS or not _KEY.fullmatch(str(e.get("key"))):
             raise CacheFileError(f"{path}: an entry is not one of ember's ({str(e)[:120]})")
         files = {}
@@ -178,7 +180,9 @@ def _aot_files(path, aot, payload: bytes) -> dict[str, bytes]:
     if not isinstance(aot, dict) or not re.fullmatch(r"[0-9a-f]{32}", str(aot.get("id"))):
         raise CacheFileError(f"{path}: its AOTAutograd section is not ember's")
     files = {}
-    for name, span in (aot.get("files") or {}).items():
+    if not isinstance(aot.get("files"), dict):
+        raise CacheFileError(f"{path}: its AOTAutograd section lists no files")
+    for name, span in aot["files"].items():
         if not isinstance(name, str) or not _AOT_FILE.fullmatch(name) or not _is_span(span, len(payload)):
             raise CacheFileError(f"{path}: a bad AOTAutograd file record {str(name)[:80]!r}")
         blob = payload[span[0] : span[0] + span[1]]

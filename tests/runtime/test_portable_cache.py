@@ -134,6 +134,10 @@ def _move_span(header):
     entry["files"][name][0] += 1  # the bytes it names no longer match its checksum
 
 
+def _entries_not_a_list(header):
+    header["entries"] = 7
+
+
 def _escape_name(header):
     entry = header["entries"][0]
     entry["files"]["../escape"] = entry["files"].pop(next(iter(entry["files"])))
@@ -147,8 +151,9 @@ def _escape_name(header):
         (lambda d: _rewritten(d, _set_torch), "another setup"),
         (lambda d: _rewritten(d, _move_span), "does not match its checksum"),
         (lambda d: _rewritten(d, _escape_name), "bad file record"),
+        (lambda d: _rewritten(d, _entries_not_a_list), "lists no entries"),
     ],
-    ids=["flipped-bit", "not-ember", "other-torch", "inner-checksum", "path-in-name"],
+    ids=["flipped-bit", "not-ember", "other-torch", "inner-checksum", "path-in-name", "bad-header"],
 )
 def test_a_damaged_or_foreign_file_is_refused_and_imports_nothing(exported, tmp_path, damage, message):
     bad = tmp_path / "bad.bin"
