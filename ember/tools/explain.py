@@ -87,10 +87,24 @@ def explain_all(
     title: str = "",
 ) -> Explanation:
     """Graph breaks, then `explain` (compile, run forward and backward once), every kernel's layers, and
-    (with `measure`) every kernel timed over `calls` steps against ceilings measured on this device."""
+    (with `measure`) every kernel timed over `calls` steps against ceilings measured on this device.
+    The steps leave no trace: a module's buffers (batch norm's running statistics) and the random number
+    generators are as they were before."""
+    kwargs = kwargs or {}
+    buffers = [(b, b.detach().clone()) for b in fn.buffers()] if isinstance(fn, torch.nn.Module) else []
+    devices = [t.device.index or 0 for t in _tensors(args, kwargs, fn) if t.device.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            return _explain_all(fn, args, kwargs, measure, calls, small_ceilings, title)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+
+
+def _explain_all(fn, args, kwargs, measure, calls, small_ceilings, title) -> Explanation:
     from ember.tools import explain_measure
 
-    kwargs = kwargs or {}
     count, breaks, code = graph_breaks(fn, args, kwargs)
     import torch._dynamo
 

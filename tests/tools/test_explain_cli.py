@@ -102,3 +102,13 @@ def test_a_script_run_whole_shows_its_graphs_and_recompiles(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("inference graph") == 2, out
     assert "recompile [0/1]" in out and "Dynamo:" in out and "ember:" in out, out
+
+
+def test_explaining_leaves_buffers_and_random_state_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))
+    x = torch.randn(16, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    explain_all(model, (x,), measure=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
