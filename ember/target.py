@@ -207,9 +207,13 @@ class FlexHeuristics:
     large: Tile = Tile(64, 32, 4)  # larger
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)
-    # The backward's two kernels: BLOCK_M query rows x BLOCK_N keys x warps, by head size (<= 64, larger).
-    backward: Tile = Tile(64, 64, 4)
-    backward_wide: Tile = Tile(64, 64, 8)
+    float32: Tile = Tile(32, 64, 4)  # float32 inputs (their tiles take twice the registers)
+    # The backward's kernels, as Inductor's on Hopper: dq's BLOCK_M rows x BLOCK_N keys a step, and dk/dv's
+    # BLOCK_M rows a step x BLOCK_N keys, for head sizes 64 to 128; both take backward_other otherwise.
+    backward_dq: Tile = Tile(128, 64, 8)
+    backward_dkdv: Tile = Tile(64, 128, 8)
+    backward_other: Tile = Tile(64, 64, 4)
+    backward_float32: Tile = Tile(16, 16, 4)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ def _launch(spec: FlexSpec, target: Target) -> FlexLaunch:
     h = target.heuristics.flex
     if target.name == "cpp":
         tile = h.cpu
+    elif spec.dtype == torch.float32:
+        tile = h.float32
     else:
         tile = h.small if spec.head_dim <= 64 else h.medium if spec.head_dim <= 128 else h.large
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
@@ -132,11 +134,16 @@ class FlexBackwardKernel:
     def __init__(self, spec: FlexBackwardSpec, target: Target):
         self.spec = spec
         h = target.heuristics.flex
-        tile = h.backward if spec.forward.head_dim <= 64 else h.backward_wide
-        self.launch = FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
+        if spec.forward.dtype == torch.float32:
+            tiles = (h.backward_float32, h.backward_float32)
+        elif 64 <= spec.forward.head_dim <= 128:
+            tiles = (h.backward_dq, h.backward_dkdv)
+        else:
+            tiles = (h.backward_other, h.backward_other)
+        self.launches = [FlexLaunch(t.xblock, t.rblock, t.warps, h.stages) for t in tiles]
         self.interpreted = target.interpreted
         self.__name__ = "flex_attention_backward_kernel"
-        self.source = render_flex_triton_bwd(spec, self.launch, target.interpreted)
+        self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_triton(self.source, "ember_flex_bwd")
         self.dq_fn, self.dkdv_fn = module.flex_bwd_dq, module.flex_bwd_dkdv
 
@@ -162,13 +169,16 @@ class FlexBackwardKernel:
         blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
         tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
         q_block, kv_block = int(block_mask[-3]), int(block_mask[-2])
-        block_m, block_n, d_pad, dv_pad = block_sizes(fwd, self.launch, q_block, kv_block)
-        kwargs = {} if self.interpreted else {"num_warps": self.launch.warps, "num_stages": self.launch.stages}
-        consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
-        consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, **kwargs)
-        self.dq_fn[((M + block_m - 1) // block_m, B * H)](*tensors, *ints, *buf_ints, fwd.scale, **consts)
-        grid = ((N + block_n - 1) // block_n, B * k.shape[1])
-        self.dkdv_fn[grid](*tensors, *ints, *buf_ints, fwd.scale, **consts)
+        for fn, launch in zip((self.dq_fn, self.dkdv_fn), self.launches):
+            block_m, block_n, d_pad, dv_pad = block_sizes(fwd, launch, q_block, kv_block)
+            kwargs = {} if self.interpreted else {"num_warps": launch.warps, "num_stages": launch.stages}
+            consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
+            consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, **kwargs)
+            if fn is self.dq_fn:  # a program per BLOCK_M query rows of a query head
+                grid = ((M + block_m - 1) // block_m, B * H)
+            else:  # a program per BLOCK_N keys of a key head
+                grid = ((N + block_n - 1) // block_n, B * k.shape[1])
+            fn[grid](*tensors, *ints, *buf_ints, fwd.scale, **consts)
         return (dq, dk, dv, *nones)
 
 

@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import FlexLaunch, drop_full_masks
+from ember.codegen.flex_triton import drop_full_masks
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -31,7 +31,7 @@ PARAMS = [
 # (dO's strides: so*, dq's: sa*, dk's: sc*, dv's: se*; the q-block lists: sx*/sy* partial, sz*/sw* full.)
 
 
-def render_flex_triton_bwd(spec: FlexBackwardSpec, launch: FlexLaunch, interpreted: bool) -> str:
+def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
     fwd = spec.forward
     full = fwd.has_full_blocks
     tensors = ["Q", "K", "V", "DO", "LSE", "DELTA", "GQ", "GK", "GV", "KV_NUM", "KV_IDX"]
