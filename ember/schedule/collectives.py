@@ -123,7 +123,9 @@ def describe(steps: list[Step]) -> list[str]:
             lines.append(f"{node.origin}: starts at step {pos} (after {after}), never waited on in this graph")
             continue
         between = [s for s in steps[pos + 1 : end] if role(s) is None]
-        before = _name(steps[end + 1]) if end + 1 < len(steps) else "the program's end"
+        # The step the wait precedes: past the other waits of a coalesced collective.
+        later = [s for s in steps[end + 1 :] if role(s) != "wait"]
+        before = _name(later[0]) if later else "the program's end"
         hidden = ", ".join(_name(s) for s in between[:6]) + (", ..." if len(between) > 6 else "")
         overlap = f"overlaps {len(between)} steps ({hidden})" if between else "overlaps nothing"
         lines.append(

@@ -144,3 +144,23 @@ def test_overlap_off_fuses_as_before(target):
     steps = scheduled(siblings, overlap=False, target=target).steps
     kernels_before = [s for s in steps[: positions(steps, "start")[0]] if isinstance(s, KernelStep)]
     assert len(kernels_before) == 1 and len(kernels_before[0].kernel.writes) > 1, names(steps)
+
+
+def coalesced(x, w):
+    """One start, two results, a wait on each."""
+    a, b = c10d.all_reduce_coalesced([x * 2, x + 1], "sum", "0")
+    return c10d.wait_tensor(a) + c10d.wait_tensor(b), torch.tanh(x @ w)
+
+
+def test_coalesced_collective_overlaps_and_holds_both_inputs():
+    sched = scheduled(coalesced)
+    steps = sched.steps
+    (start,) = positions(steps, "start")
+    waits = positions(steps, "wait")
+    assert len(waits) == 2 and "mm" in names(steps[start + 1 : waits[0]]), names(steps)
+    held = set(steps[start].node.value_inputs())
+    assert len(held) == 2
+    for s in steps[start + 1 : waits[-1]]:
+        assert not any(sched.memory.reuse.get(v) in held for v in step_outputs(s))
+    (line,) = collectives.describe(steps)
+    assert line.startswith("all_reduce_coalesced float32[8, 16] float32[8, 16]: starts at step") and "(before k" in line
