@@ -200,3 +200,19 @@ def test_an_aotautograd_entry_no_voucher_names_is_not_loaded(exported, tmp_path)
     ref.sum().backward()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model[0].weight.grad, ref_model[0].weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_the_command_line_exports_and_imports(exported, tmp_path, capsys):
+    from ember.tools.cli import main
+
+    again = tmp_path / "again.bin"
+    with ember.config.override(cache_dir=str(exported.parent / "ember")):
+        assert main(["cache", "export", str(again)]) == 0
+    assert "exported " in capsys.readouterr().out
+    _, entries = read_cache_file(again)
+    assert sorted((k, key) for k, key, _ in entries) == sorted((k, key) for k, key, _ in read_cache_file(exported)[1])
+    with ember.config.override(cache_dir=str(tmp_path / "cache")):
+        assert main(["cache", "import", str(again)]) == 0
+        assert f"imported {len(entries)} entries" in capsys.readouterr().out
+        assert all(DiskCache().get(kind, key) is not None for kind, key, _ in entries)
+        assert main(["cache", "import"]) == 2  # no file named
