@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -38,13 +39,19 @@ import torch
 import torch.distributed as dist
 
 from ember.tools.bench import accuracy, overlap
+from ember.tools.bench.dist_graph import run_graph
 from ember.tools.bench.dist_workloads import WORKLOADS, DistWorkload
 
 COMPILERS = ("eager", "inductor", "ember")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--distributed", default=None, help="wrappers to run under: ddp, fsdp2 or both (comma-separated)")
+    p.add_argument(
+        "--distributed",
+        default=None,
+        help="what to run (comma-separated): ddp, fsdp2 (training steps under each), graph (a functional all_reduce "
+        "inside a compiled graph, with compute that does not need it: ember's own scheduling, dist_graph.py)",
+    )
     p.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs, or 2 on the CPU)")
     p.add_argument("--dist-workload", default=None, help=f"{', '.join(WORKLOADS)} (default: gpt2 on GPUs, else tiny)")
     p.add_argument("--dist-compilers", default=",".join(COMPILERS[1:]), help="beside eager: inductor, ember")
@@ -185,13 +192,14 @@ def _timed_steps(trainer: _Trainer, first: int, count: int, device: torch.device
     return times
 
 
-def _profiled_step(trainer: _Trainer, step: int, device: torch.device) -> dict:
+def _profile_call(call, device: torch.device) -> dict:
+    """The compute and communication lanes of one call under torch.profiler (overlap.py)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     _sync(device)
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.step(step)
+        call()
         _sync(device)
     return overlap.lanes(prof.events(), device.type == "cuda")
 
@@ -253,7 +261,9 @@ def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args
             times = _timed_steps(trainer, 1 + args.dist_warmup, args.dist_steps, device)
             entry["ms"] = _slowest(statistics.median(times))
             entry["ms_rank0"] = statistics.median(times)
-            lanes[compiler] = _profiled_step(trainer, 1 + args.dist_warmup + args.dist_steps, device)
+            lanes[compiler] = _profile_call(
+                functools.partial(trainer.step, 1 + args.dist_warmup + args.dist_steps), device
+            )
             entry["overlap"] = overlap.summary(lanes[compiler])
             entry["status"] = entry["accuracy"]["status"]
             del trainer
@@ -350,7 +360,12 @@ def worker(args: argparse.Namespace, argv: list[str]) -> int:
         workload = WORKLOADS[args.dist_workload or ("gpt2" if cuda else "tiny")]
         compilers = [c.strip() for c in args.dist_compilers.split(",") if c.strip()]
         env = environment(workload, device, args)
-        records = [run_wrapper(workload, w.strip(), compilers, args, device) for w in args.distributed.split(",")]
+        records = [
+            run_graph(compilers, args, device)
+            if w.strip() == "graph"
+            else run_wrapper(workload, w.strip(), compilers, args, device)
+            for w in args.distributed.split(",")
+        ]
         if dist.get_rank() == 0:
             _write(env, records, args.out or ".", argv, args.dist_baseline)
     finally:
@@ -394,9 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     args, _ = _parser().parse_known_args(argv)  # `ember bench`'s other options do not apply
     if not args.distributed:
         args.distributed = "ddp,fsdp2"
-    missing = [w for w in args.distributed.split(",") if w.strip() not in ("ddp", "fsdp2")]
+    missing = [w for w in args.distributed.split(",") if w.strip() not in ("ddp", "fsdp2", "graph")]
     if missing:
-        raise SystemExit(f"--distributed: unknown wrapper(s) {missing}: ddp, fsdp2")
+        raise SystemExit(f"--distributed: unknown wrapper(s) {missing}: ddp, fsdp2, graph")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(args, argv)
     return launch(args, argv)
