@@ -7,7 +7,8 @@ Two operations, each climbed rung by rung:
 
 Rungs: pure Python loops (on a smaller size: they are slow) -> NumPy (BLAS; vectorized array code) ->
 eager PyTorch -> ember (torch.compile(backend="ember")); on a GPU also eager PyTorch on the GPU (cuBLAS) ->
-ember on the GPU -> a hand-written Triton kernel (ladder_triton.py). Each rung's result is checked
+ember on the GPU (its products are cuBLAS calls by default; also under gemm=template, its Triton template) ->
+a hand-written Triton kernel (ladder_triton.py). Each rung's result is checked
 against float64 before it is timed; a wrong rung is reported, not timed. Per rung: size, ms, GFLOP/s or
 GB/s and percent of the measured peak, as a table, JSON and a matplotlib plot.
 """
@@ -24,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+
+from ember import config
 
 EPS = 1e-5
 # (matmul n, matmul n for Python loops, LN rows, LN cols, LN rows for Python loops) per size.
@@ -209,14 +212,24 @@ def _gpu_rungs(size: str, budget_s: float, peaks: dict) -> list[Rung]:
     ref = (a.double() @ b.double()).cpu()
     out = []
     # TF32 off: every rung does the fp32 arithmetic it claims (the hand-written kernel too).
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    mm = _ember(lambda x, y: x @ y)
-    for name, fn in [
-        ("eager PyTorch (cuBLAS)", lambda: a @ b),
-        ("ember", lambda: mm(a, b)),
-        ("hand-written Triton", lambda: ladder_triton.matmul(a, b)),
-    ]:
-        out.append(_rung("matmul", name, dev, f"{n}^3", fn, ref, 2 * n**3, mm_peak, budget_s))
+    try:
+        mm = _ember(lambda x, y: x @ y)  # ember's products are cuBLAS's by default (setting gemm)
+        for name, fn in [
+            ("eager PyTorch (cuBLAS)", lambda: a @ b),
+            ("ember", lambda: mm(a, b)),
+            ("hand-written Triton", lambda: ladder_triton.matmul(a, b)),
+        ]:
+            out.append(_rung("matmul", name, dev, f"{n}^3", fn, ref, 2 * n**3, mm_peak, budget_s))
+        with config.override(gemm="template"):  # compiled and run under the setting: ember's Triton template
+            templated = _ember(lambda x, y: x @ y)
+            out.insert(len(out) - 1,  # before the hand-written kernel
+                _rung("matmul", "ember, gemm=template", dev, f"{n}^3", lambda: templated(a, b), ref, 2 * n**3,
+                      mm_peak, budget_s)
+            )  # fmt: skip
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     x = torch.randn(rows, cols, device=dev, generator=g)
     w, bias = torch.randn(cols, device=dev, generator=g), torch.randn(cols, device=dev, generator=g)
     ref = layernorm_gelu_torch(x.double(), w.double(), bias.double()).cpu()
