@@ -90,7 +90,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
             lines += [*mask_lines, f"keep = keep & ((({mask_result}).to(tl.int8) + {zeros}) != 0)"]
         lines += [
-            'val = tl.where(keep, val * LOG2E, -float("inf"))',
+            'val = tl.where(keep, val * 1.4426950408889634, -float("inf"))',
             "m_new = tl.maximum(m_i, tl.max(val, 1))",
             'm_safe = tl.where(m_new == -float("inf"), 0.0, m_new)',
             "alpha = tl.exp2(m_i - m_safe)",
@@ -132,7 +132,6 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
 @triton.jit
 def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    LOG2E: tl.constexpr = 1.4426950408889634
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H

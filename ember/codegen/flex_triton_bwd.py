@@ -75,7 +75,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
             lines += [*mask_lines, f"keep = keep & ((({mask_result}).to(tl.int8) + {zeros}) != 0)"]
         lines += [
-            "p = tl.where(keep, tl.exp2(val * LOG2E - lse[:, None]), 0.0)",
+            "p = tl.where(keep, tl.exp2(val * 1.4426950408889634 - lse[:, None]), 0.0)",
             f"dp = tl.dot(do, tl.trans(v){precision}).to({wt})",
             "ds = p * (dp - delta[:, None])",
             *grad_lines,
@@ -137,7 +137,6 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
     source = f"""
 @triton.jit
 def flex_bwd_dq({params}, {constexprs}):
-    LOG2E: tl.constexpr = 1.4426950408889634
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -169,7 +168,6 @@ def flex_bwd_dq({params}, {constexprs}):
 
 @triton.jit
 def flex_bwd_dkdv({params}, {constexprs}):
-    LOG2E: tl.constexpr = 1.4426950408889634
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     HK = H // G
