@@ -50,7 +50,8 @@ def order_steps(state: ScheduleState) -> None:
         # A wait is taken only for a step that reads it (or when nothing else is left): it counts
         # as available once its collective has started.
         open_waits = {w for w in waits - done if deps[w] <= done}
-        ready = [k for k in range(len(items)) if k not in done and k not in waits and deps[k] <= done | open_waits]
+        available = done | open_waits if open_waits else done  # one set per step taken, not per candidate
+        ready = [k for k in range(len(items)) if k not in done and k not in waits and deps[k] <= available]
         if not ready:
             ready = sorted(open_waits)
         if not ready:
