@@ -120,6 +120,8 @@ class FlexKernel:
                 DV_PAD=dv_pad,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
+                # Every step's keys inside the sequence: no key mask (a listed last block past N has steps past it).
+                EVEN_N=N % block_n == 0 and (kv_block >= N or N % kv_block == 0),
                 **kwargs,
             )
         return (out, lse, mx)[: self.results]

@@ -71,39 +71,50 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             return prod if acc is None else f"{acc} + {prod}"
         return f"tl.dot({a}, {bt}{', ' + acc if acc else ''}{precision})"
 
+    d_mask = "" if spec.head_dim == max(16, _pow2(spec.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
+    v_mask = "" if spec.value_dim == max(16, _pow2(spec.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
+    k_ptr = "K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd"
+    v_ptr = "V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd"
+
     def step(full: bool) -> str:
-        ind = " " * 8
+        """One BLOCK_N step. EVEN_N (the keys a multiple of BLOCK_N, decided per call): no key bound,
+        so loads carry no key mask and a full block no select."""
+        masked = not full and mask_result is not None
         lines = [
             "offs_n = n0 + tl.arange(0, BLOCK_N)",
             "kv_idx = offs_n[None, :]",
             "kmask = offs_n < N",
-            (
-                "k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd, "
-                "mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)"
-            ),
+            "if EVEN_N:",
+            f"    k = tl.load({k_ptr}{d_mask})",
+            "else:",
+            f"    k = tl.load({k_ptr}, mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
             f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale",
             *score_lines,
-            f"val = ({score_result}).to({wt}) + tl.zeros([BLOCK_M, BLOCK_N], {wt})",
-            "keep = kmask[None, :]",
+            f"val = ({score_result}).to({wt}) * 1.4426950408889634 + tl.zeros([BLOCK_M, BLOCK_N], {wt})",
         ]
-        if not full and mask_result is not None:
+        if masked:
             zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
-            lines += [*mask_lines, f"keep = keep & ((({mask_result}).to(tl.int8) + {zeros}) != 0)"]
+            lines += [
+                *mask_lines,
+                f"keep = ((({mask_result}).to(tl.int8) + {zeros}) != 0) & kmask[None, :]",
+                'val = tl.where(keep, val, -float("inf"))',
+            ]
+        else:
+            lines += ["if not EVEN_N:", '    val = tl.where(kmask[None, :], val, -float("inf"))']
         lines += [
-            'val = tl.where(keep, val * 1.4426950408889634, -float("inf"))',
             "m_new = tl.maximum(m_i, tl.max(val, 1))",
             'm_safe = tl.where(m_new == -float("inf"), 0.0, m_new)',
             "alpha = tl.exp2(m_i - m_safe)",
             "p = tl.exp2(val - m_safe[:, None])",
             "l_i = l_i * alpha + tl.sum(p, 1)",
-            (
-                "v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd, "
-                "mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)"
-            ),
+            "if EVEN_N:",
+            f"    v = tl.load({v_ptr}{v_mask})",
+            "else:",
+            f"    v = tl.load({v_ptr}, mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
             f"acc = {dot('p.to(v.dtype)', 'v', 'acc * alpha[:, None]')}",
             "m_i = m_new",
         ]
-        return "\n".join(ind + line for line in lines)
+        return "\n".join(" " * 8 + line for line in lines)
 
     def walk(num: str, idx: str, cs: str, ix: str, full: bool) -> str:
         """The loop over the key blocks a count tensor (strides `{cs}b/h/q`) and an index tensor
@@ -131,7 +142,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
     source = f"""
 @triton.jit
 def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
