@@ -228,8 +228,10 @@ class TuneHeuristics:
     warp_steps: int = 1
     # Software-pipelining stages tried for a kernel's loop (its heuristic's besides): up to this many.
     max_loop_stages: int = 4
-    # Candidates measured per kernel, the heuristic's included.
+    # Candidates measured per kernel and round, the heuristic's (or the last round's winner) included.
     max_candidates: int = 8
+    # Rounds of coordinate descent: a round that finds a faster launch is followed by one around it.
+    rounds: int = 2
     # Largest block of a program (XBLOCK * RBLOCK elements) and most warps a candidate may have.
     max_block_elements: int = 1 << 15
     max_warps: int = 32

@@ -3,17 +3,19 @@
 A stage of the Triton backend. For each static kernel that moves enough bytes
 (target.heuristics.tune.min_bytes), most bytes first, the candidates of codegen/triton_tuning.py
 (launch_config's choice and its neighbours) are rendered, compiled in parallel threads, run once on
-random operands and checked against the heuristic's result (a candidate that differs, fails to
-compile or to run is dropped), then timed. The fastest wins if it beats the heuristic's time by
-tune.min_gain_percent; else the heuristic stays.
+random operands and checked against the first candidate's result (a candidate that differs, fails
+to compile or to run is dropped), then timed. The fastest wins if it beats the first's time by
+tune.min_gain_percent; a winner starts another round around itself (coordinate descent, up to
+tune.rounds rounds), else the round's first stays.
 
 Time is read through a `Timer` (`clock()` for the budget, `time(run)` for a candidate's seconds per
-call): `CudaTimer` on a GPU (warm-up, L2 flushed before each run, CUDA events around each, the
-median), `WallTimer` under Triton's CPU interpreter; tests pass their own. The budget: a graph's
-tuning (with the GEMM choices of gemm=auto) may add the fraction `autotune_budget` of its own
-compile time (at least `autotune_min_s`, class Budget); a kernel whose tuning starts within it is
-finished, later ones keep the heuristic. Results go to the disk cache (kind "tuning"), keyed by the kernel's source (its name
-left out, so that graphs and models sharing a kernel share its tuning), its sizes and layouts, the
+call; each run carries the launch it makes as `run.launch`): `CudaTimer` on a GPU (warm-up, L2
+flushed before each run, CUDA events around each, the median), `WallTimer` under Triton's CPU
+interpreter; tests pass their own. The budget: a graph's tuning (with the GEMM choices of gemm=auto)
+may add the fraction `autotune_budget` of its own compile time (at least `autotune_min_s`, class
+Budget); a round that starts within it is finished, later ones keep what they have. Results go to
+the disk cache (kind "tuning"), one entry per round, keyed by the kernel's source (its name left
+out, so that graphs and models sharing a kernel share its tuning), its sizes and layouts, the
 candidates, the device's name and SM count, the target and Triton: later compiles read them and
 measure nothing.
 """
@@ -262,32 +264,49 @@ def tune_launches(
     tunable.sort(key=_bytes, reverse=True)  # the budget goes to the kernels that move the most
     chosen: dict[str, TritonKernelSource] = {}
     for k in tunable:
-        candidates = launch_candidates(k, target)
-        if len(candidates) < 2:
-            continue
-        sources = [render_triton(k, target, c) for c in candidates]
-        key = tuning_key(k, sources[0], candidates, target)
-
-        def prepare(k=k, sources=sources):
-            return _prepare(k, sources, device, load_module)
-
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
         try:
-            with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
-                best, timings = choose(key, candidates, prepare, timer, budget, h.min_gain_percent)
+            best = _tune_kernel(k, target, device, load_module, timer, budget)
         except Exception as e:  # tuning is an optimization: the heuristic's launch stays (strict: raise)
             if config.get("strict"):
                 raise
             log.artifact("cache", "autotune", f"{k.name}: not tuned ({type(e).__name__}: {e})"[:300])
             continue
+        if best is not None:
+            chosen[k.name] = best
+    return chosen
+
+
+def _tune_kernel(k: Kernel, target: Target, device, load_module, timer: Timer, budget: Budget):
+    """The kernel rendered with its fastest launch, or None where the heuristic's stays. Up to
+    tune.rounds rounds, each measuring the last winner's neighbours not measured yet (coordinate
+    descent), while a round finds a faster one and budget is left."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    h = target.heuristics.tune
+    winner, tried = None, []
+    for _ in range(h.rounds):
+        around = winner.launch if winner is not None else None
+        candidates = launch_candidates(k, target, around)
+        candidates = candidates[:1] + [c for c in candidates[1:] if c not in tried]
+        if len(candidates) < 2:
+            break
+        tried += candidates
+        sources = [render_triton(k, target, c) for c in candidates]
+        key = tuning_key(k, sources[0], candidates, target)
+
+        def prepare(sources=sources):
+            return _prepare(k, sources, device, load_module)
+
+        with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
+            best, timings = choose(key, candidates, prepare, timer, budget, h.min_gain_percent)
         if timings is not None:
             log.artifact(
                 "cache", "autotune", f"{k.name}: {candidates[best]} of {len(candidates)}: {timings['seconds']}"
             )
-        if best:
-            chosen[k.name] = sources[best]
-    return chosen
+        if not best:
+            break
+        winner = sources[best]
+    return winner
 
 
 def _static(r: TritonKernelSource) -> bool:
@@ -371,6 +390,7 @@ def _launch(fn, r: TritonKernelSource, buffers: list[torch.Tensor]) -> Callable[
     def run():
         fn[grid](*buffers, *sizes, **consts, num_warps=r.launch.num_warps)
 
+    run.launch = r.launch  # what it launches, for a timer that prices candidates (tests)
     return run
 
 

@@ -32,10 +32,11 @@ def _steps(value: int, steps: int) -> list[int]:
     return [v for v in out if v >= 1]
 
 
-def launch_candidates(kernel: Kernel, target: Target) -> list[LaunchConfig]:
-    """launch_config's choice, then up to target.heuristics.tune.max_candidates - 1 neighbours.
-    A kernel of symbolic sizes gets only the heuristic's choice: there is no size to measure at."""
-    base = launch_config(kernel, target)
+def launch_candidates(kernel: Kernel, target: Target, around: LaunchConfig | None = None) -> list[LaunchConfig]:
+    """launch_config's choice (or `around`: a later round of tuning starts from the last one's
+    winner), then up to target.heuristics.tune.max_candidates - 1 neighbours. A kernel of symbolic
+    sizes gets only the heuristic's choice: there is no size to measure at."""
+    base = around or launch_config(kernel, target)
     if not all(s.is_Integer for s in kernel.loop_sizes):
         return [base]
     h = target.heuristics.tune

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ember import config
-from ember.backends.launch_tuning import Budget, choose, tuning_key
+from ember.backends.launch_tuning import Budget, choose, tune_launches, tuning_key
+from ember.backends.triton import TritonBackend
 from ember.codegen.triton import launch_config, render_triton
 from ember.codegen.triton_tuning import launch_candidates
 from ember.frontend.backend import _checked_options
@@ -191,3 +192,36 @@ def test_gemm_choices_share_the_budget(tmp_path):
         timings = {"aten": 1e-4, "configs": [], "seconds": 1.5}
         DiskCache().put("gemm", _cache_key(problem, TRITON), {"timings.json": json.dumps(timings).encode()})
         assert measure(problem, torch.device("cuda", 0), TRITON, no_loading, lambda: (timer, spent)) == timings
+
+
+class PricedTimer(FakeTimer):
+    """Prices a candidate by the launch it makes (`run.launch`), without running it."""
+
+    def __init__(self, price):
+        super().__init__({})
+        self.price = price
+
+    def time(self, run) -> float:
+        self.timed.append(run.launch)
+        return self.price(run.launch)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_rounds_of_coordinate_descent_start_from_the_last_winner(tmp_path, rounds):
+    # Rows of 32 held whole, 64 rows: the heuristic takes 32 rows a program on a one-SM target. A
+    # timer that prices a program's rows makes each round halve XBLOCK: 16, then 8.
+    target = dataclasses.replace(TRITON, sm_count=1)
+    target = target.tuned(f"tune.min_bytes=1,tune.rounds={rounds},tune.max_candidates=3")
+    k = _softmax_kernel(64, 32)
+    assert launch_config(k, target).xblock == 32
+    timer, budget = PricedTimer(lambda c: float(c.xblock)), Budget(0, 100, 0)
+    with config.override(cache_dir=str(tmp_path)):
+        chosen = tune_launches(
+            [k], {k.name: render_triton(k, target)}, target, None, TritonBackend()._load, timer, budget
+        )
+        assert chosen[k.name].launch.xblock == 32 >> rounds
+        assert len(budget.spent_on) == rounds and len(list((tmp_path / "tuning").glob("*/*"))) == rounds
+        # Again: every round read from the disk cache, nothing run or timed.
+        again = PricedTimer(lambda c: float(c.xblock))
+        chosen = tune_launches([k], {k.name: render_triton(k, target)}, target, None, None, again, Budget(0, 0, 0))
+        assert chosen[k.name].launch.xblock == 32 >> rounds and not again.timed
