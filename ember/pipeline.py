@@ -98,8 +98,8 @@ def _check(graph, name: str) -> None:
 
 def _report_schedule(report: GraphReport, sched, backend: Backend, target: Target) -> None:
     """Each kernel's cost (bytes, FLOPs, roofline estimate), the fusion decisions, the memory plan."""
-    from ember.schedule.cost import as_number, bound, estimate_seconds, kernel_cost
     from ember.schedule import collectives
+    from ember.schedule.cost import as_number, bound, estimate_seconds, kernel_cost
     from ember.schedule.memory import describe_mutations
 
     report.target = str(target)
