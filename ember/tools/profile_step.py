@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.tools.bench.overlap import intersection, merged
+
 CATEGORIES = ("GEMM/attention", "fused kernels", "memory copies", "communication", "launch overhead", "idle")
 
 _GEMM_GPU = re.compile(
@@ -79,32 +81,8 @@ class Profile:
         return "\n".join(lines)
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return [(s, e) for s, e in merged]
-
-
 def _length(intervals: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in intervals)
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sorted, disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, e - s)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def _gaps(busy: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
@@ -133,13 +111,13 @@ def split_gpu(events, windows: list[tuple[float, float]]) -> tuple[dict[str, flo
             parts["GEMM/attention"].append(span)
         else:
             parts["fused kernels"].append(span)
-    split = {c: _length(_union(spans)) for c, spans in parts.items()}
-    busy = _union([s for spans in parts.values() for s in spans])
+    split = {c: _length(merged(spans)) for c, spans in parts.items()}
+    busy = merged([s for spans in parts.values() for s in spans])
     gaps = [g for w in windows for g in _gaps(busy, w)]
-    syncs = _union(
+    syncs = merged(
         [(e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CPU" and _SYNC.search(e.name)]
     )
-    idle = _overlap(gaps, syncs)
+    idle = intersection(gaps, syncs)
     split["launch overhead"] = _length(gaps) - idle
     split["idle"] = idle
     return split, _length(busy)
@@ -160,15 +138,15 @@ def split_cpu(events, windows: list[tuple[float, float]]) -> dict[str, float]:
             spans["memory copies"].append(span)
         elif e.name.startswith("aten::") or _COMPILED.search(e.name):
             regions.append(span)
-    gemm, copies, comm = (_union(spans[c]) for c in ("GEMM/attention", "memory copies", "communication"))
-    taken = _union(gemm + copies + comm)
-    work = _union(regions + taken)
+    gemm, copies, comm = (merged(spans[c]) for c in ("GEMM/attention", "memory copies", "communication"))
+    taken = merged(gemm + copies + comm)
+    work = merged(regions + taken)
     split = {
         "GEMM/attention": _length(gemm),
         "fused kernels": _length(work) - _length(taken),
-        "memory copies": _length(copies) - _overlap(copies, gemm),
+        "memory copies": _length(copies) - intersection(copies, gemm),
         "communication": _length(comm),
-        "launch overhead": max(0.0, _length(windows) - _overlap(work, windows)),
+        "launch overhead": max(0.0, _length(windows) - intersection(work, windows)),
         "idle": 0.0,
     }
     return split
@@ -232,7 +210,7 @@ def profile_workload(
             prof.step()
     events = prof.events()
     steps = [e for e in events if e.name == "ember_profile_step" and e.device_type.name == "CPU"]
-    windows = _union([(e.time_range.start, e.time_range.end) for e in steps])
+    windows = merged([(e.time_range.start, e.time_range.end) for e in steps])
     step_us = _length(windows) / len(steps)
     others = [e for e in events if e.name != "ember_profile_step"]
     if cuda:
