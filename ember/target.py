@@ -202,7 +202,9 @@ class FlexHeuristics:
     rows x BLOCK_N keys a step x warps, each within the BlockMask's blocks. The GPU's by head size
     (Hopper: two warpgroups where the value tile is wide), the CPU's rows per task and keys per step."""
 
-    small: Tile = Tile(128, 128, 4)  # head size <= 64
+    # Head size <= 64. Inductor's Hopper choice has 4 warps; ember's kernel then spills (255 registers and
+    # 1.4 KB of spills a thread for plain causal attention, ptxas for sm_90a), with 8 it holds 219 and none.
+    small: Tile = Tile(128, 128, 8)
     medium: Tile = Tile(128, 64, 8)  # <= 128
     large: Tile = Tile(64, 32, 4)  # larger
     stages: int = 3

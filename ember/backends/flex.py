@@ -98,6 +98,7 @@ class FlexKernel:
         ints += [*q.stride(), kb_stride, *k.stride()[1:], vb_stride, *v.stride()[1:], *out.stride()]
         ints += [*kv_num.stride(), *kv_idx.stride(), *full_num.stride(), *full_idx.stride()]
         buf_ints = [x for buf in buffers for x in (*buf.shape, *buf.stride())]
+        _check_index_range(buffers)
         tensors = [q, k, v, out, lse, mx, kv_num, kv_idx, *full, *buffers]
         if self.cpp:
             ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
@@ -167,6 +168,7 @@ class FlexBackwardKernel:
             ints += t.stride()
         buffers = (*sbufs, *mbufs)
         buf_ints = [x for buf in buffers for x in (*buf.shape, *buf.stride())]
+        _check_index_range(buffers)
         blocks = (kv_num, kv_idx, *((full_num, full_idx) if fwd.has_full_blocks else ()))
         blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
         tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
@@ -182,6 +184,15 @@ class FlexBackwardKernel:
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
             fn[grid](*tensors, *ints, *buf_ints, fwd.scale, **consts)
         return (dq, dk, dv, *nones)
+
+
+def _check_index_range(buffers) -> None:
+    """The kernels index captured tensors in 32 bits (aten/lowerings/flex.py)."""
+    for buf in buffers:
+        if sum((n - 1) * abs(st) for n, st in zip(buf.shape, buf.stride())) >= 2**31:
+            raise RuntimeError(
+                f"flex_attention: a captured tensor of shape {tuple(buf.shape)} is too large to index in 32 bits"
+            )
 
 
 def _like_query(q: torch.Tensor, dv: int) -> torch.Tensor:

@@ -227,7 +227,9 @@ class _Tracer:
         info = self.buffers[number]
         if len(indices) != info.ndim or any(i is None for i in indices):
             raise Unsupported("a captured tensor indexed by fewer indices than its dims")
-        idx = tuple(self.cast(self.operand(i), torch.int64) for i in indices)
+        # 32-bit index math, as a [BLOCK_M, BLOCK_N] tile of 64-bit indices costs a GPU kernel half its
+        # registers; the kernel refuses a captured tensor of 2**31 elements or more.
+        idx = tuple(self.cast(self.operand(i), torch.int32) for i in indices)
         loaded = self.add("load", idx, info.dtype, self.first_buffer + number)
         return self.cast(loaded, dtype)
 
