@@ -338,8 +338,12 @@ def markdown(env: dict, records: list[dict], command: str) -> str:
             "Scaling from N: the same wrapper and compiler's step time on N processes (same per-rank batch) over "
             "this row's; 100% is perfect weak scaling."
         )
-    failed = [f"{r['wrapper']}/{c}: {v['accuracy']['failed']}" for r in records for c, v in r["compilers"].items()]
-    failed = [f for f in failed if not f.endswith(": []")]
+    failed = [
+        f"{r['wrapper']}/{c}: {v['accuracy']['failed']}"
+        for r in records
+        for c, v in r["compilers"].items()
+        if v.get("accuracy", {}).get("failed")
+    ]
     if failed:
         lines += ["", "Tensors outside the float64 rule:", *[f"- {f}" for f in failed]]
     return "\n".join(lines) + "\n"
@@ -356,6 +360,11 @@ def worker(args: argparse.Namespace, argv: list[str]) -> int:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    # torch.compile finds "ember" by name through the installed package's entry point; a checkout run
+    # from its folder (PYTHONPATH) has none, so the worker registers the name itself.
+    from ember.frontend.backend import register
+
+    register()
     try:
         workload = WORKLOADS[args.dist_workload or ("gpt2" if cuda else "tiny")]
         compilers = [c.strip() for c in args.dist_compilers.split(",") if c.strip()]
