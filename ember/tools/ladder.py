@@ -84,11 +84,16 @@ def layernorm_gelu_numpy(x: np.ndarray, w: np.ndarray, b: np.ndarray) -> np.ndar
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     t = (x - mean) / np.sqrt(var + EPS) * w + b
-    # erf from the standard library, vectorized: NumPy has none of its own.
     return 0.5 * t * (1.0 + _np_erf(t / np.sqrt(2.0)))
 
 
-_np_erf = np.vectorize(math.erf, otypes=[np.float32])
+def _np_erf(z: np.ndarray) -> np.ndarray:
+    """erf in array code (NumPy has none; np.vectorize of math.erf would be a Python loop): Abramowitz and
+    Stegun's 7.1.26, absolute error below 1.5e-7, as fp32 code would compute it."""
+    a = np.abs(z)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(z) * (1.0 - poly * np.exp(-a * a))
 
 
 def layernorm_gelu_torch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
