@@ -30,6 +30,7 @@ from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr, contiguous_strides
 from ember.runtime.huge_pages import MIN_BYTES, huge_allocator
+from ember.schedule.kernel import kernel_parts
 from ember.schedule.memory import MemoryPlan, same_layout
 from ember.schedule.padding import AlignedProduct
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Schedule
@@ -241,7 +242,9 @@ class HostWriter:
         outputs = {o for o in g.outputs if isinstance(o, Value)}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
-                self._require_bound([*step.kernel.reads, *step.kernel.writes], step.kernel.name)
+                parts = kernel_parts(step.kernel)
+                scalars = [sym for part in parts for sym in part.size_symbols()]  # its size and scalar parameters
+                self._require_bound([*step.kernel.reads, *step.kernel.writes, *scalars], step.kernel.name)
                 for v in step.kernel.writes:
                     self._allocate(v)
                 if step.kernel.writes_nothing:

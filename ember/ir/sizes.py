@@ -9,7 +9,7 @@ sizes Dynamo marks dynamic. Index math uses two functions of our own, `IndexDiv`
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import sympy
@@ -83,15 +83,39 @@ def as_expr(x: Any) -> Expr:
         return sympy.Integer(x)
     node = getattr(x, "node", None)  # torch.SymInt
     if node is not None and hasattr(node, "expr"):
-        return sympy.expand(from_torch_sympy(node.expr))
+        return sympy.expand(from_torch_sympy(node.expr, may_be_negative(node)))
     raise TypeError(f"not a size: {x!r} ({type(x).__name__})")
 
 
-def from_torch_sympy(expr: Expr) -> Expr:
+def may_be_negative(node: Any) -> Callable[[sympy.Symbol], bool]:
+    """Whether a symbol of torch's (of the SymNode `node`) may stand for a negative integer: a Python int
+    argument under dynamic shapes, or `.item()` of a tensor, as opposed to a size. Read from its
+    ShapeEnv's value range; a symbol the ShapeEnv does not know counts as possibly negative."""
+    shape_env = getattr(node, "shape_env", None)
+    ranges = getattr(shape_env, "var_to_range", None)
+    if ranges is None:
+        return lambda symbol: False
+
+    def negative(symbol: sympy.Symbol) -> bool:
+        known = ranges.get(symbol)
+        return known is None or bool(known.lower < 0)
+
+    return negative
+
+
+def from_torch_sympy(expr: Expr, negative: Callable[[sympy.Symbol], bool] | None = None) -> Expr:
     """Rewrite torch's own index functions (FloorDiv, ModularIndexing, CeilDiv, ...) into ours.
 
-    Symbols are re-made integer and non-negative (sizes), which our simplifications assume.
+    Symbols are re-made integer and non-negative (sizes), which our simplifications assume. Where
+    `negative` says a symbol may be negative, an expression whose value depends on that assumption (a
+    comparison, max/min, floor division or modulo, which the kernels compute as C does) is refused
+    rather than simplified wrongly: `max(n, 0)` would become `n`, `n >= 0` True.
     """
+    if negative is not None and _sign_sensitive(expr) and any(negative(s) for s in expr.free_symbols):
+        raise TypeError(
+            f"size expression {expr} compares, divides or takes max/min of an integer that may be negative "
+            "(a Python int under dynamic shapes, or .item()): ember's size arithmetic assumes non-negative integers"
+        )
     if not expr.args:
         return index_symbol(expr.name) if expr.is_Symbol else expr
     args = [from_torch_sympy(a) for a in expr.args]
@@ -104,6 +128,16 @@ def from_torch_sympy(expr: Expr) -> Expr:
 
 
 _CONNECTIVES = (sympy.And, sympy.Or, sympy.Not)  # of relations: a SymBool's condition
+
+
+def _sign_sensitive(expr: Expr) -> bool:
+    """Whether any part of torch's expression depends on the sign of its symbols: a relation, a connective,
+    max/min or an integer division or modulo."""
+    return any(
+        isinstance(e, (sympy.core.relational.Relational, *_CONNECTIVES)) or type(e).__name__ in _TORCH_INDEX_FUNCTIONS
+        for e in sympy.preorder_traversal(expr)
+    )
+
 
 _TORCH_INDEX_FUNCTIONS = {
     "FloorDiv": lambda a, b: IndexDiv(a, b),
