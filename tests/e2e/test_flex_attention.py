@@ -195,3 +195,28 @@ def test_flex_attention_cpp_dynamic_shapes():
         assert_no_fallback(report, line)
         assert all("flex_attention_kernel" in g.host_source for g in report.graphs), line
         assert_close(got, want, rtol=1e-4, atol=1e-5, what="out", line=line)
+
+
+@pytest.mark.parametrize("dynamic, block", [(True, 48), (False, 40)])
+def test_flex_attention_triton_block_sizes_it_cannot_tile_keep_pytorchs_op(dynamic, block):
+    """Triton's tiles divide the BlockMask's blocks and are 16 at least: blocks that vary between calls
+    (dynamic shapes), or whose power-of-two divisor is below 16 (40 = 8 * 5), keep PyTorch's op, with
+    one warning, and match eager."""
+
+    def fn(q, k, v, block_mask):
+        return flex_attention(q, k, v, block_mask=block_mask)
+
+    compiled = ember_compile(fn, "triton", dynamic=dynamic)
+    S = 2 * block
+    q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    block_mask = create_block_mask(_causal, 1, 1, S, S, device="cpu", BLOCK_SIZE=block)
+    line = repro(case="causal", backend="triton", dynamic=dynamic, block=block)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = fn(q, k, v, block_mask)
+        with reports() as report:
+            got = compiled(q, k, v, block_mask)
+    assert_no_fallback(report, line)
+    notes = [str(w.message) for w in caught if "flex_attention runs as PyTorch's op" in str(w.message)]
+    assert len(notes) == 1 and "Triton" in notes[0], f"{notes}\n{line}"
+    assert_close(got, want, rtol=1e-5, atol=1e-6, what="out", line=line)

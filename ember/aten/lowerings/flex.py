@@ -19,7 +19,7 @@ import math
 import torch
 import torch.fx
 
-from ember import log
+from ember import config, log
 from ember.aten.registry import Unsupported, lowering
 from ember.ir.flex import (
     EXTRA_OPS,
@@ -297,6 +297,13 @@ def _spec(b, query, key, value, score_gm, block_mask, scale, score_bufs, mask_bu
     if not all(sym or (isinstance(s, int) and s > 0) for s, sym in zip((q_block, kv_block), symbolic)):
         raise Unsupported(f"BlockMask block sizes {q_block}, {kv_block}")
     sizes_at_run_time = any(symbolic)  # (dynamic=True makes them symbols): the kernel reads them per call
+    if q.device.type == "cuda" or config.get("backend") == "triton":
+        # Triton's tiles are fixed when the kernel compiles and must divide the BlockMask's blocks, at 16
+        # rows and columns at least (its dot's smallest): sizes known only at run time could break that.
+        if sizes_at_run_time:
+            raise Unsupported("BlockMask block sizes that vary between calls (dynamic shapes) on Triton")
+        if min(q_block & -q_block, kv_block & -kv_block) < 16:
+            raise Unsupported(f"BlockMask blocks of {q_block} x {kv_block}: Triton tiles dividing them are below 16")
     buffers = []
     for buf in (*score_bufs, *mask_bufs):
         if not isinstance(buf, torch.fx.Node) or not isinstance(buf.meta.get("val"), torch.Tensor):
