@@ -12,9 +12,10 @@ On import they go back into torch's folder (again only where it is this user's a
 check of the file passed and ember's entries were written, and the cache adopts the exported cache's
 name for its AOTAutograd entries (`aot-id`, part of their key), so that they are found; entries
 this cache made before under its old name are simply not found again (compiled anew, then kept).
-Each entry is still checked when AOTAutograd loads it: its schedule is unpickled only if its
-signature matches this cache's key or the file vouched for it (a voucher is a SHA-256 of what was
-signed, written into ember's cache from the file: aot_cache._trusted).
+Each entry is still checked when AOTAutograd loads it: its schedule (ember's part) is unpickled only if
+its signature matches this cache's key or the file vouched for it; torch unpickles the entry around it
+first, so importing a file trusts its author. A voucher is a SHA-256 of what was signed, written into
+ember's cache from the file (aot_cache._trusted).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ torch and Triton versions, the GPU or CPU). Layout:
     MAGIC (12 bytes) | SHA-256 of the rest (32 bytes) | header length (8 bytes, little-endian)
     | header (JSON) | the files' bytes, one after another
 
-Import treats the file as untrusted input. Before anything is written it checks, in this order:
+Import checks the file for damage and mismatch (not for malice: see below). Before anything is written
+it checks, in this order:
 the magic, the whole file's checksum, the header's shape (every kind one of ember's, every key
 and file name of the cache's own form, every span inside the file), each file's checksum, and the
 identity, which must equal this process's: a file made by another torch, Triton, GPU or ember is
@@ -19,8 +20,10 @@ loaded at import; a refused file writes nothing and removes nothing. Entries are
 through DiskCache.put (atomic, with the cache's own manifest), so from there on they are checked
 as every entry is; an entry already present is kept.
 
-What an imported entry holds runs when it is used, as a wheel's code does: import only files
-from a source you trust (the file's checksum proves it is whole, not who made it).
+Importing a file trusts its author: what an imported entry holds runs when it is used, as a wheel's
+code does (kernel modules, libraries, cubins), and torch unpickles the AOTAutograd entries it carries
+when it looks them up. Import only files you made or trust: the file's checksum proves it is whole,
+not who made it.
 """
 
 from __future__ import annotations
