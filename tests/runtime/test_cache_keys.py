@@ -28,7 +28,7 @@ def _other_value(setting: config.Setting):
         value = next(c for c in setting.choices if c != setting.default)
     elif setting.type is bool:
         value = not setting.default
-    elif setting.type is int:
+    elif setting.type in (int, float):
         value = setting.default + 1
     else:
         value = setting.default + "-other"
