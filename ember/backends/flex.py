@@ -8,7 +8,6 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -255,16 +254,7 @@ def _load_triton(body: str, prefix: str):
     key = content_key("triton", source, toolchain=triton_identity())
     cache = DiskCache()
     entry = cache.get("triton", key) or cache.put("triton", key, {"kernels.py": source.encode()})
-    name = f"{prefix}_{key[:16]}"
-    module = sys.modules.get(name)
-    if module is None:
-        # Imported from a private copy of the checked bytes: Triton reads the kernel's source back.
-        path = scratch.private_copy(entry["kernels.py"], f"{name}.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
+    return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
 
 
 __all__ = ["FlexBackwardKernel", "FlexKernel", "build_flex_kernels"]

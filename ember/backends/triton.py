@@ -25,8 +25,6 @@ always does.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -269,18 +267,7 @@ class TritonBackend:
         # slow the loading down (they start in seconds; a cache hit loads in milliseconds).
         self._module_seen = entry is not None
         entry = entry or cache.put("triton", key, {"kernels.py": source.encode()})
-        name = f"ember_kernels_{key[:16]}"
-        if name in sys.modules:
-            return sys.modules[name]
-        # Imported from a private copy of the bytes the cache checked, never from the cache's file:
-        # Triton reads each kernel's source back through `inspect`, and compile workers import the
-        # module by path, after this check.
-        path = scratch.private_copy(entry["kernels.py"], f"{name}.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return module
+        return scratch.import_private_copy(entry["kernels.py"], f"ember_kernels_{key[:16]}")
 
     def prologue(self) -> list[str]:
         return [f"stream = _stream({_device_index(self.device)})"] if self.direct or self.static else []

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.util
 import itertools
 import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 import time
@@ -82,6 +84,19 @@ def private_copy(data: bytes, name: str) -> Path:
     finally:
         os.close(fd)
     return base / unique
+
+
+def import_private_copy(data: bytes, name: str):
+    """The Python module `name` made from `data` (checked bytes, e.g. a cache entry's kernel module):
+    imported once per process from a private copy, never from the cache's file. Triton reads each
+    kernel's source back through `inspect`, and compile workers import the module by path."""
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, private_copy(data, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
 
 
 def _alive(pid: int) -> bool:
