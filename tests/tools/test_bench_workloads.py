@@ -131,3 +131,20 @@ def test_decode_tokens_are_checked_against_eagers_for_every_compiler():
     assert checked["ember"]["status"] == "mismatch" and "position 1" in checked["ember"]["note"], checked["ember"]
     assert checked["ember:reduce-overhead"]["status"] == "error"
     assert all("tokens" not in r for r in checked.values())
+
+
+def test_decode_status_comes_from_the_logits_under_the_float64_rule():
+    from ember.tools.bench.decode import check_logits, check_tokens
+
+    reference = torch.linspace(-4, 4, 24, dtype=torch.float32).reshape(1, 3, 8)
+    near, far = reference + 0.01, reference + 1.0
+    results = {
+        "eager": {"ms": 1.0, "tokens": [[1, 2, 3]]},
+        "inductor": {"ms": 0.9, "tokens": [[1, 5, 3]]},  # another greedy token, logits as close as eager's
+        "ember": {"ms": 0.8, "tokens": [[1, 2, 3]]},  # the same tokens, logits far off
+    }
+    logits = {"eager": {"logits": near, "reference": reference}, "inductor": {"logits": near}, "ember": {"logits": far}}
+    checked = check_logits(check_tokens(results), logits)
+    assert checked["inductor"]["status"] == "ok" and "2/3" in checked["inductor"]["note"], checked["inductor"]
+    assert checked["ember"]["status"] == "mismatch" and "logits" in checked["ember"]["note"], checked["ember"]
+    assert checked["eager"]["status"] == "ok", checked["eager"]

@@ -11,10 +11,19 @@ cell, not the run): time per token = (time of `generate` of N tokens − time of
 the median over rounds; the GPU's busy time per token likewise from torch.profiler; and the
 greedy tokens, compared with eager's (how many of the N match, and where they first differ).
 
+Correctness is judged on logits, not tokens: with random weights the next-token logits are nearly
+uniform, so any rounding difference flips a greedy token (every compiler's tokens leave eager's within
+a few steps). Each process decodes once more with its history forced to eager's tokens and keeps
+every step's logits; the eager process also does it with the model in float64. A compiler passes
+where its logits are as close to float64's as the project's rule allows next to eager's
+(`measure.tolerance`).
+
 The floor: the bytes a token must read, the weights (the tied embedding once, as the head) and
 the KV cache over the mean context length, over the measured copy bandwidth.
 
-    python -m ember.tools.bench.decode COMPILER SCALE BATCH   (the child; prints one JSON line)
+    python -m ember.tools.bench.decode COMPILER SCALE BATCH [LOGITS.pt TOKENS.json]
+    (the child; prints one JSON line; with the paths, writes its forced-history logits, reading eager's
+    tokens from TOKENS.json unless it is eager)
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # (hidden, layers, heads, kv heads, MLP, vocabulary, batch, prompt tokens, new tokens)
@@ -39,7 +49,7 @@ def describe(size: tuple) -> str:
     return f"batch {batch}, {layers}×{hidden}, {heads}/{kv} heads, MLP {mlp}, vocab {vocab}, {prompt}+{new} tokens"
 
 
-def build_model(size: tuple, device):
+def build_model(size: tuple, device, dtype=None):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +65,7 @@ def build_model(size: tuple, device):
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype or torch.bfloat16).eval()
     model.generation_config.disable_compile = True  # transformers' own compile of the forward: not this row's
     ids = torch.randint(3, vocab, (batch, prompt), device=device)
     return model, ids
@@ -93,7 +103,7 @@ def _decode_only(model, compiler: str):
     return forward
 
 
-def child(compiler: str, scale: str, batch: int) -> dict:
+def child(compiler: str, scale: str, batch: int, logits_path: str = "", tokens_path: str = "") -> dict:
     import torch
 
     size = (SIZES_B8 if batch > 1 else SIZES_B1)[scale]
@@ -129,7 +139,46 @@ def child(compiler: str, scale: str, batch: int) -> dict:
     result["ms"] = statistics.median(per_token)
     if device.type == "cuda":
         result["busy_ms"] = (_busy(generate, new) - _busy(generate, 1)) / (new - 1)
+    if logits_path:
+        forced = result["tokens"]
+        if compiler != "eager":
+            with open(tokens_path) as f:
+                forced = json.load(f)
+        saved = {"logits": forced_logits(model, ids, forced, kw)}
+        if compiler == "eager":
+            del model
+            reference, _ = build_model(size, device, torch.float64)
+            saved["reference"] = forced_logits(reference, ids, forced, kw)
+        torch.save(saved, logits_path)
     return result
+
+
+def forced_logits(model, ids, tokens: list, kw: dict):
+    """The logits of every step of `generate` with its history forced to `tokens` ([batch][steps]):
+    float32 on the CPU, [batch, steps, vocabulary]."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prompt = ids.shape[1]
+    forced = torch.tensor(tokens, device=ids.device)
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            chosen = torch.full_like(scores, float("-inf"))
+            chosen[torch.arange(scores.shape[0]), forced[:, input_ids.shape[1] - prompt]] = 0
+            return chosen
+
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            max_new_tokens=forced.shape[1],
+            min_new_tokens=forced.shape[1],
+            logits_processor=LogitsProcessorList([Force()]),
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+    return torch.stack(out.logits, 1).float().cpu()
 
 
 def _busy(generate, n: int) -> float:
@@ -143,21 +192,59 @@ def _busy(generate, n: int) -> float:
 
 
 def run(case, s, record: dict, ceilings: dict) -> dict:
-    """Eager and each compiler in its own process; per-token time, % of the floor, tokens against eager's."""
+    """Eager and each compiler in its own process; per-token time, % of the floor, logits against float64's
+    (and tokens against eager's)."""
+    import torch
+
     batch = case.workload.sizes[s.scale][6]
-    results = {}
-    for compiler in ["eager", *s.compilers]:
-        s.progress(f"{case.key}: {compiler}")
-        results[compiler] = _run_child(compiler, s.scale, batch, s.compile_timeout_s)
+    results, logits = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens_path = os.path.join(tmp, "tokens.json")
+        for compiler in ["eager", *s.compilers]:
+            s.progress(f"{case.key}: {compiler}")
+            logits_path = os.path.join(tmp, f"{len(logits)}.pt")
+            paths = [logits_path, tokens_path]
+            results[compiler] = _run_child(compiler, s.scale, batch, s.compile_timeout_s, paths)
+            if compiler == "eager":
+                if "ms" not in results["eager"]:
+                    record["error"] = f"eager: {results['eager'].get('note', 'failed')}"
+                    return record
+                with open(tokens_path, "w") as f:
+                    json.dump(results["eager"]["tokens"], f)
+            if os.path.exists(logits_path):
+                logits[compiler] = torch.load(logits_path)
     eager = results["eager"]
-    if "ms" not in eager:
-        record["error"] = f"eager: {eager.get('note', 'failed')}"
-        return record
     floor_ms = eager["floor_bytes"] / ceilings["bandwidth_Bps"] * 1000
     record["limit"] = {"bytes": eager["floor_bytes"], "flops": 0, "floor_ms": floor_ms}
-    for compiler, r in check_tokens(results).items():
+    for compiler, r in check_logits(check_tokens(results), logits).items():
         record["compilers"][compiler] = r
     return record
+
+
+def check_logits(results: dict[str, dict], logits: dict[str, dict]) -> dict[str, dict]:
+    """Each compiler's forced-history logits against float64's, under the float64 rule next to eager's:
+    this decides the status; the greedy tokens are a note beside it."""
+    import torch
+
+    from ember.tools.bench import measure
+
+    if "eager" not in logits:
+        return results
+    reference = logits["eager"]["reference"]
+    eager_err = measure.rel_err(logits["eager"]["logits"], reference)
+    tol = measure.tolerance(torch.bfloat16, eager_err)
+    for compiler, r in results.items():
+        if "ms" not in r:
+            continue
+        if compiler not in logits:
+            r.update(status="error", note="no logits came back from its process")
+            continue
+        err = measure.rel_err(logits[compiler]["logits"], reference)
+        tokens = f"greedy tokens equal to eager's: {r['tokens_matching']}" + (f"; {r['note']}" if "note" in r else "")
+        r.update(err=err, tol=tol, status="ok" if err <= tol else "mismatch", note=tokens)
+        if err > tol:
+            r["note"] = f"logits: max rel err {err:.2e} > tol {tol:.2e}; {tokens}"
+    return results
 
 
 def check_tokens(results: dict[str, dict]) -> dict[str, dict]:
@@ -181,8 +268,8 @@ def _flat(tokens: list) -> list:
     return [t for row in tokens for t in row]
 
 
-def _run_child(compiler: str, scale: str, batch: int, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "ember.tools.bench.decode", compiler, scale, str(batch)]
+def _run_child(compiler: str, scale: str, batch: int, timeout: float, paths: list[str] | None = None) -> dict:
+    cmd = [sys.executable, "-m", "ember.tools.bench.decode", compiler, scale, str(batch), *(paths or [])]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     try:
@@ -196,4 +283,4 @@ def _run_child(compiler: str, scale: str, batch: int, timeout: float) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)
+    print(json.dumps(child(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:6])), flush=True)
