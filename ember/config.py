@@ -275,6 +275,16 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "freezing",
+            bool,
+            False,
+            "inference graphs (no grad): the parameters and buffers AOTAutograd marks static become constants: "
+            "batch norm (any per-channel scale and shift) after a convolution or linear layer is folded into its "
+            "weight and bias, and computations over them alone run once, at the first call; a replaced or "
+            "in-place-modified parameter is seen at the next call, which computes them again",
+            codegen=True,
+        ),
+        Setting(
             "patterns",
             bool,
             True,

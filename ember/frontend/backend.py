@@ -40,6 +40,7 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
     (frontend/aot_cache.py). Each graph ember runs eagerly appends its kind to `fell_back`."""
 
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
+        from ember.frontend.freezing import FrozenGraph
         from ember.pipeline import EagerGraph, compile_graph
 
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
@@ -49,12 +50,14 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
                 # Compiled with the forward (for AOTAutograd's cache) after the forward fell back:
                 # Dynamo's graph runs in their place (_dynamo_graph_if_eager); this one never runs.
                 program = gm
+            elif kind == "inference" and config.get("freezing"):
+                program = _frozen(gm, example_inputs)
             else:
                 program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
             if isinstance(program, EagerGraph):
                 fell_back.append(kind)
             default_mode = not config.get("cudagraphs") and config.get("cudagraphs_default") and kind == "inference"
-            if config.get("cudagraphs") or default_mode:
+            if (config.get("cudagraphs") or default_mode) and not isinstance(program, FrozenGraph):
                 from ember.pipeline import graph_device
                 from ember.runtime.cudagraphs import capture_facts, graphed, static_inputs
 
@@ -72,6 +75,31 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
     from ember.frontend import aot_cache
 
     return aot_cache.serializable(compile_one)
+
+
+def _frozen(gm: torch.fx.GraphModule, example_inputs):
+    """An inference graph under `freezing` (frontend/freezing.py): its computations over parameters and
+    buffers split off into a prologue, the rest compiled. Under CUDA graphs, whose recordings keep
+    the addresses of the prologue's results, the graph is compiled whole."""
+    from ember.frontend.freezing import FrozenGraph, freeze
+    from ember.pipeline import compile_graph, graph_device
+
+    context = torch._guards.TracingContext.try_get()
+    static = list(getattr(getattr(context, "fw_metadata", None), "static_input_indices", None) or ())
+    graphed = graph_device(gm, example_inputs).type == "cuda" and (
+        config.get("cudagraphs") or config.get("cudagraphs_default")
+    )
+    split = None
+    if not graphed and static:
+        try:
+            split = freeze(gm, example_inputs, static)
+        except Exception as e:
+            if config.get("strict"):
+                raise
+            log.warn(f"ember: freezing skipped for an inference graph: {type(e).__name__}: {e}")
+    if split is None:
+        return compile_graph(gm, example_inputs, "inference")
+    return FrozenGraph(compile_graph(split.main, split.main_inputs, "inference"), split)
 
 
 def _checked_options(mode: str | None, options: dict | None) -> dict[str, Any]:
@@ -191,9 +219,9 @@ def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
     """Whether AOTAutograd's cache may keep this compile's graphs (frontend/aot_cache.py)."""
     from ember.runtime.schedule_cache import cacheable_settings
 
-    if not config.get("aot_cache") or not cacheable_settings() or config.get("cudagraphs"):
+    if not config.get("aot_cache") or not cacheable_settings() or config.get("cudagraphs") or config.get("freezing"):
         # (A graph AOTAutograd's cache loads is rebuilt from its schedule, not through the compiler
-        # that puts it under CUDA graphs.)
+        # that puts it under CUDA graphs or splits off its frozen prologue.)
         return False  # checked first: the module below imports part of Inductor
     try:
         from ember.frontend import aot_cache

@@ -1,0 +1,195 @@
+"""Setting `freezing`: an inference graph's parameters and buffers become constants (frontend/freezing.py).
+
+Batch norm after a convolution or linear layer is folded into its weight and bias (the compiled graph
+has no batch-norm arithmetic left), results match eager, a replaced or in-place-modified parameter is
+seen at the next call, and the computed-once tensors hold no second copy of the weights they did not
+change."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _randomize_bn(model: nn.Module) -> nn.Module:
+    """Batch norms with statistics and affine parameters away from their identity defaults."""
+    for bn in model.modules():
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+                bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+    return model.eval()
+
+
+class ConvBN(nn.Module):
+    def __init__(self, cin: int, cout: int, groups: int = 1, bias: bool = False, relu: bool = True):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1, groups=groups, bias=bias)
+        self.bn = nn.BatchNorm2d(cout)
+        self.relu = relu
+
+    def forward(self, x):
+        y = self.bn(self.conv(x))
+        return torch.relu(y) if self.relu else y
+
+
+class LinearBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(24, 16)
+        self.bn = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+# name -> (model, input, memory format, the op the batch norm folds into)
+CASES = {
+    "conv-bn-relu": (lambda: ConvBN(4, 8), (2, 4, 8, 8), torch.contiguous_format, "convolution"),
+    "conv-bias-bn-channels-last": (
+        lambda: ConvBN(4, 8, bias=True, relu=False),
+        (2, 4, 8, 8),
+        torch.channels_last,
+        "convolution",
+    ),
+    "grouped-conv-bn": (lambda: ConvBN(8, 12, groups=4), (2, 8, 6, 6), torch.contiguous_format, "convolution"),
+    "depthwise-conv-bn-relu-channels-last": (
+        lambda: ConvBN(8, 8, groups=8),
+        (2, 8, 6, 6),
+        torch.channels_last,
+        "convolution",
+    ),
+    "linear-bn1d": (LinearBN, (5, 24), torch.contiguous_format, "addmm"),
+}
+
+
+def _inference_graph(report) -> str:
+    graphs = [g for g in report.graphs if g.kind == "inference"]
+    assert len(graphs) == 1, f"expected one inference graph, got {[g.kind for g in report.graphs]}"
+    return graphs[0].aten_graph
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_batch_norm_folds_into_the_op_before_it(name):
+    make, shape, memory_format, op = CASES[name]
+    model = _randomize_bn(make()).to(memory_format=memory_format)
+    x = torch.randn(shape)
+    if x.dim() == 4:
+        x = x.to(memory_format=memory_format)
+    line = repro(case=name)
+    with torch.no_grad():
+        expected = model(x)
+        for freezing in (True, False):
+            torch._dynamo.reset()
+            with reports() as report:
+                actual = ember_compile(model, "cpp", freezing=freezing)(x)
+            assert_no_fallback(report, line)
+            assert_close(actual, expected, **TOL, what=f"{name} freezing={freezing}", line=line)
+            code = _inference_graph(report)
+            assert f"aten.{op}" in code, f"{op} missing from the compiled graph\n{code}\n{line}"
+            # batch norm in eval mode is `(y - mean) * rsqrt(var + eps) * weight + bias` after decomposition:
+            # frozen, none of it is left in the compiled graph; not frozen, the graph computes it per call.
+            assert ("sqrt" in code) is not freezing, f"freezing={freezing}\n{code}\n{line}"
+
+
+class Block(nn.Module):
+    """A ResNet basic block (conv-bn-relu, conv-bn, residual add, relu) and a linear head."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.head = nn.Linear(c, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)) + x)
+        return self.head(y.mean((2, 3)))
+
+
+def test_a_replaced_or_modified_parameter_is_never_stale():
+    model = _randomize_bn(Block())
+    x = torch.randn(2, 8, 6, 6)
+    compiled = ember_compile(model, "cpp", freezing=True)
+    changes = {
+        "first call": lambda: None,
+        "conv weight modified in place": lambda: model.conv1.weight.add_(0.25),
+        "bn running_var modified in place": lambda: model.bn2.running_var.mul_(3),
+        "conv weight replaced": lambda: setattr(
+            model.conv2, "weight", nn.Parameter(torch.randn_like(model.conv2.weight))
+        ),
+        "bn weight replaced": lambda: setattr(model.bn1, "weight", nn.Parameter(torch.rand(8) + 0.5)),
+        "linear weight copied into": lambda: model.head.weight.copy_(torch.randn_like(model.head.weight)),
+        "nothing changed": lambda: None,
+    }
+    with torch.no_grad():
+        previous = None
+        for what, change in changes.items():
+            change()
+            expected = model(x)
+            actual = compiled(x)
+            assert_close(actual, expected, **TOL, what=what, line=repro(change=what))
+            if previous is not None and what != "nothing changed":
+                assert not torch.equal(expected, previous), f"{what}: the change changed nothing in eager"
+            previous = expected
+
+
+def _frozen_graphs() -> list:
+    from ember.frontend.freezing import FrozenGraph
+
+    gc.collect()
+    return [obj for obj in gc.get_objects() if type(obj) is FrozenGraph]
+
+
+def _tensor_bytes() -> int:
+    """Bytes of the distinct CPU storages that live tensors hold (fake and meta tensors aside)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: it reads __class__, which some module proxies answer with a warning
+        if issubclass(kind, torch.Tensor) and not issubclass(kind, FakeTensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_frozen_weights_keep_no_second_copy_of_every_parameter():
+    """Only the folded convolution weights (and per-channel vectors) are new; the linear head's
+    weight, which nothing folds into, is read where it is, and a call leaves nothing behind."""
+    model = _randomize_bn(Block(c=32))
+    model.head = nn.Linear(32, 2048)  # the largest parameter, left unfolded
+    x = torch.randn(1, 32, 4, 4)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
+        b.untyped_storage().data_ptr() for b in model.buffers()
+    }
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    folded = sum(m.weight.numel() * m.weight.element_size() for m in (model.conv1, model.conv2))
+    with torch.no_grad():
+        expected = model(x)
+        compiled = ember_compile(model, "cpp", freezing=True)
+        compiled(x)  # compiles, and runs the prologue once
+        before = _tensor_bytes()
+        actual = compiled(x)
+        left = _tensor_bytes() - before - actual.untyped_storage().nbytes()
+    assert_close(actual, expected, **TOL, what="block", line=repro())
+    assert left <= 0, f"a call left {left} bytes behind"
+    (frozen,) = _frozen_graphs()
+    new = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in frozen.constants}
+    new = sum(n for ptr, n in new.items() if ptr not in params)
+    # the folded weights, and the two folded biases (32 floats each)
+    assert folded <= new <= folded + 2 * 32 * 4, f"frozen constants hold {new} bytes: folded weights {folded}"
+    assert new < param_bytes / 4, f"frozen constants hold {new} bytes of {param_bytes} in parameters"
