@@ -28,6 +28,24 @@ class FlexLaunch:
     stages: int
 
 
+# The start of every kernel over one tile of queries (the forward, and the backward's dq): which batch,
+# head, key head (GQA), captured-tensor batch and head, and query rows the program owns.
+QUERY_TILE = """    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    sb = b % SB
+    sh = h % SH
+    m0 = tile * BLOCK_M
+    qb = m0 // QB
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    q_idx = offs_m[:, None]
+    offs_d = tl.arange(0, D_PAD)
+    offs_v = tl.arange(0, DV_PAD)
+"""
+
+
 def _pow2(n: int) -> int:
     p = 1
     while p < n:
@@ -143,20 +161,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
 @triton.jit
 def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
-    sb = b % SB
-    sh = h % SH
-    m0 = tile * BLOCK_M
-    qb = m0 // QB
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    q_idx = offs_m[:, None]
-    offs_d = tl.arange(0, D_PAD)
-    offs_v = tl.arange(0, DV_PAD)
-    {qload}
+{QUERY_TILE}    {qload}
     m_i = tl.full([BLOCK_M], -float("inf"), {wt})
     l_i = tl.zeros([BLOCK_M], {wt})
     acc = tl.zeros([BLOCK_M, DV_PAD], {wt})

@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import drop_full_masks
+from ember.codegen.flex_triton import QUERY_TILE, drop_full_masks
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -137,20 +137,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
     source = f"""
 @triton.jit
 def flex_bwd_dq({params}, {constexprs}):
-    tile = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
-    sb = b % SB
-    sh = h % SH
-    m0 = tile * BLOCK_M
-    qb = m0 // QB
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    q_idx = offs_m[:, None]
-    qmask = offs_m < M
-    offs_d = tl.arange(0, D_PAD)
-    offs_v = tl.arange(0, DV_PAD)
+{QUERY_TILE}    qmask = offs_m < M
     q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd,
                 mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
     do = tl.load(DO + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod,
