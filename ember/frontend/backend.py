@@ -54,8 +54,8 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
                 program = _frozen(gm, example_inputs)
             else:
                 program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
-            if isinstance(program, EagerGraph):
-                fell_back.append(kind)
+            if isinstance(program, EagerGraph) or isinstance(getattr(program, "program", None), EagerGraph):
+                fell_back.append(kind)  # (a FrozenGraph's main graph too: Dynamo's graph runs in its place)
             default_mode = not config.get("cudagraphs") and config.get("cudagraphs_default") and kind == "inference"
             if (config.get("cudagraphs") or default_mode) and not isinstance(program, FrozenGraph):
                 from ember.pipeline import graph_device

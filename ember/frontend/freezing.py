@@ -100,6 +100,9 @@ def _frozen_placeholders(gm: fx.GraphModule, placeholders: list[fx.Node], static
 # fold_affine: conv/linear followed by a per-channel scale and shift
 
 
+# Ops that read a tensor's sizes, not its values: they may read any value of a chain (a view's size under
+# dynamic shapes), and read the folded op's result instead.
+_META_OPS = (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default)
 _CHAIN_OPS = {aten.mul.Tensor: "mul", aten.div.Tensor: "div", aten.add.Tensor: "add", aten.sub.Tensor: "sub"}
 
 
@@ -168,8 +171,11 @@ def _chain(node: fx.Node, channel_dim: int, frozen, memo) -> list[tuple[str, obj
     val = node.meta["val"]
     steps = []
     current = node
-    while len(current.users) == 1:
-        user = next(iter(current.users))
+    while True:
+        readers = [u for u in current.users if u.target not in _META_OPS]
+        if len(readers) != 1:
+            break
+        user = readers[0]
         kind = _CHAIN_OPS.get(user.target)
         if kind is None or user.kwargs or len(user.args) != 2:
             break
@@ -231,7 +237,8 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
         flat = emit(aten.reshape.default, operand, [padded[channel_dim]])
         return flat if padded[channel_dim] == channels else emit(aten.expand.default, flat, [channels])
 
-    with graph.inserting_before(last):
+    _hoist(graph, node, [op for _, op, _ in steps] + list(node.args))
+    with graph.inserting_before(node):
         scale = shift = None  # y * scale + shift; None: 1 and 0
         for kind, operand, _ in steps:
             if kind == "mul" or kind == "div":
@@ -263,8 +270,21 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
                 weight = emit(aten.mul.Tensor, weight, emit(aten.reshape.default, scale, [1, channels]))
             bias = _fold_bias(emit, bias, scale, shift)
             new = emit(aten.mm.default, x, weight) if bias is None else emit(aten.addmm.default, bias, x, weight)
+    for value in [node] + [step for _, _, step in steps[:-1]]:
+        for user in list(value.users):
+            if user.target in _META_OPS:
+                user.replace_input_with(value, new)
     last.replace_all_uses_with(new)
     return True
+
+
+def _hoist(graph: fx.Graph, before: fx.Node, operands: list) -> None:
+    """Move the computations of constant operands that come after `before` to just before it (they read
+    frozen tensors only), so that the folded weight can be made where the op it replaces was."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    late = [n for n in _ancestors([a for a in operands if isinstance(a, fx.Node)]) if order[n] > order[before]]
+    for n in sorted(late, key=order.__getitem__):
+        before.prepend(n)
 
 
 def _fold_bias(emit: Callable, bias, scale, shift):
@@ -365,6 +385,13 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
 # the runtime side
 
 
+def _laid_out(tensor: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    if tensor.stride() == fake.stride() or tensor.numel() <= 1:
+        return tensor
+    out = torch.empty_strided(tensor.shape, fake.stride(), dtype=tensor.dtype, device=tensor.device)
+    return out.copy_(tensor)
+
+
 class FrozenGraph:
     """A compiled main graph and its prologue's results, re-computed when a tensor it read was replaced
     or written in place (boxed calling convention, as CompiledGraph)."""
@@ -376,6 +403,9 @@ class FrozenGraph:
         self.prologue = split.prologue
         self.kept = split.kept
         self.frozen = split.frozen
+        # The main graph was compiled for its inputs' fake layouts, and an inference graph's host program
+        # does not check them: a result of another layout is copied into that one (once per freeze).
+        self.layouts = split.main_inputs[len(split.kept) :]
         self.constants: list[torch.Tensor] | None = None
         self._read: list[torch.Tensor] = []  # the tensors the prologue read, kept so their addresses stay theirs
         self._stamps: list[tuple[int, int]] = []
@@ -393,7 +423,7 @@ class FrozenGraph:
         self.constants = None  # the old results die before the new ones are made
         self._read = []
         with torch.no_grad():
-            self.constants = [c.detach() for c in self.prologue(*tensors)]
+            self.constants = [_laid_out(c.detach(), fake) for c, fake in zip(self.prologue(*tensors), self.layouts)]
         self._read = list(tensors)
         self._stamps = [(t.data_ptr(), t._version) for t in tensors]
         self.freezes += 1

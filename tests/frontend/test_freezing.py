@@ -193,3 +193,17 @@ def test_frozen_weights_keep_no_second_copy_of_every_parameter():
     # the folded weights, and the two folded biases (32 floats each)
     assert folded <= new <= folded + 2 * 32 * 4, f"frozen constants hold {new} bytes: folded weights {folded}"
     assert new < param_bytes / 4, f"frozen constants hold {new} bytes of {param_bytes} in parameters"
+
+
+def test_folds_under_dynamic_shapes():
+    """With a symbolic batch, the convolution's result is also read for its sizes (a flattening view):
+    the folded convolution answers those reads."""
+    model = _randomize_bn(nn.Sequential(ConvBN(3, 8), nn.Flatten(), nn.Linear(8 * 5 * 5, 4), nn.BatchNorm1d(4)))
+    compiled = ember_compile(model, "cpp", dynamic=True, freezing=True)
+    with torch.no_grad(), reports() as report:
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 5, 5)
+            assert_close(compiled(x), model(x), **TOL, what=f"batch {batch}", line=repro(batch=batch))
+    assert_no_fallback(report, repro())
+    code = _inference_graph(report)
+    assert "sqrt" not in code and "aten.convolution" in code, code
