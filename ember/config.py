@@ -280,7 +280,8 @@ SETTINGS: dict[str, Setting] = {
             False,
             "inference graphs (no grad): the parameters and buffers AOTAutograd marks static become constants: "
             "batch norm (any per-channel scale and shift) after a convolution or linear layer is folded into its "
-            "weight and bias, and computations over them alone run once, at the first call; a replaced or "
+            "weight and bias (or, where pointwise ops read the result, into one multiply-add by per-channel "
+            "vectors), and computations over them alone run once, at the first call; a replaced or "
             "in-place-modified parameter is seen at the next call, which computes them again",
             codegen=True,
         ),

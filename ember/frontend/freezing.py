@@ -5,7 +5,9 @@ AOTAutograd marks static. `freeze` rewrites it in two steps:
 
     fold_affine      a convolution or matrix product followed by a per-channel scale and shift over
                      frozen tensors (batch norm in eval mode, as ember's decompositions write it) has
-                     them folded into its weight and bias
+                     them folded into its weight and bias, or, where only pointwise ops read the
+                     result (and fuse the scale and shift for free), into one multiply-add by
+                     per-channel vectors, so that the weight is not copied
     split_constants  every computation over frozen tensors alone (the folded weights, batch norm's
                      scale, a dtype cast, a transpose) moves into a prologue graph; its results become
                      inputs of the main graph, which ember compiles
@@ -48,7 +50,7 @@ class FrozenSplit:
     prologue: fx.GraphModule
     kept: list[int]
     frozen: list[int]
-    folded: int  # convolutions and products whose scale and shift were folded
+    folded: dict[str, int]  # scale-and-shift chains folded into a weight, into one multiply-add
 
 
 def freeze(gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequence[int]) -> FrozenSplit | None:
@@ -68,7 +70,10 @@ def freeze(gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequenc
     log.artifact(
         "graph",
         "freezing",
-        lambda: f"{folded} scale-and-shift(s) folded into a weight; prologue:\n{prologue.code.strip()}",
+        lambda: (
+            f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
+            f"multiply-add; prologue:\n{prologue.code.strip()}"
+        ),
     )
     return FrozenSplit(gm, main_inputs, prologue, kept, frozen_idx, folded)
 
@@ -134,11 +139,11 @@ def _pure(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def fold_affine(gm: fx.GraphModule, frozen: set[fx.Node], fake_mode) -> int:
+def fold_affine(gm: fx.GraphModule, frozen: set[fx.Node], fake_mode) -> dict[str, int]:
     """Fold `y * s + t` chains over frozen per-channel tensors into the convolution or product that
-    makes y. Returns how many were folded."""
+    makes y, or into one multiply-add after it (`_fold_one`). Returns how many went each way."""
     memo: dict = {}
-    folded = 0
+    folded = {"weight": 0, "epilogue": 0}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -157,9 +162,10 @@ def fold_affine(gm: fx.GraphModule, frozen: set[fx.Node], fake_mode) -> int:
             channel_dim = 1
         else:
             continue
-        if _fold_one(gm, node, channel_dim, frozen, memo, fake_mode):
-            folded += 1
-    if folded:
+        how = _fold_one(gm, node, channel_dim, frozen, memo, fake_mode)
+        if how is not None:
+            folded[how] += 1
+    if folded["weight"] or folded["epilogue"]:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return folded
@@ -209,13 +215,15 @@ def _per_channel(shape: tuple, ndim: int, channel_dim: int, channels) -> bool:
     return all(s == 1 for i, s in enumerate(padded) if i != channel_dim) and padded[channel_dim] in (1, channels)
 
 
-def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo, fake_mode) -> bool:
+def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo, fake_mode) -> str | None:
+    """Fold the chain after `node`: "weight" (into its weight and bias), "epilogue" (into one multiply-add
+    by per-channel vectors), or None where there is no chain."""
     val = node.meta["val"]
     if not val.is_floating_point():
-        return False
+        return None
     steps = _chain(node, channel_dim, frozen, memo)
     if not steps:
-        return False
+        return None
     channels = val.shape[channel_dim]
     ndim = val.dim()
     graph = gm.graph
@@ -237,8 +245,17 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
         flat = emit(aten.reshape.default, operand, [padded[channel_dim]])
         return flat if padded[channel_dim] == channels else emit(aten.expand.default, flat, [channels])
 
-    _hoist(graph, node, [op for _, op, _ in steps] + list(node.args))
-    with graph.inserting_before(node):
+    # Where every reader of the result is pointwise, the scale and shift fuse into its kernel for the cost
+    # of two per-channel loads: they stay there, as one multiply-add by vectors computed once, and the weight
+    # is not copied. Elsewhere (a result read by another convolution, or returned) they fold into the weight,
+    # which removes a pass over the result.
+    readers = [u for u in last.users if u.target not in _META_OPS]
+    epilogue = bool(readers) and all(
+        isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags for u in readers
+    )
+    if not epilogue:
+        _hoist(graph, node, [op for _, op, _ in steps] + list(node.args))
+    with graph.inserting_before(last if epilogue else node):
         scale = shift = None  # y * scale + shift; None: 1 and 0
         for kind, operand, _ in steps:
             if kind == "mul" or kind == "div":
@@ -255,7 +272,14 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
                     shift = emit(aten.sub.Tensor, shift, v) if shift is not None else emit(aten.neg.default, v)
                 else:
                     shift = emit(aten.add.Tensor, shift, v) if shift is not None else v
-        if node.target is aten.convolution.default:
+        if epilogue:
+            shape = [channels] + [1] * (ndim - 1 - channel_dim)
+            new = node
+            if scale is not None:
+                new = emit(aten.mul.Tensor, new, emit(aten.reshape.default, scale, shape))
+            if shift is not None:
+                new = emit(aten.add.Tensor, new, emit(aten.reshape.default, shift, shape))
+        elif node.target is aten.convolution.default:
             weight, bias = node.args[1], node.args[2]
             if scale is not None:
                 wshape = [channels] + [1] * (weight.meta["val"].dim() - 1)
@@ -272,10 +296,10 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
             new = emit(aten.mm.default, x, weight) if bias is None else emit(aten.addmm.default, bias, x, weight)
     for value in [node] + [step for _, _, step in steps[:-1]]:
         for user in list(value.users):
-            if user.target in _META_OPS:
-                user.replace_input_with(value, new)
+            if user.target in _META_OPS and user is not new:
+                user.replace_input_with(value, node if epilogue else new)
     last.replace_all_uses_with(new)
-    return True
+    return "epilogue" if epilogue else "weight"
 
 
 def _hoist(graph: fx.Graph, before: fx.Node, operands: list) -> None:

@@ -52,23 +52,54 @@ class LinearBN(nn.Module):
         return self.bn(self.fc(x))
 
 
-# name -> (model, input, memory format, the op the batch norm folds into)
+class ConvBNConv(nn.Module):
+    """Batch norm between two convolutions: no pointwise op reads its result."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = ConvBN(4, 8, relu=False)
+        self.second = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+# name -> (model, input shape, memory format, the op the batch norm follows, where it folds: "weight" into
+# that op's weight and bias where nothing pointwise reads the result, else "epilogue": one multiply-add)
 CASES = {
-    "conv-bn-relu": (lambda: ConvBN(4, 8), (2, 4, 8, 8), torch.contiguous_format, "convolution"),
+    "conv-bn-relu": (lambda: ConvBN(4, 8), (2, 4, 8, 8), torch.contiguous_format, "convolution", "epilogue"),
+    "conv-bn": (lambda: ConvBN(4, 8, relu=False), (2, 4, 8, 8), torch.contiguous_format, "convolution", "weight"),
     "conv-bias-bn-channels-last": (
         lambda: ConvBN(4, 8, bias=True, relu=False),
         (2, 4, 8, 8),
         torch.channels_last,
         "convolution",
+        "weight",
     ),
-    "grouped-conv-bn": (lambda: ConvBN(8, 12, groups=4), (2, 8, 6, 6), torch.contiguous_format, "convolution"),
-    "depthwise-conv-bn-relu-channels-last": (
-        lambda: ConvBN(8, 8, groups=8),
+    "conv-bn-relu-channels-last": (lambda: ConvBN(4, 8), (2, 4, 8, 8), torch.channels_last, "convolution", "epilogue"),
+    "conv-bn-conv": (ConvBNConv, (2, 4, 6, 6), torch.contiguous_format, "convolution", "weight"),
+    "grouped-conv-bn": (
+        lambda: ConvBN(8, 12, groups=4, relu=False),
+        (2, 8, 6, 6),
+        torch.contiguous_format,
+        "convolution",
+        "weight",
+    ),
+    "depthwise-conv-bn-channels-last": (
+        lambda: ConvBN(8, 8, groups=8, relu=False),
         (2, 8, 6, 6),
         torch.channels_last,
         "convolution",
+        "weight",
     ),
-    "linear-bn1d": (LinearBN, (5, 24), torch.contiguous_format, "addmm"),
+    "depthwise-conv-bn-relu": (
+        lambda: ConvBN(8, 8, groups=8),
+        (2, 8, 6, 6),
+        torch.contiguous_format,
+        "convolution",
+        "epilogue",
+    ),
+    "linear-bn1d": (LinearBN, (5, 24), torch.contiguous_format, "addmm", "weight"),
 }
 
 
@@ -80,7 +111,7 @@ def _inference_graph(report) -> str:
 
 @pytest.mark.parametrize("name", CASES)
 def test_batch_norm_folds_into_the_op_before_it(name):
-    make, shape, memory_format, op = CASES[name]
+    make, shape, memory_format, op, fold = CASES[name]
     model = _randomize_bn(make()).to(memory_format=memory_format)
     x = torch.randn(shape)
     if x.dim() == 4:
@@ -99,48 +130,60 @@ def test_batch_norm_folds_into_the_op_before_it(name):
             # batch norm in eval mode is `(y - mean) * rsqrt(var + eps) * weight + bias` after decomposition:
             # frozen, none of it is left in the compiled graph; not frozen, the graph computes it per call.
             assert ("sqrt" in code) is not freezing, f"freezing={freezing}\n{code}\n{line}"
+            if freezing:
+                multiplies = code.count("aten.mul.Tensor")
+                assert multiplies == (1 if fold == "epilogue" else 0), f"expected a {fold} fold\n{code}\n{line}"
 
 
-class Block(nn.Module):
-    """A ResNet basic block (conv-bn-relu, conv-bn, residual add, relu) and a linear head."""
+class TwoConvs(nn.Module):
+    """conv-bn-relu (folds into a multiply-add), conv-bn read by a mean (folds into the weight), and a large
+    linear head that nothing folds into."""
 
-    def __init__(self, c: int = 8):
+    def __init__(self, c: int = 32):
         super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
-        self.head = nn.Linear(c, 5)
+        self.first = ConvBN(c, c)
+        self.second = ConvBN(c, c, relu=False)
+        self.head = nn.Linear(c, 2048)
 
     def forward(self, x):
-        y = torch.relu(self.bn1(self.conv1(x)))
-        y = torch.relu(self.bn2(self.conv2(y)) + x)
-        return self.head(y.mean((2, 3)))
+        y = self.second(self.first(x))
+        return y, self.head(y.mean((2, 3)))
 
 
 def test_a_replaced_or_modified_parameter_is_never_stale():
-    model = _randomize_bn(Block())
+    model = _randomize_bn(TwoConvs(c=8))
     x = torch.randn(2, 8, 6, 6)
     compiled = ember_compile(model, "cpp", freezing=True)
+    # change -> whether it changes a tensor the prologue read (the second conv's weight, which its batch norm
+    # folds into, batch norms' tensors, the linear weight), so that the prologue runs again
     changes = {
-        "first call": lambda: None,
-        "conv weight modified in place": lambda: model.conv1.weight.add_(0.25),
-        "bn running_var modified in place": lambda: model.bn2.running_var.mul_(3),
-        "conv weight replaced": lambda: setattr(
-            model.conv2, "weight", nn.Parameter(torch.randn_like(model.conv2.weight))
+        "first call": (lambda: None, True),
+        "folded conv weight modified in place": (lambda: model.second.conv.weight.add_(0.25), True),
+        "bn running_var modified in place": (lambda: model.second.bn.running_var.mul_(3), True),
+        "folded conv weight replaced": (
+            lambda: setattr(model.second.conv, "weight", nn.Parameter(torch.randn_like(model.second.conv.weight))),
+            True,
         ),
-        "bn weight replaced": lambda: setattr(model.bn1, "weight", nn.Parameter(torch.rand(8) + 0.5)),
-        "linear weight copied into": lambda: model.head.weight.copy_(torch.randn_like(model.head.weight)),
-        "nothing changed": lambda: None,
+        "bn weight replaced": (lambda: setattr(model.first.bn, "weight", nn.Parameter(torch.rand(8) + 0.5)), True),
+        "unfolded conv weight modified in place": (lambda: model.first.conv.weight.mul_(-1), False),
+        # (the product reads the weight's transpose, a view the prologue makes once)
+        "linear weight copied into": (lambda: model.head.weight.copy_(torch.randn_like(model.head.weight)), True),
+        "nothing changed": (lambda: None, False),
     }
+    freezes = 0
     with torch.no_grad():
         previous = None
-        for what, change in changes.items():
+        for what, (change, refreezes) in changes.items():
             change()
             expected = model(x)
             actual = compiled(x)
-            assert_close(actual, expected, **TOL, what=what, line=repro(change=what))
+            for a, e in zip(actual, expected):
+                assert_close(a, e, **TOL, what=what, line=repro(change=what))
             if previous is not None and what != "nothing changed":
-                assert not torch.equal(expected, previous), f"{what}: the change changed nothing in eager"
-            previous = expected
+                assert not torch.equal(expected[1], previous), f"{what}: the change changed nothing in eager"
+            previous = expected[1]
+            freezes += refreezes
+            assert [g.freezes for g in _frozen_graphs()] == [freezes], f"{what}: prologue runs"
 
 
 def _frozen_graphs() -> list:
@@ -168,37 +211,40 @@ def _tensor_bytes() -> int:
 
 
 def test_frozen_weights_keep_no_second_copy_of_every_parameter():
-    """Only the folded convolution weights (and per-channel vectors) are new; the linear head's
-    weight, which nothing folds into, is read where it is, and a call leaves nothing behind."""
-    model = _randomize_bn(Block(c=32))
-    model.head = nn.Linear(32, 2048)  # the largest parameter, left unfolded
+    """Only the weight a batch norm folds into is copied (and per-channel vectors made); a call leaves
+    nothing behind."""
+    model = _randomize_bn(TwoConvs())
     x = torch.randn(1, 32, 4, 4)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
         b.untyped_storage().data_ptr() for b in model.buffers()
     }
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    folded = sum(m.weight.numel() * m.weight.element_size() for m in (model.conv1, model.conv2))
+    folded = model.second.conv.weight.numel() * 4
     with torch.no_grad():
         expected = model(x)
         compiled = ember_compile(model, "cpp", freezing=True)
         compiled(x)  # compiles, and runs the prologue once
         before = _tensor_bytes()
         actual = compiled(x)
-        left = _tensor_bytes() - before - actual.untyped_storage().nbytes()
-    assert_close(actual, expected, **TOL, what="block", line=repro())
+        left = _tensor_bytes() - before - sum(a.untyped_storage().nbytes() for a in actual)
+    for a, e, what in zip(actual, expected, ("features", "head")):
+        assert_close(a, e, **TOL, what=what, line=repro())
     assert left <= 0, f"a call left {left} bytes behind"
     (frozen,) = _frozen_graphs()
     new = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in frozen.constants}
     new = sum(n for ptr, n in new.items() if ptr not in params)
-    # the folded weights, and the two folded biases (32 floats each)
-    assert folded <= new <= folded + 2 * 32 * 4, f"frozen constants hold {new} bytes: folded weights {folded}"
+    # the folded weight; its bias, and the first batch norm's scale and shift (32 floats each)
+    assert folded <= new <= folded + 3 * 32 * 4, f"frozen constants hold {new} bytes: folded weight {folded}"
     assert new < param_bytes / 4, f"frozen constants hold {new} bytes of {param_bytes} in parameters"
 
 
 def test_folds_under_dynamic_shapes():
     """With a symbolic batch, the convolution's result is also read for its sizes (a flattening view):
     the folded convolution answers those reads."""
-    model = _randomize_bn(nn.Sequential(ConvBN(3, 8), nn.Flatten(), nn.Linear(8 * 5 * 5, 4), nn.BatchNorm1d(4)))
+    model = nn.Sequential(
+        ConvBN(3, 8), ConvBN(8, 8, relu=False), nn.Flatten(), nn.Linear(8 * 5 * 5, 4), nn.BatchNorm1d(4)
+    )
+    model = _randomize_bn(model)
     compiled = ember_compile(model, "cpp", dynamic=True, freezing=True)
     with torch.no_grad(), reports() as report:
         for batch in (2, 3):
