@@ -309,9 +309,28 @@ def describe_env(run: Run) -> list[str]:
     return lines
 
 
+def summary(run: Run, worst: int = 3) -> list[str]:
+    """Per ember column and mode (inference, train): the geometric mean of ember ÷ Inductor over the rows
+    timed in both, and the `worst` rows. Empty where the run has no Inductor or fewer than two such rows."""
+    lines = []
+    for c in [c for c in run.compilers if c.startswith("ember")]:
+        base = baseline(c, run.compilers)
+        for mode in ("inference", "train"):
+            got = [(versus(case, c, base), case["workload"]) for case in run.cases.values() if case.get("mode") == mode]
+            got = sorted((v, name) for v, name in got if v)
+            if len(got) < 2:
+                continue
+            mean = math.exp(sum(math.log(v) for v, _ in got) / len(got))
+            low = ", ".join(f"{name} {v:.2f}×" for v, name in got[:worst])
+            lines.append(
+                f"{label(c)} ÷ {label(base)}, {mode}: geometric mean {mean:.2f}× over {len(got)} rows; lowest: {low}"
+            )
+    return lines
+
+
 def markdown(run: Run) -> str:
     header, rows, notes = table_rows(run)
-    out = [f"- {line}" for line in describe_env(run)] + [""]
+    out = [f"- {line}" for line in describe_env(run)] + [f"- {line}" for line in summary(run)] + [""]
     out.append("| " + " | ".join(header) + " |")
     out.append("|" + "---|" * len(header))
     out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
@@ -326,7 +345,7 @@ def plain(run: Run, wide: bool = True) -> str:
     if not wide:
         header, rows = _columns(header, rows, main_columns(run, header))
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = describe_env(run) + [""]
+    lines = describe_env(run) + summary(run) + [""]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     if notes:
@@ -361,6 +380,8 @@ def print_table(run: Run, console=None, wide: bool = False) -> None:
 
         console = Console(width=max(200, Console().width)) if wide else Console()
     console.print(table)
+    for line in summary(run):
+        console.print(line, highlight=False)
     for n in notes:
         console.print(f"[yellow]note[/yellow] {n}", markup=True, highlight=False)
 

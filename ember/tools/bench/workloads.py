@@ -4,7 +4,8 @@ Sizes are given per scale: "gpu" (the sizes the issue names), "cpu" (the same pr
 down for a 2-core machine: fewer rows, fewer layers, smaller batches; the memory-bound micro
 workloads keep 32-64 MB per tensor so that they do not run from a CPU's last-level cache),
 "tiny" (the CI test).
-Workloads that need transformers or torchvision are skipped with a note when the package does
+The "zoo" group (zoo.py) holds real architectures built from configs.
+Workloads that need transformers, timm or torchvision are skipped with a note when the package does
 not import.
 """
 
@@ -18,14 +19,14 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import decode, flex_workloads, host_cost, jax_step, optimizers, train_loop
+from ember.tools.bench import decode, flex_workloads, host_cost, jax_step, optimizers, train_loop, zoo
 from ember.tools.bench.built import Built
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
-    group: str  # "micro" | "model" | "host" | "optim"
+    group: str  # "micro" | "model" | "host" | "optim" | "flex" | "zoo"
     dtype: str  # what the table shows: "f32", "bf16", "bf16 autocast"
     sizes: dict[str, tuple]
     build: Callable[[tuple, torch.device], Built] | None
@@ -415,11 +416,12 @@ WORKLOADS: dict[str, Workload] = {
         ),
         *_optimizer_workloads(),
         *_attention_workloads(),
+        *zoo.workloads(Workload),
     ]
 }
 
 
-GROUPS = ("micro", "model", "host", "optim", "flex")
+GROUPS = ("micro", "model", "host", "optim", "flex", "zoo")
 
 
 @dataclass(frozen=True)
