@@ -33,6 +33,7 @@ def test_zoo_has_thirty_architectures_in_both_modes():
     assert len(zoo) >= 30, [w.name for w in zoo]
     keys = {c.key for c in select("zoo")}
     assert "zoo_mixtral/train" in keys and "zoo_whisper/inference" in keys, sorted(keys)
+    assert not keys & {c.key for c in select("all")}, "the zoo is asked for by name, not part of all"
     for w in zoo:
         assert set(w.sizes) == {"gpu", "cpu", "tiny"}, w.name
         assert w.requires in ("transformers", "timm", "torchvision", "torch_geometric", "torchaudio"), w.name

@@ -28,7 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ember bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--workloads", default="all", help="all, micro, model, host, optim, or names (comma-separated)")
+    p.add_argument(
+        "--workloads",
+        default="all",
+        help="all (every group but zoo), micro, model, host, optim, flex, zoo, or names (comma-separated)",
+    )
     p.add_argument("--modes", default="inference,train", help="inference, train, or both")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
     p.add_argument(
