@@ -22,8 +22,8 @@ own (autograd does not see it either), is not detected.
 
 Memory: tensors the main graph reads as they are (a weight with nothing folded, a view of one) are
 passed through, not copied; the prologue's results are the only new tensors (a folded weight, a cast),
-and its intermediates die with it. Transposed convolutions, integer tensors and symbolic shapes are
-left as they are.
+and its intermediates die with it. Transposed convolutions and low-precision chains (whose batch norm
+computes in float32) are not folded; static inputs of symbolic shape are not frozen.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def freeze(gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequenc
 
 
 def _frozen_placeholders(gm: fx.GraphModule, placeholders: list[fx.Node], static_indices) -> set[fx.Node]:
-    """Static tensor inputs of fixed shape and floating or integer dtype that the graph never writes."""
+    """Static tensor inputs of fixed shape that the graph reads and never writes."""
     written = set()
     for node in gm.graph.nodes:
         schema = getattr(node.target, "_schema", None)
