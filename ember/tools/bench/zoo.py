@@ -22,7 +22,7 @@ from ember.tools.bench.built import Built
 # (batch, sequence, layers, width, vocab) of the language models per scale.
 LM = {"gpu": (8, 1024, 4, 2048, 32000), "cpu": (1, 128, 2, 256, 4096), "tiny": (1, 16, 1, 32, 128)}
 # (batch, resolution) of the vision models per scale.
-VISION = {"gpu": (64, 224), "cpu": (2, 96), "tiny": (2, 32)}
+VISION = {"gpu": (64, 224), "cpu": (4, 96), "tiny": (4, 64)}
 
 
 class _Field(nn.Module):
