@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -161,3 +162,14 @@ def _tensors(args: tuple, kwargs: dict, fn: Callable) -> list[torch.Tensor]:
 
 def _device_of(args: tuple, kwargs: dict, fn: Callable) -> torch.device:
     return next((t.device for t in _tensors(args, kwargs, fn)), torch.device("cpu"))
+
+
+def short_path(where: str) -> str:
+    """ "file:line" with the file relative to the working folder where it lies below it."""
+    path, _, line = where.rpartition(":")
+    try:
+        rel = os.path.relpath(path)
+        path = rel if not rel.startswith("..") else path
+    except ValueError:
+        pass
+    return f"{path}:{line}"

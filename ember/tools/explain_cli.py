@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
-import os
 import runpy
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ember import config
-from ember.tools.explain import Explanation, explain_all
+from ember.tools.explain import Explanation, explain_all, short_path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,17 +136,6 @@ class _Recompiles(logging.Handler):
         message = record.getMessage()
         if message.startswith("=== recompiles: "):
             self.found.append(" ".join(message.removeprefix("=== recompiles: ").replace(" ===", ":", 1).split()))
-
-
-def short_path(where: str) -> str:
-    """ "file:line" with the file relative to the working folder where it lies below it."""
-    path, _, line = where.rpartition(":")
-    try:
-        rel = os.path.relpath(path)
-        path = rel if not rel.startswith("..") else path
-    except ValueError:
-        pass
-    return f"{path}:{line}"
 
 
 def render_text(e: Explanation, layers: str = "none") -> str:

@@ -15,7 +15,7 @@ import html
 import math
 from pathlib import Path
 
-from ember.tools.explain import Explanation
+from ember.tools.explain import Explanation, short_path
 
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:0;display:flex;color:#222}
@@ -128,8 +128,6 @@ def _summary(e: Explanation) -> str:
 
 
 def _short(where: str) -> str:
-    from ember.tools.explain_cli import short_path
-
     return short_path(where)
 
 

@@ -180,7 +180,7 @@ def profile_workload(
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from ember.tools.bench import measure
-    from ember.tools.bench.compile_time import compile_fn
+    from ember.tools.bench.compilers import compile_fn
     from ember.tools.bench.profile import kernel_table
     from ember.tools.bench.workloads import WORKLOADS
 

@@ -33,7 +33,8 @@ import torch
 import torch._dynamo
 from torch import nn
 
-from ember.tools.bench import compile_time, measure
+from ember.tools.bench import measure
+from ember.tools.bench.compilers import compile_fn
 from ember.tools.bench.workloads import Case, missing_requirement
 
 LOW = (torch.bfloat16, torch.float16)
@@ -139,7 +140,7 @@ def run_case(case: Case, compilers: list[str], scale: str, device: torch.device)
     record["compilers"] = {}
     for compiler in compilers:
         torch._dynamo.reset()
-        fn = compile_time.compile_fn(built.fn, compiler)
+        fn = compile_fn(built.fn, compiler)
         result: dict = {}
         try:
             from ember.report import collecting

@@ -32,23 +32,9 @@ import sys
 import tempfile
 import time
 
+from ember.tools.bench.compilers import compile_fn
+
 _EMBER_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-
-def compile_fn(fn, compiler: str):
-    """`compiler` is "eager", "inductor", "inductor:MODE", "ember" or "ember:MODE"."""
-    import torch
-
-    name, _, mode = compiler.partition(":")
-    if name == "eager":
-        return fn
-    if name == "inductor":
-        return torch.compile(fn, mode=mode or None)
-    if name == "ember":
-        from ember.frontend.backend import ember_backend
-
-        return torch.compile(fn, backend=ember_backend, mode=mode or None)
-    raise ValueError(f"unknown compiler {compiler!r}")
 
 
 def _child(

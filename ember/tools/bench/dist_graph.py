@@ -52,7 +52,6 @@ def sizes(device: torch.device) -> tuple[int, int]:
 
 
 def run_graph(compilers: list[str], args, device: torch.device) -> dict:
-    from ember.tools.bench.distributed import _profile_call, _slowest, _sync  # its timing helpers (it imports this)
 
     n, m = sizes(device)
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -68,10 +67,10 @@ def run_graph(compilers: list[str], args, device: torch.device) -> dict:
         entry: dict = {}
         try:
             fn = make()
-            _sync(device)
+            overlap.sync(device)
             start = time.perf_counter()
             out = fn(x, w, big)
-            _sync(device)
+            overlap.sync(device)
             entry["first_step_s"] = time.perf_counter() - start
             checks = [
                 accuracy.check_tensor(f"output {k}", o, e, r, 1e-4)
@@ -82,16 +81,16 @@ def run_graph(compilers: list[str], args, device: torch.device) -> dict:
             times = []
             for k in range(args.dist_warmup + args.dist_steps):
                 dist.barrier()
-                _sync(device)
+                overlap.sync(device)
                 start = time.perf_counter()
                 fn(x, w, big)
-                _sync(device)
+                overlap.sync(device)
                 if k >= args.dist_warmup:
                     times.append((time.perf_counter() - start) * 1000)
             entry["ms_rank0"] = statistics.median(times)
-            entry["ms"] = _slowest(entry["ms_rank0"])
+            entry["ms"] = overlap.slowest_rank(entry["ms_rank0"])
             dist.barrier()
-            record["lanes"][name] = _profile_call(functools.partial(fn, x, w, big), device)
+            record["lanes"][name] = overlap.profile_call(functools.partial(fn, x, w, big), device)
             entry["overlap"] = overlap.summary(record["lanes"][name])
             entry["status"] = entry["accuracy"]["status"]
         except Exception as e:  # noqa: BLE001  (one variant's failure is its row; the others still run)

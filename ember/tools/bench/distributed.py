@@ -176,40 +176,15 @@ class _Trainer:
         return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed_steps(trainer: _Trainer, first: int, count: int, device: torch.device) -> list[float]:
     times = []
     for k in range(count):
-        _sync(device)
+        overlap.sync(device)
         start = time.perf_counter()
         trainer.step(first + k)
-        _sync(device)
+        overlap.sync(device)
         times.append((time.perf_counter() - start) * 1000)
     return times
-
-
-def _profile_call(call, device: torch.device) -> dict:
-    """The compute and communication lanes of one call under torch.profiler (overlap.py)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    _sync(device)
-    with torch.profiler.profile(activities=activities) as prof:
-        call()
-        _sync(device)
-    return overlap.lanes(prof.events(), device.type == "cuda")
-
-
-def _slowest(ms: float) -> float:
-    t = torch.tensor([ms], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _checks(name_grads, compiled, eager, ref, tol) -> dict:
@@ -259,9 +234,9 @@ def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args
             for k in range(args.dist_warmup):
                 trainer.step(1 + k)
             times = _timed_steps(trainer, 1 + args.dist_warmup, args.dist_steps, device)
-            entry["ms"] = _slowest(statistics.median(times))
+            entry["ms"] = overlap.slowest_rank(statistics.median(times))
             entry["ms_rank0"] = statistics.median(times)
-            lanes[compiler] = _profile_call(
+            lanes[compiler] = overlap.profile_call(
                 functools.partial(trainer.step, 1 + args.dist_warmup + args.dist_steps), device
             )
             entry["overlap"] = overlap.summary(lanes[compiler])

@@ -26,6 +26,7 @@ import torch._dynamo
 
 from ember.tools import timing_noise
 from ember.tools.bench import compile_time, host_cost, measure
+from ember.tools.bench.compilers import compile_fn
 from ember.tools.bench.workloads import Case, missing_requirement
 
 
@@ -109,7 +110,7 @@ def run_compiler(case: Case, compiler: str, built, inputs, ref, tol, s: Settings
     from ember.report import collecting
 
     train = case.mode == "train"
-    step = measure.Step(compile_time.compile_fn(built.fn, compiler), train, built.autocast, s.device)
+    step = measure.Step(compile_fn(built.fn, compiler), train, built.autocast, s.device)
     result: dict = {}
     if built.reset is not None:
         built.reset()

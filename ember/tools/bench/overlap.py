@@ -17,6 +17,7 @@ and a communication lane.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 Interval = tuple[float, float]  # start, end in microseconds
 
@@ -115,3 +116,29 @@ def timeline_png(step_lanes: dict[str, dict[str, list[Interval]]], path: str, ti
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_call(call, device: torch.device) -> dict:
+    """The compute and communication lanes of one call under torch.profiler (overlap.py)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    sync(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        call()
+        sync(device)
+    return lanes(prof.events(), device.type == "cuda")
+
+
+def slowest_rank(ms: float) -> float:
+    """The largest of every rank's `ms` (a step is as slow as its slowest rank)."""
+    t = torch.tensor([ms], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

@@ -23,7 +23,8 @@ import statistics
 import torch
 
 from ember.tools import workloads as programs
-from ember.tools.bench import compile_time, measure
+from ember.tools.bench import measure
+from ember.tools.bench.compilers import compile_fn
 
 STEPS = 20
 _LR = 1e-3
@@ -40,8 +41,8 @@ class _Loop:
     def __init__(self, model: torch.nn.Module, x: torch.Tensor, compiler: str, foreach: bool = True):
         self.model, self.x = model, x
         self.opt = torch.optim.AdamW(model.parameters(), lr=_LR, foreach=foreach)
-        self.forward = compile_time.compile_fn(model, compiler)
-        self.opt_step = compile_time.compile_fn(self.opt.step, compiler)
+        self.forward = compile_fn(model, compiler)
+        self.opt_step = compile_fn(self.opt.step, compiler)
 
     def step(self) -> torch.Tensor:
         # A new iteration: outputs of CUDA graphs replayed in the last one may be overwritten (the
