@@ -11,15 +11,12 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import config, log
-
-if TYPE_CHECKING:
-    from ember.runtime.cudagraphs import Graphed
 
 # PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
 OVERWRITTEN = (
@@ -50,6 +47,26 @@ class Recorder(Protocol):
 
     def invalidate(self, storage: int, message: str) -> None:
         """Make reading the storage (its StorageImpl pointer) raise `message`."""
+
+
+class GraphedCall(Protocol):
+    """What the pool reads and calls of a compiled graph under CUDA graphs (cudagraphs.Graphed)."""
+
+    program: Callable[[list], list]
+    kind: str  # inference, forward or backward
+    static: frozenset[int]
+    mutated: tuple[int, ...]
+    max_graphs: int
+    copy_outputs: bool
+    recordings: dict
+    seen: set
+    last: Any
+
+    def find(self, args: list) -> tuple[tuple | None, Any]: ...
+
+    def disable(self, reason: str) -> None: ...
+
+    def note_held(self) -> None: ...
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -202,12 +219,12 @@ class Pool:
                 rec.release()
         self.dying = alive
 
-    def run(self, fn: Graphed, args: list) -> list:
+    def run(self, fn: GraphedCall, args: list) -> list:
         # One call at a time: threads share the pool's step, its recordings and their buffers.
         with self.lock:
             return self._run(fn, args)
 
-    def _run(self, fn: Graphed, args: list) -> list:
+    def _run(self, fn: GraphedCall, args: list) -> list:
         if self.hands_out:
             self._maybe_begin_step()
         if self.dying:
@@ -237,18 +254,18 @@ class Pool:
         own, or one of a later recording's (which may lie in rec's temporaries)."""
         return any(r.held() for r in self.recordings[rec.index :])
 
-    def _ran(self, fn: Graphed) -> None:
+    def _ran(self, fn: GraphedCall) -> None:
         if fn.kind == "forward":
             self.pending_backward = True
         elif fn.kind == "backward":
             self.pending_backward = False
 
-    def _plain(self, fn: Graphed, args: list) -> list:
+    def _plain(self, fn: GraphedCall, args: list) -> list:
         out = fn.program(args)
         self._ran(fn)
         return out
 
-    def _recording_for(self, fn: Graphed, key: tuple, args: list) -> Recording | None:
+    def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
         """None: this call runs the host program (a warm-up, or past the bound)."""
         if key not in fn.seen:
             if len(fn.seen) >= fn.max_graphs:
@@ -270,7 +287,7 @@ class Pool:
         log.artifact("cudagraphs", f"{fn.kind} graph", f"recorded CUDA graph {rec.index} ({len(fn.recordings)} for it)")
         return rec
 
-    def _record(self, fn: Graphed, args: list) -> Recording:
+    def _record(self, fn: GraphedCall, args: list) -> Recording:
         inputs, copy_in = [], []
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and k not in fn.static:
@@ -334,7 +351,7 @@ class Pool:
         self.recordings.append(rec)
         return rec
 
-    def _replay(self, fn: Graphed, rec: Recording, args: list) -> list:
+    def _replay(self, fn: GraphedCall, rec: Recording, args: list) -> list:
         for k, index in rec.copy_in:
             _copy(rec.inputs[k], args[k], index)
         written_back = [(args[k], rec.inputs[k]) for k in rec.copy_out]
