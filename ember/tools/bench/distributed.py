@@ -15,6 +15,10 @@ each block compiled, or with --fsdp-compile whole the whole model) and per compi
   accuracy.py; on the same ranks, each rank checking its own;
 - step time: the median of --steps timed steps after --warmup (forward, loss, backward, AdamW),
   the slowest rank's;
+- scaling efficiency, on more than one process: each rank also trains the same model wrapped over
+  a process group of itself alone (N independent one-GPU jobs at once, same per-rank batch), its
+  steps taking turns with the N-process ones; efficiency is its step time over the N-process one. Host-bound steps vary by a fifth or more from one process to the next, so a
+  baseline from another run (--dist-baseline) measures the processes as much as the scaling;
 - overlap: one step under torch.profiler: how much of the communication ran under compute
   (overlap.py), and a PNG of that step per wrapper (timeline-WRAPPER.png) where matplotlib is.
 
@@ -117,16 +121,20 @@ def _device_kind(args) -> str:
     return args.device
 
 
-def _wrap(model: torch.nn.Module, workload: DistWorkload, wrapper: str, device: torch.device) -> torch.nn.Module:
+def _wrap(model: torch.nn.Module, workload: DistWorkload, wrapper: str, device: torch.device, group=None):
+    """The model under DDP or FSDP2, over `group` (None: every process)."""
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        ids = [device] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None if group is None else DeviceMesh.from_group(group, device.type)
     for block in workload.blocks(model):
-        fully_shard(block)
-    return fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _compile(model: torch.nn.Module, workload: DistWorkload, compiler: str, wrapper: str, how: str):
@@ -144,9 +152,9 @@ def _compile(model: torch.nn.Module, workload: DistWorkload, compiler: str, wrap
 class _Trainer:
     """One wrapped, compiled model and its optimizer, stepping over a workload's batches."""
 
-    def __init__(self, base, workload, wrapper, compiler, args, device, dtype, autocast):
+    def __init__(self, base, workload, wrapper, compiler, args, device, dtype, autocast, group=None):
         model = copy.deepcopy(base).to(device=device, dtype=dtype)
-        self.model = _wrap(model, workload, wrapper, device)
+        self.model = _wrap(model, workload, wrapper, device, group)
         self.run = _compile(self.model, workload, compiler, wrapper, args.fsdp_compile)
         self.workload, self.device, self.autocast = workload, device, autocast
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
@@ -176,14 +184,17 @@ class _Trainer:
         return out
 
 
-def _timed_steps(trainer: _Trainer, first: int, count: int, device: torch.device) -> list[float]:
-    times = []
+def _timed_steps(trainers: list[_Trainer], first: int, count: int, device: torch.device) -> list[list[float]]:
+    """Milliseconds of `count` steps of each trainer, taking turns step by step, so a drift of the
+    host or the device over the run falls on every trainer alike."""
+    times: list[list[float]] = [[] for _ in trainers]
     for k in range(count):
-        overlap.sync(device)
-        start = time.perf_counter()
-        trainer.step(first + k)
-        overlap.sync(device)
-        times.append((time.perf_counter() - start) * 1000)
+        for trainer, out in zip(trainers, times):
+            overlap.sync(device)
+            start = time.perf_counter()
+            trainer.step(first + k)
+            overlap.sync(device)
+            out.append((time.perf_counter() - start) * 1000)
     return times
 
 
@@ -198,8 +209,9 @@ def _checks(name_grads, compiled, eager, ref, tol) -> dict:
     }
 
 
-def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device) -> dict:
-    """One wrapper: every compiler's first step checked, its steps timed, one step profiled."""
+def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device, solo=None) -> dict:
+    """One wrapper: every compiler's first step checked, its steps timed, one step profiled; with
+    `solo` (each rank's group of itself), its scaling from one process too."""
     from ember.report import collecting
 
     autocast = args.dist_dtype == "bf16" or (args.dist_dtype == "auto" and device.type == "cuda")
@@ -231,13 +243,28 @@ def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args
                 eager_values = values
             entry["accuracy"] = _checks(names, [v.float() for v in values], eager_values, reference, tol)
             del values
+            # the same model on this rank alone, timed in turns with the N-process steps: the
+            # baseline of weak scaling
+            alone = (
+                None
+                if solo is None
+                else _Trainer(base, workload, wrapper, compiler, args, device, torch.float32, autocast, solo)
+            )
             for k in range(args.dist_warmup):
-                trainer.step(1 + k)
-            times = _timed_steps(trainer, 1 + args.dist_warmup, args.dist_steps, device)
+                for t in (trainer, alone) if alone else (trainer,):
+                    t.step(1 + k)
+            times, *alone_times = _timed_steps(
+                [trainer, *([alone] if alone else [])], 1 + args.dist_warmup, args.dist_steps, device
+            )
+            del alone
             entry["ms"] = overlap.slowest_rank(statistics.median(times))
+            if alone_times:
+                one = overlap.slowest_rank(statistics.median(alone_times[0]))
+                entry["scaling"] = {"from": 1, "baseline_ms": one, "efficiency": one / entry["ms"]}
             entry["ms_rank0"] = statistics.median(times)
-            lanes[compiler] = overlap.profile_call(
-                functools.partial(trainer.step, 1 + args.dist_warmup + args.dist_steps), device
+            entry["ms_range_rank0"] = [min(times), max(times)]
+            lanes[compiler], entry["kernels"] = overlap.profile_call(
+                functools.partial(trainer.step, 1 + args.dist_warmup + args.dist_steps), device, dist.barrier
             )
             entry["overlap"] = overlap.summary(lanes[compiler])
             entry["status"] = entry["accuracy"]["status"]
@@ -343,11 +370,14 @@ def worker(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         workload = WORKLOADS[args.dist_workload or ("gpt2" if cuda else "tiny")]
         compilers = [c.strip() for c in args.dist_compilers.split(",") if c.strip()]
+        solo = None
+        if dist.get_world_size() > 1 and not args.dist_baseline:
+            solo, _ = dist.new_subgroups(group_size=1)
         env = environment(workload, device, args)
         records = [
             run_graph(compilers, args, device)
             if w.strip() == "graph"
-            else run_wrapper(workload, w.strip(), compilers, args, device)
+            else run_wrapper(workload, w.strip(), compilers, args, device, solo)
             for w in args.distributed.split(",")
         ]
         if dist.get_rank() == 0:

@@ -123,16 +123,46 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_call(call, device: torch.device) -> dict:
-    """The compute and communication lanes of one call under torch.profiler (overlap.py)."""
+def kernel_table(events, top: int = 20) -> list[dict]:
+    """The GPU kernels and copies of a profile, by total time: name, calls, milliseconds (largest first).
+    Set side by side for two runs, it shows which kernels a change of world size slowed."""
+    device = torch.autograd.DeviceType.CUDA
+    totals: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == device:
+            entry = totals.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += (e.time_range.end - e.time_range.start) / 1000
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"kernel": name[:160], "calls": calls, "ms": round(ms, 4)} for name, (calls, ms) in ranked]
+
+
+_CALL_LABEL = "ember.bench.profiled_call"
+
+
+def profile_call(call, device: torch.device, align=None) -> tuple[dict, list[dict]]:
+    """The compute and communication lanes of one call under torch.profiler, and its kernel table.
+
+    `align` (a barrier) runs inside the profile just before the call: each rank starts its profiler
+    at its own moment, and without it the first collective's kernel would count the other rank's
+    profiler start-up as communication. Only the events from the call's start on are kept."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     sync(device)
     with torch.profiler.profile(activities=activities) as prof:
-        call()
-        sync(device)
-    return lanes(prof.events(), device.type == "cuda")
+        if align is not None:
+            align()
+            sync(device)
+        with torch.profiler.record_function(_CALL_LABEL):
+            call()
+            sync(device)
+    events = prof.events()
+    starts = [e.time_range.start for e in events if e.name == _CALL_LABEL]
+    if starts:
+        events = [e for e in events if e.time_range.start >= starts[0] and e.name != _CALL_LABEL]
+    cuda = device.type == "cuda"
+    return lanes(events, cuda), kernel_table(events) if cuda else []
 
 
 def slowest_rank(ms: float) -> float:
