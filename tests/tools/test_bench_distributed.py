@@ -32,8 +32,11 @@ def test_fsdp2_step_checked_timed_and_profiled(world_of_one, tmp_path):
     args = parser.parse_args(["--distributed", "fsdp2", "--dist-compilers", "ember", "--dist-steps", "2"])
     args.dist_warmup = 1
     workload = WORKLOADS["tiny"]
-    record = distributed.run_wrapper(workload, "fsdp2", ["ember"], args, torch.device("cpu"))
+    alone = dist.new_group([0])  # each rank's group of itself: the weak-scaling baseline, timed in turns
+    record = distributed.run_wrapper(workload, "fsdp2", ["ember"], args, torch.device("cpu"), alone)
     ember = record["compilers"]["ember"]
+    assert ember["scaling"]["from"] == 1 and ember["scaling"]["baseline_ms"] > 0, ember
+    assert ember["kernels"] == []  # the kernel table is the GPU's
     assert ember["status"] == "pass", ember
     assert ember["accuracy"]["tensors"] == 1 + len(list(workload.build().parameters()))
     assert ember["graphs"] >= 2 and not ember["fallbacks"], ember  # forwards and backwards, compiled
@@ -44,7 +47,7 @@ def test_fsdp2_step_checked_timed_and_profiled(world_of_one, tmp_path):
     assert "| fsdp2 | ember |" in table and "pass (15 tensors)" in table, table
     assert json.loads((tmp_path / "distributed.json").read_text())["records"][0]["wrapper"] == "fsdp2"
     assert (tmp_path / "timeline-fsdp2.png").exists() or "matplotlib is not installed" in table
-    # Against itself as the baseline: 100% scaling from one process.
+    # Against itself as a baseline run: 100% scaling from one process.
     distributed._write(env, [record], str(tmp_path / "again"), [], baseline=str(tmp_path / "distributed.json"))
     table = (tmp_path / "again" / "distributed.md").read_text()
     assert "scaling from 1 |" in table and table.count(" 100% |") == 2, table
