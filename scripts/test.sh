@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ember's test suite (CPU: the C++ backend, and Triton code through Triton's interpreter).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" numpy sympy pytest triton matplotlib rich expecttest transformers
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh" numpy sympy pytest triton matplotlib rich expecttest transformers onnxruntime onnxscript
 # The HTML report's test drives a real headless Chromium (tests/tools/test_explain_html.py). Where it
 # cannot be installed the test fails, naming what is missing: it never skips.
 if ! command -v chromium >/dev/null 2>&1; then

@@ -101,9 +101,14 @@ def test_jax_column_says_why_it_is_missing():
 
 
 def test_each_ember_mode_has_inductor_in_that_mode_beside_it():
-    args = types.SimpleNamespace(no_inductor=False, max_autotune=False, ember_modes="default,reduce-overhead")
+    args = types.SimpleNamespace(no_inductor=False, max_autotune=False, ember_modes="default,reduce-overhead", peers="")
     compilers = _compilers(args)
     assert compilers == ["inductor", "inductor:reduce-overhead", "ember", "ember:reduce-overhead"], compilers
+    args.ember_modes, args.peers = "default,freezing", "onnxruntime"
+    assert _compilers(args) == ["inductor", "inductor:freezing", "ember", "ember:freezing", "onnxruntime"]
+    args.peers = "tvm"
+    with pytest.raises(SystemExit, match="unknown"):
+        _compilers(args)
     assert report.baseline("ember:reduce-overhead", compilers) == "inductor:reduce-overhead"
     assert report.baseline("ember", compilers) == "inductor"
     case = {"compilers": {"inductor:reduce-overhead": {"status": "ok", "ms": 2.0}, "ember:reduce-overhead": {

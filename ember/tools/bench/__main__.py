@@ -22,6 +22,7 @@ import sys
 import time
 
 from ember.tools.bench import report
+from ember.tools.bench.compilers import PEERS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,7 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scale", default="auto", choices=["auto", "gpu", "cpu", "tiny"], help="auto: gpu on cuda, else cpu"
     )
-    p.add_argument("--ember-modes", default="default", help="torch.compile modes to run ember in (comma-separated)")
+    p.add_argument(
+        "--ember-modes",
+        default="default",
+        help="torch.compile modes to run ember in (comma-separated); 'freezing' is the default mode with "
+        "options={'freezing': True}, beside Inductor's freezing",
+    )
+    p.add_argument("--peers", default="", help="other runtimes beside the compilers, inference only: onnxruntime")
     p.add_argument("--max-autotune", action="store_true", help="also Inductor with mode=max-autotune (slow)")
     p.add_argument("--no-inductor", action="store_true", help="skip Inductor (its ratio columns then stay empty)")
     p.add_argument(
@@ -102,7 +109,11 @@ def _compilers(args) -> list[str]:
     if not args.no_inductor:
         out += [f"inductor:{m}" for m in modes if m not in ("", "default") and f"inductor:{m}" not in out]
     out += ["ember" if m in ("", "default") else f"ember:{m}" for m in modes]
-    return out
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {unknown}: {', '.join(PEERS)}")
+    return out + peers
 
 
 def _compile_keys(spec: str, cases) -> list[str] | None:

@@ -26,7 +26,7 @@ import torch._dynamo
 
 from ember.tools import timing_noise
 from ember.tools.bench import compile_time, host_cost, measure
-from ember.tools.bench.compilers import compile_fn
+from ember.tools.bench.compilers import PEERS, compile_fn
 from ember.tools.bench.workloads import Case, missing_requirement
 
 
@@ -204,6 +204,9 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
     torch._dynamo.reset()
     steps = {"eager": eager}
     for compiler in s.compilers:
+        if train and compiler in PEERS:
+            record["compilers"][compiler] = {"status": "skipped", "note": "runs inference only"}
+            continue
         s.progress(f"{case.key}: {compiler}")
         record["compilers"][compiler], step = run_compiler(case, compiler, built, inputs, ref, tol, s)
         if step is not None:
@@ -258,8 +261,9 @@ def run_compile_times(case: Case, s: Settings) -> dict:
     elif s.out_of_time():
         record["skipped"] = "not measured: the run's time budget was spent"
     else:
+        compilers = [c for c in s.compilers if not (case.mode == "train" and c in PEERS)]
         record["compilers"] = compile_time.measure(
-            case.workload.name, case.mode, s.compilers, s.scale, str(s.device), s.compile_timeout_s, s.compile_imported
+            case.workload.name, case.mode, compilers, s.scale, str(s.device), s.compile_timeout_s, s.compile_imported
         )
     return record
 

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from ember.tools import timing_noise
+from ember.tools.bench.compilers import PEERS
 
 TIMED = ("ok", "fell back")
 
@@ -126,7 +127,7 @@ def fraction_of_limit(case: dict, compiler: str) -> float | None:
 
 def label(compiler: str) -> str:
     name, _, mode = compiler.partition(":")
-    pretty = {"inductor": "Inductor", "ember": "ember", "eager": "eager"}.get(name, name)
+    pretty = {"inductor": "Inductor", "ember": "ember", "eager": "eager", "onnxruntime": "ONNX Runtime"}.get(name, name)
     return f"{pretty} {mode}" if mode else pretty
 
 
@@ -186,6 +187,8 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
     if "inductor" in compilers:
         header += [f"{label(c)} ÷ {label(baseline(c, compilers))}" for c in embers]
         header += [f"{label(c)} ÷ {label(baseline(c, compilers))}, rounds min–max" for c in embers]
+    peers = [p for p in compilers if p in PEERS]
+    header += [f"{label(c)} ÷ {label(p)}" for p in peers for c in embers]
     header += ["limit ms"] + [f"% limit {label(c)}" for c in ["eager", *compilers]]
     header += [f"% GPU busy {label(c)}" for c in ["eager", *compilers]]
     host_rows = any("graph_host_us" in c for case in run.cases.values() for c in case.get("compilers", {}).values())
@@ -209,6 +212,7 @@ def table_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
         if "inductor" in compilers:
             row += [_x(versus(case, c, baseline(c, compilers))) for c in embers]
             row += [_range(versus_by_round(case, c, baseline(c, compilers))) for c in embers]
+        row += [_x(versus(case, c, p)) for p in peers for c in embers]
         limit = case.get("limit") or {}
         floor = limit.get("floor_ms")
         bound = ""

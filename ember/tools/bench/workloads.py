@@ -4,7 +4,8 @@ Sizes are given per scale: "gpu" (the sizes the issue names), "cpu" (the same pr
 down for a 2-core machine: fewer rows, fewer layers, smaller batches; the memory-bound micro
 workloads keep 32-64 MB per tensor so that they do not run from a CPU's last-level cache),
 "tiny" (the CI test).
-The "zoo" group (zoo.py) holds real architectures built from configs.
+The "zoo" group (zoo.py) holds real architectures built from configs; "cpu_models" (cpu_models.py)
+small float32 configs of real models for CPU inference.
 Workloads that need transformers, timm or torchvision are skipped with a note when the package does
 not import.
 """
@@ -19,14 +20,14 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import decode, flex_workloads, host_cost, jax_step, optimizers, train_loop, zoo
+from ember.tools.bench import cpu_models, decode, flex_workloads, host_cost, jax_step, optimizers, train_loop, zoo
 from ember.tools.bench.built import Built
 
 
 @dataclass(frozen=True)
 class Workload:
     name: str
-    group: str  # "micro" | "model" | "host" | "optim" | "flex" | "zoo"
+    group: str  # one of GROUPS
     dtype: str  # what the table shows: "f32", "bf16", "bf16 autocast"
     sizes: dict[str, tuple]
     build: Callable[[tuple, torch.device], Built] | None
@@ -417,11 +418,12 @@ WORKLOADS: dict[str, Workload] = {
         *_optimizer_workloads(),
         *_attention_workloads(),
         *zoo.workloads(Workload),
+        *cpu_models.workloads(Workload),
     ]
 }
 
 
-GROUPS = ("micro", "model", "host", "optim", "flex", "zoo")
+GROUPS = ("micro", "model", "host", "optim", "flex", "zoo", "cpu_models")
 
 
 @dataclass(frozen=True)
@@ -449,12 +451,12 @@ def missing_requirement(w: Workload) -> str | None:
 
 def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
     """The cases named by a comma-separated list ("all", group names "micro"/"model"/"zoo", or workload names).
-    "all" is every group but the zoo, whose 33 models are asked for by name ("zoo")."""
+    "all" is every group but the zoo and the CPU models, which are asked for by name ("zoo", "cpu_models")."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     chosen: list[Workload] = []
     for n in wanted:
         if n == "all":
-            group = [w for w in WORKLOADS.values() if w.group != "zoo"]
+            group = [w for w in WORKLOADS.values() if w.group not in ("zoo", "cpu_models")]
         elif n in GROUPS:
             group = [w for w in WORKLOADS.values() if w.group == n]
         elif n in WORKLOADS:

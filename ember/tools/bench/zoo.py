@@ -156,7 +156,7 @@ def _encoder(family: str, dtype: str = "bf16"):
     return build
 
 
-def _t5(size, device):
+def _t5(size, device, dtype: str = "bf16"):
     batch, seq, layers, width, vocab = size
     heads = _heads(width)
     cfg = _config(
@@ -170,7 +170,7 @@ def _t5(size, device):
         decoder_start_token_id=0,
     )
     model = importlib.import_module("transformers").T5ForConditionalGeneration(cfg)
-    m = _cast(_Field(model, ("input_ids", "decoder_input_ids"), "logits"), device, "bf16")
+    m = _cast(_Field(model, ("input_ids", "decoder_input_ids"), "logits"), device, dtype)
     return Built(m, (_ids(batch, seq, vocab, device), _ids(batch, seq // 4, vocab, device)))
 
 

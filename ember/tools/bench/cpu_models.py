@@ -1,0 +1,139 @@
+"""CPU inference models: small configs of real architectures from HF transformers, in float32, the
+programs people serve on CPUs (and the ones ONNX Runtime is picked for). Random weights, nothing
+downloaded, dropout off. `--workloads cpu_models`, beside `--ember-modes default,freezing --peers
+onnxruntime`, sets ember against Inductor (with and without freezing) and ONNX Runtime.
+
+Language models: one sequence of 128 tokens; vision models: one 224² image (serving's batch); the
+Whisper encoder: 10 s of audio (1000 mel frames). "tiny" shrinks each for tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from ember.tools.bench import zoo
+from ember.tools.bench.built import Built
+
+LM = {"cpu": (1, 128, 2, 256, 4096), "tiny": (1, 16, 1, 32, 128)}
+IMAGE = {"cpu": (1, 224), "tiny": (2, 64)}  # tiny: batch norm in training needs more than one value
+AUDIO = {"cpu": (1, 1000, 2, 256), "tiny": (1, 16, 1, 32)}
+
+
+def _vision(family: str, model_cls: str, field: str, **kwargs):
+    """transformers' `model_cls` from `{family}Config(**kwargs)` on one image of the scale's size."""
+
+    def build(size, device):
+        batch, res = size
+        transformers = importlib.import_module("transformers")
+        cls = getattr(transformers, f"{family}Config")
+        extra = {"image_size": res} if "image_size" in cls().to_dict() else {}
+        if family == "ViT":
+            extra["attn_implementation"] = "sdpa"
+        model = getattr(transformers, model_cls)(cls(**zoo._zero_dropouts({**extra, **kwargs}, cls)))
+        m = zoo._no_dropout(zoo._Field(model, ("pixel_values",), field)).to(device)
+        return Built(m, (torch.randn(batch, 3, res, res, device=device),))
+
+    return build
+
+
+def _whisper_encoder(size, device):
+    """Whisper's encoder alone (what speech pipelines run per chunk) on `frames` mel frames."""
+    batch, frames, layers, width = size
+    heads = zoo._heads(width)
+    cfg = zoo._config(
+        "WhisperConfig",
+        num_mel_bins=80,
+        d_model=width,
+        encoder_layers=layers,
+        encoder_attention_heads=heads,
+        encoder_ffn_dim=4 * width,
+        decoder_layers=1,
+        decoder_attention_heads=heads,
+        max_source_positions=frames // 2,
+    )
+    encoder = importlib.import_module("transformers").WhisperModel(cfg).get_encoder()
+    m = zoo._no_dropout(zoo._Field(encoder, ("input_features",), "last_hidden_state")).to(device)
+    return Built(m, (torch.randn(batch, 80, frames, device=device),))
+
+
+def _lm(size) -> str:
+    return "{2} layers × {3}, {0}×{1} tokens".format(*size)
+
+
+def _image(size) -> str:
+    return "batch {}, {}²".format(*size)
+
+
+MODELS = {
+    "llama": (LM, zoo._decoder("Llama", "LlamaForCausalLM", "f32"), _lm),
+    "t5": (LM, functools.partial(zoo._t5, dtype="f32"), _lm),
+    "mixtral": (LM, zoo._decoder("Mixtral", "MixtralForCausalLM", "f32"), _lm),
+    "bert": (LM, zoo._encoder("Bert", "f32"), _lm),
+    "resnet": (
+        IMAGE,
+        _vision(
+            "ResNet",
+            "ResNetModel",
+            "pooler_output",
+            layer_type="basic",
+            depths=[2, 2, 2, 2],
+            hidden_sizes=[64, 128, 256, 512],
+            embedding_size=64,
+        ),
+        _image,
+    ),
+    "convnext": (
+        IMAGE,
+        _vision("ConvNext", "ConvNextModel", "pooler_output", depths=[2, 2, 6, 2], hidden_sizes=[64, 128, 256, 512]),
+        _image,
+    ),
+    "vit_small": (
+        IMAGE,
+        _vision(
+            "ViT",
+            "ViTModel",
+            "last_hidden_state",
+            patch_size=16,
+            hidden_size=384,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            intermediate_size=1536,
+        ),
+        _image,
+    ),
+    "mobilenet_v2": (IMAGE, _vision("MobileNetV2", "MobileNetV2Model", "pooler_output"), _image),
+    "efficientnet_b0": (
+        IMAGE,
+        _vision(
+            "EfficientNet",
+            "EfficientNetModel",
+            "pooler_output",
+            width_coefficient=1.0,
+            depth_coefficient=1.0,
+            hidden_dim=1280,
+        ),
+        _image,
+    ),
+    "whisper_encoder": (AUDIO, _whisper_encoder, lambda s: "{2} layers × {3}, {1} mel frames".format(*s)),
+}
+
+
+def workloads(workload) -> list:
+    """The group's workloads, made by the bench's `Workload(name, group, dtype, sizes, build, modes, requires,
+    describe)`; the "gpu" scale runs the "cpu" sizes (these are CPU programs)."""
+    return [
+        workload(
+            f"cpu_{name}",
+            "cpu_models",
+            "f32",
+            {**sizes, "gpu": sizes["cpu"]},
+            build,
+            ("inference", "train"),
+            "transformers",
+            describe,
+        )
+        for name, (sizes, build, describe) in MODELS.items()
+    ]
