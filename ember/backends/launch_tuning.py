@@ -36,7 +36,8 @@ import sympy
 import torch
 
 from ember import config, log
-from ember.codegen.triton import PRELUDE, LaunchConfig, TritonKernelSource, render_triton
+from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
+from ember.codegen.triton_launch import LaunchConfig
 from ember.codegen.triton_tuning import launch_candidates
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.kernel import ComboKernel, Kernel

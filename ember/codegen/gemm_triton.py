@@ -21,7 +21,8 @@ import sympy
 import torch
 
 from ember.codegen.render import Param, print_index
-from ember.codegen.triton import LaunchConfig, TritonRenderer
+from ember.codegen.triton import TritonRenderer
+from ember.codegen.triton_launch import LaunchConfig
 from ember.ir.sizes import Expr, product
 from ember.schedule.gemm import GemmKernel, TileConfig
 from ember.schedule.kernel import KLoad, KStore

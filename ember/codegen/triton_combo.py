@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import sympy
 
 from ember.codegen.render import Param, combo_params
-from ember.codegen.triton import LaunchConfig, TritonRenderer, launch_config
+from ember.codegen.triton import TritonRenderer
+from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir.sizes import product
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.target import Target

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ember.codegen.triton import LaunchConfig, launch_config
+from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir.sizes import product
 from ember.schedule.kernel import Kernel
 from ember.target import Target

@@ -13,7 +13,8 @@ import torch
 from ember import config
 from ember.backends.launch_tuning import Budget, choose, tune_launches, tuning_key
 from ember.backends.triton import TritonBackend
-from ember.codegen.triton import launch_config, render_triton
+from ember.codegen.triton import render_triton
+from ember.codegen.triton_launch import launch_config
 from ember.codegen.triton_tuning import launch_candidates
 from ember.frontend.backend import _checked_options
 from ember.ir.sizes import index_symbol

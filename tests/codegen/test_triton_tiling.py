@@ -10,7 +10,8 @@ import sympy
 import torch
 
 from ember.backends.cpp import CppBackend
-from ember.codegen.triton import launch_config, render_triton
+from ember.codegen.triton import render_triton
+from ember.codegen.triton_launch import launch_config
 from ember.schedule.split import split_reductions
 from tests.schedule.test_fusion import TRITON, G
 
