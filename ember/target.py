@@ -81,7 +81,7 @@ class SplitHeuristics:
 
 @dataclass(frozen=True)
 class LaunchHeuristics:
-    """Block sizes and warps of a Triton kernel, by its form (codegen/triton.py: launch_config)."""
+    """Block sizes and warps of a Triton kernel, by its form (codegen/triton_launch.py: launch_config)."""
 
     # Pointwise: XBLOCK up to pointwise_block; wide_warps from pointwise_wide_from elements.
     pointwise_block: int = 1024

@@ -13,7 +13,7 @@ from torch import nn
 from ember.tools.bench import accuracy, harness, measure, report
 from ember.tools.bench.compilers import compile_fn
 from ember.tools.bench.workloads import WORKLOADS, Case, select
-from tests.helpers import repro
+from tests.helpers import reports, repro
 
 CPU = torch.device("cpu")
 CEILINGS = {"flops": {}, "bandwidth_Bps": 1e10}  # the ceilings only scale the limit column here
@@ -50,8 +50,12 @@ def test_onnxruntime_step_matches_eager_and_refuses_training():
 def test_freezing_pseudo_mode_is_the_default_mode_with_freezing():
     m, x = _conv_bn_relu(), torch.randn(2, 3, 16, 16)
     step = compile_fn(m, "ember:freezing")
-    with torch.no_grad():
+    with torch.no_grad(), reports() as report:
         torch.testing.assert_close(step(x), m(x), rtol=1e-5, atol=1e-5)
+    (graph,) = [g.aten_graph for g in report.graphs if g.kind == "inference"]
+    # frozen, batch norm's rsqrt(var + eps) runs once in the prologue: none of it is left in the compiled graph
+    assert "aten.convolution" in graph and "sqrt" not in graph, graph
+    with torch.no_grad():
         m[0].weight.mul_(2)  # a mutated parameter is seen at the next call, never a stale weight
         torch.testing.assert_close(step(x), m(x), rtol=1e-5, atol=1e-5)
 

@@ -36,7 +36,7 @@ def test_fsdp2_step_checked_timed_and_profiled(world_of_one, tmp_path):
     record = distributed.run_wrapper(workload, "fsdp2", ["ember"], args, torch.device("cpu"), alone)
     ember = record["compilers"]["ember"]
     assert ember["scaling"]["from"] == 1 and ember["scaling"]["baseline_ms"] > 0, ember
-    assert ember["kernels"] == []  # the kernel table is the GPU's
+    assert ember["scaling"]["baseline_ms"] == ember["alone_ms"] and "alone_error" not in ember, ember
     assert ember["status"] == "pass", ember
     assert ember["accuracy"]["tensors"] == 1 + len(list(workload.build().parameters()))
     assert ember["graphs"] >= 2 and not ember["fallbacks"], ember  # forwards and backwards, compiled

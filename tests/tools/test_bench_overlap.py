@@ -54,3 +54,36 @@ def test_cpu_lanes_from_profiler_events():
     lanes = overlap.lanes(events, cuda=False)
     assert lanes["comm"] == [(4, 12)] and overlap.merged(lanes["compute"]) == [(2, 6)], lanes
     assert overlap.summary(lanes)["hidden"] == pytest.approx(2 / 8)
+
+
+def test_gpu_lanes_and_kernel_table_leave_out_user_annotations():
+    """On a GPU the profiler projects user annotations (a module's forward, `nccl:all_reduce`) onto the device's
+    timeline; they span idle gaps and other kernels, so neither the lanes nor the kernel table count them."""
+    import types
+
+    import torch
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, start, end, device=cuda, annotation=False):
+        span = types.SimpleNamespace(start=start, end=end)
+        return types.SimpleNamespace(
+            name=name, time_range=span, device_type=device, is_user_annotation=annotation, thread=0
+        )
+
+    events = [
+        event("DistributedDataParallel.forward", 0, 5000, annotation=True),
+        event("nccl:all_reduce", 3000, 4000, annotation=True),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 3000, 4000),
+        event("gemm", 0, 1000),
+        event("gemm", 1500, 2500),
+        event("aten::mm", 0, 900, device=cpu),
+    ]
+    lanes = overlap.lanes(events, cuda=True)
+    assert lanes == {"compute": [(0, 1000), (1500, 2500)], "comm": [(3000, 4000)]}
+    assert overlap.summary(lanes)["hidden"] == 0.0  # the annotation over it is not compute
+    table = overlap.kernel_table(events)
+    assert [(k["kernel"], k["calls"], k["ms"]) for k in table] == [
+        ("gemm", 2, 2.0),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1, 1.0),
+    ]

@@ -89,8 +89,7 @@ def run_graph(compilers: list[str], args, device: torch.device) -> dict:
                     times.append((time.perf_counter() - start) * 1000)
             entry["ms_rank0"] = statistics.median(times)
             entry["ms"] = overlap.slowest_rank(entry["ms_rank0"])
-            dist.barrier()
-            record["lanes"][name], _ = overlap.profile_call(functools.partial(fn, x, w, big), device)
+            record["lanes"][name], _ = overlap.profile_call(functools.partial(fn, x, w, big), device, dist.barrier)
             entry["overlap"] = overlap.summary(record["lanes"][name])
             entry["status"] = entry["accuracy"]["status"]
         except Exception as e:  # noqa: BLE001  (one variant's failure is its row; the others still run)

@@ -17,8 +17,10 @@ each block compiled, or with --fsdp-compile whole the whole model) and per compi
   the slowest rank's;
 - scaling efficiency, on more than one process: each rank also trains the same model wrapped over
   a process group of itself alone (N independent one-GPU jobs at once, same per-rank batch), its
-  steps taking turns with the N-process ones; efficiency is its step time over the N-process one. Host-bound steps vary by a fifth or more from one process to the next, so a
-  baseline from another run (--dist-baseline) measures the processes as much as the scaling;
+  steps taking turns with the N-process ones; efficiency is its step time over the N-process one.
+  Host-bound steps vary by a quarter from one process to the next, so a baseline from another run
+  (--dist-baseline) measures the processes as much as the scaling. Every timed step starts at a
+  barrier;
 - overlap: one step under torch.profiler: how much of the communication ran under compute
   (overlap.py), and a PNG of that step per wrapper (timeline-WRAPPER.png) where matplotlib is.
 
@@ -186,10 +188,13 @@ class _Trainer:
 
 def _timed_steps(trainers: list[_Trainer], first: int, count: int, device: torch.device) -> list[list[float]]:
     """Milliseconds of `count` steps of each trainer, taking turns step by step, so a drift of the
-    host or the device over the run falls on every trainer alike."""
+    host or the device over the run falls on every trainer alike. Every step starts at a barrier:
+    a rank that finished the step before sooner would otherwise wait for the others inside this one
+    (at its first collective), and that wait would count as this step's time."""
     times: list[list[float]] = [[] for _ in trainers]
     for k in range(count):
         for trainer, out in zip(trainers, times):
+            dist.barrier()
             overlap.sync(device)
             start = time.perf_counter()
             trainer.step(first + k)
@@ -209,9 +214,45 @@ def _checks(name_grads, compiled, eager, ref, tol) -> dict:
     }
 
 
-def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device, solo=None) -> dict:
+def _time_with_alone_baseline(trainer: _Trainer, make_alone, entry: dict, args, device) -> list[float]:
+    """The N-process trainer's step times, in turns with the same model trained on each rank alone
+    (`make_alone()`, wrapped over the rank's process group of itself): the baseline of weak scaling,
+    into `entry["alone_ms"]` (the slowest rank's median). Where the lone copy cannot be built or
+    stepped (an FSDP2 model that fits only sharded, say), the N-process steps are timed without it
+    and `entry["alone_error"]` says why."""
+    alone = None
+    try:
+        alone = make_alone()
+        for k in range(args.dist_warmup):
+            alone.step(1 + k)
+        ok = True
+    except Exception as e:  # noqa: BLE001  (the scaling figure is lost, not the row)
+        entry["alone_error"] = f"{type(e).__name__}: {e}"[:300]
+        ok = False
+    if not _everywhere(ok):
+        alone = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        (times,) = _timed_steps([trainer], 1 + args.dist_warmup, args.dist_steps, device)
+        return times
+    times, alone_times = _timed_steps([trainer, alone], 1 + args.dist_warmup, args.dist_steps, device)
+    entry["alone_ms"] = overlap.slowest_rank(statistics.median(alone_times))
+    return times
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (so that all ranks take the same branch and none waits alone
+    at a collective the others skipped)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device, alone_group=None) -> dict:
     """One wrapper: every compiler's first step checked, its steps timed, one step profiled; with
-    `solo` (each rank's group of itself), its scaling from one process too."""
+    `alone_group` (each rank's process group of itself), its scaling from one process too."""
     from ember.report import collecting
 
     autocast = args.dist_dtype == "bf16" or (args.dist_dtype == "auto" and device.type == "cuda")
@@ -243,24 +284,22 @@ def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args
                 eager_values = values
             entry["accuracy"] = _checks(names, [v.float() for v in values], eager_values, reference, tol)
             del values
-            # the same model on this rank alone, timed in turns with the N-process steps: the
-            # baseline of weak scaling
-            alone = (
-                None
-                if solo is None
-                else _Trainer(base, workload, wrapper, compiler, args, device, torch.float32, autocast, solo)
-            )
             for k in range(args.dist_warmup):
-                for t in (trainer, alone) if alone else (trainer,):
-                    t.step(1 + k)
-            times, *alone_times = _timed_steps(
-                [trainer, *([alone] if alone else [])], 1 + args.dist_warmup, args.dist_steps, device
-            )
-            del alone
+                trainer.step(1 + k)
+            if alone_group is None:
+                (times,) = _timed_steps([trainer], 1 + args.dist_warmup, args.dist_steps, device)
+            else:
+                make_alone = functools.partial(
+                    _Trainer, base, workload, wrapper, compiler, args, device, torch.float32, autocast, alone_group
+                )
+                times = _time_with_alone_baseline(trainer, make_alone, entry, args, device)
             entry["ms"] = overlap.slowest_rank(statistics.median(times))
-            if alone_times:
-                one = overlap.slowest_rank(statistics.median(alone_times[0]))
-                entry["scaling"] = {"from": 1, "baseline_ms": one, "efficiency": one / entry["ms"]}
+            if "alone_ms" in entry:
+                entry["scaling"] = {
+                    "from": 1,
+                    "baseline_ms": entry["alone_ms"],
+                    "efficiency": entry["alone_ms"] / entry["ms"],
+                }
             entry["ms_rank0"] = statistics.median(times)
             entry["ms_range_rank0"] = [min(times), max(times)]
             lanes[compiler], entry["kernels"] = overlap.profile_call(
@@ -268,10 +307,11 @@ def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args
             )
             entry["overlap"] = overlap.summary(lanes[compiler])
             entry["status"] = entry["accuracy"]["status"]
-            del trainer
         except Exception as e:  # noqa: BLE001  (one compiler's failure is its row; the others still run)
             entry["status"] = "error"
             entry["error"] = f"{type(e).__name__}: {e}"[:400]
+        finally:
+            trainer = None  # freed before the next compiler's model is built
         record["compilers"][compiler] = entry
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -370,14 +410,14 @@ def worker(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         workload = WORKLOADS[args.dist_workload or ("gpt2" if cuda else "tiny")]
         compilers = [c.strip() for c in args.dist_compilers.split(",") if c.strip()]
-        solo = None
+        alone_group = None
         if dist.get_world_size() > 1 and not args.dist_baseline:
-            solo, _ = dist.new_subgroups(group_size=1)
+            alone_group, _ = dist.new_subgroups(group_size=1)
         env = environment(workload, device, args)
         records = [
             run_graph(compilers, args, device)
             if w.strip() == "graph"
-            else run_wrapper(workload, w.strip(), compilers, args, device, solo)
+            else run_wrapper(workload, w.strip(), compilers, args, device, alone_group)
             for w in args.distributed.split(",")
         ]
         if dist.get_rank() == 0:

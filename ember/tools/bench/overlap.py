@@ -59,9 +59,8 @@ def lanes(events, cuda: bool) -> dict[str, list[Interval]]:
     compute: list[Interval] = []
     comm: list[Interval] = []
     if cuda:
-        device = torch.autograd.DeviceType.CUDA
         for e in events:
-            if e.device_type == device:
+            if _gpu_work(e):
                 span = (e.time_range.start, e.time_range.end)
                 (comm if "nccl" in e.name.lower() else compute).append(span)
         return {"compute": compute, "comm": comm}
@@ -123,13 +122,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _gpu_work(event) -> bool:
+    """A kernel or copy that ran on the GPU. The profiler also projects user annotations onto the
+    GPU's timeline (`DistributedDataParallel.forward`, `nccl:all_reduce`): ranges that span idle
+    gaps and other kernels, so counting them would overstate compute and double communication."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def kernel_table(events, top: int = 20) -> list[dict]:
     """The GPU kernels and copies of a profile, by total time: name, calls, milliseconds (largest first).
     Set side by side for two runs, it shows which kernels a change of world size slowed."""
-    device = torch.autograd.DeviceType.CUDA
     totals: dict[str, list[float]] = {}
     for e in events:
-        if e.device_type == device:
+        if _gpu_work(e):
             entry = totals.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += (e.time_range.end - e.time_range.start) / 1000
