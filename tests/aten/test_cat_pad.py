@@ -147,3 +147,25 @@ def test_cat_of_buffers_into_an_extern_stays_aten():
     assert "cat" in graph.externs and not graph.kernels, graph
     with_pointwise = explain_strict(lambda q, k, v, w: joined_matmul(q * 2, k, v, w), q, k, v, w).graphs[0]
     assert "cat" not in with_pointwise.externs, with_pointwise
+
+
+def test_zero_width_pad_between_convolutions_copies_nothing():
+    """TF-style "same" padding that comes out to none (transformers' MobileNetV2 and EfficientNet pad before
+    every convolution) is no copy kernel between two convolutions; a returned one, or one of a graph input,
+    stays a new tensor, as eager's is."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(4, 4, 3).eval()
+
+    def same_padded(x):
+        out = conv(F.pad(conv(x), (0, 0, 0, 0)))
+        return out, F.pad(out, (0, 0, 0, 0)), F.pad(x, (0, 0, 0, 0))
+
+    x = torch.randn(1, 4, 16, 16)
+    with torch.no_grad():
+        (graph,) = explain_strict(same_padded, x).graphs
+        # the two returned pads are copies (of the output and of the input); the one between the convolutions is not
+        assert len(graph.kernels) == 2 and graph.externs.count("convolution") == 2, graph
+        actual, expected = ember_compile(same_padded, "cpp")(x), same_padded(x)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, rtol=0, atol=0, what="zero-width pad", line=repro())
+    assert actual[1].data_ptr() != actual[0].data_ptr() and actual[2].data_ptr() != x.data_ptr()
