@@ -169,3 +169,30 @@ def test_zero_width_pad_between_convolutions_copies_nothing():
     for a, e in zip(actual, expected):
         assert_close(a, e, rtol=0, atol=0, what="zero-width pad", line=repro())
     assert actual[1].data_ptr() != actual[0].data_ptr() and actual[2].data_ptr() != x.data_ptr()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: ((a := x * 2), F.pad(a, (0, 0)).t()),  # a view of the pad returned beside its source
+        lambda x: (F.pad((a := x * 2), (0, 0)).view(-1), a),
+        lambda x: F.pad(x.t(), (0, 0)).t(),  # a pad of a view of the input, returned through a view
+    ],
+    ids=["view_beside_source", "flat_view_beside_source", "input_through_views"],
+)
+def test_zero_width_pad_that_escapes_is_a_new_tensor(fn):
+    """Only a pad every reader of which is a convolution may share its input's storage: through views,
+    returned, it would alias another output or the caller's input where eager gives a new tensor."""
+    x = torch.randn(6, 5)
+    with torch.no_grad():
+        actual, expected = ember_compile(fn, "cpp")(x), fn(x)
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, rtol=0, atol=0, what="zero-width pad", line=repro())
+    storages = [_storage(a) for a in actual]
+    assert len(set(storages)) == len(storages) and _storage(x) not in storages, storages

@@ -95,7 +95,7 @@ def _constant_pad_nd(ctx: GraphBuilder, node):
     if any(s == 0 for s in out.shape) or any(s == 0 for s in x.shape):
         raise Unsupported("constant_pad_nd of an empty tensor")
     pads = [as_expr(ctx.arg(p)) for p in node.args[1]]
-    if all(p == 0 for p in pads) and _private(node):
+    if all(p == 0 for p in pads) and _read_by_convolutions_only(node):
         return x  # a pad of zero widths (TF-style "same" padding that came out to none) copies nothing
     widths = {len(x.shape) - 1 - k: (pads[2 * k], pads[2 * k + 1]) for k in range(len(pads) // 2)}
     result, inside = padded_view(ctx, x, widths, tuple(as_expr(s) for s in out.shape))
@@ -104,11 +104,11 @@ def _constant_pad_nd(ctx: GraphBuilder, node):
     return ctx.pointwise("where", [inside, result, value], out)
 
 
-def _private(node) -> bool:
-    """Whether `node`'s result may share its input's storage: it is not returned (the caller would get
-    two names for one tensor, or one of its own inputs back) and its input is not a graph input."""
-    source = node.args[0]
-    return source.op != "placeholder" and all(user.op != "output" for user in node.users)
+def _read_by_convolutions_only(node) -> bool:
+    """Whether every reader of `node` is a convolution, whose result is a new tensor: then `node`
+    sharing its input's storage is seen by no one. (A pad that is returned, or a view of it, or a
+    pad of an input returned through a view, must stay a new tensor, as eager's is.)"""
+    return bool(node.users) and all(user.target is aten.convolution.default for user in node.users)
 
 
 @lowering(aten.slice_backward)
