@@ -415,6 +415,15 @@ SETTINGS: dict[str, Setting] = {
             "than they return tensors, and return copies of their outputs (fresh tensors, as without CUDA graphs)",
         ),
         Setting(
+            "profile_ranges",
+            bool,
+            False,
+            "the host program wraps each kernel launch in a torch.profiler range named after the kernel, so "
+            "a profile shows ember's own kernels one by one (on the CPU, where they are otherwise one "
+            "'Torch-Compiled Region'; on a GPU, each launch's host time); costs a few microseconds a kernel",
+            codegen=True,
+        ),
+        Setting(
             "cpu_huge_pages",
             bool,
             True,

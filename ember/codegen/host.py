@@ -252,7 +252,12 @@ class HostWriter:
                 else:
                     buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
                     args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
-                    self.lines.append(f"    {self.launcher.launch_line(step.kernel, args)}")
+                    launch = self.launcher.launch_line(step.kernel, args)
+                    if config.get("profile_ranges"):
+                        self.ns["_profiler_range"] = torch.profiler.record_function
+                        self.lines.append(f"    with _profiler_range({step.kernel.name!r}):")
+                        launch = f"    {launch}"
+                    self.lines.append(f"    {launch}")
             elif isinstance(step, ExternStep):
                 self._extern(step)
             elif isinstance(step, AliasStep):

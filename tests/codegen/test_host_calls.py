@@ -64,3 +64,29 @@ def test_host_program_names_externs_after_their_ops():
     calls = re.findall(r"= (\w+)\(", graph.host_source)
     assert {re.sub(r"_\d+$", "", c) for c in calls} >= {"mm", "sort", "cumsum"}, graph.host_source
     assert not re.search(r"\bc\d+\(", graph.host_source), graph.host_source
+
+
+def test_profile_ranges_name_each_kernel_in_a_profile():
+    """Under `profile_ranges` the host program wraps each kernel launch in a profiler range named after the
+    kernel, so a CPU profile shows ember's kernels one by one; without it, no range and no call to make one."""
+    import ember
+    from tests.helpers import ember_compile
+
+    def two_kernels(x):  # a row reduction, then a pointwise pass that reads its result
+        return (x - x.amax(-1, keepdim=True)).exp() * 2 + x.sum(0)
+
+    x = torch.randn(64, 128)
+    with ember.config.override(profile_ranges=True):
+        ranged = ember_compile(two_kernels, "cpp")
+        torch.testing.assert_close(ranged(x), two_kernels(x))
+        with torch.profiler.profile() as prof:
+            ranged(x)
+    names = {e.key for e in prof.key_averages()}
+    kernels = {n for n in names if n.startswith("k") and n[1:].isdigit()}
+    assert len(kernels) >= 2, names
+    torch._dynamo.reset()
+    with ember.config.override(profile_ranges=False):
+        plain = ember_compile(two_kernels, "cpp")
+        with torch.profiler.profile() as prof:
+            plain(x)
+    assert not {e.key for e in prof.key_averages()} & kernels
