@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from ember.codegen.render import Renderer, print_index
+from ember.codegen.render import Renderer, print_index, unclamped
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
 from ember.schedule.cost import row_passes
@@ -196,7 +196,11 @@ class CppRenderer(Renderer):
     def define(self, name: str, node: KNode) -> None:
         t = CPP_DTYPE[node.dtype]
         if isinstance(node, KLoad):
-            self.emit(f"{t} {name} = {self.buffer_name(node.buffer)}[{self.index_of(node.index)}];")
+            index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "/")
+            load = f"{self.buffer_name(node.buffer)}[{print_index(index, '/')}]"
+            if inside:  # a replicate_pad read: loaded where in range only, its reader selects the rest away
+                load = f"({' && '.join(inside)}) ? {load} : static_cast<{t}>(0)"
+            self.emit(f"{t} {name} = {load};")
         elif isinstance(node, KIndex):
             self.emit(f"{t} {name} = {self.index_of(node.expr)};")
         elif isinstance(node, KConvert):

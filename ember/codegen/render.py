@@ -221,3 +221,31 @@ def is_scalar(node: KNode) -> bool:
         return not any(s.name[0] in "ld" for s in node.expr.free_symbols)
     args = node.args()
     return bool(args) and all(is_scalar(a) for a in args) and not isinstance(node, KReduce)
+
+
+def unclamped(index, loop_vars: set, floordiv: str) -> tuple[object, list[str]]:
+    """A load index without replicate_pad's clamps, and the conditions under which it is in range
+    (printed with `floordiv`: "//" for Triton, "/" for C++).
+
+    Positions outside a replicate_pad view's base are always selected away by the reader (cat,
+    constant padding and max pooling put a `where` over them), so instead of clamping the index
+    into the base, the load is masked there (Triton) or made conditional (C++). The index is then
+    affine: Triton's axis analysis vectorizes and coalesces the load (H100, GPT-2's 8192x2304 bf16
+    cat: 180 us per call with clamps where ATen's copy takes 25 us), and a C++ compiler vectorizes
+    the loop with masked loads, where clamps made each element a gather."""
+    conditions: list[str] = []
+
+    def strip(e):
+        if isinstance(e, (sympy.Min, sympy.Max)) and len(e.args) == 2:
+            bounds = [a for a in e.args if not (a.free_symbols & loop_vars)]
+            if len(bounds) == 1:
+                (other,) = [a for a in e.args if a is not bounds[0]]
+                inner = strip(other)
+                op = "<=" if isinstance(e, sympy.Min) else ">="
+                conditions.append(f"({print_index(inner, floordiv)} {op} {print_index(bounds[0], floordiv)})")
+                return inner
+        if e.args and not isinstance(e, (sympy.Min, sympy.Max)):
+            return e.func(*[strip(a) for a in e.args])
+        return e
+
+    return strip(index), conditions

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from ember.codegen.render import Param, Renderer, is_scalar, print_index
+from ember.codegen.render import Param, Renderer, is_scalar, print_index, unclamped
 from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir import dtypes, ops
 from ember.ir.graph import layout_of
@@ -115,32 +115,6 @@ _COMBINE = {
 }
 
 
-def _unclamped(index, loop_vars: set) -> tuple[object, list[str]]:
-    """A load index without replicate_pad's clamps, and the conditions under which it is in range.
-
-    Positions outside a replicate_pad view's base are always selected away by the reader (cat,
-    constant padding and max pooling put a `where` over them), so instead of clamping the index
-    into the base, the load is masked there: Triton's axis analysis sees an affine index and a
-    mask constant over aligned runs, and vectorizes and coalesces the load. With clamps it could
-    not (H100, GPT-2's 8192x2304 bf16 cat: 180 us per call where ATen's copy takes 25 us)."""
-    conditions: list[str] = []
-
-    def strip(e):
-        if isinstance(e, (sympy.Min, sympy.Max)) and len(e.args) == 2:
-            bounds = [a for a in e.args if not (a.free_symbols & loop_vars)]
-            if len(bounds) == 1:
-                (other,) = [a for a in e.args if a is not bounds[0]]
-                inner = strip(other)
-                op = "<=" if isinstance(e, sympy.Min) else ">="
-                conditions.append(f"({print_index(inner, '//')} {op} {print_index(bounds[0], '//')})")
-                return inner
-        if e.args and not isinstance(e, (sympy.Min, sympy.Max)):
-            return e.func(*[strip(a) for a in e.args])
-        return e
-
-    return strip(index), conditions
-
-
 class TritonRenderer(Renderer):
     def __init__(self, kernel: Kernel, launch: LaunchConfig, interpreted: bool, narrow: bool = False):
         super().__init__(kernel)
@@ -200,7 +174,7 @@ class TritonRenderer(Renderer):
                 # One element for the whole kernel (a 0-d input): a scalar load needs no mask.
                 self.emit(f"{name} = tl.load({ptr} + {self.index_of(node.index)})")
             else:
-                index, inside = _unclamped(self.kernel.index(node.index), set(self.kernel.index_vars))
+                index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "//")
                 mask = " & ".join([self.mask(node.full)] + inside)
                 self.emit(f"{name} = tl.load({ptr} + {print_index(index, '//')}, {mask}, other=0)")
         elif isinstance(node, KIndex):

@@ -196,3 +196,23 @@ def test_zero_width_pad_that_escapes_is_a_new_tensor(fn):
         assert_close(a, e, rtol=0, atol=0, what="zero-width pad", line=repro())
     storages = [_storage(a) for a in actual]
     assert len(set(storages)) == len(storages) and _storage(x) not in storages, storages
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_cpp_padded_read_is_a_conditional_load_not_a_clamped_gather(fmt):
+    """A C++ kernel reads a padded view where in range only (its reader selects the padding away), so the
+    index stays affine and the loop vectorizes with masked loads; clamped into the base, every element was a
+    gather (the pad before each depthwise convolution of MobileNetV2 took 5 to 12 times as long)."""
+
+    def pad_bn_relu6(x, s, t):
+        return F.pad((x * s + t).clamp(0, 6), (1, 1, 1, 1))
+
+    x = torch.randn(1, 8, 12, 12).contiguous(memory_format=fmt)
+    s, t = torch.randn(1, 8, 1, 1), torch.randn(1, 8, 1, 1)
+    (graph,) = explain_strict(pad_bn_relu6, x, s, t).graphs
+    (kernel,) = graph.kernels
+    assert "std::min" not in kernel.source and "std::max" not in kernel.source, kernel.source
+    assert " ? in_" in kernel.source, kernel.source
+    with torch.no_grad():
+        actual = ember_compile(pad_bn_relu6, "cpp")(x, s, t)
+    assert_close(actual, pad_bn_relu6(x, s, t), rtol=1e-5, atol=1e-6, what="padded read", line=repro())
