@@ -175,8 +175,8 @@ def _window(ctx: GraphBuilder, x: Value, dims, offsets, stride, padding, out_sha
     """x's elements at window offset `offsets` of every output position, as a view: padded by
     `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
     stride. With ceil_mode the last window may reach past x and its padding: the padded view then
-    ends at the last position read, so that position is clamped (C++) or masked (Triton) into x,
-    never read past its end (unclamped, C++ read 6 elements past a [1, 2, 8, 7] input)."""
+    ends at the last position read, which a kernel reads where it lies in x only (codegen/render.py:
+    unclamped), never past its end (read unguarded, C++ read 6 elements past a [1, 2, 8, 7] input)."""
     padded_shape = list(x.shape)
     widths = {}
     for d, k, s, p in zip(dims, offsets, stride, padding):
