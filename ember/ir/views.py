@@ -139,9 +139,9 @@ def _replicate_pad_index(i, s_in, s_out, a):
 
     Contract: a reader uses the view only where p - before lies inside the base (`cat`,
     `constant_pad_nd` and max pooling put a `where` over the position); outside, its values are
-    unspecified. The C++ code generator keeps the clamps (every read in bounds, an outside lane
-    re-reads the edge element from cache); Triton's turns them into a load mask (codegen/triton.py,
-    `_unclamped`), which keeps its loads vectorized."""
+    unspecified. Both code generators drop the clamps and load only where the position lies in
+    the base (codegen/render.py, `unclamped`: a load mask in Triton, a conditional load in C++),
+    which keeps the index affine and the loads vectorized."""
     d = a["dim"]
     size = s_in[d]
     shifted = i[d] - a["before"]
