@@ -222,6 +222,9 @@ class HostWriter:
         huge = huge_allocator(self.ns["empty"]) if self.device.type == "cpu" and config.get("cpu_huge_pages") else None
         if huge is not None:
             self.ns["empty_huge"] = huge
+        ranges = config.get("profile_ranges")  # a profiler range named after each kernel launch
+        if ranges:
+            self.ns["_profiler_range"] = torch.profiler.record_function
         self.lines.append("def call(args):")
         params = []
         for k, inp in enumerate(g.inputs):
@@ -253,8 +256,7 @@ class HostWriter:
                     buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
                     args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
                     launch = self.launcher.launch_line(step.kernel, args)
-                    if config.get("profile_ranges"):
-                        self.ns["_profiler_range"] = torch.profiler.record_function
+                    if ranges:
                         self.lines.append(f"    with _profiler_range({step.kernel.name!r}):")
                         launch = f"    {launch}"
                     self.lines.append(f"    {launch}")

@@ -42,36 +42,18 @@ def _vision(family: str, model_cls: str, field: str, **kwargs):
 def _whisper_encoder(size, device):
     """Whisper's encoder alone (what speech pipelines run per chunk) on `frames` mel frames."""
     batch, frames, layers, width = size
-    heads = zoo._heads(width)
-    cfg = zoo._config(
-        "WhisperConfig",
-        num_mel_bins=80,
-        d_model=width,
-        encoder_layers=layers,
-        encoder_attention_heads=heads,
-        encoder_ffn_dim=4 * width,
-        decoder_layers=1,
-        decoder_attention_heads=heads,
-        max_source_positions=frames // 2,
-    )
+    dims = zoo.encoder_decoder_dims(layers, width, decoder_layers=1)
+    cfg = zoo._config("WhisperConfig", num_mel_bins=80, max_source_positions=frames // 2, **dims)
     encoder = importlib.import_module("transformers").WhisperModel(cfg).get_encoder()
     m = zoo._no_dropout(zoo._Field(encoder, ("input_features",), "last_hidden_state")).to(device)
     return Built(m, (torch.randn(batch, 80, frames, device=device),))
 
 
-def _lm(size) -> str:
-    return "{2} layers × {3}, {0}×{1} tokens".format(*size)
-
-
-def _image(size) -> str:
-    return "batch {}, {}²".format(*size)
-
-
 MODELS = {
-    "llama": (LM, zoo._decoder("Llama", "LlamaForCausalLM", "f32"), _lm),
-    "t5": (LM, functools.partial(zoo._t5, dtype="f32"), _lm),
-    "mixtral": (LM, zoo._decoder("Mixtral", "MixtralForCausalLM", "f32"), _lm),
-    "bert": (LM, zoo._encoder("Bert", "f32"), _lm),
+    "llama": (LM, zoo._decoder("Llama", "LlamaForCausalLM", "f32"), zoo.describe_lm),
+    "t5": (LM, functools.partial(zoo._t5, dtype="f32"), zoo.describe_lm),
+    "mixtral": (LM, zoo._decoder("Mixtral", "MixtralForCausalLM", "f32"), zoo.describe_lm),
+    "bert": (LM, zoo._encoder("Bert", "f32"), zoo.describe_lm),
     "resnet": (
         IMAGE,
         _vision(
@@ -83,12 +65,12 @@ MODELS = {
             hidden_sizes=[64, 128, 256, 512],
             embedding_size=64,
         ),
-        _image,
+        zoo.describe_image,
     ),
     "convnext": (
         IMAGE,
         _vision("ConvNext", "ConvNextModel", "pooler_output", depths=[2, 2, 6, 2], hidden_sizes=[64, 128, 256, 512]),
-        _image,
+        zoo.describe_image,
     ),
     "vit_small": (
         IMAGE,
@@ -102,9 +84,9 @@ MODELS = {
             num_attention_heads=6,
             intermediate_size=1536,
         ),
-        _image,
+        zoo.describe_image,
     ),
-    "mobilenet_v2": (IMAGE, _vision("MobileNetV2", "MobileNetV2Model", "pooler_output"), _image),
+    "mobilenet_v2": (IMAGE, _vision("MobileNetV2", "MobileNetV2Model", "pooler_output"), zoo.describe_image),
     "efficientnet_b0": (
         IMAGE,
         _vision(
@@ -115,7 +97,7 @@ MODELS = {
             depth_coefficient=1.0,
             hidden_dim=1280,
         ),
-        _image,
+        zoo.describe_image,
     ),
     "whisper_encoder": (AUDIO, _whisper_encoder, lambda s: "{2} layers × {3}, {1} mel frames".format(*s)),
 }

@@ -229,7 +229,7 @@ def _time_with_alone_baseline(trainer: _Trainer, make_alone, entry: dict, args, 
     except Exception as e:  # noqa: BLE001  (the scaling figure is lost, not the row)
         entry["alone_error"] = f"{type(e).__name__}: {e}"[:300]
         ok = False
-    if not _everywhere(ok):
+    if not overlap.across_ranks(float(ok), dist.ReduceOp.MIN):  # every rank takes the same branch
         alone = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -238,16 +238,6 @@ def _time_with_alone_baseline(trainer: _Trainer, make_alone, entry: dict, args, 
     times, alone_times = _timed_steps([trainer, alone], 1 + args.dist_warmup, args.dist_steps, device)
     entry["alone_ms"] = overlap.slowest_rank(statistics.median(alone_times))
     return times
-
-
-def _everywhere(ok: bool) -> bool:
-    """Whether `ok` holds on every rank (so that all ranks take the same branch and none waits alone
-    at a collective the others skipped)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def run_wrapper(workload: DistWorkload, wrapper: str, compilers: list[str], args, device, alone_group=None) -> dict:

@@ -170,10 +170,15 @@ def profile_call(call, device: torch.device, align=None) -> tuple[dict, list[dic
     return lanes(events, cuda), kernel_table(events) if cuda else []
 
 
-def slowest_rank(ms: float) -> float:
-    """The largest of every rank's `ms` (a step is as slow as its slowest rank)."""
-    t = torch.tensor([ms], dtype=torch.float64)
+def across_ranks(value: float, op) -> float:
+    """`value` reduced over every rank by `op` (a `dist.ReduceOp`), on the device the backend needs."""
+    t = torch.tensor([value], dtype=torch.float64)
     if dist.get_backend() == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return t.item()
+
+
+def slowest_rank(ms: float) -> float:
+    """The largest of every rank's `ms` (a step is as slow as its slowest rank)."""
+    return across_ranks(ms, dist.ReduceOp.MAX)

@@ -174,20 +174,25 @@ def _t5(size, device, dtype: str = "bf16"):
     return Built(m, (_ids(batch, seq, vocab, device), _ids(batch, seq // 4, vocab, device)))
 
 
+def encoder_decoder_dims(layers: int, width: int, decoder_layers: int | None = None) -> dict:
+    """The width, depth, heads and MLP sizes of a BART- or Whisper-style config: `layers` blocks of
+    `width` in the encoder (and the decoder, unless `decoder_layers`), MLPs of 4 × width."""
+    heads = _heads(width)
+    return {
+        "d_model": width,
+        "encoder_layers": layers,
+        "decoder_layers": layers if decoder_layers is None else decoder_layers,
+        "encoder_attention_heads": heads,
+        "decoder_attention_heads": heads,
+        "encoder_ffn_dim": 4 * width,
+        "decoder_ffn_dim": 4 * width,
+    }
+
+
 def _bart(size, device):
     batch, seq, layers, width, vocab = size
-    heads = _heads(width)
     cfg = _config(
-        "BartConfig",
-        vocab_size=vocab,
-        d_model=width,
-        encoder_layers=layers,
-        decoder_layers=layers,
-        encoder_attention_heads=heads,
-        decoder_attention_heads=heads,
-        encoder_ffn_dim=4 * width,
-        decoder_ffn_dim=4 * width,
-        max_position_embeddings=max(1024, seq),
+        "BartConfig", vocab_size=vocab, max_position_embeddings=max(1024, seq), **encoder_decoder_dims(layers, width)
     )
     model = importlib.import_module("transformers").BartForConditionalGeneration(cfg)
     m = _cast(_Field(model, ("input_ids", "decoder_input_ids"), "logits"), device, "bf16")
@@ -197,19 +202,12 @@ def _bart(size, device):
 def _whisper(size, device):
     """Whisper on `seq` mel frames (the encoder halves them), decoding a quarter as many tokens."""
     batch, seq, layers, width, vocab = size
-    heads = _heads(width)
     mels = 80
     cfg = _config(
         "WhisperConfig",
         vocab_size=vocab,
         num_mel_bins=mels,
-        d_model=width,
-        encoder_layers=layers,
-        decoder_layers=layers,
-        encoder_attention_heads=heads,
-        decoder_attention_heads=heads,
-        encoder_ffn_dim=4 * width,
-        decoder_ffn_dim=4 * width,
+        **encoder_decoder_dims(layers, width),
         max_source_positions=seq // 2,
         max_target_positions=max(448, seq),
         decoder_start_token_id=0,
@@ -316,11 +314,11 @@ def _wav2vec2(size, device):
     return Built(_First(_no_dropout(m)).to(device), (torch.randn(batch, samples, device=device),), torch.bfloat16)
 
 
-def _lm(size) -> str:
+def describe_lm(size) -> str:
     return "{2} layers × {3}, {0}×{1} tokens".format(*size)
 
 
-def _image(size) -> str:
+def describe_image(size) -> str:
     return "batch {}, {}²".format(*size)
 
 
@@ -354,7 +352,7 @@ def workloads(workload: Callable) -> list:
     (the bench's `Workload`)."""
     out = []
 
-    def add(name, dtype, sizes, build, modes=BOTH, requires="transformers", describe=_lm):
+    def add(name, dtype, sizes, build, modes=BOTH, requires="transformers", describe=describe_lm):
         out.append(workload(f"zoo_{name}", "zoo", dtype, sizes, build, modes, requires, describe))
 
     for name, family, cls in _DECODERS:
@@ -376,10 +374,10 @@ def workloads(workload: Callable) -> list:
         describe=lambda s: "{2} layers × {3}, batch {0}, {1} mel frames".format(*s),
     )
     for family in ("ViT", "ResNet", "ConvNext"):
-        add(f"hf_{family.lower()}", "bf16 autocast", VISION, _hf_vision(family), describe=_image)
+        add(f"hf_{family.lower()}", "bf16 autocast", VISION, _hf_vision(family), describe=describe_image)
     for name in _TIMM:
-        add(name, "bf16 autocast", VISION, _timm(name), requires="timm", describe=_image)
-    add("resnet50_f32", "f32", VISION, _timm("resnet50", "f32"), requires="timm", describe=_image)
+        add(name, "bf16 autocast", VISION, _timm(name), requires="timm", describe=describe_image)
+    add("resnet50_f32", "f32", VISION, _timm("resnet50", "f32"), requires="timm", describe=describe_image)
     add(
         "fasterrcnn_mobilenet_v3",
         "f32",
@@ -387,7 +385,7 @@ def workloads(workload: Callable) -> list:
         _detection,
         modes=("inference",),
         requires="torchvision",
-        describe=_image,
+        describe=describe_image,
     )
     add(
         "gcn",
