@@ -58,10 +58,28 @@ class MLP(nn.Module):
         return x
 
 
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def causal_block_mask(seq: int, device):
+    """FlexAttention's BlockMask of causal attention over `seq` tokens, one for every batch and head."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, seq, seq, device=device)
+
+
 class GPT2Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+    """A pre-norm GPT-2 block. attention="sdpa": causal F.scaled_dot_product_attention; "flex":
+    flex_attention with the causal BlockMask in `block_mask`, which the builder sets (it depends on
+    the sequence length and the device, and is made once, not per call)."""
+
+    def __init__(self, d: int, heads: int, attention: str = "sdpa"):
         super().__init__()
-        self.heads = heads
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention {attention!r}: 'sdpa' or 'flex'")
+        self.heads, self.attention = heads, attention
+        self.block_mask = None
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -73,16 +91,26 @@ class GPT2Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=self.block_mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
         return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class GPT2Stack(nn.Module):
-    def __init__(self, d: int, heads: int, layers: int = 4):
+    def __init__(self, d: int, heads: int, layers: int = 4, attention: str = "sdpa"):
         super().__init__()
-        self.blocks = nn.Sequential(*[GPT2Block(d, heads) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[GPT2Block(d, heads, attention) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
+
+    def set_block_mask(self, block_mask) -> None:
+        """The BlockMask every flex block attends with (causal_block_mask(seq, device))."""
+        for block in self.blocks:
+            block.block_mask = block_mask
 
     def forward(self, x):
         return self.ln_f(self.blocks(x))

@@ -14,7 +14,7 @@ from ember.tools.bench import host_cost, jax_step, measure, optimizers, report
 from ember.tools.bench.__main__ import _compilers
 from ember.tools.bench.__main__ import main as bench_main
 from ember.tools.bench.workloads import WORKLOADS, select
-from tests.helpers import repro
+from tests.helpers import assert_no_fallback, ember_compile, reports, repro
 
 CPU = torch.device("cpu")
 
@@ -39,6 +39,71 @@ def test_optimizer_floor_counts_params_grads_and_states():
     built = WORKLOADS["opt_adamw"].instance("tiny", CPU, "step")
     assert built.bytes == 4 * 64 * 4 * (2 * 3 + 1), built.bytes
     assert sum(torch.Size(s).numel() for s in optimizers.gpt2_shapes()) == 124_439_808  # GPT-2 124M
+
+
+def test_flex_rows_at_three_sequence_lengths_with_the_same_tokens():
+    for name in ("flex_causal", "flex_causal_d128", "flex_sliding", "flex_alibi", "flex_document", "flex_relative",
+                 "flex_sdpa_causal", "flex_sdpa_causal_d128"):  # fmt: skip
+        sizes = {suffix: WORKLOADS[name + suffix].sizes["gpu"] for suffix in ("_s1k", "", "_s16k")}
+        d = 128 if name.endswith("_d128") else 64
+        assert sizes == {"_s1k": (16, 16, 1024, d), "": (4, 16, 4096, d), "_s16k": (1, 16, 16384, d)}, name
+        assert all(WORKLOADS[name + suffix].group == "flex" for suffix in sizes), name
+    for name in ("gpt2_flex", "gpt2_sdpa"):
+        w = WORKLOADS[name]
+        assert w.group == "flex" and w.modes == ("inference", "train"), w
+        assert w.sizes == WORKLOADS["gpt2_step"].sizes, name  # gpt2_step's model: 4 blocks, 8 × 1024 × 768
+    assert [c.key for c in select("gpt2_flex", "train")] == ["gpt2_flex/train"]
+
+
+def test_long_flex_rows_run_eager_a_block_of_queries_at_a_time(monkeypatch):
+    """Eager flex_attention materializes [B, H, S, S] scores: past EAGER_SCORES elements eager runs
+    blocks of queries (the score_mod and mask_mod shifted to the block's queries), the same answer,
+    while a compiler traces the one whole call."""
+    import warnings
+
+    from ember.tools.bench import flex_workloads
+
+    build, _ = flex_workloads.PROGRAMS["flex_relative"]  # a score_mod and a BlockMask
+    size = (1, 2, 200, 16)  # blocks of 50 queries: none a multiple of the BlockMask's 128
+    torch.manual_seed(0)
+    whole = build(size, CPU)
+    monkeypatch.setattr(flex_workloads, "EAGER_SCORES", 2 * 50 * 200)
+    torch.manual_seed(0)
+    blocks = build(size, CPU)
+    q, k, v = (x.float() for x in whole.inputs)
+    line = repro(workload="flex_relative", size=size, query_blocks=4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention's "called without torch.compile"
+        want = whole.fn(q, k, v)
+        torch.testing.assert_close(blocks.fn(q, k, v), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{m}\n{line}")
+        with reports() as report:
+            got = ember_compile(blocks.fn, "cpp")(q, k, v)
+    assert_no_fallback(report, line)
+    calls = [ln for g in report.graphs for ln in g.host_source.splitlines() if "= flex_attention_kernel" in ln]
+    assert len(calls) == 1, f"{calls}\n{line}"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{m}\n{line}")
+
+
+def test_gpt2_flex_forward_matches_eager_and_attends_in_embers_kernel():
+    """gpt2_flex at tiny scale (its attention flex_attention with a causal BlockMask, the SDPA twin's
+    weights): eager's output is the SDPA model's, and ember's is eager's, its attention ember's kernel."""
+    import warnings
+
+    flex = WORKLOADS["gpt2_flex"].instance("tiny", CPU, "inference")
+    sdpa = WORKLOADS["gpt2_sdpa"].instance("tiny", CPU, "inference")
+    sdpa.fn.load_state_dict(flex.fn.state_dict())
+    line = repro(workload="gpt2_flex", scale="tiny")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention's "called without torch.compile"
+        want = flex.fn(*flex.inputs)
+        torch.testing.assert_close(want, sdpa.fn(*flex.inputs), rtol=2e-2, atol=2e-2, msg=lambda m: f"{m}\n{line}")
+        with reports() as report:
+            got = ember_compile(flex.fn, "cpp")(*flex.inputs)
+    assert_no_fallback(report, line)
+    assert any("flex_attention_kernel" in g.host_source for g in report.graphs), (
+        f"attention ran as PyTorch's op\n{line}"
+    )
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"{m}\n{line}")
 
 
 def test_hundred_kernel_program_makes_about_a_hundred_kernels():

@@ -3,8 +3,13 @@
 `flex_sdpa_causal` is the same shapes through F.scaled_dot_product_attention (the fastest fused
 kernel PyTorch picks on the machine), the bar for plain causal attention.
 
+Each program runs at three sequence lengths with the same tokens a call (B·S = 16384 on the GPU):
+its plain name is S 4096, `_s1k` S 1024 (B16) and `_s16k` S 16384 (B1). `gpt2_flex` (workloads.py)
+is gpt2_step's model, its attention this group's causal program, beside its SDPA twin `gpt2_sdpa`.
+
     ember bench --workloads flex                            # every row, inference and training
     ember bench --workloads flex_causal,flex_sdpa_causal --modes inference
+    ember bench --workloads flex_causal_s1k,flex_causal,flex_causal_s16k
 
 The size is a tuple (B, H, S, D); the BlockMask, tables and document ids are built with the inputs.
 """
@@ -31,6 +36,34 @@ def _causal(b, h, q, kv):
     return q >= kv
 
 
+# Eager flex_attention (its unfused path, which the eager column and the float32 reference run)
+# materializes [B, H, S, S] scores in float32 several times (measured: some 20 bytes an element for
+# the forward, up to 80 with the backward), which at S 16384 is more memory than a GPU has. Eager
+# runs a block of queries at a time, each block's scores at most this many elements; the compilers
+# trace the whole call.
+EAGER_SCORES = 1 << 28
+
+
+def _query_blocks(size) -> int:
+    """How many blocks of queries eager runs: the fewest (a power of two) within EAGER_SCORES."""
+    b, h, s, _ = size
+    n = 1
+    while n < s and b * h * math.ceil(s / n) * s > EAGER_SCORES:
+        n *= 2
+    return n
+
+
+def _shift_score(score_mod, start: int):
+    """score_mod of a block of queries starting at `start`: its query index is the whole sequence's."""
+    if score_mod is None or start == 0:
+        return score_mod
+    return lambda score, b, h, q, kv: score_mod(score, b, h, q + start, kv)
+
+
+def _shift_mask(mask_mod, start: int):
+    return mask_mod if start == 0 else lambda b, h, q, kv: mask_mod(b, h, q + start, kv)
+
+
 def _program(score_mod=None, mask_mod=None, mask_batch: bool = False):
     """A build function: flex_attention with this score_mod and a BlockMask of this mask_mod."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -39,10 +72,21 @@ def _program(score_mod=None, mask_mod=None, mask_batch: bool = False):
         b, _, s, _ = size
         score = score_mod(size, device) if score_mod is not None else None
         mask = mask_mod(size, device) if mask_mod is not None else None
-        block_mask = create_block_mask(mask, b if mask_batch else 1, 1, s, s, device=device) if mask else None
+        mask_b = b if mask_batch else 1
+        block_mask = create_block_mask(mask, mask_b, 1, s, s, device=device) if mask else None
+        step = math.ceil(s / _query_blocks(size))
+        # (start, end, score_mod, BlockMask) of each block of queries eager runs, made once here
+        blocks = []
+        for i in range(0, s, step) if step < s else ():
+            j = min(i + step, s)
+            shifted = create_block_mask(_shift_mask(mask, i), mask_b, 1, j - i, s, device=device) if mask else None
+            blocks.append((i, j, _shift_score(score, i), shifted))
 
         def attention(q, k, v):
-            return flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
+            if torch.compiler.is_compiling() or not blocks:
+                return flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
+            parts = [flex_attention(q[:, :, i:j], k, v, score_mod=sm, block_mask=bm) for i, j, sm, bm in blocks]
+            return torch.cat(parts, dim=2)
 
         return Built(attention, _qkv(size, device))
 
@@ -101,8 +145,8 @@ def _sdpa_causal(size, device):
     return Built(attention, _qkv(size, device))
 
 
-# name -> (build, sizes)
-PROGRAMS = {
+# name -> (build, sizes), at S 4096 on the GPU
+_PROGRAMS = {
     "flex_causal": (_program(mask_mod=lambda size, device: _causal), SIZES),
     "flex_causal_d128": (_program(mask_mod=lambda size, device: _causal), SIZES_WIDE),
     "flex_sliding": (_program(mask_mod=_sliding), SIZES),
@@ -113,10 +157,27 @@ PROGRAMS = {
     "flex_sdpa_causal_d128": (_sdpa_causal, SIZES_WIDE),
 }
 
+# suffix -> the sequence length per scale. The small scales keep their rows cheap: the CPU's long
+# row is S 1024 (twice the tokens of its S 512 row, as B cannot go below 1), not 16k.
+LENGTHS = {"_s1k": {"gpu": 1024, "cpu": 128, "tiny": 64}, "_s16k": {"gpu": 16384, "cpu": 1024, "tiny": 256}}
+
+
+def at_length(sizes: dict[str, tuple], lengths: dict[str, int]) -> dict[str, tuple]:
+    """The sizes at other sequence lengths, the batch keeping the tokens a call (at least one sequence)."""
+    return {scale: (max(1, b * s // lengths[scale]), h, lengths[scale], d) for scale, (b, h, s, d) in sizes.items()}
+
+
+# Each program's rows together, the sequence growing: name_s1k, name, name_s16k.
+PROGRAMS = {
+    name + suffix: (build, at_length(sizes, LENGTHS[suffix]) if suffix else sizes)
+    for name, (build, sizes) in _PROGRAMS.items()
+    for suffix in ("_s1k", "", "_s16k")
+}
+
 
 def describe(size: tuple) -> str:
     b, h, s, d = size
     return f"B{b} H{h} S{s} D{d}"
 
 
-__all__ = ["PROGRAMS", "describe"]
+__all__ = ["LENGTHS", "PROGRAMS", "at_length", "describe"]

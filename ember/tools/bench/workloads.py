@@ -118,10 +118,20 @@ def _tiny_mlp(size, device):
     )
 
 
-def _gpt2_blocks(size, device):
-    b, t, d, heads, layers = size
-    m = _module(programs.GPT2Stack(d, heads, layers), device, torch.bfloat16)
-    return Built(m, (_randn((b, t, d), torch.bfloat16, device),))
+def _gpt2_stack(attention: str):
+    """GPT2Stack with this attention ("sdpa" or "flex", whose causal BlockMask is made here, once)."""
+
+    def build(size, device):
+        b, t, d, heads, layers = size
+        m = _module(programs.GPT2Stack(d, heads, layers, attention), device, torch.bfloat16)
+        if attention == "flex":
+            m.set_block_mask(programs.causal_block_mask(t, device))
+        return Built(m, (_randn((b, t, d), torch.bfloat16, device),))
+
+    return build
+
+
+_gpt2_blocks = _gpt2_stack("sdpa")
 
 
 def _llama_block(size, device):
@@ -226,11 +236,29 @@ def _optimizer_workloads() -> list[Workload]:
     return out
 
 
+_GPT2_STEP_SIZES = {"gpu": (8, 1024, 768, 12, 4), "cpu": (2, 128, 768, 12, 4), "tiny": (2, 8, 32, 2, 2)}
+
+
 def _attention_workloads() -> list[Workload]:
-    """FlexAttention programs and SDPA at the same shapes (flex_workloads.py)."""
+    """FlexAttention programs and SDPA at the same shapes (flex_workloads.py), and gpt2_step's model
+    with FlexAttention's causal BlockMask (gpt2_flex) beside the same model with SDPA (gpt2_sdpa)."""
     return [
-        Workload(name, "flex", "bf16", sizes, build, modes=("inference", "train"), describe=flex_workloads.describe)
-        for name, (build, sizes) in flex_workloads.PROGRAMS.items()
+        *(
+            Workload(name, "flex", "bf16", sizes, build, modes=("inference", "train"), describe=flex_workloads.describe)
+            for name, (build, sizes) in flex_workloads.PROGRAMS.items()
+        ),
+        *(
+            Workload(
+                name,
+                "flex",
+                "bf16",
+                _GPT2_STEP_SIZES,
+                _gpt2_stack(attention),
+                modes=("inference", "train"),
+                describe=_shape("{4} blocks, {0}×{1}×{2}, " + label),
+            )
+            for name, attention, label in (("gpt2_flex", "flex", "flex causal"), ("gpt2_sdpa", "sdpa", "SDPA causal"))
+        ),
     ]
 
 
@@ -367,7 +395,7 @@ WORKLOADS: dict[str, Workload] = {
             "gpt2_step",
             "model",
             "bf16",
-            {"gpu": (8, 1024, 768, 12, 4), "cpu": (2, 128, 768, 12, 4), "tiny": (2, 8, 32, 2, 2)},
+            _GPT2_STEP_SIZES,
             _gpt2_blocks,
             modes=("train",),
             describe=_shape("{4} blocks, {0}×{1}×{2}, + JAX/XLA"),
