@@ -4,6 +4,7 @@
     (schedule cache: a graph scheduled before loads its schedule, skipping the next six; runtime/)
     import_graph  ATen FX graph -> ember Graph          (aten/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
+    dce           nodes nothing reads, dropped            (ir/dce.py)
     cse           a computation written twice, kept once (ir/cse.py)
     pad           aligned matrix-product layouts        (schedule/padding.py)
     split         long reductions with few outputs -> two stages  (schedule/split.py)
@@ -178,6 +179,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     """Import through scheduling: the ATen graph -> a Schedule (what runtime/schedule_cache.py keeps)."""
     from ember.aten.importer import import_graph
     from ember.ir.cse import eliminate_common_subexpressions
+    from ember.ir.dce import eliminate_dead_nodes
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.padding import pad_matmul_layouts
     from ember.schedule.scheduler import schedule
@@ -188,6 +190,8 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     _check(graph, "import")
     stage("import")
     eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
+    dead = eliminate_dead_nodes(graph)
+    log.artifact("graph", f"{kind} dead code", lambda: f"{dead} dead node(s) dropped")
     merged = eliminate_common_subexpressions(graph)
     log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
     _check(graph, "cse")
