@@ -8,6 +8,7 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch
 from ember import config, log
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
-from ember.codegen.flex_triton import FlexLaunch, block_sizes, render_flex_triton
+from ember.codegen.flex_triton import FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
 from ember.codegen.flex_triton_bwd import render_flex_triton_bwd
 from ember.ir.flex import FlexAttention, FlexAttentionBackward, FlexBackwardSpec, FlexSpec
 from ember.runtime import scratch
@@ -46,12 +47,14 @@ def build_flex_kernels(sched: Schedule, target: Target) -> int:
     return built
 
 
-def _launch(spec: FlexSpec, target: Target) -> FlexLaunch:
+def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
     h = target.heuristics.flex
     if target.name == "cpp":
         tile = h.cpu
     elif spec.dtype == torch.float32:
         tile = h.float32
+    elif any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
+        tile = h.gathering if spec.head_dim <= 128 else h.large
     else:
         tile = h.small if spec.head_dim <= 64 else h.medium if spec.head_dim <= 128 else h.large
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
@@ -64,7 +67,7 @@ class FlexKernel:
 
     def __init__(self, spec: FlexSpec, target: Target, results: int):
         self.spec, self.results = spec, results
-        self.launch = _launch(spec, target)
+        self.launch = forward_launch(spec, target)
         self.__name__ = "flex_attention_kernel"  # the host program's name for it
         self.cpp = target.name == "cpp"
         if self.cpp:
@@ -74,7 +77,7 @@ class FlexKernel:
         else:
             self.interpreted = target.interpreted
             self.source = render_flex_triton(spec, "flex_fwd", self.launch, target.interpreted)
-            self.fn = _load_triton(self.source, "ember_flex").flex_fwd
+            self.fn = DirectLaunch(_load_triton(self.source, "ember_flex").flex_fwd)
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
@@ -106,23 +109,22 @@ class FlexKernel:
         else:
             block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
             grid = ((M + block_m - 1) // block_m, B * H)
-            kwargs = {} if self.interpreted else {"num_warps": self.launch.warps, "num_stages": self.launch.stages}
-            self.fn[grid](
-                *tensors,
-                *ints,
-                *buf_ints,
-                spec.scale,
-                QB=q_block,
-                KB=kv_block,
-                D=spec.head_dim,
-                DV=spec.value_dim,
-                D_PAD=d_pad,
-                DV_PAD=dv_pad,
+            consts = {
+                "QB": q_block,
+                "KB": kv_block,
+                "D": spec.head_dim,
+                "DV": spec.value_dim,
+                "D_PAD": d_pad,
+                "DV_PAD": dv_pad,
+            }
+            consts.update(
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
-                # Every step's keys inside the sequence: no key mask (a listed last block past N has steps past it).
-                EVEN_N=N % block_n == 0 and (kv_block >= N or N % kv_block == 0),
-                **kwargs,
+                EVEN_N=even(kv_block, N, block_n),
+                KV_STEPS=steps(kv_block, N, block_n),
+            )
+            self.launch = launch_fitting(
+                self.fn, grid, (*tensors, *ints, *buf_ints, spec.scale), consts, self.launch, self.interpreted
             )
         return (out, lse, mx)[: self.results]
 
@@ -138,7 +140,9 @@ class FlexBackwardKernel:
         h = target.heuristics.flex
         if spec.forward.dtype == torch.float32:
             tiles = (h.backward_float32, h.backward_float32)
-        elif 64 <= spec.forward.head_dim <= 128:
+        elif spec.forward.head_dim <= 64:
+            tiles = (h.backward_small_dq, h.backward_small_dkdv)
+        elif spec.forward.head_dim <= 128:
             tiles = (h.backward_dq, h.backward_dkdv)
         else:
             tiles = (h.backward_other, h.backward_other)
@@ -147,7 +151,23 @@ class FlexBackwardKernel:
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_triton(self.source, "ember_flex_bwd")
-        self.dq_fn, self.dkdv_fn = module.flex_bwd_dq, module.flex_bwd_dkdv
+        self.dq_fn, self.dkdv_fn = DirectLaunch(module.flex_bwd_dq), DirectLaunch(module.flex_bwd_dkdv)
+        self.delta_fn = DirectLaunch(module.flex_bwd_delta)
+
+    def _delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+        """rowsum(dout * out) in the work dtype, [B, H, M] contiguous."""
+        B, H, M, DV = out.shape
+        delta = torch.empty((B, H, M), dtype=self.spec.forward.work_dtype, device=out.device)
+        dv_pad = max(16, pow2(DV))
+        rows = max(1, min(64, 4096 // dv_pad))
+        grid = ((B * H * M + rows - 1) // rows,)
+        args = (out, dout, delta, B * H * M, H, M, *out.stride(), *dout.stride())
+        consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
+        if self.interpreted:
+            self.delta_fn.fn[grid](*args, **consts)
+        else:
+            self.delta_fn(grid, args, consts, 4, 1)
+        return delta
 
     def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
         fwd = self.spec.forward
@@ -159,7 +179,7 @@ class FlexBackwardKernel:
         if q.numel() == 0 or k.numel() == 0:
             return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
         lse = lse.to(fwd.work_dtype).contiguous()
-        delta = (dout.to(fwd.work_dtype) * out.to(fwd.work_dtype)).sum(-1).contiguous()
+        delta = self._delta(out, dout)
         if not fwd.has_full_blocks:
             full_num, full_idx, full_q_num, full_q_idx = kv_num, kv_idx, q_num, q_idx
         ints = [B, H, M, N, H // k.shape[1], kv_num.shape[0], kv_num.shape[1]]
@@ -172,17 +192,72 @@ class FlexBackwardKernel:
         blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
         tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
         q_block, kv_block = int(block_mask[-3]), int(block_mask[-2])
-        for fn, launch in zip((self.dq_fn, self.dkdv_fn), self.launches):
+        for i, (fn, launch) in enumerate(zip((self.dq_fn, self.dkdv_fn), self.launches)):
             block_m, block_n, d_pad, dv_pad = block_sizes(fwd, launch, q_block, kv_block)
-            kwargs = {} if self.interpreted else {"num_warps": launch.warps, "num_stages": launch.stages}
             consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
-            consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n, **kwargs)
+            consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n)
+            consts.update(EVEN_M=even(q_block, M, block_m), EVEN_N=even(kv_block, N, block_n))
+            consts.update(Q_STEPS=steps(q_block, M, block_m), KV_STEPS=steps(kv_block, N, block_n))
             if fn is self.dq_fn:  # a program per BLOCK_M query rows of a query head
                 grid = ((M + block_m - 1) // block_m, B * H)
             else:  # a program per BLOCK_N keys of a key head
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
-            fn[grid](*tensors, *ints, *buf_ints, fwd.scale, **consts)
+            args = (*tensors, *ints, *buf_ints, fwd.scale)
+            self.launches[i] = launch_fitting(fn, grid, args, consts, launch, self.interpreted)
         return (dq, dk, dv, *nones)
+
+
+class DirectLaunch:
+    """A flex kernel launched through its compiled launcher. `kernel[grid]` binds and specializes every
+    argument in Python on each call (a flex kernel takes about a hundred: tensors, sizes, strides), which
+    made short sparse-mask steps host-bound. The first call with a given specialization goes through
+    `kernel[grid]` (which compiles); later calls with the same one launch the compiled binary. The key
+    holds what Triton specializes on, conservatively: each tensor's 16-byte alignment, every other
+    argument's value, the constants, warps and stages."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = list(fn.arg_names)
+        self.compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple, args: tuple, consts: dict, warps: int, stages: int) -> None:
+        from ember.backends.triton import current_stream, launch_handles
+
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device.index or 0
+        spec = tuple((a.data_ptr() & 15) == 0 if isinstance(a, torch.Tensor) else a for a in args)
+        key = (device, spec, tuple(consts.values()), warps, stages)
+        hit = self.compiled.get(key)
+        if hit is None:
+            compiled = self.fn[grid](*args, **consts, num_warps=warps, num_stages=stages)
+            handles = launch_handles(compiled)
+            if handles is not None:
+                self.compiled[key] = handles
+            return
+        run, function, meta = hit
+        tail = [consts[name] for name in self.names[len(args) :]]
+        grid3 = (*grid, 1, 1)[:3]
+        run(*grid3, current_stream(device), function, meta, None, None, None, *args, *tail)
+
+
+def launch_fitting(fn, grid, args: tuple, consts: dict, launch: FlexLaunch, interpreted: bool) -> FlexLaunch:
+    """Launch `fn`; returns the launch that ran. Where the kernel's shared memory does not fit the
+    device at the Target's software-pipelining depth, it is compiled again with one stage fewer,
+    down to none: the pipeliner stages every load in the loop, and a score_mod that gathers from a
+    captured table per score (a relative-position bias) stages a whole tile of the table per stage."""
+    if interpreted:
+        fn.fn[grid](*args, **consts)
+        return launch
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        try:
+            fn(grid, args, consts, launch.warps, launch.stages)
+            return launch
+        except OutOfResources as e:
+            if launch.stages <= 1:
+                raise
+            log.summary(f"flex kernel: {e}; compiled again with {launch.stages - 1} pipeline stages")
+            launch = dataclasses.replace(launch, stages=launch.stages - 1)
 
 
 def _check_index_range(buffers) -> None:
@@ -257,4 +332,4 @@ def _load_triton(body: str, prefix: str):
     return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
 
 
-__all__ = ["FlexBackwardKernel", "FlexKernel", "build_flex_kernels"]
+__all__ = ["DirectLaunch", "FlexBackwardKernel", "FlexKernel", "build_flex_kernels", "forward_launch", "launch_fitting"]

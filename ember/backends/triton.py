@@ -118,7 +118,7 @@ class TritonBackend:
         module = self._load(source)
         clock("build_module_load_s")
         fns = {k.name: getattr(module, k.name) for k in kernels}
-        namespace = {"triton": triton, "_stream": _current_stream, **fns}
+        namespace = {"triton": triton, "_stream": current_stream, **fns}
         # The 64-bit forms of symbolic kernels, launched through kernel[grid] past their guard.
         wide = [n for n, r in self.rendered.items() if getattr(r, "guard", ())]
         namespace.update({f"{n}_wide": getattr(module, f"{n}_wide") for n in wide})
@@ -182,7 +182,7 @@ class TritonBackend:
             static = static_launch.from_compiled(compiled, device)
             if static is not None:
                 kernel_dedup.Shared.save_record(keys[name], static.record)
-            launchable = kernel_dedup.Launchable(static=static, handles=None if static else _launch_handles(compiled))
+            launchable = kernel_dedup.Launchable(static=static, handles=None if static else launch_handles(compiled))
             found[name] = SHARED.put(keys[name], device, launchable)
         for job in jobs:
             name = job[0]
@@ -447,7 +447,7 @@ def _warmup(fn, args, consts, num_warps, fp_fusion):
     return fn.warmup(*args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts)
 
 
-def _launch_handles(compiled) -> tuple | None:
+def launch_handles(compiled) -> tuple | None:
     """(launcher, CUfunction, packed metadata) of a compiled kernel, loading it on the device
     now; None where this Triton's CompiledKernel does not expose them (then kernel[grid] it is)."""
     try:
@@ -467,7 +467,7 @@ def _current_device() -> int | None:
     return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
-def _current_stream(index: int) -> int:
+def current_stream(index: int) -> int:
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object per call

@@ -131,6 +131,15 @@ def render_program(
     return lines, names[program.result]
 
 
+def hoist(program: FlexProgram, lines: list[str], invariant_args: set[int]) -> tuple[list[str], list[str]]:
+    """`lines` (render_program's, one per node) split into those computing what depends only on the
+    arguments `invariant_args` and constants (a captured table read by head: ALiBi's slope), which a
+    kernel computes once before its loop, and the rest, which it computes per step."""
+    invariant = program.invariant(invariant_args)
+    before = [line for line, inv in zip(lines, invariant) if inv]
+    return before, [line for line, inv in zip(lines, invariant) if not inv]
+
+
 def _cast(x: str, src: torch.dtype, dst: torch.dtype, lang: str) -> str:
     if lang == "cpp":
         if dst == torch.bool:
@@ -145,4 +154,4 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype, lang: str) -> str:
     return f"({x}).to({TRITON_TYPES[dst]})"
 
 
-__all__ = ["CPP_HELPERS", "CPP_TYPES", "TRITON_HELPERS", "TRITON_TYPES", "render_program"]
+__all__ = ["CPP_HELPERS", "CPP_TYPES", "TRITON_HELPERS", "TRITON_TYPES", "hoist", "render_program"]

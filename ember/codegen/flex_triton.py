@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ember.codegen.flex_cpp import PARAMS
-from ember.codegen.flex_expr import TRITON_TYPES, render_program
+from ember.codegen.flex_expr import TRITON_TYPES, hoist, render_program
 from ember.ir.flex import FlexSpec
 
 
@@ -46,7 +46,7 @@ QUERY_TILE = """    tile = tl.program_id(0)
 """
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     p = 1
     while p < n:
         p *= 2
@@ -81,6 +81,12 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
     mask_lines, mask_result = (
         render_program(spec.mask, "triton", args, load, "mk", interpreted) if spec.mask is not None else ([], None)
     )
+    # What depends on the batch and head alone is computed once, before the key loop.
+    hoisted: list[str] = []
+    for program, lines in ((spec.score, score_lines), (spec.mask, mask_lines)):
+        if program is not None:
+            before, lines[:] = hoist(program, lines, {1, 2})
+            hoisted += before
     precision = "" if fp64 else ', input_precision="ieee"' if spec.dtype.itemsize == 4 else ""
 
     def dot(a: str, bt: str, acc: str | None) -> str:
@@ -89,8 +95,8 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             return prod if acc is None else f"{acc} + {prod}"
         return f"tl.dot({a}, {bt}{', ' + acc if acc else ''}{precision})"
 
-    d_mask = "" if spec.head_dim == max(16, _pow2(spec.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
-    v_mask = "" if spec.value_dim == max(16, _pow2(spec.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
+    d_mask = "" if spec.head_dim == max(16, pow2(spec.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
+    v_mask = "" if spec.value_dim == max(16, pow2(spec.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
     k_ptr = "K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd"
     v_ptr = "V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd"
 
@@ -106,15 +112,21 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             f"    k = tl.load({k_ptr}{d_mask})",
             "else:",
             f"    k = tl.load({k_ptr}, mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
-            f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale",
-            *score_lines,
-            f"val = ({score_result}).to({wt}) * 1.4426950408889634 + tl.zeros([BLOCK_M, BLOCK_N], {wt})",
         ]
+        if spec.score is None:  # the scale and log2(e) in one multiply
+            lines += [f"val = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale_log2"]
+        else:  # (broadcast_to, not `+ zeros`: x + 0.0 is not x for x = -0.0, so it would cost an add per score)
+            lines += [
+                f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale",
+                *score_lines,
+                f"val = tl.broadcast_to(({score_result}).to({wt}) * 1.4426950408889634, [BLOCK_M, BLOCK_N])",
+            ]
         if masked:
-            zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
             lines += [
                 *mask_lines,
-                f"keep = ((({mask_result}).to(tl.int8) + {zeros}) != 0) & kmask[None, :]",
+                f"keep = tl.broadcast_to(({mask_result}) != 0, [BLOCK_M, BLOCK_N])",
+                "if not EVEN_N:",
+                "    keep = keep & kmask[None, :]",
                 'val = tl.where(keep, val, -float("inf"))',
             ]
         else:
@@ -137,13 +149,13 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
     def walk(num: str, idx: str, cs: str, ix: str, full: bool) -> str:
         """The loop over the key blocks a count tensor (strides `{cs}b/h/q`) and an index tensor
         (strides `{ix}b/h/q/k`) list for this program's query block, BLOCK_N keys a step: one flat
-        loop, so that Triton pipelines the loads across blocks too."""
+        loop, so that Triton pipelines the loads across blocks too. KV_STEPS (BLOCK_N steps a listed
+        block, a constant: no division by a run-time value per step) is the host's."""
         return f"""
     count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
-    per_block = (tl.minimum(KB, N) + BLOCK_N - 1) // BLOCK_N
-    for it in range(0, count * per_block):
-        kb = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // per_block) * {ix}k).to(tl.int64)
-        n0 = (kb * KB + (it % per_block) * BLOCK_N).to(tl.int32)
+    for it in range(0, count * KV_STEPS):
+        kb = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // KV_STEPS) * {ix}k).to(tl.int64)
+        n0 = (kb * KB + (it % KV_STEPS) * BLOCK_N).to(tl.int32)
 {step(full)}
 """
 
@@ -160,9 +172,11 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
     source = f"""
 @triton.jit
 def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+        D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+        KV_STEPS: tl.constexpr):
 {QUERY_TILE}    {qload}
-    m_i = tl.full([BLOCK_M], -float("inf"), {wt})
+    scale_log2 = scale * 1.4426950408889634
+{"".join(f"    {line}{chr(10)}" for line in hoisted)}    m_i = tl.full([BLOCK_M], -float("inf"), {wt})
     l_i = tl.zeros([BLOCK_M], {wt})
     acc = tl.zeros([BLOCK_M, DV_PAD], {wt})
 {part}{full}
@@ -179,11 +193,22 @@ def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl
 def drop_full_masks(source: str, spec: FlexSpec) -> str:
     """Without padding on the head dims (a power-of-two head size), their load masks are all true:
     left out, so that loads along them stay unpredicated."""
-    if spec.head_dim == max(16, _pow2(spec.head_dim)):
+    if spec.head_dim == max(16, pow2(spec.head_dim)):
         source = source.replace(" & (offs_d[None, :] < D)", "")
-    if spec.value_dim == max(16, _pow2(spec.value_dim)):
+    if spec.value_dim == max(16, pow2(spec.value_dim)):
         source = source.replace(" & (offs_v[None, :] < DV)", "")
     return source
+
+
+def steps(block: int, length: int, tile: int) -> int:
+    """Tile steps over one listed block of `block` positions along a sequence of `length` (a block
+    larger than the sequence is walked to the sequence's end)."""
+    return (min(block, length) + tile - 1) // tile
+
+
+def even(block: int, length: int, tile: int) -> bool:
+    """Whether every step of every listed block lies inside the sequence: loads then need no bound."""
+    return length % tile == 0 and (block >= length or length % block == 0)
 
 
 def block_sizes(spec: FlexSpec, launch: FlexLaunch, q_block: int, kv_block: int) -> tuple[int, int, int, int]:
@@ -199,9 +224,9 @@ def block_sizes(spec: FlexSpec, launch: FlexLaunch, q_block: int, kv_block: int)
     return (
         block_m,
         block_n,
-        max(16, _pow2(spec.head_dim)),
-        max(16, _pow2(spec.value_dim)),
+        max(16, pow2(spec.head_dim)),
+        max(16, pow2(spec.value_dim)),
     )
 
 
-__all__ = ["FlexLaunch", "block_sizes", "drop_full_masks", "render_flex_triton"]
+__all__ = ["FlexLaunch", "block_sizes", "drop_full_masks", "even", "pow2", "render_flex_triton", "steps"]

@@ -6,8 +6,8 @@
   inlined), and accumulates dq += ds k.
 - `flex_bwd_dkdv`: a program holds BLOCK_N keys of one key/value head and, for each query head of
   its group (GQA), walks the query blocks the BlockMask's transpose (q_num_blocks, q_indices) lists
-  for its key block: dv += p^T dO, dk += ds^T q.
-delta = rowsum(dO * out) is computed before, by ATen. Masked elements (mask_mod, outside the listed
+  for its key block: dv += p^T dO, dk += ds^T q, with the scores computed transposed (k q^T).
+delta = rowsum(dO * out) is computed before, by `flex_bwd_delta` (one read of both, in the work dtype). Masked elements (mask_mod, outside the listed
 blocks, past the sequence) have p = 0 and a zero gradient.
 
 Parameters: Q, K, V, DO, LSE, DELTA, GQ, GK, GV (dq, dk, dv), the BlockMask's kv and q tensors (full ones where
@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import QUERY_TILE, drop_full_masks
+from ember.codegen.flex_triton import QUERY_TILE, drop_full_masks, pow2
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -51,6 +51,9 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             return f"tl.load(BUF{number})"
         return f"tl.load(BUF{number} + ({where}), mask=({inside}) != 0, other=0)"
 
+    # Loads inside the sequence (EVEN_M, EVEN_N) bound the head dims only where they are padded.
+    d_mask = "" if fwd.head_dim == max(16, pow2(fwd.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
+    v_mask = "" if fwd.value_dim == max(16, pow2(fwd.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
     names = {0: "sc", 1: "b", 2: "h", 3: "q_idx", 4: "kv_idx", 5: "ds"}
     score_lines, score_result = (
         render_program(fwd.score, "triton", names, load, "s", interpreted) if fwd.score is not None else ([], "sc")
@@ -62,79 +65,126 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         render_program(spec.grad, "triton", names, load, "g", interpreted) if spec.grad is not None else ([], "ds")
     )
 
-    def tile(masked: bool, ind: int, kv_side: bool) -> str:
-        """One step's p, dp, ds and gradient before score_mod; the caller holds q, do, lse, delta,
-        k, v, q_idx, kv_idx, kmask (and qmask on the key side)."""
-        lines = [
-            f"sc = tl.dot(q, tl.trans(k){precision}).to({wt}) * scale",
+    def masked_lines(masked: bool, shape: str) -> list[str]:
+        if not masked or mask_result is None:
+            return []
+        return [*mask_lines, f"keep = keep & tl.broadcast_to(({mask_result}) != 0, [{shape}])"]
+
+    def scores(a: str, bt: str, shape: str) -> list[str]:
+        """`val2`: the scores after score_mod, in base 2 (the scale and log2(e) in one multiply where
+        there is no score_mod; broadcast_to, not `+ zeros`, which costs an add per score)."""
+        if fwd.score is None:
+            return [f"val2 = tl.dot({a}, {bt}{precision}).to({wt}) * scale_log2"]
+        return [
+            f"sc = tl.dot({a}, {bt}{precision}).to({wt}) * scale",
             *score_lines,
-            f"val = ({score_result}).to({wt}) + tl.zeros([BLOCK_M, BLOCK_N], {wt})",
-            "keep = kmask[None, :] & qmask[:, None]" if kv_side else "keep = kmask[None, :]",
+            f"val2 = tl.broadcast_to(({score_result}).to({wt}) * 1.4426950408889634, [{shape}])",
         ]
-        if masked and mask_result is not None:
-            zeros = "tl.zeros([BLOCK_M, BLOCK_N], tl.int8)"
-            lines += [*mask_lines, f"keep = keep & ((({mask_result}).to(tl.int8) + {zeros}) != 0)"]
-        lines += [
-            "p = tl.where(keep, tl.exp2(val * 1.4426950408889634 - lse[:, None]), 0.0)",
+
+    def dq_tile(masked: bool) -> str:
+        """One dq step over [BLOCK_M queries, BLOCK_N keys]; the caller holds q, do, lse, delta, k, v,
+        q_idx, kv_idx and kmask."""
+        lines = [
+            *scores("q", "tl.trans(k)", "BLOCK_M, BLOCK_N"),
+            "keep = kmask[None, :]",
+            *masked_lines(masked, "BLOCK_M, BLOCK_N"),
+            "p = tl.where(keep, tl.exp2(val2 - lse[:, None]), 0.0)",
             f"dp = tl.dot(do, tl.trans(v){precision}).to({wt})",
             "ds = p * (dp - delta[:, None])",
             *grad_lines,
             f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
+            f"dq += tl.dot(gs.to(k.dtype), k{precision})",
         ]
-        if kv_side:
-            lines += [
-                f"dv += tl.dot(tl.trans(p.to(do.dtype)), do{precision})",
-                f"dk += tl.dot(tl.trans(gs.to(q.dtype)), q{precision})",
-            ]
-        else:
-            lines += [f"dq += tl.dot(gs.to(k.dtype), k{precision})"]
-        return "\n".join(" " * ind + line for line in lines)
+        return "\n".join(" " * 8 + line for line in lines)
+
+    def dkdv_tile(masked: bool) -> str:
+        """One dk/dv step, computed transposed, over [BLOCK_N keys, BLOCK_M queries]: the scores as
+        k q^T, so that p^T and ds^T come out of their products in the layout the next products take as
+        their left operand, with no transpose through shared memory (q_idx runs along columns and
+        kv_idx along rows here; the score, mask and gradient programs are elementwise)."""
+        lines = [
+            *scores("k", "tl.trans(q)", "BLOCK_N, BLOCK_M"),
+            "keep = kmask[:, None] & qmask[None, :]",
+            *masked_lines(masked, "BLOCK_N, BLOCK_M"),
+            "p = tl.where(keep, tl.exp2(val2 - lse[None, :]), 0.0)",
+            f"dp = tl.dot(v, tl.trans(do){precision}).to({wt})",
+            "ds = p * (dp - delta[None, :])",
+            *grad_lines,
+            f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
+            f"dv += tl.dot(p.to(do.dtype), do{precision})",
+            f"dk += tl.dot(gs.to(q.dtype), q{precision})",
+        ]
+        return "\n".join(" " * 12 + line for line in lines)
 
     def kv_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
         return f"""
     count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
-    per_block = (tl.minimum(KB, N) + BLOCK_N - 1) // BLOCK_N
-    for it in range(0, count * per_block):
-        blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // per_block) * {ix}k).to(tl.int64)
-        n0 = (blk * KB + (it % per_block) * BLOCK_N).to(tl.int32)
+    for it in range(0, count * KV_STEPS):
+        blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // KV_STEPS) * {ix}k).to(tl.int64)
+        n0 = (blk * KB + (it % KV_STEPS) * BLOCK_N).to(tl.int32)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         kv_idx = offs_n[None, :]
         kmask = offs_n < N
-        k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                    mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)
-        v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,
-                    mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
-{tile(masked, 8, False)}
+        if EVEN_N:
+            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd{d_mask})
+            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd{v_mask})
+        else:
+            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
+                        mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,
+                        mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
+{dq_tile(masked)}
 """
 
     def q_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
         return f"""
         count = tl.load({num} + sb * {cs}b + sh * {cs}h + kvb * {cs}k)
-        per_block = (tl.minimum(QB, M) + BLOCK_M - 1) // BLOCK_M
-        for it in range(0, count * per_block):
-            blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k + (it // per_block) * {ix}q).to(tl.int64)
-            m0 = (blk * QB + (it % per_block) * BLOCK_M).to(tl.int32)
+        for it in range(0, count * Q_STEPS):
+            blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k + (it // Q_STEPS) * {ix}q).to(tl.int64)
+            m0 = (blk * QB + (it % Q_STEPS) * BLOCK_M).to(tl.int32)
             offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_idx = offs_m[:, None]
+            q_idx = offs_m[None, :]
             qmask = offs_m < M
-            q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd,
-                        mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
-            do = tl.load(DO + b * sob + h * soh + q_idx * som + offs_v[None, :] * sod,
-                         mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)
             row = (b * H + h).to(tl.int64) * M + offs_m
-            lse = tl.load(LSE + row, mask=qmask, other=0.0)
+            if EVEN_M:
+                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd{d_mask})
+                do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod{v_mask})
+                lse = tl.load(LSE + row)
+                delta = tl.load(DELTA + row)
+            else:
+                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+                            mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
+                do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod,
+                             mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)
+                lse = tl.load(LSE + row, mask=qmask, other=0.0)
+                delta = tl.load(DELTA + row, mask=qmask, other=0.0)
             lse = tl.where(lse == -float("inf"), 0.0, lse)
-            delta = tl.load(DELTA + row, mask=qmask, other=0.0)
-{tile(masked, 12, True)}
+{dkdv_tile(masked)}
 """
 
     constexprs = (
         "scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, "
-        "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr"
+        "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, "
+        "EVEN_N: tl.constexpr, Q_STEPS: tl.constexpr, KV_STEPS: tl.constexpr"
     )
     dq_full = kv_walk("FULL_NUM", "FULL_IDX", "sf", "sj", False) if full else ""
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
     source = f"""
+@triton.jit
+def flex_bwd_delta(O, DO, DELTA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, sdd, DV: tl.constexpr,
+        DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < ROWS
+    b = rows // (H * M)
+    h = (rows // M) % H
+    m = rows % M
+    offs_v = tl.arange(0, DV_PAD)
+    inside = rmask[:, None] & (offs_v[None, :] < DV)
+    o = tl.load(O + (b * sob + h * soh + m * som)[:, None] + offs_v[None, :] * sod, mask=inside, other=0.0)
+    do = tl.load(DO + (b * sdb + h * sdh + m * sdm)[:, None] + offs_v[None, :] * sdd, mask=inside, other=0.0)
+    tl.store(DELTA + rows, tl.sum(o.to({wt}) * do.to({wt}), 1), mask=rmask)
+
+
 @triton.jit
 def flex_bwd_dq({params}, {constexprs}):
 {QUERY_TILE}    qmask = offs_m < M
@@ -147,6 +197,7 @@ def flex_bwd_dq({params}, {constexprs}):
     lse = tl.where(lse == -float("inf"), 0.0, lse)
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], {wt})
+    scale_log2 = scale * 1.4426950408889634
 {kv_walk("KV_NUM", "KV_IDX", "sn", "si", True)}{dq_full}
     dq = dq * scale
     tl.store(GQ + b * sab + h * sah + q_idx * sam + offs_d[None, :] * sad, dq.to(GQ.dtype.element_ty),
@@ -164,7 +215,7 @@ def flex_bwd_dkdv({params}, {constexprs}):
     n0 = tile * BLOCK_N
     kvb = n0 // KB
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    kv_idx = offs_n[None, :]
+    kv_idx = offs_n[:, None]
     kmask = offs_n < N
     offs_d = tl.arange(0, D_PAD)
     offs_v = tl.arange(0, DV_PAD)
@@ -174,6 +225,7 @@ def flex_bwd_dkdv({params}, {constexprs}):
                 mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
     dk = tl.zeros([BLOCK_N, D_PAD], {wt})
     dv = tl.zeros([BLOCK_N, DV_PAD], {wt})
+    scale_log2 = scale * 1.4426950408889634
     for g in range(0, G):
         h = hk * G + g
         sh = h % SH

@@ -51,6 +51,19 @@ class FlexProgram:
     def uses(self, arg: int) -> bool:
         return any(n.op == "arg" and n.attr == arg for n in self.nodes)
 
+    def invariant(self, args: set[int]) -> list[bool]:
+        """Per node: whether its value depends only on the arguments `args` and constants."""
+        out: list[bool] = []
+        for n in self.nodes:
+            out.append(n.attr in args if n.op == "arg" else all(out[j] for j in n.inputs))
+        return out
+
+    def gathers(self, args: set[int]) -> bool:
+        """Whether it reads a captured tensor at positions that vary with more than `args` (a bias table
+        read by relative position: a load per score)."""
+        fixed = self.invariant(args)
+        return any(n.op == "load" and not f for n, f in zip(self.nodes, fixed))
+
     def constant(self) -> object | None:
         """The result's value where the program is a constant (mask_mod of no mask: True), else None."""
         node = self.nodes[self.result]

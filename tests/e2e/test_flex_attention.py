@@ -220,3 +220,50 @@ def test_flex_attention_triton_block_sizes_it_cannot_tile_keep_pytorchs_op(dynam
     notes = [str(w.message) for w in caught if "flex_attention runs as PyTorch's op" in str(w.message)]
     assert len(notes) == 1 and "Triton" in notes[0], f"{notes}\n{line}"
     assert_close(got, want, rtol=1e-5, atol=1e-6, what="out", line=line)
+
+
+def test_flex_kernel_reads_a_table_by_head_once_and_gathers_per_score_with_its_own_tile(monkeypatch):
+    """A captured tensor read by head alone (ALiBi's slopes) is loaded before the key loop; one read
+    per score (T5's bias by bucket) stays in it and takes the Target's `gathering` tile."""
+    from dataclasses import replace
+
+    import ember.backends.flex as flex_backend
+    from ember.target import FlexHeuristics, Target
+
+    made = []
+    init = flex_backend.FlexKernel.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(flex_backend.FlexKernel, "__init__", record)
+    S = 64
+    slopes = torch.rand(2)
+    table = torch.randn(32, 2)
+    q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+    programs = {
+        "slopes": lambda s, b, h, i, j: s + slopes[h] * (j - i),
+        "t5": _t5_bias(table, torch.tensor(1.0)),
+    }
+    for name, score in programs.items():
+        line = repro(case=name, backend="triton", shape=(1, 2, S, 16))
+        fn = lambda q, k, v, score=score: flex_attention(q, k, v, score_mod=score)
+        with reports() as report:
+            got = ember_compile(fn, "triton")(q, k, v)
+        assert_no_fallback(report, line)
+        assert_close(got, fn(q, k, v), rtol=1e-4, atol=1e-5, what="out", line=line)
+    slope_kernel, t5_kernel = made
+    loop = slope_kernel.source.index("for it in range")
+    assert 0 < slope_kernel.source.index("tl.load(BUF0") < loop, slope_kernel.source
+    # (BUF0 is the 0-dim temperature, read once too; BUF1 the table.)
+    assert t5_kernel.source.index("tl.load(BUF0") < t5_kernel.source.index("for it in range"), t5_kernel.source
+    assert t5_kernel.source.index("tl.load(BUF1") > t5_kernel.source.index("for it in range"), t5_kernel.source
+    # (The interpreter's float32 kernels take the float32 tile; the GPU's bf16 ones, by what they read.)
+    gpu = Target("triton")
+    tiles = [flex_backend.forward_launch(replace(k.spec, dtype=torch.bfloat16), gpu) for k in made]
+    small, gathering = FlexHeuristics().small, FlexHeuristics().gathering
+    assert [(t.block_m, t.block_n, t.warps) for t in tiles] == [
+        (small.xblock, small.rblock, small.warps),
+        (gathering.xblock, gathering.rblock, gathering.warps),
+    ]

@@ -1,0 +1,79 @@
+"""How flex kernels are launched on a GPU, with stand-ins for Triton's JIT function and compiled
+kernel: the direct launch after the first call, and fewer pipeline stages where shared memory runs out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.backends.flex import DirectLaunch, launch_fitting
+from ember.codegen.flex_triton import FlexLaunch
+
+
+class _Compiled:
+    def __init__(self, log):
+        self.log = log
+        self.function, self.packed_metadata = "cufunction", "meta"
+
+    def run(self, *args):
+        self.log.append(("direct", args))
+
+
+class _Jit:
+    """Triton's JITFunction as DirectLaunch uses it: arg_names, and kernel[grid](...) compiling."""
+
+    arg_names = ["X", "n", "scale", "A", "B"]
+
+    def __init__(self, fail_above_stages: int = 99):
+        self.log, self.fail_above = [], fail_above_stages
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **consts):
+            if num_stages > self.fail_above:
+                from triton.runtime.errors import OutOfResources
+
+                raise OutOfResources(300000, 232448, "shared memory")
+            self.log.append(("jit", grid, args, consts, num_warps, num_stages))
+            return _Compiled(self.log)
+
+        return launch
+
+
+def test_first_call_compiles_then_the_same_specialization_launches_directly(monkeypatch):
+    import ember.backends.triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 7)
+    jit = _Jit()
+    fn = DirectLaunch(jit)
+    x = torch.zeros(64)
+    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    assert [entry[0] for entry in jit.log] == ["jit", "direct"]
+    # The grid in three, the stream, the handles, no hooks, then every parameter in order.
+    assert jit.log[1][1] == (4, 2, 1, 7, "cufunction", "meta", None, None, None, x, 10, 0.5, 1, 2)
+    # Another integer value, a misaligned pointer or other constants compile (and specialize) again.
+    fn((4, 2), (x, 11, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x[1:], 10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 4}, 4, 3)
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "jit", "jit", "jit"]
+
+
+def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(monkeypatch):
+    import ember.backends.triton as triton_backend
+
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
+    jit = _Jit(fail_above_stages=1)
+    launch = launch_fitting(
+        DirectLaunch(jit), (1,), (torch.zeros(4), 1, 1.0), {"A": 1, "B": 2}, FlexLaunch(128, 64, 8, 3), False
+    )
+    assert launch == FlexLaunch(128, 64, 8, 1)
+    assert [entry[5] for entry in jit.log] == [1]
+    with pytest.raises(Exception, match="shared memory"):
+        launch_fitting(
+            DirectLaunch(_Jit(fail_above_stages=0)),
+            (1,),
+            (torch.zeros(4), 1, 1.0),
+            {"A": 1, "B": 2},
+            FlexLaunch(128, 64, 8, 3),
+            False,
+        )
