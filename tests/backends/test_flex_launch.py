@@ -22,9 +22,8 @@ class _Compiled:
 class _Jit:
     """Triton's JITFunction as DirectLaunch uses it: arg_names, and kernel[grid](...) compiling."""
 
-    arg_names = ["X", "n", "scale", "A", "B"]
-
     def __init__(self, fail_above_stages: int = 99):
+        self.arg_names = ["X", "n", "scale", "A", "B"]
         self.log, self.fail_above = [], fail_above_stages
 
     def __getitem__(self, grid):
