@@ -123,9 +123,8 @@ class FlexKernel:
                 EVEN_N=even(kv_block, N, block_n),
                 KV_STEPS=steps(kv_block, N, block_n),
             )
-            self.launch = launch_fitting(
-                self.fn, grid, (*tensors, *ints, *buf_ints, spec.scale), consts, self.launch, self.interpreted
-            )
+            scalars = (*ints, *buf_ints, spec.scale)
+            self.launch = launch_fitting(self.fn, grid, tuple(tensors), scalars, consts, self.launch, self.interpreted)
         return (out, lse, mx)[: self.results]
 
 
@@ -161,12 +160,12 @@ class FlexBackwardKernel:
         dv_pad = max(16, pow2(DV))
         rows = max(1, min(64, 4096 // dv_pad))
         grid = ((B * H * M + rows - 1) // rows,)
-        args = (out, dout, delta, B * H * M, H, M, *out.stride(), *dout.stride())
+        tensors, scalars = (out, dout, delta), (B * H * M, H, M, *out.stride(), *dout.stride())
         consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
         if self.interpreted:
-            self.delta_fn.fn[grid](*args, **consts)
+            self.delta_fn.fn[grid](*tensors, *scalars, **consts)
         else:
-            self.delta_fn(grid, args, consts, 4, 1)
+            self.delta_fn(grid, tensors, scalars, consts, 4, 1)
         return delta
 
     def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
@@ -202,8 +201,8 @@ class FlexBackwardKernel:
                 grid = ((M + block_m - 1) // block_m, B * H)
             else:  # a program per BLOCK_N keys of a key head
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
-            args = (*tensors, *ints, *buf_ints, fwd.scale)
-            self.launches[i] = launch_fitting(fn, grid, args, consts, launch, self.interpreted)
+            scalars = (*ints, *buf_ints, fwd.scale)
+            self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch, self.interpreted)
         return (dq, dk, dv, *nones)
 
 
@@ -213,45 +212,69 @@ class DirectLaunch:
     made short sparse-mask steps host-bound. The first call with a given specialization goes through
     `kernel[grid]` (which compiles); later calls with the same one launch the compiled binary. The key
     holds what Triton specializes on, conservatively: each tensor's 16-byte alignment, every other
-    argument's value, the constants, warps and stages."""
+    argument's value, the constants, warps and stages (tensors and the rest come apart, so that the
+    key costs one pass over a dozen tensors and a tuple of integers)."""
 
     def __init__(self, fn):
         self.fn = fn
         self.names = list(fn.arg_names)
         self.compiled: dict[tuple, tuple] = {}
 
-    def __call__(self, grid: tuple, args: tuple, consts: dict, warps: int, stages: int) -> None:
-        from ember.backends.triton import current_stream, launch_handles
+    def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, warps: int, stages: int) -> None:
+        """Launch over `grid` with the kernel's tensor parameters, then its other ones, in order."""
+        from ember.backends.triton import current_stream
 
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device.index or 0
-        spec = tuple((a.data_ptr() & 15) == 0 if isinstance(a, torch.Tensor) else a for a in args)
-        key = (device, spec, tuple(consts.values()), warps, stages)
+        device = tensors[0].device.index or 0
+        key = (device, tuple((t.data_ptr() & 15) == 0 for t in tensors), scalars, tuple(consts.values()), warps, stages)
         hit = self.compiled.get(key)
         if hit is None:
-            compiled = self.fn[grid](*args, **consts, num_warps=warps, num_stages=stages)
-            handles = launch_handles(compiled)
-            if handles is not None:
-                self.compiled[key] = handles
+            compiled = self.fn[grid](*tensors, *scalars, **consts, num_warps=warps, num_stages=stages)
+            self._keep(key, compiled, device, len(tensors), scalars, consts)
             return
-        run, function, meta = hit
-        tail = [consts[name] for name in self.names[len(args) :]]
-        grid3 = (*grid, 1, 1)[:3]
-        run(*grid3, current_stream(device), function, meta, None, None, None, *args, *tail)
+        gx, gy, gz = (*grid, 1, 1)[:3]
+        stream = current_stream(device)
+        if hit[0] == "static":
+            _, st, codes, kept = hit
+            passed = (*[t.data_ptr() for t in tensors], *[scalars[i] for i in kept], *([None] * st.scratch))
+            st.launch(st.function, gx, gy, gz, st.num_warps, st.shared, codes, passed, stream)
+        else:
+            _, run, function, meta, tail = hit
+            run(gx, gy, gz, stream, function, meta, None, None, None, *tensors, *scalars, *tail)
+
+    def _keep(self, key: tuple, compiled, device: int, tensors: int, scalars: tuple, consts: dict) -> None:
+        """Keep how to launch `compiled` again: torch's static launcher where it can (the C++ one
+        Inductor uses: a few microseconds for a hundred arguments), else Triton's own launcher."""
+        from ember.backends import static_launch
+        from ember.backends.triton import launch_handles
+
+        st = static_launch.from_compiled(compiled, device)
+        if st is not None and all(code == "O" for code in st.params[:tensors]):
+            # The scalars Triton did not make constants (an integer equal to 1 is one), in order.
+            kept = [i for i, code in enumerate(st.params[tensors : tensors + len(scalars)]) if code]
+            codes = "".join(c for c in st.params if c) + "O" * st.scratch
+            self.compiled[key] = ("static", st, codes, kept)
+            return
+        handles = launch_handles(compiled)
+        if handles is not None:
+            tail = tuple(consts[name] for name in self.names[tensors + len(scalars) :])
+            self.compiled[key] = ("triton", *handles, tail)
 
 
-def launch_fitting(fn, grid, args: tuple, consts: dict, launch: FlexLaunch, interpreted: bool) -> FlexLaunch:
+def launch_fitting(
+    fn: DirectLaunch, grid, tensors: tuple, scalars: tuple, consts: dict, launch: FlexLaunch, interpreted: bool
+) -> FlexLaunch:
     """Launch `fn`; returns the launch that ran. Where the kernel's shared memory does not fit the
     device at the Target's software-pipelining depth, it is compiled again with one stage fewer,
     down to none: the pipeliner stages every load in the loop, and a score_mod that gathers from a
     captured table per score (a relative-position bias) stages a whole tile of the table per stage."""
     if interpreted:
-        fn.fn[grid](*args, **consts)
+        fn.fn[grid](*tensors, *scalars, **consts)
         return launch
     from triton.runtime.errors import OutOfResources
 
     while True:
         try:
-            fn(grid, args, consts, launch.warps, launch.stages)
+            fn(grid, tensors, scalars, consts, launch.warps, launch.stages)
             return launch
         except OutOfResources as e:
             if launch.stages <= 1:
@@ -272,6 +295,8 @@ def _check_index_range(buffers) -> None:
 def _like_query(q: torch.Tensor, dv: int) -> torch.Tensor:
     """out in the dim order of q's strides (eager's `_permute_strides`)."""
     shape = (*q.shape[:3], dv)
+    if q.is_contiguous() and min(q.shape[:3]) > 1:  # (a size-1 dim's place in the order is eager's tie-break)
+        return torch.empty(shape, dtype=q.dtype, device=q.device)
     order = sorted(range(4), key=lambda d: (-q.stride(d), -d))  # outermost first
     dense = torch.empty([shape[d] for d in order], dtype=q.dtype, device=q.device)
     inverse = [order.index(d) for d in range(4)]

@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import QUERY_TILE, drop_full_masks, pow2
+from ember.codegen.flex_triton import QUERY_TILE, block_walk, drop_full_masks, pow2, truth
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -68,7 +68,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
     def masked_lines(masked: bool, shape: str) -> list[str]:
         if not masked or mask_result is None:
             return []
-        return [*mask_lines, f"keep = keep & tl.broadcast_to(({mask_result}) != 0, [{shape}])"]
+        return [*mask_lines, f"keep = keep & tl.broadcast_to({truth(fwd.mask, mask_result)}, [{shape}])"]
 
     def scores(a: str, bt: str, shape: str) -> list[str]:
         """`val2`: the scores after score_mod, in base 2 (the scale and log2(e) in one multiply where
@@ -81,7 +81,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             f"val2 = tl.broadcast_to(({score_result}).to({wt}) * 1.4426950408889634, [{shape}])",
         ]
 
-    def dq_tile(masked: bool) -> str:
+    def dq_tile(masked: bool) -> list[str]:
         """One dq step over [BLOCK_M queries, BLOCK_N keys]; the caller holds q, do, lse, delta, k, v,
         q_idx, kv_idx and kmask."""
         lines = [
@@ -95,9 +95,9 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
             f"dq += tl.dot(gs.to(k.dtype), k{precision})",
         ]
-        return "\n".join(" " * 8 + line for line in lines)
+        return lines
 
-    def dkdv_tile(masked: bool) -> str:
+    def dkdv_tile(masked: bool) -> list[str]:
         """One dk/dv step, computed transposed, over [BLOCK_N keys, BLOCK_M queries]: the scores as
         k q^T, so that p^T and ds^T come out of their products in the layout the next products take as
         their left operand, with no transpose through shared memory (q_idx runs along columns and
@@ -114,53 +114,51 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             f"dv += tl.dot(p.to(do.dtype), do{precision})",
             f"dk += tl.dot(gs.to(q.dtype), q{precision})",
         ]
-        return "\n".join(" " * 12 + line for line in lines)
+        return lines
 
     def kv_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
-        return f"""
-    count = tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)
-    for it in range(0, count * KV_STEPS):
-        blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q + (it // KV_STEPS) * {ix}k).to(tl.int64)
-        n0 = (blk * KB + (it % KV_STEPS) * BLOCK_N).to(tl.int32)
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        kv_idx = offs_n[None, :]
-        kmask = offs_n < N
-        if EVEN_N:
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd{d_mask})
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd{v_mask})
-        else:
-            k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,
-                        mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,
-                        mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
-{dq_tile(masked)}
-"""
+        body = [
+            "offs_n = n0 + tl.arange(0, BLOCK_N)",
+            "kv_idx = offs_n[None, :]",
+            "kmask = offs_n < N",
+            "if EVEN_N:",
+            f"    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd{d_mask})",
+            f"    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd{v_mask})",
+            "else:",
+            "    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,",
+            "                mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
+            "    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,",
+            "                mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
+            *dq_tile(masked),
+        ]
+        count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)"
+        index = f"{idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q"
+        return block_walk(count, index, f"{ix}k", "KV_STEPS", "KB", "BLOCK_N", "n0", body, 4)
 
     def q_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
-        return f"""
-        count = tl.load({num} + sb * {cs}b + sh * {cs}h + kvb * {cs}k)
-        for it in range(0, count * Q_STEPS):
-            blk = tl.load({idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k + (it // Q_STEPS) * {ix}q).to(tl.int64)
-            m0 = (blk * QB + (it % Q_STEPS) * BLOCK_M).to(tl.int32)
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            q_idx = offs_m[None, :]
-            qmask = offs_m < M
-            row = (b * H + h).to(tl.int64) * M + offs_m
-            if EVEN_M:
-                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd{d_mask})
-                do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod{v_mask})
-                lse = tl.load(LSE + row)
-                delta = tl.load(DELTA + row)
-            else:
-                q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                            mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
-                do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod,
-                             mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)
-                lse = tl.load(LSE + row, mask=qmask, other=0.0)
-                delta = tl.load(DELTA + row, mask=qmask, other=0.0)
-            lse = tl.where(lse == -float("inf"), 0.0, lse)
-{dkdv_tile(masked)}
-"""
+        body = [
+            "offs_m = m0 + tl.arange(0, BLOCK_M)",
+            "q_idx = offs_m[None, :]",
+            "qmask = offs_m < M",
+            "row = (b * H + h).to(tl.int64) * M + offs_m",
+            "if EVEN_M:",
+            f"    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd{d_mask})",
+            f"    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod{v_mask})",
+            "    lse = tl.load(LSE + row)",
+            "    delta = tl.load(DELTA + row)",
+            "else:",
+            "    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,",
+            "                mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)",
+            "    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod,",
+            "                 mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
+            "    lse = tl.load(LSE + row, mask=qmask, other=0.0)",
+            "    delta = tl.load(DELTA + row, mask=qmask, other=0.0)",
+            'lse = tl.where(lse == -float("inf"), 0.0, lse)',
+            *dkdv_tile(masked),
+        ]
+        count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + kvb * {cs}k)"
+        index = f"{idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k"
+        return block_walk(count, index, f"{ix}q", "Q_STEPS", "QB", "BLOCK_M", "m0", body, 8)
 
     constexprs = (
         "scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, "

@@ -39,31 +39,36 @@ class _Jit:
 
 
 def test_first_call_compiles_then_the_same_specialization_launches_directly(monkeypatch):
+    """Through Triton's launcher, where torch's static one cannot take the kernel."""
+    import ember.backends.static_launch as static_launch
     import ember.backends.triton as triton_backend
 
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 7)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
     jit = _Jit()
     fn = DirectLaunch(jit)
     x = torch.zeros(64)
-    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 2}, 4, 3)
-    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
     assert [entry[0] for entry in jit.log] == ["jit", "direct"]
     # The grid in three, the stream, the handles, no hooks, then every parameter in order.
     assert jit.log[1][1] == (4, 2, 1, 7, "cufunction", "meta", None, None, None, x, 10, 0.5, 1, 2)
     # Another integer value, a misaligned pointer or other constants compile (and specialize) again.
-    fn((4, 2), (x, 11, 0.5), {"A": 1, "B": 2}, 4, 3)
-    fn((4, 2), (x[1:], 10, 0.5), {"A": 1, "B": 2}, 4, 3)
-    fn((4, 2), (x, 10, 0.5), {"A": 1, "B": 4}, 4, 3)
+    fn((4, 2), (x,), (11, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x[1:],), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 4}, 4, 3)
     assert [entry[0] for entry in jit.log] == ["jit", "direct", "jit", "jit", "jit"]
 
 
 def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(monkeypatch):
+    import ember.backends.static_launch as static_launch
     import ember.backends.triton as triton_backend
 
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
     jit = _Jit(fail_above_stages=1)
     launch = launch_fitting(
-        DirectLaunch(jit), (1,), (torch.zeros(4), 1, 1.0), {"A": 1, "B": 2}, FlexLaunch(128, 64, 8, 3), False
+        DirectLaunch(jit), (1,), (torch.zeros(4),), (1, 1.0), {"A": 1, "B": 2}, FlexLaunch(128, 64, 8, 3), False
     )
     assert launch == FlexLaunch(128, 64, 8, 1)
     assert [entry[5] for entry in jit.log] == [1]
@@ -71,8 +76,37 @@ def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(mo
         launch_fitting(
             DirectLaunch(_Jit(fail_above_stages=0)),
             (1,),
-            (torch.zeros(4), 1, 1.0),
+            (torch.zeros(4),),
+            (1, 1.0),
             {"A": 1, "B": 2},
             FlexLaunch(128, 64, 8, 3),
             False,
         )
+
+
+def test_torch_static_launcher_gets_addresses_and_the_scalars_triton_kept(monkeypatch):
+    """Through torch's static launcher: pointers as addresses, the integer Triton made a constant
+    (equal to 1) left out, the constants left out, the scratch pointers as None."""
+    import ember.backends.static_launch as static_launch
+    import ember.backends.triton as triton_backend
+
+    calls = []
+    # Parameters X, n, scale, A, B: n specialized away (a constexpr), A and B the kernel's constants.
+    fake = static_launch.StaticLaunch(
+        launch=lambda *args: calls.append(args),
+        function=99,
+        num_warps=4,
+        shared=1024,
+        params=("O", None, "f", None, None),
+        scratch=1,
+        record={},
+    )
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 5)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: fake)
+    jit = _Jit()
+    fn = DirectLaunch(jit)
+    x = torch.zeros(64)
+    fn((3,), (x,), (1, 0.5), {"A": 1, "B": 2}, 4, 3)
+    fn((3,), (x,), (1, 0.5), {"A": 1, "B": 2}, 4, 3)
+    assert [entry[0] for entry in jit.log] == ["jit"]
+    assert calls == [(99, 3, 1, 1, 4, 1024, "OfO", (x.data_ptr(), 0.5, None), 5)]

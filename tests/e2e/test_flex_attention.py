@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import ember
 from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
 
 
@@ -112,7 +113,7 @@ def _softcap(s, b, h, q, kv):
     return 5 * torch.tanh(s / 5)
 
 
-@pytest.mark.parametrize("name", ["t5", "softcap_document"])
+@pytest.mark.parametrize("name", ["t5", "softcap_document", "t5_no_block_mask"])
 def test_flex_attention_backward_triton_interpreted(name):
     """ember's backward kernels (dq; dk and dv), the gradient through score_mod inlined from the joint
     graph, GQA, against PyTorch's reference backward. Eager flex_attention refuses a backward on CPU
@@ -123,8 +124,14 @@ def test_flex_attention_backward_triton_interpreted(name):
     import torch.nn.attention.flex_attention as flex_module
 
     B, H, S, D = 1, 2, 80, 16
+    tiles = ""
     if name == "t5":
         score_mod, block_mask = _case("t5", B, H, S)
+    elif name == "t5_no_block_mask":
+        # One block over the sequence, walked in 16-wide tiles: 5 steps a block, so every kernel takes
+        # its block-by-block loop (flex_triton.block_walk) rather than the flat one.
+        score_mod, _ = _case("t5", B, H, S)
+        block_mask, tiles = None, "flex.float32=16x16x4,flex.backward_float32=16x16x4"
     else:
         doc = torch.randint(0, 3, (S,)).sort().values
         score_mod = _softcap
@@ -141,7 +148,7 @@ def test_flex_attention_backward_triton_interpreted(name):
         out = fn(q, k, v)
         grad = torch.randn_like(out)
         want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
-        with reports() as report:
+        with reports() as report, ember.config.override(heuristics=tiles):
             out = ember_compile(fn, "triton")(q, k, v)
             got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
     assert_no_fallback(report, line)
