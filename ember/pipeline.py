@@ -1,7 +1,7 @@
 """Compile one ATen graph: the list of passes, and the fail-safe around them.
 
     select_backend  the code generator, and its Target: what every pass is told  (backends/, target.py)
-    (schedule cache: a graph scheduled before loads its schedule, skipping the next six; runtime/)
+    (schedule cache: a graph scheduled before loads its schedule, skipping the next seven; runtime/)
     import_graph  ATen FX graph -> ember Graph          (aten/)
     verify        structural checks (EMBER_CHECK=1)      (ir/)
     dce           nodes nothing reads, dropped            (ir/dce.py)
