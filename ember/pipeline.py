@@ -192,6 +192,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate
     dead = eliminate_dead_nodes(graph)
     log.artifact("graph", f"{kind} dead code", lambda: f"{dead} dead node(s) dropped")
+    _check(graph, "dce")
     merged = eliminate_common_subexpressions(graph)
     log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
     _check(graph, "cse")

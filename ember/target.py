@@ -208,9 +208,10 @@ class FlexHeuristics:
     small: Tile = Tile(128, 128, 4)
     medium: Tile = Tile(128, 128, 8)  # <= 128
     large: Tile = Tile(64, 32, 4)  # larger
-    # A score or mask program that gathers from a captured tensor per score (T5's bucketed bias): its
-    # indices and pointers take registers the small tile has none left for (255 a thread and spills;
-    # 21 ms against 5.1 with this tile for T5's bias at 4096 tokens, d64, on an H200).
+    # A score or mask program that reads a captured tensor at positions varying with the query or key
+    # (T5's bucketed bias, per score; document ids, per row and column): its indices and pointers take
+    # registers the small tile has none left for (255 a thread and spills; 21 ms against 5.1 with this
+    # tile for T5's bias at 4096 tokens, d64, on an H200; document masking ran 1.10x Inductor with it).
     gathering: Tile = Tile(128, 64, 8)
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)

@@ -7,6 +7,7 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import shutil
@@ -18,7 +19,7 @@ import torch
 from ember import config, log
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
-from ember.codegen.flex_triton import FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
+from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
 from ember.codegen.flex_triton_bwd import render_flex_triton_bwd
 from ember.ir.flex import FlexAttention, FlexAttentionBackward, FlexBackwardSpec, FlexSpec
 from ember.runtime import scratch
@@ -117,13 +118,14 @@ class FlexKernel:
                 "D_PAD": d_pad,
                 "DV_PAD": dv_pad,
             }
+            kv_steps = steps(kv_block, N, block_n)
             consts.update(
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 EVEN_N=even(kv_block, N, block_n),
-                KV_STEPS=steps(kv_block, N, block_n),
+                KV_NESTED=kv_steps >= CONTIGUOUS_STEPS,
             )
-            scalars = (*ints, *buf_ints, spec.scale)
+            scalars = (*ints, *buf_ints, kv_steps)
             self.launch = launch_fitting(self.fn, grid, tuple(tensors), scalars, consts, self.launch, self.interpreted)
         return (out, lse, mx)[: self.results]
 
@@ -195,25 +197,28 @@ class FlexBackwardKernel:
             block_m, block_n, d_pad, dv_pad = block_sizes(fwd, launch, q_block, kv_block)
             consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
             consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n)
-            consts.update(EVEN_M=even(q_block, M, block_m), EVEN_N=even(kv_block, N, block_n))
-            consts.update(Q_STEPS=steps(q_block, M, block_m), KV_STEPS=steps(kv_block, N, block_n))
-            if fn is self.dq_fn:  # a program per BLOCK_M query rows of a query head
+            if fn is self.dq_fn:  # a program per BLOCK_M query rows of a query head, walking key blocks
                 grid = ((M + block_m - 1) // block_m, B * H)
-            else:  # a program per BLOCK_N keys of a key head
+                walk = steps(kv_block, N, block_n)
+                consts.update(EVEN_N=even(kv_block, N, block_n), KV_NESTED=walk >= CONTIGUOUS_STEPS)
+            else:  # a program per BLOCK_N keys of a key head, walking query blocks
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
-            scalars = (*ints, *buf_ints, fwd.scale)
+                walk = steps(q_block, M, block_m)
+                consts.update(EVEN_M=even(q_block, M, block_m), Q_NESTED=walk >= CONTIGUOUS_STEPS)
+            scalars = (*ints, *buf_ints, walk)
             self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch, self.interpreted)
         return (dq, dk, dv, *nones)
 
 
 class DirectLaunch:
-    """A flex kernel launched through its compiled launcher. `kernel[grid]` binds and specializes every
+    """A flex kernel launched through a compiled launcher. `kernel[grid]` binds and specializes every
     argument in Python on each call (a flex kernel takes about a hundred: tensors, sizes, strides), which
     made short sparse-mask steps host-bound. The first call with a given specialization goes through
-    `kernel[grid]` (which compiles); later calls with the same one launch the compiled binary. The key
-    holds what Triton specializes on, conservatively: each tensor's 16-byte alignment, every other
-    argument's value, the constants, warps and stages (tensors and the rest come apart, so that the
-    key costs one pass over a dozen tensors and a tuple of integers)."""
+    `kernel[grid]` (which compiles); later calls with the same one launch the compiled binary, through
+    torch's static launcher where it takes the kernel (the C++ one Inductor uses), else Triton's own.
+    The key is what Triton specializes on: each tensor's 16-byte alignment, each integer's equality to
+    1, divisibility by 16 and 32-bit range (not its value: sizes that vary under dynamic shapes share a
+    binary), the constants, warps and stages, and the device."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -225,11 +230,15 @@ class DirectLaunch:
         from ember.backends.triton import current_stream
 
         device = tensors[0].device.index or 0
-        key = (device, tuple((t.data_ptr() & 15) == 0 for t in tensors), scalars, tuple(consts.values()), warps, stages)
+        aligned = tuple((t.data_ptr() & 15) == 0 for t in tensors)
+        key = (device, aligned, tuple(map(_specialized, scalars)), tuple(consts.values()), warps, stages)
         hit = self.compiled.get(key)
-        if hit is None:
-            compiled = self.fn[grid](*tensors, *scalars, **consts, num_warps=warps, num_stages=stages)
-            self._keep(key, compiled, device, len(tensors), scalars, consts)
+        if hit is None or hit[0] == "jit":
+            on_device = torch.cuda.device(device) if tensors[0].is_cuda else contextlib.nullcontext()
+            with on_device:  # Triton compiles for, and launches on, the current device
+                compiled = self.fn[grid](*tensors, *scalars, **consts, num_warps=warps, num_stages=stages)
+            if hit is None:
+                self.compiled[key] = self._launcher(compiled, device, len(tensors), scalars, consts)
             return
         gx, gy, gz = (*grid, 1, 1)[:3]
         stream = current_stream(device)
@@ -241,23 +250,35 @@ class DirectLaunch:
             _, run, function, meta, tail = hit
             run(gx, gy, gz, stream, function, meta, None, None, None, *tensors, *scalars, *tail)
 
-    def _keep(self, key: tuple, compiled, device: int, tensors: int, scalars: tuple, consts: dict) -> None:
-        """Keep how to launch `compiled` again: torch's static launcher where it can (the C++ one
-        Inductor uses: a few microseconds for a hundred arguments), else Triton's own launcher."""
+    def _launcher(self, compiled, device: int, tensors: int, scalars: tuple, consts: dict) -> tuple:
+        """How to launch `compiled` again: torch's static launcher where it can (a few microseconds
+        for a hundred arguments), else Triton's own launcher, else ("jit",): `kernel[grid]` each call
+        (also where loading the binary into a launcher failed)."""
         from ember.backends import static_launch
         from ember.backends.triton import launch_handles
 
-        st = static_launch.from_compiled(compiled, device)
-        if st is not None and all(code == "O" for code in st.params[:tensors]):
-            # The scalars Triton did not make constants (an integer equal to 1 is one), in order.
-            kept = [i for i, code in enumerate(st.params[tensors : tensors + len(scalars)]) if code]
-            codes = "".join(c for c in st.params if c) + "O" * st.scratch
-            self.compiled[key] = ("static", st, codes, kept)
-            return
-        handles = launch_handles(compiled)
-        if handles is not None:
-            tail = tuple(consts[name] for name in self.names[tensors + len(scalars) :])
-            self.compiled[key] = ("triton", *handles, tail)
+        try:
+            st = static_launch.from_compiled(compiled, device)
+            if st is not None and all(code == "O" for code in st.params[:tensors]):
+                # The scalars Triton did not make constants (an integer equal to 1 is one), in order.
+                kept = [i for i, code in enumerate(st.params[tensors : tensors + len(scalars)]) if code]
+                codes = "".join(c for c in st.params if c) + "O" * st.scratch
+                return ("static", st, codes, kept)
+            handles = launch_handles(compiled)
+        except Exception as e:  # noqa: BLE001 - a launcher that cannot load the binary: kernel[grid] still can
+            log.summary(f"flex kernel: launched through kernel[grid] ({type(e).__name__}: {e})")
+            return ("jit",)
+        if handles is None:
+            return ("jit",)
+        tail = tuple(consts[name] for name in self.names[tensors + len(scalars) :])
+        return ("triton", *handles, tail)
+
+
+def _specialized(x):
+    """What Triton's specialization sees of a scalar argument."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        return x if not isinstance(x, float) else float
+    return (x == 1, x % 16 == 0, -(2**31) <= x < 2**31)
 
 
 def launch_fitting(

@@ -53,11 +53,22 @@ CONTIGUOUS_STEPS = 4
 
 
 def block_walk(
-    count: str, index: str, stride: str, steps: str, block: str, tile: str, start: str, body: list[str], ind: int
+    count: str,
+    index: str,
+    stride: str,
+    steps: str,
+    nested: str,
+    block: str,
+    tile: str,
+    start: str,
+    body: list[str],
+    ind: int,
 ) -> str:
     """A loop over the blocks a BlockMask lists (`count` of them, their indices at `index` + i *
-    `stride`), `steps` (a constant) tiles of `tile` a block, running `body` with `start` set to each
-    tile's first position. Blocks of few steps: one flat loop, so that Triton pipelines the loads
+    `stride`), `steps` tiles of `tile` a block, running `body` with `start` set to each tile's first
+    position; `nested` (a constant: steps >= CONTIGUOUS_STEPS, the host's) picks the loop. The step
+    count is an argument, not a constant: without a BlockMask it follows the sequence's length, which
+    would compile the kernel again per length (Triton makes a count of 1 a constant itself). Blocks of few steps: one flat loop, so that Triton pipelines the loads
     across blocks too. Blocks of many (no BlockMask: one block over the whole sequence): a loop over
     each block's steps, whose addresses are affine in the loop's counter; in the flat loop each
     step's addresses wait on a load of the block index, which the pipeliner cannot run ahead (ALiBi
@@ -83,7 +94,7 @@ def block_walk(
         f"        {start} = (blk * {block} + j * {tile}).to(tl.int32)",
     ]
     return (
-        f"\n{pad}if {steps} < {CONTIGUOUS_STEPS}:\n"
+        f"\n{pad}if not {nested}:\n"
         + lines(["    " + x for x in flat], 8)
         + f"\n{pad}else:\n"
         + lines(["    " + x for x in nested], 12)
@@ -159,10 +170,10 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             f"    k = tl.load({k_ptr}, mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
         ]
         if spec.score is None:  # the scale and log2(e) in one multiply
-            lines += [f"val = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale_log2"]
+            lines += [f"val = {dot('q', 'tl.trans(k)', None)}.to({wt}) * {scale_log2(spec.scale)}"]
         else:  # (broadcast_to, not `+ zeros`: x + 0.0 is not x for x = -0.0, so it would cost an add per score)
             lines += [
-                f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * scale",
+                f"sc = {dot('q', 'tl.trans(k)', None)}.to({wt}) * {spec.scale!r}",
                 *score_lines,
                 f"val = tl.broadcast_to(({score_result}).to({wt}) * 1.4426950408889634, [BLOCK_M, BLOCK_N])",
             ]
@@ -196,7 +207,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
         (strides `{ix}b/h/q/k`) list for this program's query block, BLOCK_N keys a step."""
         count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)"
         index = f"{idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q"
-        return block_walk(count, index, f"{ix}k", "KV_STEPS", "KB", "BLOCK_N", "n0", step(full), 4)
+        return block_walk(count, index, f"{ix}k", "kv_steps", "KV_NESTED", "KB", "BLOCK_N", "n0", step(full), 4)
 
     part = walk("KV_NUM", "KV_IDX", "sn", "si", False)
     full = walk("FULL_NUM", "FULL_IDX", "sf", "sj", True) if spec.has_full_blocks else ""
@@ -210,11 +221,10 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
     )
     source = f"""
 @triton.jit
-def {name}({", ".join(params)}, scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+def {name}({", ".join(params)}, kv_steps, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         D_PAD: tl.constexpr, DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-        KV_STEPS: tl.constexpr):
+        KV_NESTED: tl.constexpr):
 {QUERY_TILE}    {qload}
-    scale_log2 = scale * 1.4426950408889634
 {"".join(f"    {line}{chr(10)}" for line in hoisted)}    m_i = tl.full([BLOCK_M], -float("inf"), {wt})
     l_i = tl.zeros([BLOCK_M], {wt})
     acc = tl.zeros([BLOCK_M, DV_PAD], {wt})
@@ -242,6 +252,13 @@ def drop_full_masks(source: str, spec: FlexSpec) -> str:
     if spec.value_dim == max(16, pow2(spec.value_dim)):
         source = source.replace(" & (offs_v[None, :] < DV)", "")
     return source
+
+
+def scale_log2(scale: float) -> str:
+    """The softmax scale times log2(e), as a literal to write into the kernel's expressions: Triton
+    keeps an inline literal in full double precision where it meets an fp64 value (a float argument,
+    or a literal first bound to a name, is fp32: 5e-8 off for fp64 scores)."""
+    return repr(scale * 1.4426950408889634)
 
 
 def steps(block: int, length: int, tile: int) -> int:

@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import QUERY_TILE, block_walk, drop_full_masks, pow2, truth
+from ember.codegen.flex_triton import QUERY_TILE, block_walk, drop_full_masks, pow2, scale_log2, truth
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -74,9 +74,9 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         """`val2`: the scores after score_mod, in base 2 (the scale and log2(e) in one multiply where
         there is no score_mod; broadcast_to, not `+ zeros`, which costs an add per score)."""
         if fwd.score is None:
-            return [f"val2 = tl.dot({a}, {bt}{precision}).to({wt}) * scale_log2"]
+            return [f"val2 = tl.dot({a}, {bt}{precision}).to({wt}) * {scale_log2(fwd.scale)}"]
         return [
-            f"sc = tl.dot({a}, {bt}{precision}).to({wt}) * scale",
+            f"sc = tl.dot({a}, {bt}{precision}).to({wt}) * {fwd.scale!r}",
             *score_lines,
             f"val2 = tl.broadcast_to(({score_result}).to({wt}) * 1.4426950408889634, [{shape}])",
         ]
@@ -133,7 +133,7 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         ]
         count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)"
         index = f"{idx} + sb * {ix}b + sh * {ix}h + qb * {ix}q"
-        return block_walk(count, index, f"{ix}k", "KV_STEPS", "KB", "BLOCK_N", "n0", body, 4)
+        return block_walk(count, index, f"{ix}k", "kv_steps", "KV_NESTED", "KB", "BLOCK_N", "n0", body, 4)
 
     def q_walk(num: str, idx: str, cs: str, ix: str, masked: bool) -> str:
         body = [
@@ -158,20 +158,22 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         ]
         count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + kvb * {cs}k)"
         index = f"{idx} + sb * {ix}b + sh * {ix}h + kvb * {ix}k"
-        return block_walk(count, index, f"{ix}q", "Q_STEPS", "QB", "BLOCK_M", "m0", body, 8)
+        return block_walk(count, index, f"{ix}q", "q_steps", "Q_NESTED", "QB", "BLOCK_M", "m0", body, 8)
 
+    # Each kernel takes the constants it reads (another value of one it does not would compile it again).
     constexprs = (
-        "scale, QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, "
-        "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_M: tl.constexpr, "
-        "EVEN_N: tl.constexpr, Q_STEPS: tl.constexpr, KV_STEPS: tl.constexpr"
+        "QB: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, D_PAD: tl.constexpr, "
+        "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr"
     )
+    dq_constexprs = f"kv_steps, {constexprs}, EVEN_N: tl.constexpr, KV_NESTED: tl.constexpr"
+    dkdv_constexprs = f"q_steps, {constexprs}, EVEN_M: tl.constexpr, Q_NESTED: tl.constexpr"
     dq_full = kv_walk("FULL_NUM", "FULL_IDX", "sf", "sj", False) if full else ""
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
     source = f"""
 @triton.jit
 def flex_bwd_delta(O, DO, DELTA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, sdd, DV: tl.constexpr,
         DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < ROWS
     b = rows // (H * M)
     h = (rows // M) % H
@@ -184,7 +186,7 @@ def flex_bwd_delta(O, DO, DELTA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, 
 
 
 @triton.jit
-def flex_bwd_dq({params}, {constexprs}):
+def flex_bwd_dq({params}, {dq_constexprs}):
 {QUERY_TILE}    qmask = offs_m < M
     q = tl.load(Q + b * sqb + h * sqh + q_idx * sqm + offs_d[None, :] * sqd,
                 mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)
@@ -195,15 +197,14 @@ def flex_bwd_dq({params}, {constexprs}):
     lse = tl.where(lse == -float("inf"), 0.0, lse)
     delta = tl.load(DELTA + row, mask=qmask, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], {wt})
-    scale_log2 = scale * 1.4426950408889634
 {kv_walk("KV_NUM", "KV_IDX", "sn", "si", True)}{dq_full}
-    dq = dq * scale
+    dq = dq * {fwd.scale!r}
     tl.store(GQ + b * sab + h * sah + q_idx * sam + offs_d[None, :] * sad, dq.to(GQ.dtype.element_ty),
              mask=qmask[:, None] & (offs_d[None, :] < D))
 
 
 @triton.jit
-def flex_bwd_dkdv({params}, {constexprs}):
+def flex_bwd_dkdv({params}, {dkdv_constexprs}):
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     HK = H // G
@@ -223,12 +224,11 @@ def flex_bwd_dkdv({params}, {constexprs}):
                 mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)
     dk = tl.zeros([BLOCK_N, D_PAD], {wt})
     dv = tl.zeros([BLOCK_N, DV_PAD], {wt})
-    scale_log2 = scale * 1.4426950408889634
     for g in range(0, G):
         h = hk * G + g
         sh = h % SH
 {q_walk("Q_NUM", "Q_IDX", "sx", "sy", True)}{kv_full}
-    dk = dk * scale
+    dk = dk * {fwd.scale!r}
     tl.store(GK + b * scb + hk * sch + offs_n[:, None] * scn + offs_d[None, :] * scd, dk.to(GK.dtype.element_ty),
              mask=kmask[:, None] & (offs_d[None, :] < D))
     tl.store(GV + b * seb + hk * seh + offs_n[:, None] * sen + offs_v[None, :] * sed, dv.to(GV.dtype.element_ty),

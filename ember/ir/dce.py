@@ -7,9 +7,11 @@ stable sort for its transpose) and the forward kernel reads two of its eight ten
 ran the other six's kernels and ATen calls.
 
 Dropped: computed ops and views that no node, output or input mutation reads; and ATen externs of
-the same kind whose op is functional (its schema writes nothing) and not random (a dead `rand`
-would still advance the generator in eager) and whose outputs have sizes known before the call (an
-extern with data-dependent sizes binds symbols the host program may read). An extern that returns
+the same kind whose op is functional (its schema writes nothing), not random (a dead `rand` would
+still advance the generator in eager), has no effect torch knows of, and neither communicates (a
+collective or its wait: dropped on one rank, the others hang) nor checks, and whose outputs have
+sizes known before the call (an extern with data-dependent sizes binds symbols the host program may
+read). An extern that returns
 nothing is there for its effect (an assert), and stays, as does everything else.
 """
 
@@ -29,9 +31,26 @@ def _droppable(node: Node) -> bool:
     target = node.attrs.get("target")
     if not isinstance(target, torch._ops.OpOverload) or not node.outputs:  # (a call for its check: an assert)
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags or _has_effect(target):
         return False
     return all(not isinstance(s, sympy.Expr) or s.is_number for v in node.outputs for s in v.shape)
+
+
+# Namespaces whose ops communicate or record (a collective, its wait, a send: dropped on one rank,
+# the others hang) and functional checks that return a token.
+_EFFECT_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor", "profiler")
+_EFFECT_PREFIXES = ("_functional_assert", "_functional_sym_constrain_range", "sym_constrain_range", "_assert")
+
+
+def _has_effect(target: torch._ops.OpOverload) -> bool:
+    """Whether torch marks the op as having effects (FX keeps it in a dead graph), or it communicates,
+    records or checks."""
+    effectful = torch.fx.node._side_effectful_functions
+    if target in effectful or target.overloadpacket in effectful:
+        return True
+    name = target._schema.name  # "namespace::op"
+    namespace, _, op = name.partition("::")
+    return namespace in _EFFECT_NAMESPACES or op.startswith(_EFFECT_PREFIXES)
 
 
 def _read(x, into: set[int]) -> None:

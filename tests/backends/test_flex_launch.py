@@ -40,8 +40,8 @@ class _Jit:
 
 def test_first_call_compiles_then_the_same_specialization_launches_directly(monkeypatch):
     """Through Triton's launcher, where torch's static one cannot take the kernel."""
-    import ember.backends.static_launch as static_launch
     import ember.backends.triton as triton_backend
+    from ember.backends import static_launch
 
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 7)
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
@@ -53,16 +53,19 @@ def test_first_call_compiles_then_the_same_specialization_launches_directly(monk
     assert [entry[0] for entry in jit.log] == ["jit", "direct"]
     # The grid in three, the stream, the handles, no hooks, then every parameter in order.
     assert jit.log[1][1] == (4, 2, 1, 7, "cufunction", "meta", None, None, None, x, 10, 0.5, 1, 2)
-    # Another integer value, a misaligned pointer or other constants compile (and specialize) again.
-    fn((4, 2), (x,), (11, 0.5), {"A": 1, "B": 2}, 4, 3)
+    # Another size Triton specializes alike (not 1, not a multiple of 16) and another float share it.
+    fn((4, 2), (x,), (11, 0.25), {"A": 1, "B": 2}, 4, 3)
+    assert jit.log[2][1][10:12] == (11, 0.25)
+    # A multiple of 16, a misaligned pointer or other constants compile (and specialize) again.
+    fn((4, 2), (x,), (16, 0.5), {"A": 1, "B": 2}, 4, 3)
     fn((4, 2), (x[1:],), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
     fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 4}, 4, 3)
-    assert [entry[0] for entry in jit.log] == ["jit", "direct", "jit", "jit", "jit"]
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct", "jit", "jit", "jit"]
 
 
 def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(monkeypatch):
-    import ember.backends.static_launch as static_launch
     import ember.backends.triton as triton_backend
+    from ember.backends import static_launch
 
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
@@ -87,8 +90,8 @@ def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(mo
 def test_torch_static_launcher_gets_addresses_and_the_scalars_triton_kept(monkeypatch):
     """Through torch's static launcher: pointers as addresses, the integer Triton made a constant
     (equal to 1) left out, the constants left out, the scratch pointers as None."""
-    import ember.backends.static_launch as static_launch
     import ember.backends.triton as triton_backend
+    from ember.backends import static_launch
 
     calls = []
     # Parameters X, n, scale, A, B: n specialized away (a constexpr), A and B the kernel's constants.
@@ -110,3 +113,17 @@ def test_torch_static_launcher_gets_addresses_and_the_scalars_triton_kept(monkey
     fn((3,), (x,), (1, 0.5), {"A": 1, "B": 2}, 4, 3)
     assert [entry[0] for entry in jit.log] == ["jit"]
     assert calls == [(99, 3, 1, 1, 4, 1024, "OfO", (x.data_ptr(), 0.5, None), 5)]
+
+
+def test_a_binary_no_launcher_can_load_keeps_launching_through_triton(monkeypatch):
+    from ember.backends import static_launch
+
+    def refuse(compiled, device):
+        raise RuntimeError("CUDA driver refused the module")
+
+    monkeypatch.setattr(static_launch, "from_compiled", refuse)
+    jit = _Jit()
+    fn = DirectLaunch(jit)
+    for _ in range(2):
+        fn((1,), (torch.zeros(4),), (3, 0.5), {"A": 1, "B": 2}, 4, 3)
+    assert [entry[0] for entry in jit.log] == ["jit", "jit"]

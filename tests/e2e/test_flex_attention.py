@@ -274,3 +274,36 @@ def test_flex_kernel_reads_a_table_by_head_once_and_gathers_per_score_with_its_o
         (small.xblock, small.rblock, small.warps),
         (gathering.xblock, gathering.rblock, gathering.warps),
     ]
+
+
+def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel(monkeypatch):
+    """The softmax scale is written into the kernel in double precision (a float argument would be
+    rounded to fp32: 5e-8 off in fp64); sequence lengths under dynamic shapes without a BlockMask
+    pass their step count as an argument, so they share one compiled kernel per loop form."""
+    import ember.backends.flex as flex_backend
+
+    q, k, v = (3 * torch.randn(1, 2, 32, 16, dtype=torch.float64) for _ in range(3))
+    block_mask = create_block_mask(_causal, 1, 1, 32, 32, device="cpu", BLOCK_SIZE=16)
+    fn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        err = (ember_compile(fn, "triton")(q, k, v) - fn(q, k, v)).abs().max().item()
+    assert err < 1e-12, err
+
+    launched = []
+    launch_fitting = flex_backend.launch_fitting
+
+    def record(fn, grid, tensors, scalars, consts, launch, interpreted):
+        launched.append(tuple(consts.items()))
+        return launch_fitting(fn, grid, tensors, scalars, consts, launch, interpreted)
+
+    monkeypatch.setattr(flex_backend, "launch_fitting", record)
+    fn = lambda q, k, v: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) * 0.1)
+    compiled = ember_compile(fn, "triton", dynamic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for S in (80, 96, 112):  # 5, 6 and 7 steps of 16 keys: the block-by-block walk each time
+            q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+            with ember.config.override(heuristics="flex.float32=16x16x4"):
+                assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-4, atol=1e-5, what="out", line=f"S={S}")
+    assert len(set(launched)) == 1, launched

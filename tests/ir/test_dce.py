@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import sympy
 import torch
 
@@ -41,6 +43,12 @@ def test_mutating_random_unknown_and_data_dependent_externs_stay():
     b.extern(x, shape=x.shape)  # not an ATen op: its effects are unknown
     b.g.add("extern", [x], {"target": torch.ops.aten._assert_async.default, "args": (x,), "kwargs": {}}, [])  # a check
     _aten(b, torch.ops.aten.nonzero.default, x, shape=(sympy.Symbol("u0"), sympy.Integer(2)))  # binds u0
+    importlib.import_module("torch.distributed._functional_collectives")  # registers the collectives' ops
+    functional = torch.ops._c10d_functional
+    reduced = _aten(b, functional.all_reduce.default, x, shape=x.shape)  # every rank must take part
+    _aten(b, functional.wait_tensor.default, reduced, shape=x.shape)
+    _aten(b, torch.ops.aten._functional_assert_async.msg, x, shape=(sympy.Integer(0),))  # a check's token
+    _aten(b, torch.ops.aten.sym_constrain_range_for_size.default, x, shape=(sympy.Integer(0),))
     b.g.outputs = [b.pw("abs", x)]
     assert eliminate_dead_nodes(b.g) == 0
 

@@ -155,6 +155,8 @@ class _Tracer:
                     if any(o is not None for o in out[1:]):
                         raise Unsupported("a captured tensor that needs a gradient")
                     out = out[0]
+                if not isinstance(out, torch.fx.Node):  # (a gradient that is None: score_mod ignores the score)
+                    raise Unsupported(f"a flex_attention function returning {out!r}")
                 result = self.env[out]
             elif node.op != "placeholder":
                 raise Unsupported(f"{node.op} {node.target} in a flex_attention function")
