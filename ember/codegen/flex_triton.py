@@ -87,7 +87,7 @@ def block_walk(
         f"    blk = tl.load({index} + (it // {steps}) * {stride}).to(tl.int64)",
         f"    {start} = (blk * {block} + (it % {steps}) * {tile}).to(tl.int32)",
     ]
-    nested = [
+    by_block = [
         f"for blk_i in range(0, {count}):",
         f"    blk = tl.load({index} + blk_i * {stride}).to(tl.int64)",
         f"    for j in range(0, {steps}):",
@@ -97,7 +97,7 @@ def block_walk(
         f"\n{pad}if not {nested}:\n"
         + lines(["    " + x for x in flat], 8)
         + f"\n{pad}else:\n"
-        + lines(["    " + x for x in nested], 12)
+        + lines(["    " + x for x in by_block], 12)
         + "\n"
     )
 

@@ -261,6 +261,8 @@ def test_flex_kernel_reads_a_table_by_head_once_and_gathers_per_score_with_its_o
         assert_no_fallback(report, line)
         assert_close(got, fn(q, k, v), rtol=1e-4, atol=1e-5, what="out", line=line)
     slope_kernel, t5_kernel = made
+    # The loop form is the host's constant (a Python value here would pick one form for every call).
+    assert "    if not KV_NESTED:\n" in slope_kernel.source, slope_kernel.source
     loop = slope_kernel.source.index("for it in range")
     assert 0 < slope_kernel.source.index("tl.load(BUF0") < loop, slope_kernel.source
     # (BUF0 is the 0-dim temperature, read once too; BUF1 the table.)
