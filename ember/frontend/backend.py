@@ -46,6 +46,8 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
         # caller's options here so they apply to it too.
         with config.override(**options):
+            if kind == "inference" and config.get("channels_last"):
+                _channels_last(gm, example_inputs)
             if kind == "backward" and fell_back:
                 # Compiled with the forward (for AOTAutograd's cache) after the forward fell back:
                 # Dynamo's graph runs in their place (_dynamo_graph_if_eager); this one never runs.
@@ -75,6 +77,22 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
     from ember.frontend import aot_cache
 
     return aot_cache.serializable(compile_one)
+
+
+def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """An inference graph on the CPU with its convolutions on channels-last inputs (frontend/layout.py),
+    before freezing, whose prologue then converts their weights once. A failure leaves the graph as it was."""
+    from ember.frontend.layout import to_channels_last
+    from ember.pipeline import graph_device
+
+    if graph_device(gm, example_inputs).type != "cpu":
+        return
+    try:
+        to_channels_last(gm, convert_weights=config.get("freezing"))
+    except Exception as e:
+        if config.get("strict"):
+            raise
+        log.warn(f"ember: channels-last convolutions skipped for an inference graph: {type(e).__name__}: {e}")
 
 
 def _frozen(gm: torch.fx.GraphModule, example_inputs):

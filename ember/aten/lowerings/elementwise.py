@@ -168,7 +168,14 @@ def _to_copy(ctx: GraphBuilder, node):
 
 @lowering(aten.clone)
 def _clone(ctx: GraphBuilder, node):
-    if node.kwargs.get("memory_format") not in _VALUE_FORMATS:
+    memory_format = node.kwargs.get("memory_format")
+    if memory_format in (torch.channels_last, torch.channels_last_3d):
+        # A conversion to channels-last (a convolution's input, frontend/layout.py): the importer stores
+        # the copy in its meta's permuted layout, which it takes where the sizes are static.
+        meta = ctx.out_meta()
+        if not all(isinstance(s, int) for s in (*meta.shape, *meta.stride())):
+            raise Unsupported("clone to channels-last of symbolic sizes")
+    elif memory_format not in _VALUE_FORMATS:
         raise Unsupported("clone memory_format")
     x = ctx.arg(node.args[0])
     # A clone must be a new tensor (it may be returned next to its source); copy through mul by 1.

@@ -1,0 +1,212 @@
+"""Setting `channels_last`: CPU inference graphs run their convolutions on channels-last inputs
+(frontend/layout.py).
+
+Each case compares values and every output's strides with eager, and counts the conversions the compiled
+graph makes: one into channels-last where the input is not, one back where an output (or a reader that
+needs row-major strides) would otherwise change layout. Under freezing the prologue converts the weights.
+Graphs the pass must leave alone (symbolic sizes, a read of strides, weights heavier than the activations)
+still match eager."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+TO_CHANNELS_LAST = "memory_format = torch.channels_last"
+TO_ROW_MAJOR = "memory_format = torch.contiguous_format"
+
+
+def _randomize_bn(model: nn.Module) -> nn.Module:
+    for bn in model.modules():
+        if isinstance(bn, nn.BatchNorm2d):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+                bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+    return model.eval()
+
+
+def conv_bn(cin: int, cout: int, k: int = 3, groups: int = 1, act: type[nn.Module] | None = nn.ReLU) -> nn.Sequential:
+    layers = [nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
+    return nn.Sequential(*layers, *([act()] if act else []))
+
+
+class Residual(nn.Module):
+    """Two convolution paths added (ResNet's basic block with a projection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(conv_bn(4, 8), conv_bn(8, 8, act=None))
+        self.shortcut = conv_bn(4, 8, k=1, act=None)
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class Inverted(nn.Module):
+    """MobileNetV2's block: 1x1 expansion, depthwise 3x3, 1x1 projection, residual add."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.block = nn.Sequential(
+            conv_bn(c, 4 * c, k=1, act=nn.ReLU6),
+            conv_bn(4 * c, 4 * c, groups=4 * c, act=nn.ReLU6),
+            conv_bn(4 * c, c, k=1),
+        )
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+class Head(nn.Module):
+    """A stem with max pooling, then flatten and a linear layer: the flattening view needs row-major strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(conv_bn(3, 8), nn.MaxPool2d(2), conv_bn(8, 8))
+        self.fc = nn.Linear(8 * 8 * 8, 5)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.features(x), 1))
+
+
+class Features(nn.Module):
+    """Returns convolution results themselves: one of 1x1 spatial size, whose strides in its size-1 dims
+    differ between the layouts, and a pooled [N, C] one."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = conv_bn(3, 8)
+        self.last = nn.Conv2d(8, 6, 3, stride=12)
+
+    def forward(self, x):
+        y = self.first(x)
+        return y, self.last(y), y.mean((2, 3))
+
+
+@torch.library.custom_op("ember_layout_test::row_sums", mutates_args=())
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """A custom op that, like many, assumes a row-major input."""
+    if not x.is_contiguous():
+        raise RuntimeError("row_sums: the input is not row-major")
+    return x.view(x.shape[0], -1).sum(1)
+
+
+@row_sums.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0])
+
+
+class Strides(nn.Module):
+    """Reads of a convolution result that see its layout: a custom op, and as_strided."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.conv = conv_bn(3, 8)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if self.how == "custom-op":
+            return row_sums(y)
+        return torch.as_strided(y, (2, 8, 3), (288, 36, 2)) + 1
+
+
+# name -> (model, input shape, input memory format, conversions to channels-last, conversions back, kernels
+# or None). The inputs outnumber the 3x3 weights, which oneDNN would convert per call (layout.py).
+CASES = {
+    # the input converted; batch norm + ReLU one kernel per convolution, the last writing row-major
+    "conv-bn-relu-stack": (lambda: nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)), (2, 3, 12, 12), None, 1, 1, 3),
+    "residual": (Residual, (2, 4, 12, 12), None, 1, 1, None),
+    # (x + block(x): the add takes its first operand's row-major layout, as eager's does)
+    "depthwise-pointwise": (Inverted, (2, 8, 6, 6), None, 1, 0, None),
+    "flatten-linear": (Head, (2, 3, 16, 16), None, 1, 1, None),
+    "conv-outputs": (Features, (2, 3, 12, 12), None, 1, 2, None),
+    "input-channels-last": (Inverted, (2, 8, 6, 6), torch.channels_last, 0, 0, None),
+    # a custom op gets its input row-major again
+    "custom-op": (lambda: Strides("custom-op"), (2, 3, 12, 12), None, 1, 1, None),
+    # as_strided's elements depend on the strides it reads: the graph stays as it was
+    "as-strided": (lambda: Strides("as-strided"), (2, 3, 12, 12), None, 0, 0, None),
+}
+
+
+def _inference_graph(report):
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    return graph
+
+
+def _check(actual, expected, what: str, line: str) -> None:
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_close(a, e, **TOL, what=f"{what} output {i}", line=line)
+        assert a.stride() == e.stride(), f"{what} output {i}: strides {a.stride()}, eager {e.stride()}\n{line}"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_convolutions_read_channels_last_inputs(name):
+    make, shape, memory_format, to_cl, back, kernels = CASES[name]
+    model = _randomize_bn(make())
+    x = torch.randn(shape)
+    if memory_format is not None:
+        x = x.contiguous(memory_format=memory_format)
+    line = repro(case=name)
+    with torch.no_grad(), reports() as report:
+        _check(ember_compile(model, "cpp")(x), model(x), name, line)
+    assert_no_fallback(report, line)
+    graph = _inference_graph(report)
+    code = graph.aten_graph
+    assert code.count(TO_CHANNELS_LAST) == to_cl, f"conversions to channels-last\n{code}\n{line}"
+    assert code.count(TO_ROW_MAJOR) == back, f"conversions back\n{code}\n{line}"
+    if kernels is not None:
+        assert len(graph.kernels) == kernels, f"{len(graph.kernels)} kernels\n{graph.host_source}\n{line}"
+
+
+def test_freezing_converts_weights_once():
+    """Under freezing the prologue converts the 3x3 weights to channels-last, and converts again when one of
+    them is written in place."""
+    from ember.frontend.freezing import FrozenGraph
+
+    model = _randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)))
+    x = torch.randn(2, 3, 12, 12)
+    compiled = ember_compile(model, "cpp", freezing=True)
+    with torch.no_grad():
+        with reports() as report:
+            _check(compiled(x), model(x), "first call", repro())
+        model[1][0].weight.mul_(-1)
+        _check(compiled(x), model(x), "weight written in place", repro(change="weight.mul_(-1)"))
+    code = _inference_graph(report).aten_graph
+    assert code.count(TO_CHANNELS_LAST) == 1, f"the main graph converts the input alone\n{code}"
+    gc.collect()
+    (frozen,) = [obj for obj in gc.get_objects() if type(obj) is FrozenGraph]
+    assert frozen.prologue.code.count(TO_CHANNELS_LAST) == 2, f"weights\n{frozen.prologue.code}"
+    assert frozen.freezes == 2, frozen.freezes
+
+
+def test_graphs_whose_weights_outnumber_their_inputs_stay_row_major():
+    """oneDNN would convert the weights per call (and freezing would keep a second copy of them)."""
+    model = _randomize_bn(nn.Sequential(conv_bn(16, 16), conv_bn(16, 16)))
+    x = torch.randn(1, 16, 4, 4)
+    with torch.no_grad(), reports() as report:
+        _check(ember_compile(model, "cpp")(x), model(x), "weights-heavy", repro())
+    code = _inference_graph(report).aten_graph
+    assert TO_CHANNELS_LAST not in code, code
+
+
+def test_symbolic_sizes_leave_the_graph_as_it_was():
+    model = _randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8, groups=8), nn.Flatten(), nn.Linear(8 * 25, 4)))
+    compiled = ember_compile(model, "cpp", dynamic=True)
+    with torch.no_grad(), reports() as report:
+        for batch in (2, 3):
+            x = torch.randn(batch, 3, 5, 5)
+            _check(compiled(x), model(x), f"batch {batch}", repro(batch=batch))
+    assert_no_fallback(report, repro())
+    code = _inference_graph(report).aten_graph
+    assert "aten.convolution" in code and TO_CHANNELS_LAST not in code, code
