@@ -174,6 +174,10 @@ class _Rewrite:
         self.fake_mode = fake_mode
         self.old_vals: dict[fx.Node, object] = {}  # node -> its meta val before the rewrite
         self.changed: set[fx.Node] = set()  # nodes whose layout differs from the old one
+        # Nodes that read a changed value and kept their old meta strides. Some ATen ops' fake kernels
+        # say row-major where the real one keeps a channels-last input's layout (roll, channel_shuffle,
+        # max_unpool2d): ember runs them as ATen calls, so the meta cannot be trusted for what they return.
+        self.touched: set[fx.Node] = set()
         self.inserted: list[fx.Node] = []
         self.to_channels_last: dict[fx.Node, fx.Node] = {}  # value -> its channels-last clone
         self.restored: dict[fx.Node, fx.Node] = {}  # changed value -> its clone in the old layout
@@ -231,11 +235,12 @@ class _Rewrite:
             if node in inserted:
                 self._settle_clone(node)
                 continue
-            if not any(a in self.changed for a in node.all_input_nodes):
-                continue
             if node.op == "output":
                 self._restore_outputs(node)
-            elif self._observes_layout(node):
+                continue
+            if not any(a in self.changed for a in node.all_input_nodes):
+                continue
+            if self._observes_layout(node):
                 self._restore_all(node)
             else:
                 self._repropagate(node)
@@ -290,6 +295,8 @@ class _Rewrite:
         if _strides_changed(old, new):
             node.meta["val"] = new
             self.changed.add(node)
+        else:
+            self.touched.add(node)
 
     def _restore_all(self, reader: fx.Node) -> bool:
         changed = [a for a in reader.all_input_nodes if a in self.changed]
@@ -317,8 +324,16 @@ class _Rewrite:
         return clone
 
     def _restore_outputs(self, output: fx.Node) -> None:
-        """The graph's outputs keep the strides eager gives them, exactly: the caller sees them."""
+        """The graph's outputs keep the strides eager gives them, exactly: the caller sees them. An
+        output computed from a changed value whose meta kept its old row-major strides is copied to
+        them too (a kernel computing it writes the copy directly; an ATen call's result may not be in
+        the layout its meta says)."""
         for value in output.all_input_nodes:
+            if value in self.touched and value not in self.changed:
+                old = self.old_vals.get(value)
+                if isinstance(old, torch.Tensor) and old.is_contiguous():
+                    self._restore(output, value, exact=True)
+                continue
             if value not in self.changed:
                 continue
             producer = value.args[0] if value.target is operator.getitem else value

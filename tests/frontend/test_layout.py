@@ -119,19 +119,35 @@ class Strides(nn.Module):
         return torch.as_strided(y, (2, 8, 3), (288, 36, 2)) + 1
 
 
+class AtenOutputs(nn.Module):
+    """Returns what roll and channel_shuffle make of a convolution result (ember runs both as ATen calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.roll(1, 1), nn.functional.channel_shuffle(y, 2)
+
+
 # name -> (model, input shape, input memory format, conversions to channels-last, conversions back, kernels
 # or None). The inputs outnumber the 3x3 weights, which oneDNN would convert per call (layout.py).
 CASES = {
     # the input converted; batch norm + ReLU one kernel per convolution, the last writing row-major
     "conv-bn-relu-stack": (lambda: nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)), (2, 3, 12, 12), None, 1, 1, 3),
     "residual": (Residual, (2, 4, 12, 12), None, 1, 1, None),
-    # (x + block(x): the add takes its first operand's row-major layout, as eager's does)
-    "depthwise-pointwise": (Inverted, (2, 8, 6, 6), None, 1, 0, None),
+    # (x + block(x): the add takes its first operand's row-major layout, as eager's does; the output is
+    # still written through a conversion back, which the add's kernel computes directly)
+    "depthwise-pointwise": (Inverted, (2, 8, 6, 6), None, 1, 1, None),
     "flatten-linear": (Head, (2, 3, 16, 16), None, 1, 1, None),
-    "conv-outputs": (Features, (2, 3, 12, 12), None, 1, 2, None),
+    # (the mean's kernel writes its own output through a conversion back too)
+    "conv-outputs": (Features, (2, 3, 12, 12), None, 1, 3, None),
     "input-channels-last": (Inverted, (2, 8, 6, 6), torch.channels_last, 0, 0, None),
     # a custom op gets its input row-major again
     "custom-op": (lambda: Strides("custom-op"), (2, 3, 12, 12), None, 1, 1, None),
+    # ATen ops whose fake kernels say row-major where the real ones keep a channels-last input's layout
+    "aten-op-outputs": (AtenOutputs, (2, 3, 10, 10), None, 1, 2, None),
     # as_strided's elements depend on the strides it reads: the graph stays as it was
     "as-strided": (lambda: Strides("as-strided"), (2, 3, 12, 12), None, 0, 0, None),
 }
