@@ -198,12 +198,16 @@ def test_freezing_converts_weights_once():
             _check(compiled(x), model(x), "first call", repro())
         model[1][0].weight.mul_(-1)
         _check(compiled(x), model(x), "weight written in place", repro(change="weight.mul_(-1)"))
+        model[0][1].running_var.mul_(2)  # folded into the first convolution's weight
+        _check(compiled(x), model(x), "running_var written in place", repro(change="running_var.mul_(2)"))
+        model[0][0].weight = nn.Parameter(torch.randn_like(model[0][0].weight))
+        _check(compiled(x), model(x), "weight replaced", repro(change="a new weight"))
     code = _inference_graph(report).aten_graph
     assert code.count(TO_CHANNELS_LAST) == 1, f"the main graph converts the input alone\n{code}"
     gc.collect()
     (frozen,) = [obj for obj in gc.get_objects() if type(obj) is FrozenGraph]
     assert frozen.prologue.code.count(TO_CHANNELS_LAST) == 2, f"weights\n{frozen.prologue.code}"
-    assert frozen.freezes == 2, frozen.freezes
+    assert frozen.freezes == 4, frozen.freezes
 
 
 def test_graphs_whose_weights_outnumber_their_inputs_stay_row_major():
