@@ -76,9 +76,8 @@ class FlexKernel:
             self.source = source
             self.fn = _compile_cpp(source, target)
         else:
-            self.interpreted = target.interpreted
             self.source = render_flex_triton(spec, "flex_fwd", self.launch, target.interpreted)
-            self.fn = DirectLaunch(_load_triton(self.source, "ember_flex").flex_fwd)
+            self.fn = DirectLaunch(_load_triton(self.source, "ember_flex").flex_fwd, target.interpreted)
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
@@ -126,7 +125,7 @@ class FlexKernel:
                 KV_NESTED=kv_steps >= CONTIGUOUS_STEPS,
             )
             scalars = (*ints, *buf_ints, kv_steps)
-            self.launch = launch_fitting(self.fn, grid, tuple(tensors), scalars, consts, self.launch, self.interpreted)
+            self.launch = launch_fitting(self.fn, grid, tuple(tensors), scalars, consts, self.launch)
         return (out, lse, mx)[: self.results]
 
 
@@ -148,12 +147,13 @@ class FlexBackwardKernel:
         else:
             tiles = (h.backward_other, h.backward_other)
         self.launches = [FlexLaunch(t.xblock, t.rblock, t.warps, h.stages) for t in tiles]
-        self.interpreted = target.interpreted
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_triton(self.source, "ember_flex_bwd")
-        self.dq_fn, self.dkdv_fn = DirectLaunch(module.flex_bwd_dq), DirectLaunch(module.flex_bwd_dkdv)
-        self.delta_fn = DirectLaunch(module.flex_bwd_delta)
+        self.dq_fn, self.dkdv_fn, self.delta_fn = (
+            DirectLaunch(fn, target.interpreted)
+            for fn in (module.flex_bwd_dq, module.flex_bwd_dkdv, module.flex_bwd_delta)
+        )
 
     def _delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         """rowsum(dout * out) in the work dtype, [B, H, M] contiguous."""
@@ -164,10 +164,7 @@ class FlexBackwardKernel:
         grid = ((B * H * M + rows - 1) // rows,)
         tensors, scalars = (out, dout, delta), (B * H * M, H, M, *out.stride(), *dout.stride())
         consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
-        if self.interpreted:
-            self.delta_fn.fn[grid](*tensors, *scalars, **consts)
-        else:
-            self.delta_fn(grid, tensors, scalars, consts, 4, 1)
+        self.delta_fn(grid, tensors, scalars, consts, 4, 1)
         return delta
 
     def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
@@ -206,7 +203,7 @@ class FlexBackwardKernel:
                 walk = steps(q_block, M, block_m)
                 consts.update(EVEN_M=even(q_block, M, block_m), Q_NESTED=walk >= CONTIGUOUS_STEPS)
             scalars = (*ints, *buf_ints, walk)
-            self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch, self.interpreted)
+            self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch)
         return (dq, dk, dv, *nones)
 
 
@@ -218,17 +215,21 @@ class DirectLaunch:
     torch's static launcher where it takes the kernel (the C++ one Inductor uses), else Triton's own.
     The key is what Triton specializes on: each tensor's 16-byte alignment, each integer's equality to
     1, divisibility by 16 and 32-bit range (not its value: sizes that vary under dynamic shapes share a
-    binary), the constants, warps and stages, and the device."""
+    binary), the constants, warps and stages, and the device. In Triton's interpreter every call is
+    `kernel[grid]` (it takes no warps or stages)."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, interpreted: bool):
+        from ember.backends.triton import current_stream
+
+        self.fn, self.interpreted, self.stream = fn, interpreted, current_stream
         self.names = list(fn.arg_names)
         self.compiled: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, warps: int, stages: int) -> None:
         """Launch over `grid` with the kernel's tensor parameters, then its other ones, in order."""
-        from ember.backends.triton import current_stream
-
+        if self.interpreted:
+            self.fn[grid](*tensors, *scalars, **consts)
+            return
         device = tensors[0].device.index or 0
         aligned = tuple((t.data_ptr() & 15) == 0 for t in tensors)
         key = (device, aligned, tuple(map(_specialized, scalars)), tuple(consts.values()), warps, stages)
@@ -241,7 +242,7 @@ class DirectLaunch:
                 self.compiled[key] = self._launcher(compiled, device, len(tensors), scalars, consts)
             return
         gx, gy, gz = (*grid, 1, 1)[:3]
-        stream = current_stream(device)
+        stream = self.stream(device)
         if hit[0] == "static":
             _, st, codes, kept = hit
             passed = (*[t.data_ptr() for t in tensors], *[scalars[i] for i in kept], *([None] * st.scratch))
@@ -282,15 +283,12 @@ def _specialized(x):
 
 
 def launch_fitting(
-    fn: DirectLaunch, grid, tensors: tuple, scalars: tuple, consts: dict, launch: FlexLaunch, interpreted: bool
+    fn: DirectLaunch, grid, tensors: tuple, scalars: tuple, consts: dict, launch: FlexLaunch
 ) -> FlexLaunch:
     """Launch `fn`; returns the launch that ran. Where the kernel's shared memory does not fit the
     device at the Target's software-pipelining depth, it is compiled again with one stage fewer,
     down to none: the pipeliner stages every load in the loop, and a score_mod that gathers from a
     captured table per score (a relative-position bias) stages a whole tile of the table per stage."""
-    if interpreted:
-        fn.fn[grid](*tensors, *scalars, **consts)
-        return launch
     from triton.runtime.errors import OutOfResources
 
     while True:

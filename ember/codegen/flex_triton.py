@@ -151,8 +151,6 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             return prod if acc is None else f"{acc} + {prod}"
         return f"tl.dot({a}, {bt}{', ' + acc if acc else ''}{precision})"
 
-    d_mask = "" if spec.head_dim == max(16, pow2(spec.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
-    v_mask = "" if spec.value_dim == max(16, pow2(spec.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
     k_ptr = "K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd"
     v_ptr = "V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd"
 
@@ -164,10 +162,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             "offs_n = n0 + tl.arange(0, BLOCK_N)",
             "kv_idx = offs_n[None, :]",
             "kmask = offs_n < N",
-            "if EVEN_N:",
-            f"    k = tl.load({k_ptr}{d_mask})",
-            "else:",
-            f"    k = tl.load({k_ptr}, mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
+            *bounded_loads(spec, "EVEN_N", [("k", k_ptr, "kmask[:, None]", "d")]),
         ]
         if spec.score is None:  # the scale and log2(e) in one multiply
             lines += [f"val = {dot('q', 'tl.trans(k)', None)}.to({wt}) * {scale_log2(spec.scale)}"]
@@ -193,10 +188,7 @@ def render_flex_triton(spec: FlexSpec, name: str, launch: FlexLaunch, interprete
             "alpha = tl.exp2(m_i - m_safe)",
             "p = tl.exp2(val - m_safe[:, None])",
             "l_i = l_i * alpha + tl.sum(p, 1)",
-            "if EVEN_N:",
-            f"    v = tl.load({v_ptr}{v_mask})",
-            "else:",
-            f"    v = tl.load({v_ptr}, mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
+            *bounded_loads(spec, "EVEN_N", [("v", v_ptr, "kmask[:, None]", "v")]),
             f"acc = {dot('p.to(v.dtype)', 'v', 'acc * alpha[:, None]')}",
             "m_i = m_new",
         ]
@@ -237,6 +229,24 @@ def {name}({", ".join(params)}, kv_steps, QB: tl.constexpr, KB: tl.constexpr, D:
     tl.store(MAX + row, m_i, mask=rmask)
 """
     return drop_full_masks(source, spec)
+
+
+def bounded_loads(spec: FlexSpec, even: str, loads: list[tuple[str, str, str, str]]) -> list[str]:
+    """Statements loading tiles: where the constant `even` holds every row lies inside the sequence,
+    so only a padded head dim bounds a load; else the row bound `rows` does too. Each load is (name,
+    pointers, rows, its head dim: "d" for q and k's, "v" for v and out's, "" for a vector)."""
+    padded = {"d": spec.head_dim != max(16, pow2(spec.head_dim)), "v": spec.value_dim != max(16, pow2(spec.value_dim))}
+    bound = {"d": "(offs_d[None, :] < D)", "v": "(offs_v[None, :] < DV)"}
+    inside, outside = [], []
+    for name, ptr, rows, dim in loads:
+        head = bound[dim] if dim else ""
+        inside.append(
+            f"    {name} = tl.load({ptr}, mask={head}, other=0.0)"
+            if dim and padded[dim]
+            else f"    {name} = tl.load({ptr})"
+        )
+        outside.append(f"    {name} = tl.load({ptr}, mask={rows}{' & ' + head if head else ''}, other=0.0)")
+    return [f"if {even}:", *inside, "else:", *outside]
 
 
 def truth(program, result: str) -> str:
@@ -295,6 +305,7 @@ __all__ = [
     "FlexLaunch",
     "block_sizes",
     "block_walk",
+    "bounded_loads",
     "drop_full_masks",
     "even",
     "pow2",

@@ -18,7 +18,7 @@ sizes and strides.
 from __future__ import annotations
 
 from ember.codegen.flex_expr import TRITON_TYPES, render_program
-from ember.codegen.flex_triton import QUERY_TILE, block_walk, drop_full_masks, pow2, scale_log2, truth
+from ember.codegen.flex_triton import QUERY_TILE, block_walk, bounded_loads, drop_full_masks, scale_log2, truth
 from ember.ir.flex import FlexBackwardSpec
 
 PARAMS = [
@@ -51,9 +51,6 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             return f"tl.load(BUF{number})"
         return f"tl.load(BUF{number} + ({where}), mask=({inside}) != 0, other=0)"
 
-    # Loads inside the sequence (EVEN_M, EVEN_N) bound the head dims only where they are padded.
-    d_mask = "" if fwd.head_dim == max(16, pow2(fwd.head_dim)) else ", mask=(offs_d[None, :] < D), other=0.0"
-    v_mask = "" if fwd.value_dim == max(16, pow2(fwd.value_dim)) else ", mask=(offs_v[None, :] < DV), other=0.0"
     names = {0: "sc", 1: "b", 2: "h", 3: "q_idx", 4: "kv_idx", 5: "ds"}
     score_lines, score_result = (
         render_program(fwd.score, "triton", names, load, "s", interpreted) if fwd.score is not None else ([], "sc")
@@ -121,14 +118,24 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             "offs_n = n0 + tl.arange(0, BLOCK_N)",
             "kv_idx = offs_n[None, :]",
             "kmask = offs_n < N",
-            "if EVEN_N:",
-            f"    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd{d_mask})",
-            f"    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd{v_mask})",
-            "else:",
-            "    k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd,",
-            "                mask=kmask[:, None] & (offs_d[None, :] < D), other=0.0)",
-            "    v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd,",
-            "                mask=kmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
+            *bounded_loads(
+                fwd,
+                "EVEN_N",
+                [
+                    (
+                        "k",
+                        "K + b * skb + hk * skh + offs_n[:, None] * skn + offs_d[None, :] * skd",
+                        "kmask[:, None]",
+                        "d",
+                    ),
+                    (
+                        "v",
+                        "V + b * svb + hk * svh + offs_n[:, None] * svn + offs_v[None, :] * svd",
+                        "kmask[:, None]",
+                        "v",
+                    ),
+                ],
+            ),
             *dq_tile(masked),
         ]
         count = f"tl.load({num} + sb * {cs}b + sh * {cs}h + qb * {cs}q)"
@@ -141,18 +148,26 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             "q_idx = offs_m[None, :]",
             "qmask = offs_m < M",
             "row = (b * H + h).to(tl.int64) * M + offs_m",
-            "if EVEN_M:",
-            f"    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd{d_mask})",
-            f"    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod{v_mask})",
-            "    lse = tl.load(LSE + row)",
-            "    delta = tl.load(DELTA + row)",
-            "else:",
-            "    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,",
-            "                mask=qmask[:, None] & (offs_d[None, :] < D), other=0.0)",
-            "    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod,",
-            "                 mask=qmask[:, None] & (offs_v[None, :] < DV), other=0.0)",
-            "    lse = tl.load(LSE + row, mask=qmask, other=0.0)",
-            "    delta = tl.load(DELTA + row, mask=qmask, other=0.0)",
+            *bounded_loads(
+                fwd,
+                "EVEN_M",
+                [
+                    (
+                        "q",
+                        "Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd",
+                        "qmask[:, None]",
+                        "d",
+                    ),
+                    (
+                        "do",
+                        "DO + b * sob + h * soh + offs_m[:, None] * som + offs_v[None, :] * sod",
+                        "qmask[:, None]",
+                        "v",
+                    ),
+                    ("lse", "LSE + row", "qmask", ""),
+                    ("delta", "DELTA + row", "qmask", ""),
+                ],
+            ),
             'lse = tl.where(lse == -float("inf"), 0.0, lse)',
             *dkdv_tile(masked),
         ]

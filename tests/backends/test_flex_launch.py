@@ -46,7 +46,7 @@ def test_first_call_compiles_then_the_same_specialization_launches_directly(monk
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 7)
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
     jit = _Jit()
-    fn = DirectLaunch(jit)
+    fn = DirectLaunch(jit, False)
     x = torch.zeros(64)
     fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
     fn((4, 2), (x,), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
@@ -71,19 +71,18 @@ def test_a_kernel_whose_shared_memory_does_not_fit_compiles_with_fewer_stages(mo
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
     jit = _Jit(fail_above_stages=1)
     launch = launch_fitting(
-        DirectLaunch(jit), (1,), (torch.zeros(4),), (1, 1.0), {"A": 1, "B": 2}, FlexLaunch(128, 64, 8, 3), False
+        DirectLaunch(jit, False), (1,), (torch.zeros(4),), (1, 1.0), {"A": 1, "B": 2}, FlexLaunch(128, 64, 8, 3)
     )
     assert launch == FlexLaunch(128, 64, 8, 1)
     assert [entry[5] for entry in jit.log] == [1]
     with pytest.raises(Exception, match="shared memory"):
         launch_fitting(
-            DirectLaunch(_Jit(fail_above_stages=0)),
+            DirectLaunch(_Jit(fail_above_stages=0), False),
             (1,),
             (torch.zeros(4),),
             (1, 1.0),
             {"A": 1, "B": 2},
             FlexLaunch(128, 64, 8, 3),
-            False,
         )
 
 
@@ -107,7 +106,7 @@ def test_torch_static_launcher_gets_addresses_and_the_scalars_triton_kept(monkey
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 5)
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: fake)
     jit = _Jit()
-    fn = DirectLaunch(jit)
+    fn = DirectLaunch(jit, False)
     x = torch.zeros(64)
     fn((3,), (x,), (1, 0.5), {"A": 1, "B": 2}, 4, 3)
     fn((3,), (x,), (1, 0.5), {"A": 1, "B": 2}, 4, 3)
@@ -123,7 +122,7 @@ def test_a_binary_no_launcher_can_load_keeps_launching_through_triton(monkeypatc
 
     monkeypatch.setattr(static_launch, "from_compiled", refuse)
     jit = _Jit()
-    fn = DirectLaunch(jit)
+    fn = DirectLaunch(jit, False)
     for _ in range(2):
         fn((1,), (torch.zeros(4),), (3, 0.5), {"A": 1, "B": 2}, 4, 3)
     assert [entry[0] for entry in jit.log] == ["jit", "jit"]

@@ -295,9 +295,9 @@ def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel
     launched = []
     launch_fitting = flex_backend.launch_fitting
 
-    def record(fn, grid, tensors, scalars, consts, launch, interpreted):
+    def record(fn, grid, tensors, scalars, consts, launch):
         launched.append(tuple(consts.items()))
-        return launch_fitting(fn, grid, tensors, scalars, consts, launch, interpreted)
+        return launch_fitting(fn, grid, tensors, scalars, consts, launch)
 
     monkeypatch.setattr(flex_backend, "launch_fitting", record)
     fn = lambda q, k, v: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) * 0.1)
