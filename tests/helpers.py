@@ -120,6 +120,19 @@ def upcast_copy(fn: Callable) -> Callable:
     return copy.deepcopy(fn).float() if isinstance(fn, torch.nn.Module) else fn
 
 
+def randomize_bn(model: torch.nn.Module) -> torch.nn.Module:
+    """The model in eval mode, its batch norms' statistics and affine parameters away from their
+    identity defaults (so that folding or fusing them shows in the results)."""
+    for bn in model.modules():
+        if isinstance(bn, torch.nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+                bn.weight.uniform_(0.5, 2)
+                bn.bias.uniform_(-1, 1)
+    return model.eval()
+
+
 @contextlib.contextmanager
 def reports() -> Iterator[ExplainReport]:
     """Collect every graph ember compiles inside the block."""

@@ -19,8 +19,8 @@ graph's 2-d convolutions read channels-last inputs:
                                             converted
 
 Only a value's layout changes, never its elements (up to the rounding of oneDNN's channels-last kernel,
-another order of the same sums), so eager's results hold wherever strides are not observed. Where they are, the old layout comes back first (`clone(..., contiguous_format)`, shared by
-every such reader): the graph's outputs (their strides are what the caller sees), ops outside ATen (a
+another order of the same sums), so eager's results hold wherever strides are not observed. Where
+they are, the old layout comes back first (`clone(..., contiguous_format)`, shared by every such reader): the graph's outputs (their strides are what the caller sees), ops outside ATen (a
 custom op may assume a contiguous input) and higher-order ops, mutating ops, random ops (which draw in
 memory order) and views whose strides no longer allow them (`view` of a channels-last tensor as
 [N, C*H*W]). A graph that reads a changed value's strides or storage (`as_strided`, `sym_stride`), or

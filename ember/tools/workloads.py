@@ -58,7 +58,8 @@ class MLP(nn.Module):
         return x
 
 
-def _causal(b, h, q, kv):
+def causal(b, h, q, kv):
+    """FlexAttention's mask_mod of causal attention."""
     return q >= kv
 
 
@@ -66,7 +67,7 @@ def causal_block_mask(seq: int, device):
     """FlexAttention's BlockMask of causal attention over `seq` tokens, one for every batch and head."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(_causal, None, None, seq, seq, device=device)
+    return create_block_mask(causal, None, None, seq, seq, device=device)
 
 
 class GPT2Block(nn.Module):

@@ -13,21 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, randomize_bn, reports, repro
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
-
-
-def _randomize_bn(model: nn.Module) -> nn.Module:
-    """Batch norms with statistics and affine parameters away from their identity defaults."""
-    for bn in model.modules():
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm):
-            with torch.no_grad():
-                bn.running_mean.uniform_(-1, 1)
-                bn.running_var.uniform_(0.5, 2)
-                bn.weight.uniform_(0.5, 2)
-                bn.bias.uniform_(-1, 1)
-    return model.eval()
 
 
 class ConvBN(nn.Module):
@@ -112,7 +100,7 @@ def _inference_graph(report) -> str:
 @pytest.mark.parametrize("name", CASES)
 def test_batch_norm_folds_into_the_op_before_it(name):
     make, shape, memory_format, op, fold = CASES[name]
-    model = _randomize_bn(make()).to(memory_format=memory_format)
+    model = randomize_bn(make()).to(memory_format=memory_format)
     x = torch.randn(shape)
     if x.dim() == 4:
         x = x.to(memory_format=memory_format)
@@ -152,7 +140,7 @@ class TwoConvs(nn.Module):
 
 
 def test_a_replaced_or_modified_parameter_is_never_stale():
-    model = _randomize_bn(TwoConvs(c=8))
+    model = randomize_bn(TwoConvs(c=8))
     x = torch.randn(2, 8, 6, 6)
     # (row-major: channels-last convolutions would have the prologue read every 3x3 weight, frontend/layout.py)
     compiled = ember_compile(model, "cpp", freezing=True, channels_last=False)
@@ -215,7 +203,7 @@ def _tensor_bytes() -> int:
 def test_frozen_weights_keep_no_second_copy_of_every_parameter():
     """Only the weight a batch norm folds into is copied (and per-channel vectors made); a call leaves
     nothing behind."""
-    model = _randomize_bn(TwoConvs())
+    model = randomize_bn(TwoConvs())
     x = torch.randn(1, 32, 4, 4)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()} | {
         b.untyped_storage().data_ptr() for b in model.buffers()
@@ -246,7 +234,7 @@ def test_folds_under_dynamic_shapes():
     model = nn.Sequential(
         ConvBN(3, 8), ConvBN(8, 8, relu=False), nn.Flatten(), nn.Linear(8 * 5 * 5, 4), nn.BatchNorm1d(4)
     )
-    model = _randomize_bn(model)
+    model = randomize_bn(model)
     compiled = ember_compile(model, "cpp", dynamic=True, freezing=True)
     with torch.no_grad(), reports() as report:
         for batch in (2, 3):

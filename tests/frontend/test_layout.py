@@ -15,22 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, randomize_bn, reports, repro
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 TO_CHANNELS_LAST = "memory_format = torch.channels_last"
 TO_ROW_MAJOR = "memory_format = torch.contiguous_format"
-
-
-def _randomize_bn(model: nn.Module) -> nn.Module:
-    for bn in model.modules():
-        if isinstance(bn, nn.BatchNorm2d):
-            with torch.no_grad():
-                bn.running_mean.uniform_(-1, 1)
-                bn.running_var.uniform_(0.5, 2)
-                bn.weight.uniform_(0.5, 2)
-                bn.bias.uniform_(-1, 1)
-    return model.eval()
 
 
 def conv_bn(cin: int, cout: int, k: int = 3, groups: int = 1, act: type[nn.Module] | None = nn.ReLU) -> nn.Sequential:
@@ -169,7 +158,7 @@ def _check(actual, expected, what: str, line: str) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_convolutions_read_channels_last_inputs(name):
     make, shape, memory_format, to_cl, back, kernels = CASES[name]
-    model = _randomize_bn(make())
+    model = randomize_bn(make())
     x = torch.randn(shape)
     if memory_format is not None:
         x = x.contiguous(memory_format=memory_format)
@@ -190,7 +179,7 @@ def test_freezing_converts_weights_once():
     them is written in place."""
     from ember.frontend.freezing import FrozenGraph
 
-    model = _randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)))
+    model = randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)))
     x = torch.randn(2, 3, 12, 12)
     compiled = ember_compile(model, "cpp", freezing=True)
     with torch.no_grad():
@@ -212,7 +201,7 @@ def test_freezing_converts_weights_once():
 
 def test_graphs_whose_weights_outnumber_their_inputs_stay_row_major():
     """oneDNN would convert the weights per call (and freezing would keep a second copy of them)."""
-    model = _randomize_bn(nn.Sequential(conv_bn(16, 16), conv_bn(16, 16)))
+    model = randomize_bn(nn.Sequential(conv_bn(16, 16), conv_bn(16, 16)))
     x = torch.randn(1, 16, 4, 4)
     with torch.no_grad(), reports() as report:
         _check(ember_compile(model, "cpp")(x), model(x), "weights-heavy", repro())
@@ -221,7 +210,7 @@ def test_graphs_whose_weights_outnumber_their_inputs_stay_row_major():
 
 
 def test_symbolic_sizes_leave_the_graph_as_it_was():
-    model = _randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8, groups=8), nn.Flatten(), nn.Linear(8 * 25, 4)))
+    model = randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8, groups=8), nn.Flatten(), nn.Linear(8 * 25, 4)))
     compiled = ember_compile(model, "cpp", dynamic=True)
     with torch.no_grad(), reports() as report:
         for batch in (2, 3):

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.tools.bench.built import Built
+from ember.tools.workloads import causal
 
 SIZES = {"gpu": (4, 16, 4096, 64), "cpu": (1, 4, 512, 64), "tiny": (1, 2, 128, 16)}
 SIZES_WIDE = {"gpu": (4, 16, 4096, 128), "cpu": (1, 4, 512, 128), "tiny": (1, 2, 128, 32)}
@@ -30,10 +31,6 @@ SIZES_WIDE = {"gpu": (4, 16, 4096, 128), "cpu": (1, 4, 512, 128), "tiny": (1, 2,
 def _qkv(size, device):
     b, h, s, d = size
     return tuple(torch.randn(b, h, s, d, dtype=torch.bfloat16, device=device) for _ in range(3))
-
-
-def _causal(b, h, q, kv):
-    return q >= kv
 
 
 # Eager flex_attention (its unfused path, which the eager column and the float32 reference run)
@@ -147,12 +144,12 @@ def _sdpa_causal(size, device):
 
 # name -> (build, sizes), at S 4096 on the GPU
 _PROGRAMS = {
-    "flex_causal": (_program(mask_mod=lambda size, device: _causal), SIZES),
-    "flex_causal_d128": (_program(mask_mod=lambda size, device: _causal), SIZES_WIDE),
+    "flex_causal": (_program(mask_mod=lambda size, device: causal), SIZES),
+    "flex_causal_d128": (_program(mask_mod=lambda size, device: causal), SIZES_WIDE),
     "flex_sliding": (_program(mask_mod=_sliding), SIZES),
     "flex_alibi": (_program(score_mod=_alibi), SIZES),
     "flex_document": (_program(mask_mod=_documents), SIZES),
-    "flex_relative": (_program(score_mod=_relative, mask_mod=lambda size, device: _causal), SIZES),
+    "flex_relative": (_program(score_mod=_relative, mask_mod=lambda size, device: causal), SIZES),
     "flex_sdpa_causal": (_sdpa_causal, SIZES),
     "flex_sdpa_causal_d128": (_sdpa_causal, SIZES_WIDE),
 }
