@@ -174,14 +174,11 @@ def verdict(split_ms: dict[str, float], step_ms: float, busy_ms: float | None, k
     )
 
 
-def profile_workload(
-    workload: str, mode: str = "train", compiler: str = "ember", scale: str | None = None, calls: int = 5, top: int = 10
-) -> Profile:
-    from torch.profiler import ProfilerActivity, profile, schedule
-
+def build_step(workload: str, mode: str = "train", compiler: str = "ember", scale: str | None = None):
+    """The bench's step of `workload`, compiled by `compiler`, and its inputs and device: compiled and
+    warmed up by three calls."""
     from ember.tools.bench import measure
     from ember.tools.bench.compilers import compile_fn
-    from ember.tools.bench.profile import kernel_table
     from ember.tools.bench.workloads import WORKLOADS
 
     if workload not in WORKLOADS:
@@ -198,6 +195,18 @@ def profile_workload(
     step = measure.Step(compile_fn(built.fn, compiler), train, built.autocast, device)
     for _ in range(3):  # compile, then warm
         step(*inputs)
+    return step, inputs, device
+
+
+def profile_workload(
+    workload: str, mode: str = "train", compiler: str = "ember", scale: str | None = None, calls: int = 5, top: int = 10
+) -> Profile:
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from ember.tools.bench import measure
+    from ember.tools.bench.profile import kernel_table
+
+    step, inputs, device = build_step(workload, mode, compiler, scale)
     measure.sync(device)
     measure.quiet_kineto()
     cuda = device.type == "cuda"
@@ -236,12 +245,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", choices=["gpu", "cpu", "tiny"], help="the workload's size (default: the device's)")
     p.add_argument("--calls", type=int, default=5, help="steps profiled (default 5)")
     p.add_argument("--json", help="also write the profile as JSON to this file")
+    p.add_argument(
+        "--host", action="store_true", help="where the host's time per step goes, by layer (cProfile; --calls 50 suits)"
+    )
     args = p.parse_args(argv)
     try:
+        if args.host:
+            return _print_host_profile(args)
         result = profile_workload(args.workload, args.mode, args.compiler, args.scale, args.calls)
     except ValueError as e:
         print(f"ember profile: {e}", file=sys.stderr)
         return 2
+    print(result.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.__dict__, f, indent=1)
+    return 0
+
+
+def _print_host_profile(args) -> int:
+    from ember.tools.bench import measure
+    from ember.tools.host_profile import host_profile
+
+    step, inputs, device = build_step(args.workload, args.mode, args.compiler, args.scale)
+    result = host_profile(lambda: step(*inputs), args.calls, sync=lambda: measure.sync(device))
+    print(f"{args.workload} {args.mode}, {args.compiler} on {device}, {args.calls} steps")
     print(result.table())
     if args.json:
         with open(args.json, "w") as f:

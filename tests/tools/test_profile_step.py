@@ -67,3 +67,32 @@ def test_verdicts():
     gaps = dict.fromkeys(CATEGORIES, 0.0) | {"fused kernels": 0.3, "launch overhead": 0.7}
     v = verdict(gaps, 1.0, 0.3, 100)
     assert v.startswith("overhead-bound") and "70%" in v, v
+
+
+def test_host_profile_charges_each_layer(capsys, tmp_path):
+    """`--host`: the step's own time by layer; ember's generated host program and runtime are charged
+    to ember, Dynamo's frame wrapper to Dynamo, the matrix products to builtins."""
+    out_json = tmp_path / "host.json"
+    assert (
+        main(
+            ["tiny_mlp_b1", "--mode", "inference", "--scale", "tiny", "--host", "--calls", "5", "--json", str(out_json)]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "own time by layer" in out, out
+    import json
+
+    layers = json.loads(out_json.read_text())["layers_us"]
+    assert layers["ember"] > 0 and layers["Dynamo"] > 0 and layers["builtins"] > 0, layers
+
+
+def test_layer_of_files():
+    from ember.tools.host_profile import layer_of
+
+    assert layer_of("<ember host program>") == "ember"
+    assert layer_of("/x/site-packages/torch/_dynamo/eval_frame.py") == "Dynamo"
+    assert layer_of("/x/site-packages/torch/_functorch/_aot_autograd/runtime_wrappers.py") == "AOTAutograd"
+    assert layer_of("/x/site-packages/triton/backends/nvidia/driver.py") == "Triton"
+    assert layer_of("/x/site-packages/torch/nn/modules/module.py") == "other torch"
+    assert layer_of("~") == "builtins"
