@@ -223,7 +223,10 @@ class DirectLaunch:
 
         self.fn, self.interpreted, self.stream = fn, interpreted, current_stream
         self.names = list(fn.arg_names)
-        self.compiled: dict[tuple, tuple] = {}
+        self.compiled: dict[tuple, tuple] = {}  # Triton's specialization -> launcher
+        # The same launchers by the arguments' values: a step calls with the same sizes and strides
+        # each time, and one tuple lookup costs less than specializing a hundred integers.
+        self.by_value: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, warps: int, stages: int) -> None:
         """Launch over `grid` with the kernel's tensor parameters, then its other ones, in order."""
@@ -232,8 +235,15 @@ class DirectLaunch:
             return
         device = tensors[0].device.index or 0
         aligned = tuple((t.data_ptr() & 15) == 0 for t in tensors)
-        key = (device, aligned, tuple(map(_specialized, scalars)), tuple(consts.values()), warps, stages)
-        hit = self.compiled.get(key)
+        exact = (device, aligned, scalars, tuple(consts.values()), warps, stages)
+        hit = self.by_value.get(exact)
+        if hit is None:
+            key = (device, aligned, tuple(map(_specialized, scalars)), exact[3], warps, stages)
+            hit = self.compiled.get(key)
+            if hit is not None and hit[0] != "jit":
+                if len(self.by_value) >= _BY_VALUE_LIMIT:
+                    self.by_value.clear()
+                self.by_value[exact] = hit
         if hit is None or hit[0] == "jit":
             on_device = torch.cuda.device(device) if tensors[0].is_cuda else contextlib.nullcontext()
             with on_device:  # Triton compiles for, and launches on, the current device
@@ -273,6 +283,9 @@ class DirectLaunch:
             return ("jit",)
         tail = tuple(consts[name] for name in self.names[tensors + len(scalars) :])
         return ("triton", *handles, tail)
+
+
+_BY_VALUE_LIMIT = 256  # distinct argument values remembered per kernel (dynamic sizes add one each)
 
 
 def _specialized(x):

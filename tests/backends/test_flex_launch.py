@@ -126,3 +126,26 @@ def test_a_binary_no_launcher_can_load_keeps_launching_through_triton(monkeypatc
     for _ in range(2):
         fn((1,), (torch.zeros(4),), (3, 0.5), {"A": 1, "B": 2}, 4, 3)
     assert [entry[0] for entry in jit.log] == ["jit", "jit"]
+
+
+def test_repeated_arguments_skip_specializing(monkeypatch):
+    """A step's calls repeat their sizes and strides: after the first, the launcher is found by the
+    arguments' values without specializing each integer again; new values specialize once."""
+    import ember.backends.flex as flex_backend
+    import ember.backends.triton as triton_backend
+    from ember.backends import static_launch
+
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
+    specialized = []
+    real = flex_backend._specialized
+    monkeypatch.setattr(flex_backend, "_specialized", lambda x: specialized.append(x) or real(x))
+    jit = _Jit()
+    fn = DirectLaunch(jit, False)
+    x = torch.zeros(64)
+    for _ in range(3):
+        fn((1,), (x,), (10, 0.5), {"A": 1, "B": 2}, 4, 3)
+    assert len(specialized) == 4  # the compiling call and the first direct one, two scalars each
+    fn((1,), (x,), (11, 0.5), {"A": 1, "B": 2}, 4, 3)
+    assert len(specialized) == 6
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct", "direct"]
