@@ -226,3 +226,21 @@ def test_cpu_peak_memory_prints_no_profiler_noise():
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip()) > 0, r.stdout
     assert "profiler_start" not in r.stderr and "profiler_stop" not in r.stderr, r.stderr[-2000:]
+
+
+def test_flop_formulas_count_gqa_attention_over_every_query_head():
+    """torch's FLOP formula for the CUDA SDPA ops asserts equal query and key heads; the bench's own
+    formulas count a GQA call as its key/value heads shared by every query head."""
+    from torch.utils import flop_counter as fc
+
+    from ember.tools.bench import measure
+
+    formulas = measure._sdpa_formulas()
+    q, kv, grad = (2, 8, 128, 64), (2, 2, 128, 64), (2, 8, 128, 64)
+    full = fc.sdpa_flop_count(q, q, q)
+    for op, formula in formulas.items():
+        if "backward" in str(op):
+            assert formula(grad, q, kv, kv) == fc.sdpa_backward_flop_count(grad, q, q, q), op
+        else:
+            assert formula(q, kv, kv) == full, op
+    assert any("flash_attention_for_cpu" in str(op) for op in formulas)

@@ -445,23 +445,37 @@ def measure_ceilings(device: torch.device, dtypes: list[torch.dtype], scale: str
 # The limit: bytes that must move and FLOPs that must be done.
 
 
-def _cpu_sdpa_formulas() -> dict:
-    """Formulas for the CPU flash-attention ops, which torch's FLOP counter does not cover."""
+def _heads_of(query_shape, shape):
+    """A key or value shape with the query's head count (GQA shares each key/value head among
+    several query heads: the products run over every query head)."""
+    return (*shape[:-3], query_shape[-3], *shape[-2:])
+
+
+def _sdpa_formulas() -> dict:
+    """FLOP formulas for the fused attention ops, on shapes: the CPU flash ops, which torch's counter
+    does not cover, and the CUDA ones, whose formulas in torch assert as many key/value heads as
+    query heads (GQA fails them)."""
     from torch.utils import flop_counter as fc
 
     aten = torch.ops.aten
-    table = {}
 
     def fwd(query, key, value, *args, out_shape=None, **kwargs):
-        return fc.sdpa_flop_count(query, key, value)
+        return fc.sdpa_flop_count(query, _heads_of(query, key), _heads_of(query, value))
 
     def bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs):
-        return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+        return fc.sdpa_backward_flop_count(grad_out, query, _heads_of(query, key), _heads_of(query, value))
 
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        table[aten._scaled_dot_product_flash_attention_for_cpu] = fwd
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        table[aten._scaled_dot_product_flash_attention_for_cpu_backward] = bwd
+    table = {}
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ):
+        if hasattr(aten, name):
+            table[getattr(aten, name)] = fwd
+        if hasattr(aten, name + "_backward"):
+            table[getattr(aten, name + "_backward")] = bwd
     return table
 
 
@@ -476,7 +490,7 @@ def count_flops(step: Step, inputs: tuple) -> int:
     counting = Step(step.fn, step.train, step.autocast, step.device)
     counting.cotangents, counting.via_backward = step.cotangents, True
     try:
-        with FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_formulas()) as counter:
+        with FlopCounterMode(display=False, custom_mapping=_sdpa_formulas()) as counter:
             counting(*inputs)
     except TypeError:
         # An op the counter's mode cannot run (torch's eager flex_attention under a dispatch mode): the
