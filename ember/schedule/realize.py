@@ -13,11 +13,13 @@ import sympy
 import torch
 
 from ember.ir.graph import Node, Value, layout_of
+from ember.ir.ops import POINTWISE
 from ember.ir.sizes import index_symbol, product
 from ember.ir.views import VIEW_KINDS, strides_of
 from ember.schedule.cost import size_hint
 from ember.schedule.state import ScheduleState
 from ember.schedule.steps import AliasStep
+from ember.target import Target
 
 
 def view_chain(value: Value) -> tuple[Value, list[Node]]:
@@ -65,6 +67,12 @@ def realize_shared(state: ScheduleState) -> None:
     layer's norm grows with depth).
     A realized value costs nothing when its consumers fuse with it: it is stored only if a
     kernel outside its own reads it.
+
+    Also worth computing once: a value whose expression holds transcendental work (sin, erf,
+    sigmoid, ...) and that a reader broadcasts over a much larger domain (`costly_to_broadcast`). Inlined,
+    every element of the reader evaluates it again: rotary embeddings' cos and sin of a [tokens,
+    rotary dims] table, recomputed in the backward by AOTAutograd's partitioner, were evaluated
+    once per head and per q/k/v column of the fused gradient.
     """
     realized = set(state.realized)
     users: dict[Value, int] = {}
@@ -74,7 +82,9 @@ def realize_shared(state: ScheduleState) -> None:
         # A node that reads a value twice (x * x) is one reader: it fuses with it once.
         for root in {view_chain(v)[0] for v in node.value_inputs()}:
             users[root] = users.get(root, 0) + 1
+    widest = _widest_reads(state.graph)
     reads: dict[Value, frozenset] = {}
+    work: dict[Value, int] = {}  # flops per element of a value's inlined expression
     for node in state.graph.nodes:
         if node.op in ("full", "iota"):
             # Computed from the loop position alone: no buffer to re-read (nll_loss's
@@ -91,12 +101,56 @@ def realize_shared(state: ScheduleState) -> None:
         # Buffers much smaller than v (batch norm's per-channel mean under x - mean) are re-read
         # from cache by each consumer: only buffers of about v's size make inlining costly.
         large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
-        if v in realized or worth_storing(users.get(v, 0), [b.dtype.itemsize for b in large], v.dtype.itemsize):
+        flops = POINTWISE[node.attrs["fn"]].flops if node.op == "pointwise" else 0
+        work[v] = flops + sum(work.get(view_chain(x)[0], 0) for x in node.value_inputs())
+        if (
+            v in realized
+            or worth_storing(users.get(v, 0), [b.dtype.itemsize for b in large], v.dtype.itemsize)
+            or costly_to_broadcast(work[v], size_hint(product(v.shape)), widest.get(v, 0), state.target)
+        ):
             if v not in realized:
                 state.realized.append(v)
             reads[v] = frozenset({v})
+            work[v] = 0
         else:
             reads[v] = frozenset(touched)
+
+
+# An expression with at least this many flops per element (a sin, cos, erf, sigmoid, tanh or pow;
+# ir/ops.py; an exp, log or rsqrt alone stays inlined: a norm's rsqrt of its row statistics is
+# evaluated per element in the kernel that reduces the rows) is evaluated once rather than in
+# every element of a reader at least `BROADCAST_FACTOR` times its size, where the work saved
+# outweighs the launch of the kernel that computes it.
+TRANSCENDENTAL_FLOPS = 8
+BROADCAST_FACTOR = 4
+
+
+def costly_to_broadcast(work: int, elements: int, widest_reader: int, target: Target) -> bool:
+    """Whether inlining a value of `elements` elements whose expression costs `work` flops each
+    into a reader of `widest_reader` elements would evaluate transcendental work many times over,
+    for longer than a launch takes on `target` (where it knows its rates). Computed once, the value
+    costs a small write and reads that mostly hit the cache."""
+    if work < TRANSCENDENTAL_FLOPS or elements <= 0 or widest_reader < BROADCAST_FACTOR * elements:
+        return False
+    if not target.flop_rate or not target.launch_seconds:
+        return True
+    return (widest_reader - elements) * work / target.flop_rate >= target.launch_seconds
+
+
+def _widest_reads(graph) -> dict[Value, int]:
+    """For each value, the largest domain (elements) in which some node reads it through views:
+    the reader's output, or the view it reads (an expand is read at its full size)."""
+    widest: dict[Value, int] = {}
+    for node in graph.nodes:
+        if node.op == "view":
+            continue
+        out = max((size_hint(product(o.shape)) for o in node.outputs if isinstance(o, Value)), default=0)
+        for x in node.value_inputs():
+            root = view_chain(x)[0]
+            size = max(out, size_hint(product(x.shape)))
+            if size > widest.get(root, 0):
+                widest[root] = size
+    return widest
 
 
 def worth_storing(readers: int, large_itemsizes: list[int], itemsize: int) -> bool:

@@ -282,3 +282,34 @@ def test_only_the_sibling_merges_live_at_a_raised_peak_are_refused():
     assert by_value[total] is by_value[largest], [(k.name, k.origins) for k in kernels]
     refusals = [d.reason for d in sched.decisions if "sibling merges refused" in d.reason]
     assert refusals and all("live at the peak" in r for r in refusals), refusals
+
+
+def test_transcendental_value_broadcast_over_heads_is_computed_once():
+    """Rotary embeddings: cos and sin of a [tokens, dims] angle table multiply q of [heads, tokens,
+    dims]. Inlined, every head would evaluate them again; they are computed once, in a small kernel,
+    and the kernel over q reads them."""
+    b = G()
+    angles, q = b.input(16, 8), b.input(4, 16, 8)
+    cos, sin = b.pw("cos", angles), b.pw("sin", angles)
+    wide = lambda v: b.view("expand", b.view("unsqueeze", v, dim=0), shape=(I(4), I(16), I(8)))
+    y = b.pw("add", b.pw("mul", q, wide(cos)), b.pw("mul", q, wide(sin)))
+    kernels = b.schedule(y).kernels
+    (big,) = [k for k in kernels if y in k.writes]
+    assert cos in big.reads and sin in big.reads, [(k.writes, k.reads) for k in kernels]
+    source = render_triton(big, TRITON).source
+    assert "tl.cos" not in source and "tl.sin" not in source, source
+
+
+def test_cheap_or_same_size_values_stay_inlined():
+    """Only transcendental work read over a much larger domain is computed apart: a scale read over
+    the heads (one multiply) and a sin read at its own size stay inside the one kernel."""
+    b = G()
+    t, q = b.input(16, 8), b.input(4, 16, 8)
+    scale = b.pw("mul", t, 2.0)
+    wide = b.view("expand", b.view("unsqueeze", scale, dim=0), shape=(I(4), I(16), I(8)))
+    y = b.pw("mul", q, wide)
+    (k,) = b.schedule(y).kernels
+    assert k.reads == [q, t] or k.reads == [t, q], k.reads
+    z = b.pw("mul", b.pw("sin", t), t)
+    (k2,) = b.schedule(z).kernels
+    assert k2.reads == [t]
