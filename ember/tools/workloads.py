@@ -267,3 +267,44 @@ class LlamaBlock(nn.Module):
         x = x + self.wo(y.transpose(1, 2).reshape(B, S, C))
         h = self.mlp_norm(x)
         return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: two 3×3 convolutions with batch norm, and a 1×1 projection on the residual
+    path where the block strides or widens."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """A ResNet of basic blocks: a 7×7 stem and max pool, `depths[i]` blocks of width `widths[i]` (each
+    stage after the first halves the resolution), global average pool, a linear classifier.
+    ResNet(64, (64, 128, 256, 512), (2, 2, 2, 2)) is ResNet-18."""
+
+    def __init__(self, stem: int, widths: tuple[int, ...], depths: tuple[int, ...], classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, stem, 7, 2, 3, bias=False), nn.BatchNorm2d(stem), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        blocks, cin = [], stem
+        for stage, (width, depth) in enumerate(zip(widths, depths)):
+            for k in range(depth):
+                blocks.append(BasicBlock(cin, width, 2 if stage > 0 and k == 0 else 1))
+                cin = width
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.blocks(self.stem(x)), 1), 1))

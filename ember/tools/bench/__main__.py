@@ -7,6 +7,7 @@
     ember bench --from-jsonl a.jsonl b.jsonl --out DIR   # re-render / merge runs
     ember bench --accuracy --no-inductor                 # float64-reference accuracy, not speed
     ember bench --profile --workloads resnet50 --modes train   # top kernels, host and device time per call
+    ember bench --workloads dynamic --compile-time none        # one compile called at many sizes (dynamic.py)
 
 Prints the main columns (--wide: all of them) and writes every column to table.md and table.txt,
 with results.jsonl and bench.png, in --out (default results/bench-DATE). `python -m
@@ -32,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--workloads",
         default="all",
-        help="all (every group but zoo), micro, model, host, optim, flex, zoo, or names (comma-separated)",
+        help="all (every group but zoo and cpu_models), micro, model, host, optim, flex, dynamic, zoo, cpu_models, "
+        "or names (comma-separated)",
     )
     p.add_argument("--modes", default="inference,train", help="inference, train, or both")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
@@ -117,9 +119,12 @@ def _compilers(args) -> list[str]:
 
 
 def _compile_keys(spec: str, cases) -> list[str] | None:
-    """The cases to time compiling for, in the order named (so a time budget spends itself on the first)."""
+    """The cases to time compiling for, in the order named (so a time budget spends itself on the first).
+    A workload that measures itself (a decoding loop, a dynamic-shape sweep) has no step for a fresh
+    process to build: its own record holds its first calls' times."""
     if spec == "none":
         return None
+    cases = [c for c in cases if c.workload.runner is None]
     if spec == "all":
         return [c.key for c in cases]
     keys: list[str] = []
@@ -211,6 +216,8 @@ def _one_line(r: dict) -> str:
     cells = []
     for comp, c in r["compilers"].items():
         cells.append(f"{comp} {c['ms']:.3f} ms" if c.get("ms") else f"{comp} {c.get('status')}")
+        if "frames" in c:  # a dynamic-shape row: its time is the geometric mean over sizes
+            cells[-1] += f" ({c['frames']} frames)"
     return f"{r['case']}: " + ", ".join(cells)
 
 

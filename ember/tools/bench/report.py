@@ -45,6 +45,7 @@ class Run:
     ceilings: dict | None = None
     cases: dict[str, dict] = field(default_factory=dict)
     compile: dict[str, dict] = field(default_factory=dict)
+    dynamic: dict[str, dict] = field(default_factory=dict)  # dynamic-shape rows (dynamic.py): a table of their own
 
     @classmethod
     def of(cls, records: list[dict]) -> Run:
@@ -55,6 +56,8 @@ class Run:
                 run.env.append(r)
             elif kind == "ceilings" and run.ceilings is None:
                 run.ceilings = r
+            elif kind == "case" and r.get("kind") == "dynamic":
+                run.dynamic[r["case"]] = r
             elif kind == "case":
                 run.cases[r["case"]] = r
             elif kind == "compile" and not (r.get("skipped") and "compilers" in run.compile.get(r["case"], {})):
@@ -71,7 +74,7 @@ class Run:
         names: list[str] = []
         for env in self.env:
             names += [c for c in env.get("compilers", []) if c not in names]
-        for case in self.cases.values():
+        for case in [*self.cases.values(), *self.dynamic.values()]:
             names += [c for c in case.get("compilers", {}) if c != "eager" and c not in names]
         return names
 
@@ -264,12 +267,130 @@ def timing_notes(run: Run) -> list[str]:
         busy = timing_noise.load_warning(load[0] if load else None, env.get("cpus") or 1)
         if busy:
             notes.append(f"when the run of {env.get('date', '?')} on {env['device']} began, {busy}")
-    for key, case in run.cases.items():
+    for key, case in [*run.cases.items(), *run.dynamic.items()]:
         for c, e in case.get("compilers", {}).items():
             uneven = timing_noise.spread_warning(f"{key}: {label(c)}", e.get("ms_rounds") or [])
             if uneven:
                 notes.append(uneven)
     return notes
+
+
+DYNAMIC_TITLE = (
+    "Dynamic shapes: each compiled once with dynamic=None, then called at every size in turn; "
+    "ms: the geometric mean over sizes"
+)
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def sizes_ms(case: dict, compiler: str) -> list[float] | None:
+    """A dynamic-shape row's steady-state ms at each size for `compiler` (None: not timed at every size)."""
+    c = case.get("compilers", {}).get(compiler)
+    if not c or c.get("status") not in TIMED:
+        return None
+    ms = [p.get("ms") for p in c.get("sizes", [])]
+    return ms if ms and all(ms) else None
+
+
+def versus_by_size(case: dict, compiler: str, baseline: str = "inductor") -> list[float]:
+    """baseline ms ÷ compiler ms at each size of a dynamic-shape row; empty unless both ran every size."""
+    base, t = sizes_ms(case, baseline), sizes_ms(case, compiler)
+    return [b / x for b, x in zip(base, t)] if base and t and len(base) == len(t) else []
+
+
+def _frames_cell(c: dict | None) -> str:
+    if not c or "frames" not in c:
+        return "-"
+    breaks = c.get("graph_breaks")
+    return f"{c['frames']}" + (f" ({breaks} breaks)" if breaks else "")
+
+
+def _float64_cell(c: dict | None) -> str:
+    if not c or not c.get("sizes"):
+        return "-" if not c or c.get("status") != "error" else "error"
+    passed = sum(p["float64"] == "pass" for p in c["sizes"])
+    cell = f"{passed}/{len(c['sizes'])}"  # sizes passing
+    if c.get("status") == "error":
+        return cell + " then error"
+    return cell if passed == len(c["sizes"]) else cell + " FAIL"
+
+
+def dynamic_rows(run: Run) -> tuple[list[str], list[list[str]], list[str]]:
+    """(header, rows, notes) of the dynamic-shape rows (dynamic.py): per compiler the frames compiled
+    over every size, the compile time (the sum of each size's first call), the steady-state geometric
+    mean over sizes and the sizes passing the float64 rule; ember ÷ Inductor, the geometric mean over
+    sizes of Inductor ms ÷ ember ms, and its range over the sizes."""
+    compilers = [c for c in run.compilers if c not in PEERS]
+    embers = [c for c in compilers if c.startswith("ember")]
+    header = ["workload", "shape", "dtype"] + [f"{label(c)} frames" for c in compilers]
+    header += [f"{label(c)} compile s" for c in compilers]
+    header += [f"{label(c)} ms" for c in ["eager", *compilers]]
+    if "inductor" in compilers:
+        header += [f"{label(c)} ÷ {label(baseline(c, compilers))}" for c in embers]
+        header += [f"{label(c)} ÷ {label(baseline(c, compilers))}, sizes min–max" for c in embers]
+    header += [f"{label(c)} float64" for c in compilers]
+    rows, notes = [], []
+    for key, case in run.dynamic.items():
+        row = [case["workload"], case.get("shape", ""), case.get("dtype", "")]
+        if case.get("skipped") or case.get("error"):
+            why = case.get("skipped") or f"error: {case['error']}"
+            notes.append(f"{key}: {why}")
+            rows.append(row + ["skipped" if case.get("skipped") else "error"] + ["-"] * (len(header) - 4))
+            continue
+        comps = case.get("compilers", {})
+        row += [_frames_cell(comps.get(c)) for c in compilers]
+        row += [f"{comps[c]['compile_s']:.1f}" if "compile_s" in comps.get(c, {}) else "-" for c in compilers]
+        row += [_cell_ms(case, c) for c in ["eager", *compilers]]
+        if "inductor" in compilers:
+            row += [_x(versus(case, c, baseline(c, compilers))) for c in embers]
+            row += [_range(versus_by_size(case, c, baseline(c, compilers))) for c in embers]
+        row += [_float64_cell(comps.get(c)) for c in compilers]
+        rows.append(row)
+        for c in compilers:
+            e = comps.get(c, {})
+            for fb in e.get("fallbacks", []):
+                notes.append(f"{key}: {label(c)} ran a graph eagerly: {fb[:200]}")
+            if e.get("status") in ("mismatch", "error", "skipped") or e.get("note") and e.get("status") == "ok":
+                notes.append(f"{key}: {label(c)} {e['status']}: {e.get('note', '')[:300]}")
+            if e.get("frames", 0) > 2:
+                reasons = "; ".join(e.get("recompile_reasons", [])[:3])
+                notes.append(f"{key}: {label(c)} compiled {e['frames']} frames; Dynamo's reasons: {reasons}")
+            if e.get("recompiled_while_timing"):
+                notes.append(f"{key}: {label(c)} compiled {e['recompiled_while_timing']} more graphs while timed")
+    return header, rows, notes
+
+
+def dynamic_main_columns(run: Run, header: list[str]) -> list[int]:
+    """The dynamic-shape table's columns a terminal shows unless asked for all: the frames and the
+    geometric-mean time of each compiler, and ember's ratio to Inductor and float64 result."""
+    compilers = [c for c in run.compilers if c not in PEERS]
+    embers = [c for c in compilers if c.startswith("ember")]
+    keep = {"workload"} | {f"{label(c)} frames" for c in compilers}
+    keep |= {f"{label(c)} ms" for c in ["eager", *compilers]}
+    keep |= {f"{label(e)} ÷ {label(baseline(e, compilers))}" for e in embers}
+    keep |= {f"{label(e)} float64" for e in embers}
+    return [i for i, name in enumerate(header) if name in keep]
+
+
+def dynamic_summary(run: Run) -> list[str]:
+    """Per dynamic-shape row and ember column: ember ÷ Inductor as the geometric mean over sizes, its
+    range, and each one's frames."""
+    lines = []
+    for case in run.dynamic.values():
+        for c in [c for c in run.compilers if c.startswith("ember")]:
+            base = baseline(c, run.compilers)
+            by_size = versus_by_size(case, c, base)
+            if not by_size:
+                continue
+            comps = case["compilers"]
+            lines.append(
+                f"{label(c)} ÷ {label(base)}, {case['workload']} over {len(by_size)} sizes: geometric mean "
+                f"{_geomean(by_size):.2f}× ({_range(by_size)}); frames {comps[c].get('frames')} vs "
+                f"{comps[base].get('frames')}"
+            )
+    return lines
 
 
 def main_columns(run: Run, header: list[str]) -> list[int]:
@@ -329,31 +450,48 @@ def summary(run: Run, worst: int = 3) -> list[str]:
             lines.append(
                 f"{label(c)} ÷ {label(base)}, {mode}: geometric mean {mean:.2f}× over {len(got)} rows; lowest: {low}"
             )
-    return lines
+    return lines + dynamic_summary(run)
+
+
+def _tables(run: Run, wide: bool = True) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+    """(title, header, rows, notes) of each table the run has: the main one (unless the run has only
+    dynamic-shape rows), then the dynamic-shape one; `wide` False keeps their main columns."""
+    tables = []
+    if run.cases or not run.dynamic:
+        header, rows, notes = table_rows(run)
+        if not wide:
+            header, rows = _columns(header, rows, main_columns(run, header))
+        tables.append(("", header, rows, notes))
+    if run.dynamic:
+        header, rows, notes = dynamic_rows(run)
+        if not wide:
+            header, rows = _columns(header, rows, dynamic_main_columns(run, header))
+        tables.append((DYNAMIC_TITLE, header, rows, notes))
+    return tables
 
 
 def markdown(run: Run) -> str:
-    header, rows, notes = table_rows(run)
-    out = [f"- {line}" for line in describe_env(run)] + [f"- {line}" for line in summary(run)] + [""]
-    out.append("| " + " | ".join(header) + " |")
-    out.append("|" + "---|" * len(header))
-    out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
-    if notes:
-        out += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    out = [f"- {line}" for line in describe_env(run)] + [f"- {line}" for line in summary(run)]
+    for title, header, rows, notes in _tables(run):
+        out += ["", title, ""] if title else [""]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "---|" * len(header))
+        out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+        if notes:
+            out += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
 
 
 def plain(run: Run, wide: bool = True) -> str:
-    """The table as text: every column (table.txt), or the main ones (a terminal without rich)."""
-    header, rows, notes = table_rows(run)
-    if not wide:
-        header, rows = _columns(header, rows, main_columns(run, header))
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = describe_env(run) + summary(run) + [""]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
-    if notes:
-        lines += ["", "notes:"] + [f"  {n}" for n in notes]
+    """The tables as text: every column (table.txt), or the main ones (a terminal without rich)."""
+    lines = describe_env(run) + summary(run)
+    for title, header, rows, notes in _tables(run, wide):
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        lines += ["", title] if title else [""]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+        if notes:
+            lines += ["", "notes:"] + [f"  {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 
@@ -367,26 +505,33 @@ def print_table(run: Run, console=None, wide: bool = False) -> None:
         print(plain(run, wide=wide))
         print("(install rich for a formatted table)")
         return
-    header, rows, notes = table_rows(run)
-    caption = describe_env(run)
-    if not wide:
-        header, rows = _columns(header, rows, main_columns(run, header))
-        caption.append("shapes, peak memory, compile times, kernels: table.md / table.txt, or --wide")
-    # Columns one space apart (SIMPLE_HEAD's separators are spaces): the main ones fit 80 characters.
-    table = Table(title="ember bench", caption="\n".join(caption), box=box.SIMPLE_HEAD, padding=(0, 0))
-    for h in header:
-        table.add_column(h if wide else _two_lines(h), overflow="fold")
-    for row in rows:
-        style = "red" if any("MISMATCH" in c or c.startswith("error") for c in row) else None
-        table.add_row(*row, style=style)
     if console is None:
         from rich.console import Console
 
         console = Console(width=max(200, Console().width)) if wide else Console()
-    console.print(table)
+    every_note = []
+    tables = _tables(run, wide)
+    for k, (title, header, rows, notes) in enumerate(tables):
+        caption = describe_env(run) if k == len(tables) - 1 else []  # under the last table
+        if caption and not wide:
+            caption.append("shapes, peak memory, compile times, kernels: table.md / table.txt, or --wide")
+        # Columns one space apart (SIMPLE_HEAD's separators are spaces): the main ones fit 80 characters.
+        table = Table(
+            title=f"ember bench: {title}" if title else "ember bench",
+            caption="\n".join(caption) or None,
+            box=box.SIMPLE_HEAD,
+            padding=(0, 0),
+        )
+        for h in header:
+            table.add_column(h if wide else _two_lines(h), overflow="fold")
+        for row in rows:
+            style = "red" if any("MISMATCH" in c or c.startswith("error") or "FAIL" in c for c in row) else None
+            table.add_row(*row, style=style)
+        console.print(table)
+        every_note += notes
     for line in summary(run):
         console.print(line, highlight=False)
-    for n in notes:
+    for n in every_note:
         console.print(f"[yellow]note[/yellow] {n}", markup=True, highlight=False)
 
 
@@ -402,7 +547,7 @@ def plot(run: Run, path: str) -> str | None:
     compilers = run.compilers
     cases = [c for c in run.cases.values() if not c.get("skipped") and not c.get("error") and c.get("compilers")]
     if not cases:
-        return "no timed cases: no PNG"
+        return "no timed cases of fixed shape: no PNG" if run.dynamic else "no timed cases: no PNG"
     names = [f"{c['workload']}\n{c['mode']}" for c in cases]
     colors = {"eager": "#999999", "inductor": "#4c72b0"}
     palette = ["#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]

@@ -5,7 +5,8 @@ down for a 2-core machine: fewer rows, fewer layers, smaller batches; the memory
 workloads keep 32-64 MB per tensor so that they do not run from a CPU's last-level cache),
 "tiny" (the CI test).
 The "zoo" group (zoo.py) holds real architectures built from configs; "cpu_models" (cpu_models.py)
-small float32 configs of real models for CPU inference.
+small float32 configs of real models for CPU inference; "dynamic" (dynamic.py) one compiled program
+called at many sizes.
 Workloads that need transformers, timm or torchvision are skipped with a note when the package does
 not import.
 """
@@ -20,7 +21,17 @@ import torch
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import cpu_models, decode, flex_workloads, host_cost, jax_step, optimizers, train_loop, zoo
+from ember.tools.bench import (
+    cpu_models,
+    decode,
+    dynamic,
+    flex_workloads,
+    host_cost,
+    jax_step,
+    optimizers,
+    train_loop,
+    zoo,
+)
 from ember.tools.bench.built import Built
 
 
@@ -447,11 +458,12 @@ WORKLOADS: dict[str, Workload] = {
         *_attention_workloads(),
         *zoo.workloads(Workload),
         *cpu_models.workloads(Workload),
+        *dynamic.workloads(Workload),
     ]
 }
 
 
-GROUPS = ("micro", "model", "host", "optim", "flex", "zoo", "cpu_models")
+GROUPS = ("micro", "model", "host", "optim", "flex", "zoo", "cpu_models", "dynamic")
 
 
 @dataclass(frozen=True)
