@@ -135,13 +135,26 @@ def _ember_source() -> str:
     return h.hexdigest()
 
 
+# Triton variables that say where files go or how its cache is kept, not what a binary holds: a
+# cache imported on a machine whose Triton cache lives elsewhere must still find its kernels.
+_TRITON_LOCATIONS = frozenset(
+    {"TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND"}
+)
+
+
 def triton_identity() -> tuple:
     """What picks the binary Triton makes of a source besides the source and the GPU: Triton's
     version and the environment variables that steer its passes and its compilers' (TRITON_*,
-    MLIR_*, LLVM_*)."""
+    MLIR_*, LLVM_*; not those naming only places, _TRITON_LOCATIONS)."""
     import triton
 
-    steering = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "MLIR_", "LLVM_"))))
+    steering = tuple(
+        sorted(
+            (k, v)
+            for k, v in os.environ.items()
+            if k.startswith(("TRITON_", "MLIR_", "LLVM_")) and k not in _TRITON_LOCATIONS
+        )
+    )
     return triton.__version__, steering
 
 

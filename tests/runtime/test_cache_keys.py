@@ -95,3 +95,16 @@ def test_a_schedule_key_holds_the_target(tmp_path):
         assert schedule_cache.schedule_key(gm, "inference", ("cpp", 0, 512)) != schedule_cache.schedule_key(
             gm, "inference", ("cpp", 0, 513)
         )
+
+
+def test_triton_identity_follows_what_steers_binaries_not_where_files_go(monkeypatch):
+    """A cache imported where Triton keeps its files elsewhere (another TRITON_CACHE_DIR) must find
+    its kernels and launch records; a variable that changes the binary still changes the key."""
+    from ember.runtime.cache import triton_identity
+
+    base = triton_identity()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    monkeypatch.setenv("TRITON_HOME", "/another/home")
+    assert triton_identity() == base
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert triton_identity() != base
