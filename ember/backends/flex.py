@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import shutil
 import subprocess
 import sys
@@ -87,9 +88,10 @@ class FlexKernel:
         buffers = rest[2:] if spec.has_full_blocks else rest
         B, H, M, _ = q.shape
         N = k.shape[2]
-        out = _like_query(q, spec.value_dim)
-        lse = torch.empty((B, H, M), dtype=spec.work_dtype, device=q.device)
-        mx = torch.empty((B, H, M), dtype=spec.work_dtype, device=q.device)
+        empty = _allocator(q.device)
+        out = _like_query(q, spec.value_dim, empty)
+        lse = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
+        mx = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
         if B == 0 or H == 0 or M == 0:
             return (out, lse, mx)[: self.results]
         # A key/value batch of 1 serves every query batch (eager broadcasts it).
@@ -158,7 +160,7 @@ class FlexBackwardKernel:
     def _delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         """rowsum(dout * out) in the work dtype, [B, H, M] contiguous."""
         B, H, M, DV = out.shape
-        delta = torch.empty((B, H, M), dtype=self.spec.forward.work_dtype, device=out.device)
+        delta = _allocator(out.device)((B, H, M), (H * M, M, 1), self.spec.forward.work_dtype)
         dv_pad = max(16, pow2(DV))
         rows = max(1, min(64, 4096 // dv_pad))
         grid = ((B * H * M + rows - 1) // rows,)
@@ -172,7 +174,8 @@ class FlexBackwardKernel:
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = block_mask[2:10]
         B, H, M, _ = q.shape
         N = k.shape[2]
-        dq, dk, dv = _like_query(q, fwd.head_dim), _like_query(k, fwd.head_dim), _like_query(v, fwd.value_dim)
+        empty = _allocator(q.device)
+        dq, dk, dv = (_like_query(t, d, empty) for t, d in ((q, fwd.head_dim), (k, fwd.head_dim), (v, fwd.value_dim)))
         nones = (None,) * len(sbufs)
         if q.numel() == 0 or k.numel() == 0:
             return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
@@ -234,7 +237,8 @@ class DirectLaunch:
             self.fn[grid](*tensors, *scalars, **consts)
             return
         device = tensors[0].device.index or 0
-        aligned = tuple((t.data_ptr() & 15) == 0 for t in tensors)
+        ptrs = [t.data_ptr() for t in tensors]
+        aligned = tuple((p & 15) == 0 for p in ptrs)
         exact = (device, aligned, scalars, tuple(consts.values()), warps, stages)
         hit = self.by_value.get(exact)
         if hit is None:
@@ -255,7 +259,7 @@ class DirectLaunch:
         stream = self.stream(device)
         if hit[0] == "static":
             _, st, codes, kept = hit
-            passed = (*[t.data_ptr() for t in tensors], *[scalars[i] for i in kept], *([None] * st.scratch))
+            passed = (*ptrs, *[scalars[i] for i in kept], *([None] * st.scratch))
             st.launch(st.function, gx, gy, gz, st.num_warps, st.shared, codes, passed, stream)
         else:
             _, run, function, meta, tail = hit
@@ -324,15 +328,26 @@ def _check_index_range(buffers) -> None:
             )
 
 
-def _like_query(q: torch.Tensor, dv: int) -> torch.Tensor:
-    """out in the dim order of q's strides (eager's `_permute_strides`)."""
+def _like_query(q: torch.Tensor, dv: int, empty) -> torch.Tensor:
+    """out in the dim order of q's strides (eager's `_permute_strides`), allocated by `empty`."""
     shape = (*q.shape[:3], dv)
     if q.is_contiguous() and min(q.shape[:3]) > 1:  # (a size-1 dim's place in the order is eager's tie-break)
-        return torch.empty(shape, dtype=q.dtype, device=q.device)
-    order = sorted(range(4), key=lambda d: (-q.stride(d), -d))  # outermost first
-    dense = torch.empty([shape[d] for d in order], dtype=q.dtype, device=q.device)
-    inverse = [order.index(d) for d in range(4)]
-    return dense.permute(inverse)
+        order = (0, 1, 2, 3)
+    else:
+        order = sorted(range(4), key=lambda d: (-q.stride(d), -d))  # outermost first
+    stride, step = [0] * 4, 1
+    for d in reversed(order):
+        stride[d], step = step, step * shape[d]
+    return empty(shape, tuple(stride), q.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _allocator(device: torch.device):
+    """The host program's `empty(size, stride, dtype)` for `device`: torch's C++ helper where it
+    can, which skips `torch.empty`'s Python argument parsing (codegen/host.py)."""
+    from ember.codegen.host import allocator
+
+    return allocator(device)
 
 
 def _compile_cpp(source: str, target: Target):

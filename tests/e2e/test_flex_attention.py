@@ -93,6 +93,7 @@ def _check(name, backend, B, H, S, D, heads_kv=None, transpose_q=False, epilogue
     assert "flex_attention_kernel" in hosts, f"flex_attention ran as PyTorch's op\n{line}"
     assert_close(got[0], want[0], rtol=1e-4, atol=1e-5, what="out", line=line)
     assert_close(got[1], want[1], rtol=1e-4, atol=1e-5, what="lse", line=line)
+    assert got[0].stride() == want[0].stride(), f"out laid out {got[0].stride()}, eager {want[0].stride()}\n{line}"
 
 
 @pytest.mark.parametrize("name", ["causal", "sliding", "alibi", "document", "t5"])
