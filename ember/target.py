@@ -254,6 +254,18 @@ class TuneHeuristics:
 
 
 @dataclass(frozen=True)
+class RealizeHeuristics:
+    """Which inlined values schedule/realize.py computes once. A value whose expression costs at
+    least `broadcast_min_flops` per element (ir/ops.py's flops: a sin, cos, erf, sigmoid, tanh or pow;
+    an exp, log or rsqrt alone stays inlined, as a norm's rsqrt of its row statistics in the kernel
+    that reduces the rows) and that a reader broadcasts over at least `broadcast_factor` times its
+    elements is computed once, where the redundant work also outlasts a launch (the Target's rates)."""
+
+    broadcast_min_flops: int = 8
+    broadcast_factor: int = 4
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
@@ -264,6 +276,7 @@ class Heuristics:
     cpp: CppHeuristics = CppHeuristics()
     tune: TuneHeuristics = TuneHeuristics()
     flex: FlexHeuristics = FlexHeuristics()
+    realize: RealizeHeuristics = RealizeHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`
@@ -314,7 +327,9 @@ class Target:
     interpreted: bool = False  # Triton's CPU interpreter runs the kernels: nothing is compiled
     sm_count: int = 0  # streaming multiprocessors (the interpreter's: INTERPRETER_SM_COUNT; 0: no GPU)
     arch: tuple = ()  # what binaries are built for: Triton's GPU target (backend, arch, warp size), the host CPU
-    # Measured limits, for schedule/cost.py's roofline estimate and the GEMM choice (0: unknown).
+    # Limits, for schedule/cost.py's roofline estimate, the GEMM choice and realize.py's rule for
+    # broadcast transcendental work (0: unknown). The bandwidth is measured (it varies run to run and
+    # stays out of the key); the rate and the launch cost are fixed figures, and schedules depend on them.
     bandwidth: float = 0.0  # bytes/s, a large copy
     flop_rate: float = 0.0  # FLOP/s, the specification's vector (not tensor-core) fp32 rate
     launch_seconds: float = 0.0
@@ -332,13 +347,15 @@ class Target:
 
     def key(self) -> tuple:
         """What a schedule or binary made for this target depends on, for cache keys: all but the
-        device's display name and its measured limits."""
+        device's display name and its measured bandwidth."""
         return (
             self.name,
             self.device,
             self.interpreted,
             self.sm_count,
             self.arch,
+            self.flop_rate,
+            self.launch_seconds,
             self.online_softmax,
             self.row_programs,
             astuple(self.heuristics),

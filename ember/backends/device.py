@@ -2,8 +2,9 @@
 
 The bandwidth is *measured* (a large copy, once per device and process, about 50 ms); the
 compute rate is the specification's vector (not tensor-core) fp32 rate, matched by device name;
-the launch cost is a typical figure. schedule/cost.py's roofline estimate and the GEMM choice
-(gemm_tuning.py) read them from the Target.
+the launch cost is a typical figure. schedule/cost.py's roofline estimate, the GEMM choice
+(gemm_tuning.py) and realize.py's rule for broadcast transcendental work read them from the Target;
+the rate and launch cost (not the measured bandwidth) are part of the Target's cache key.
 """
 
 from __future__ import annotations

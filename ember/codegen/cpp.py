@@ -469,7 +469,9 @@ class CppRenderer(Renderer):
             elif collapse >= 1:
                 # `if(parallel: ...)`: a plain `if` on the combined construct applies to its `simd`
                 # too (OpenMP 5.0), so a small symbolic-size kernel below the threshold ran unvectorized.
-                self.emit(f"#pragma omp parallel for{simd}{collapse_clause} if(parallel: {work} > {self.h.parallel_threshold})")
+                self.emit(
+                    f"#pragma omp parallel for{simd}{collapse_clause} if(parallel: {work} > {self.h.parallel_threshold})"
+                )
             for pos, (v, s) in enumerate(outer):
                 if is_pointwise and pos == len(outer) - 1 and len(outer) > 1:
                     self.emit("#pragma omp simd")

@@ -4,7 +4,9 @@ Graph outputs, extern inputs and reduction results do (`realize_stored`); pointw
 views do not: they are recomputed or re-indexed inside each kernel that reads them. A view that
 must exist as a tensor (an output, an extern's input) is, where its layout allows, an alias: a
 strided view of its base's buffer, so only the base is realized. Pointwise values read by
-several kernels join them where computing them once moves fewer bytes (`realize_shared`).
+several kernels join them where computing them once moves fewer bytes, and values with
+transcendental work that a reader broadcasts widely where computing them once saves that work
+(`realize_shared`).
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def realize_shared(state: ScheduleState) -> None:
         # from cache by each consumer: only buffers of about v's size make inlining costly.
         large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
         flops = POINTWISE[node.attrs["fn"]].flops if node.op == "pointwise" else 0
-        work[v] = flops + sum(work.get(view_chain(x)[0], 0) for x in node.value_inputs())
+        # Summed per read path (a shared subexpression counts once per path), so capped.
+        work[v] = min(MAX_WORK, flops + sum(work.get(view_chain(x)[0], 0) for x in node.value_inputs()))
         if (
             v in realized
             or worth_storing(users.get(v, 0), [b.dtype.itemsize for b in large], v.dtype.itemsize)
@@ -116,21 +119,16 @@ def realize_shared(state: ScheduleState) -> None:
             reads[v] = frozenset(touched)
 
 
-# An expression with at least this many flops per element (a sin, cos, erf, sigmoid, tanh or pow;
-# ir/ops.py; an exp, log or rsqrt alone stays inlined: a norm's rsqrt of its row statistics is
-# evaluated per element in the kernel that reduces the rows) is evaluated once rather than in
-# every element of a reader at least `BROADCAST_FACTOR` times its size, where the work saved
-# outweighs the launch of the kernel that computes it.
-TRANSCENDENTAL_FLOPS = 8
-BROADCAST_FACTOR = 4
+MAX_WORK = 1 << 20  # flops per element: past any threshold, and far from a float's range
 
 
 def costly_to_broadcast(work: int, elements: int, widest_reader: int, target: Target) -> bool:
     """Whether inlining a value of `elements` elements whose expression costs `work` flops each
-    into a reader of `widest_reader` elements would evaluate transcendental work many times over,
-    for longer than a launch takes on `target` (where it knows its rates). Computed once, the value
-    costs a small write and reads that mostly hit the cache."""
-    if work < TRANSCENDENTAL_FLOPS or elements <= 0 or widest_reader < BROADCAST_FACTOR * elements:
+    into a reader of `widest_reader` elements would evaluate transcendental work many times over
+    (target.heuristics.realize), for longer than a launch takes on `target` (where it knows its
+    rates). Computed once, the value costs a small write and reads that mostly hit the cache."""
+    h = target.heuristics.realize
+    if work < h.broadcast_min_flops or elements <= 0 or widest_reader < h.broadcast_factor * elements:
         return False
     if not target.flop_rate or not target.launch_seconds:
         return True

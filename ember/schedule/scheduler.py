@@ -4,7 +4,7 @@ Each pass reads and fills in one record, state.ScheduleState; each module holds 
 
 1. realize.py: which values live in memory (outputs, extern inputs, reductions, aliases of views);
 2. gemm_plan.py: which matrix products ember's GEMM template runs, each realized in a group of its own;
-3. realize.py: pointwise values read by several kernels that are cheaper computed once;
+3. realize.py: pointwise values cheaper computed once (read by several kernels, or broadcast transcendental work);
 4. groups.py: one group, with its kernel (kernel_builder.py), per realized value;
 5. fusion.py (merge.py): merge groups, the pair saving the most bytes first;
 6. order.py: store only what another step reads; order the steps topologically;

@@ -313,3 +313,22 @@ def test_cheap_or_same_size_values_stay_inlined():
     z = b.pw("mul", b.pw("sin", t), t)
     (k2,) = b.schedule(z).kernels
     assert k2.reads == [t]
+
+
+def test_broadcast_rule_weighs_the_work_saved_against_a_launch():
+    """With the target's rates known, a value is computed apart only where the redundant work
+    outlasts a launch; an expression of huge cost (chained squarings) is capped, not an overflow."""
+    from ember.schedule.realize import MAX_WORK, costly_to_broadcast
+
+    gpu = Target("triton", "cuda", flop_rate=67e12, launch_seconds=4e-6)
+    assert costly_to_broadcast(48, 16 * 1024, 50_000_000, gpu)  # rotary tables over a fused q/k/v gradient
+    assert not costly_to_broadcast(48, 64, 2048, gpu)  # a few thousand sines: a launch costs more
+    assert not costly_to_broadcast(4, 64, 50_000_000, gpu)  # one rsqrt: stays inlined
+    assert costly_to_broadcast(MAX_WORK, 16, 4096 * 16, Target("none"))  # no rates: the size rule alone
+    b = G()
+    t, q = b.input(16), b.input(4096, 16)
+    y = t
+    for _ in range(1030):
+        y = b.pw("mul", y, y)
+    out = b.pw("add", q, b.view("expand", b.view("unsqueeze", b.pw("sin", y), dim=0), shape=(I(4096), I(16))))
+    assert b.schedule(out).kernels  # scheduled, no OverflowError
