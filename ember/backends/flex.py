@@ -239,10 +239,11 @@ class DirectLaunch:
         device = tensors[0].device.index or 0
         ptrs = [t.data_ptr() for t in tensors]
         aligned = tuple((p & 15) == 0 for p in ptrs)
-        exact = (device, aligned, scalars, tuple(consts.values()), warps, stages)
+        # With the scalars' types: 1, True and 1.0 are one dict key, but Triton specializes them apart.
+        exact = (device, aligned, scalars, tuple(map(type, scalars)), tuple(consts.values()), warps, stages)
         hit = self.by_value.get(exact)
         if hit is None:
-            key = (device, aligned, tuple(map(_specialized, scalars)), exact[3], warps, stages)
+            key = (device, aligned, tuple(map(_specialized, scalars)), exact[4], warps, stages)
             hit = self.compiled.get(key)
             if hit is not None and hit[0] != "jit":
                 if len(self.by_value) >= _BY_VALUE_LIMIT:
