@@ -136,23 +136,40 @@ def _ember_source() -> str:
 
 
 # Triton variables that say where files go or how its cache is kept, not what a binary holds: a
-# cache imported on a machine whose Triton cache lives elsewhere must still find its kernels.
+# cache imported on a machine whose Triton cache lives elsewhere must still find its kernels. (With
+# TRITON_KERNEL_OVERRIDE on, TRITON_HOME names where override files are read: then it stays.)
 _TRITON_LOCATIONS = frozenset(
     {"TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND"}
 )
+# Variables outside those prefixes that change what Triton builds (its own list is read where it
+# has one: triton._C.libtriton.get_cache_invalidating_env_vars).
+_BINARY_STEERING = frozenset(
+    {"PTXAS_OPTIONS", "DISABLE_MMA_V3", "DISABLE_MMA_V5", "DISABLE_PTXAS_OPT", "DISABLE_LLVM_OPT"}
+)
+
+
+def _triton_invalidating() -> frozenset:
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        return _BINARY_STEERING | frozenset(get_cache_invalidating_env_vars())
+    except (ImportError, AttributeError, TypeError):
+        return _BINARY_STEERING
 
 
 def triton_identity() -> tuple:
     """What picks the binary Triton makes of a source besides the source and the GPU: Triton's
     version and the environment variables that steer its passes and its compilers' (TRITON_*,
-    MLIR_*, LLVM_*; not those naming only places, _TRITON_LOCATIONS)."""
+    MLIR_*, LLVM_* but those naming only places, _TRITON_LOCATIONS; and Triton's own list)."""
     import triton
 
+    places = _TRITON_LOCATIONS - ({"TRITON_HOME"} if os.environ.get("TRITON_KERNEL_OVERRIDE") else set())
+    invalidating = _triton_invalidating()
     steering = tuple(
         sorted(
             (k, v)
             for k, v in os.environ.items()
-            if k.startswith(("TRITON_", "MLIR_", "LLVM_")) and k not in _TRITON_LOCATIONS
+            if (k.startswith(("TRITON_", "MLIR_", "LLVM_")) and k not in places) or k in invalidating
         )
     )
     return triton.__version__, steering

@@ -108,3 +108,6 @@ def test_triton_identity_follows_what_steers_binaries_not_where_files_go(monkeyp
     assert triton_identity() == base
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     assert triton_identity() != base
+    steered = triton_identity()
+    monkeypatch.setenv("PTXAS_OPTIONS", "-O1")  # no TRITON_ prefix, but it reaches ptxas
+    assert triton_identity() != steered
