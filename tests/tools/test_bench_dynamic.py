@@ -165,3 +165,11 @@ def test_terminal_table_fits_80_columns():
     for name in ("softmax", "dyn_gpt2_block"):
         assert len([ln for ln in lines if ln.split()[:1] == [name]]) == 1, "\n".join(lines)
     assert "16/16" in next(ln for ln in lines if ln.startswith(" dyn_gpt2_block"))
+
+
+def test_a_skipped_dynamic_row_stays_in_the_dynamic_table():
+    """A row skipped before its build (time budget spent) has no `kind` yet: its mode places it."""
+    skipped = {"type": "case", "case": "dyn_convnet/dynamic", "workload": "dyn_convnet", "mode": "dynamic"}
+    skipped["skipped"] = "time budget spent"
+    run = report.Run.of([{"type": "run", "compilers": ["inductor", "ember"]}, skipped])
+    assert "dyn_convnet/dynamic" in run.dynamic and not run.cases

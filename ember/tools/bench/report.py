@@ -56,7 +56,8 @@ class Run:
                 run.env.append(r)
             elif kind == "ceilings" and run.ceilings is None:
                 run.ceilings = r
-            elif kind == "case" and r.get("kind") == "dynamic":
+            elif kind == "case" and (r.get("kind") == "dynamic" or r.get("mode") == "dynamic"):
+                # (by its mode too: a row skipped or failed before its build says no kind)
                 run.dynamic[r["case"]] = r
             elif kind == "case":
                 run.cases[r["case"]] = r
