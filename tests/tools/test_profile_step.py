@@ -96,3 +96,13 @@ def test_layer_of_files():
     assert layer_of("/x/site-packages/triton/backends/nvidia/driver.py") == "Triton"
     assert layer_of("/x/site-packages/torch/nn/modules/module.py") == "other torch"
     assert layer_of("~") == "builtins"
+
+
+def test_layer_of_installed_libraries_under_a_folder_named_ember():
+    """A virtual environment inside a checkout named `ember` still charges torch to torch."""
+    from ember.tools.host_profile import layer_of
+
+    venv = "/home/u/ember/.venv/lib/python3.12/site-packages/"
+    assert layer_of(venv + "torch/nn/modules/module.py") == "other torch"
+    assert layer_of(venv + "triton/runtime/jit.py") == "Triton"
+    assert layer_of("/home/u/ember/train.py") == "other Python"
