@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ember.ir import ops
-from ember.tools.bench import accuracy
+from ember.tools.bench import accuracy, float64_rule
 from ember.tools.bench.__main__ import main as bench_main
 from ember.tools.bench.workloads import select
 
@@ -46,21 +46,21 @@ def test_a_planted_bug_fails_the_rule(monkeypatch):
 def test_check_tensor_rule():
     ref = torch.linspace(-1, 1, 1000, dtype=torch.float64)
     eager = (ref + 1e-3 * torch.sin(ref * 50)).float()
-    assert accuracy.check_tensor("t", eager.clone(), eager, ref, 1e-4).how == "allclose"
+    assert float64_rule.check_tensor("t", eager.clone(), eager, ref, 1e-4).how == "allclose"
     # Up to twice eager's error plus tol/10 passes; more fails.
-    e_err = accuracy.rmse(eager, ref)
+    e_err = float64_rule.rmse(eager, ref)
     worse = (ref + 1e-3 * torch.sin(ref * 50) * 1.9).float()
-    check = accuracy.check_tensor("t", worse, eager, ref, 1e-4)
+    check = float64_rule.check_tensor("t", worse, eager, ref, 1e-4)
     assert check.passed and check.how == "rmse", check
     much_worse = (ref + 1e-3 * torch.sin(ref * 50) * 3).float()
-    check = accuracy.check_tensor("t", much_worse, eager, ref, 1e-4)
+    check = float64_rule.check_tensor("t", much_worse, eager, ref, 1e-4)
     assert not check.passed and math.isclose(check.bound, 2 * e_err + 1e-5), check
     # bf16 tensors get 3x.
-    check = accuracy.check_tensor("t", much_worse.bfloat16(), eager.bfloat16(), ref, 1e-2)
-    assert check.bound == pytest.approx(3 * accuracy.rmse(eager.bfloat16(), ref) + 1e-3)
+    check = float64_rule.check_tensor("t", much_worse.bfloat16(), eager.bfloat16(), ref, 1e-2)
+    assert check.bound == pytest.approx(3 * float64_rule.rmse(eager.bfloat16(), ref) + 1e-3)
     nan = much_worse.clone()
     nan[0] = math.nan
-    assert not accuracy.check_tensor("t", nan, eager, ref, 1e-4).passed
+    assert not float64_rule.check_tensor("t", nan, eager, ref, 1e-4).passed
 
 
 def test_bench_cli_accuracy_mode(tmp_path):

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ember.tools.bench import accuracy, overlap
+from ember.tools.bench import float64_rule, overlap
 
 PRODUCTS = 8
 
@@ -73,7 +73,7 @@ def run_graph(compilers: list[str], args, device: torch.device) -> dict:
             overlap.sync(device)
             entry["first_step_s"] = time.perf_counter() - start
             checks = [
-                accuracy.check_tensor(f"output {k}", o, e, r, 1e-4)
+                float64_rule.check_tensor(f"output {k}", o, e, r, 1e-4)
                 for k, (o, e, r) in enumerate(zip(out, eager, reference))
             ]
             failed = [f"{c.name} ({c.how})" for c in checks if not c.passed]

@@ -44,7 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ember.tools.bench import accuracy, overlap
+from ember.tools.bench import float64_rule, overlap
 from ember.tools.bench.dist_graph import run_graph
 from ember.tools.bench.dist_workloads import WORKLOADS, DistWorkload
 
@@ -205,7 +205,7 @@ def _timed_steps(trainers: list[_Trainer], first: int, count: int, device: torch
 
 def _checks(name_grads, compiled, eager, ref, tol) -> dict:
     """The float64 rule over the loss and every gradient: how many pass, the first failures."""
-    checks = [accuracy.check_tensor(n, c, e, r, tol) for n, c, e, r in zip(name_grads, compiled, eager, ref)]
+    checks = [float64_rule.check_tensor(n, c, e, r, tol) for n, c, e, r in zip(name_grads, compiled, eager, ref)]
     failed = [c for c in checks if not c.passed]
     return {
         "status": "pass" if not failed else "mismatch",

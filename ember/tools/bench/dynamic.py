@@ -51,7 +51,7 @@ import torch._dynamo
 from torch import nn
 
 from ember.tools import workloads as programs
-from ember.tools.bench import measure
+from ember.tools.bench import float64_rule, measure
 from ember.tools.bench.compilers import PEERS, compile_fn
 
 # (batch, width, heads, sequence lengths), in the order they are called.
@@ -176,7 +176,6 @@ def geomean(values: list[float]) -> float:
 
 def run(case, s, record: dict, ceilings: dict) -> dict:
     """Eager and each compiler over every size: first calls (compile, check), then timed rounds."""
-    from ember.tools.bench import accuracy  # it imports the workloads, which import this module
 
     w = case.workload
     _, _, build, _, _ = PROGRAMS[w.name]
@@ -195,7 +194,7 @@ def run(case, s, record: dict, ceilings: dict) -> dict:
         record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         record["trace"] = traceback.format_exc()[-2000:]
         return record
-    tol = accuracy.tolerance(case)
+    tol = float64_rule.tolerance_for(case.workload.dtype != "f32", case.mode == "train")
     record["tol"] = tol
     steps: dict[str, measure.Step] = {}
     for compiler in ["eager", *s.compilers]:
@@ -222,7 +221,6 @@ def _first_calls(compiler: str, sweep: Sweep, expected, float64, tol: float, dev
     """Compile once and call at every size: each first call's time and float64 check, the graphs
     compiled and Dynamo's reasons; the step to time (None: not timed)."""
     from ember.report import collecting
-    from ember.tools.bench import accuracy
 
     entry = _entry(sweep.model, compiler)
     step = measure.Step(compile_fn(entry, compiler), False, sweep.autocast, device)
@@ -244,13 +242,16 @@ def _first_calls(compiler: str, sweep: Sweep, expected, float64, tol: float, dev
                 )
                 return result, None
             checks = [
-                accuracy.check_tensor(f"output {k}", g, e, r, tol) for k, (g, e, r) in enumerate(zip(got, want, ref))
+                float64_rule.check_tensor(f"output {k}", g, e, r, tol)
+                for k, (g, e, r) in enumerate(zip(got, want, ref))
             ]
             if len(got) != len(want):
                 checks.append(
-                    accuracy.TensorCheck("outputs", False, f"{len(got)} outputs, eager {len(want)}", *(math.nan,) * 3)
+                    float64_rule.TensorCheck(
+                        "outputs", False, f"{len(got)} outputs, eager {len(want)}", *(math.nan,) * 3
+                    )
                 )
-            worst = max(checks, key=lambda c: (not c.passed, accuracy._ratio(c)))
+            worst = max(checks, key=lambda c: (not c.passed, float64_rule.ratio(c)))
             result["sizes"].append(
                 {
                     "size": size,
