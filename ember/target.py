@@ -263,6 +263,10 @@ class RealizeHeuristics:
 
     broadcast_min_flops: int = 8
     broadcast_factor: int = 4
+    # C++: a value of at least this many flops per element that at least this many readers inline
+    # (a pool's window terms count one each) is computed once.
+    cpu_shared_readers: int = 4
+    cpu_shared_min_flops: int = 4
 
 
 @dataclass(frozen=True)

@@ -332,3 +332,29 @@ def test_broadcast_rule_weighs_the_work_saved_against_a_launch():
         y = b.pw("mul", y, y)
     out = b.pw("add", q, b.view("expand", b.view("unsqueeze", b.pw("sin", y), dim=0), shape=(I(4096), I(16))))
     assert b.schedule(out).kernels  # scheduled, no OverflowError
+
+
+def test_cpp_computes_once_a_value_that_many_window_terms_read():
+    """A max pool's window terms each read the batch norm + ReLU before it: the C++ target stores that
+    activation once (inlined, each term recomputed it through loads that do not vectorize); the Triton
+    target keeps it inlined."""
+
+    def pooled():
+        b = G()
+        x, mean, scale, shift = b.input(8, 34), b.input(8, 1), b.input(8, 1), b.input(8, 1)
+        act = b.pw("maximum", b.pw("add", b.pw("mul", b.pw("sub", x, mean), scale), shift), 0.0)
+        terms = [b.view("slice", act, dim=1, start=I(k), end=I(k + 32), step=I(1)) for k in range(3)]
+        terms += [b.pw("mul", t, 1.0) for t in terms]  # six readers, as a pool's window terms
+        out = terms[0]
+        for t in terms[1:]:
+            out = b.pw("maximum", out, t)
+        b.g.outputs = [out]
+        verify(b.g)
+        return b.g, act
+
+    g, act = pooled()
+    cpp_kernels = schedule(g, target=CPP).kernels
+    assert any(act in k.writes for k in cpp_kernels), [k.writes for k in cpp_kernels]
+    g, act = pooled()
+    triton_kernels = schedule(g, target=TRITON).kernels
+    assert not any(act in k.writes for k in triton_kernels), [k.writes for k in triton_kernels]
