@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from ember.tools.bench import report
+from ember.tools.bench import plot, report
 from ember.tools.bench.compilers import PEERS
 
 
@@ -148,7 +148,7 @@ def write_outputs(records: list[dict], out: str, wide: bool = False) -> list[str
 
         with open(os.path.join(out, "compile_stages.md"), "w") as f:
             f.write(stage_table(records))
-    note = report.plot(run, os.path.join(out, "bench.png"))
+    note = plot.plot(run, os.path.join(out, "bench.png"))
     return [note] if note else []
 
 
