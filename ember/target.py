@@ -263,10 +263,11 @@ class RealizeHeuristics:
 
     broadcast_min_flops: int = 8
     broadcast_factor: int = 4
-    # C++: a value of at least this many flops per element that at least this many readers inline
-    # (a pool's window terms count one each) is computed once.
-    cpu_shared_readers: int = 4
-    cpu_shared_min_flops: int = 4
+    # A value of at least `shared_min_flops` per element that at least `shared_readers` readers inline
+    # (a pool's window terms count one each) is computed once; 0 readers: never (the default, and the
+    # GPU's, where recomputation hides under the loads; the C++ target sets 4).
+    shared_readers: int = 0
+    shared_min_flops: int = 4
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import Target
+from ember.target import Heuristics, RealizeHeuristics, Target
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -137,7 +137,8 @@ class CppBackend:
         self.lib = None
         limits = device_limits(torch.device("cpu"))
         # The default heuristics: C++ sums columns in loops of its own, neither in row kernels
-        # (row_programs 0) nor in one-pass online softmax.
+        # (row_programs 0) nor in one-pass online softmax; a value many readers inline is stored once
+        # (its recomputation does not vectorize: realize.py).
         self._target = Target(
             "cpp",
             "cpu",
@@ -146,6 +147,7 @@ class CppBackend:
             bandwidth=limits.bandwidth,
             flop_rate=limits.flop_rate,
             launch_seconds=limits.launch_seconds,
+            heuristics=Heuristics(realize=RealizeHeuristics(shared_readers=4)),
         ).tuned(config.get("heuristics"))
 
     def target(self) -> Target:

@@ -137,13 +137,14 @@ def costly_to_broadcast(work: int, elements: int, widest_reader: int, target: Ta
 
 
 def recomputed_in_many_readers(readers: int, work: int, target: Target) -> bool:
-    """C++ only: whether a value with arithmetic of its own, read by many kernels' or one kernel's
-    many terms (a max pool's nine window positions over a batch norm and ReLU), is computed once.
-    Inlined, each term evaluates it again through loads that do not vectorize (a stride-2 window):
-    ResNet's stem pool took 8.8 ms against 2.6 ms reading the stored activation on 2 cores. On a GPU
-    the recomputation hides under the loads, so there bytes decide (`worth_storing`)."""
+    """Whether a value with arithmetic of its own, read by many kernels or by one kernel's many terms
+    (a max pool's nine window positions over a batch norm and ReLU), is computed once, where the
+    target asks (`heuristics.realize.shared_readers`: the C++ target's). Inlined in C++, each term
+    evaluated it again through loads that do not vectorize (a stride-2 window): ResNet's stem pool
+    took 8.8 ms against 2.6 ms reading the stored activation on 2 cores. On a GPU the recomputation
+    hides under the loads, so there bytes decide (`worth_storing`)."""
     h = target.heuristics.realize
-    return target.name == "cpp" and readers >= h.cpu_shared_readers and work >= h.cpu_shared_min_flops
+    return 0 < h.shared_readers <= readers and work >= h.shared_min_flops
 
 
 def _widest_reads(graph) -> dict[Value, int]:
