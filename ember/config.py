@@ -286,6 +286,15 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "prepack",
+            bool,
+            True,
+            "under freezing, CPU float32 2-d convolutions run on weights packed once into oneDNN's blocked layout "
+            "(batch norm folded in), with their ReLU, ReLU6, SiLU or sigmoid fused: a second copy of the "
+            "convolutions' weights beside the model's own (off: plain weights, read as they are)",
+            codegen=True,
+        ),
+        Setting(
             "channels_last",
             bool,
             True,

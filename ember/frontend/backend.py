@@ -82,13 +82,15 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
 def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:
     """An inference graph on the CPU with its convolutions on channels-last inputs (frontend/layout.py),
     before freezing, whose prologue then converts their weights once. A failure leaves the graph as it was."""
+    from ember.frontend import prepack
     from ember.frontend.layout import to_channels_last
     from ember.pipeline import graph_device
 
     if graph_device(gm, example_inputs).type != "cpu":
         return
     try:
-        to_channels_last(gm, convert_weights=config.get("freezing"))
+        packed = config.get("freezing") and config.get("prepack") and prepack.available()
+        to_channels_last(gm, convert_weights=config.get("freezing") and not packed, weights_packed=packed)
     except Exception as e:
         if config.get("strict"):
             raise
@@ -110,7 +112,7 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     split = None
     if not graphed and static:
         try:
-            split = freeze(gm, example_inputs, static)
+            split = freeze(gm, example_inputs, static, pack_convolutions=config.get("prepack"))
         except Exception as e:
             if config.get("strict"):
                 raise

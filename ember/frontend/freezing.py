@@ -28,6 +28,7 @@ computes in float32) are not folded; static inputs of symbolic shape are not fro
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import torch
 from torch import fx
 
 from ember import log
+from ember.frontend import prepack
 
 aten = torch.ops.aten
 
@@ -53,15 +55,23 @@ class FrozenSplit:
     folded: dict[str, int]  # scale-and-shift chains folded into a weight, into one multiply-add
 
 
-def freeze(gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequence[int]) -> FrozenSplit | None:
+def freeze(
+    gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequence[int], pack_convolutions: bool = False
+) -> FrozenSplit | None:
     """Split `gm` (changed in place) into a prologue over the static inputs and a main graph; None
-    where nothing over them can be computed ahead."""
+    where nothing over them can be computed ahead. `pack_convolutions`: CPU convolutions run on weights
+    packed once, with batch norm folded into them (frontend/prepack.py)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = _frozen_placeholders(gm, placeholders, static_indices)
     if not frozen:
         return None
     fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
-    folded = fold_affine(gm, frozen, fake_mode)
+    memo: dict = {}
+    is_constant = functools.partial(_is_constant, frozen=frozen, memo=memo)
+    pack = pack_convolutions and prepack.available()
+    into_weight = functools.partial(prepack.packable, is_constant=is_constant) if pack else None
+    folded = fold_affine(gm, frozen, fake_mode, into_weight)
+    packed = prepack.prepack(gm, is_constant, fake_mode) if pack else {"packed": 0, "fused": 0}
     split = split_constants(gm, placeholders, frozen)
     if split is None:
         return None
@@ -72,7 +82,8 @@ def freeze(gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequenc
         "freezing",
         lambda: (
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
-            f"multiply-add; prologue:\n{prologue.code.strip()}"
+            f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
+            f"{packed['fused']}; prologue:\n{prologue.code.strip()}"
         ),
     )
     return FrozenSplit(gm, main_inputs, prologue, kept, frozen_idx, folded)
@@ -139,9 +150,12 @@ def _pure(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def fold_affine(gm: fx.GraphModule, frozen: set[fx.Node], fake_mode) -> dict[str, int]:
+def fold_affine(
+    gm: fx.GraphModule, frozen: set[fx.Node], fake_mode, into_weight: Callable[[fx.Node], bool] | None = None
+) -> dict[str, int]:
     """Fold `y * s + t` chains over frozen per-channel tensors into the convolution or product that
-    makes y, or into one multiply-add after it (`_fold_one`). Returns how many went each way."""
+    makes y, or into one multiply-add after it (`_fold_one`); always into the weight of an op that
+    `into_weight` names (a convolution whose weight is packed anyway). Returns how many went each way."""
     memo: dict = {}
     folded = {"weight": 0, "epilogue": 0}
     for node in list(gm.graph.nodes):
@@ -162,7 +176,7 @@ def fold_affine(gm: fx.GraphModule, frozen: set[fx.Node], fake_mode) -> dict[str
             channel_dim = 1
         else:
             continue
-        how = _fold_one(gm, node, channel_dim, frozen, memo, fake_mode)
+        how = _fold_one(gm, node, channel_dim, frozen, memo, fake_mode, bool(into_weight and into_weight(node)))
         if how is not None:
             folded[how] += 1
     if folded["weight"] or folded["epilogue"]:
@@ -215,7 +229,9 @@ def _per_channel(shape: tuple, ndim: int, channel_dim: int, channels) -> bool:
     return all(s == 1 for i, s in enumerate(padded) if i != channel_dim) and padded[channel_dim] in (1, channels)
 
 
-def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo, fake_mode) -> str | None:
+def _fold_one(
+    gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo, fake_mode, into_weight: bool
+) -> str | None:
     """Fold the chain after `node`: "weight" (into its weight and bias), "epilogue" (into one multiply-add
     by per-channel vectors), or None where there is no chain."""
     val = node.meta["val"]
@@ -250,8 +266,10 @@ def _fold_one(gm: fx.GraphModule, node: fx.Node, channel_dim: int, frozen, memo,
     # is not copied. Elsewhere (a result read by another convolution, or returned) they fold into the weight,
     # which removes a pass over the result.
     readers = [u for u in last.users if u.target not in _META_OPS]
-    epilogue = bool(readers) and all(
-        isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags for u in readers
+    epilogue = (
+        not into_weight
+        and bool(readers)
+        and all(isinstance(u.target, torch._ops.OpOverload) and torch.Tag.pointwise in u.target.tags for u in readers)
     )
     if not epilogue:
         _hoist(graph, node, [op for _, op, _ in steps] + list(node.args))
@@ -410,6 +428,8 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _laid_out(tensor: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    if tensor.layout != torch.strided:  # a packed weight (prepack.py): its fake is a stand-in
+        return tensor
     if tensor.stride() == fake.stride() or tensor.numel() <= 1:
         return tensor
     out = torch.empty_strided(tensor.shape, fake.stride(), dtype=tensor.dtype, device=tensor.device)

@@ -66,13 +66,15 @@ class _Declined(Exception):
     """The graph is left as it was (the reason is logged)."""
 
 
-def to_channels_last(gm: fx.GraphModule, convert_weights: bool) -> int:
+def to_channels_last(gm: fx.GraphModule, convert_weights: bool, weights_packed: bool = False) -> int:
     """Rewrite an inference graph (in place) so that its 2-d convolutions read channels-last inputs, and
-    weights too where `convert_weights`; returns how many convolutions now do (0: the graph is as it was)."""
+    weights too where `convert_weights`; returns how many convolutions now do (0: the graph is as it was).
+    `weights_packed`: freezing will pack the weights for oneDNN once (frontend/prepack.py), so no weight
+    is converted per call whatever its layout."""
     convs = [n for n in gm.graph.nodes if _convertible(n)]
     if not convs:
         return 0
-    reason = _not_worth_it(convs)
+    reason = None if weights_packed else _not_worth_it(convs)
     if reason is not None:
         log.artifact("graph", "channels-last", lambda: f"not applied: {reason}")
         return 0

@@ -111,7 +111,8 @@ def test_batch_norm_folds_into_the_op_before_it(name):
             torch._dynamo.reset()
             with reports() as report:
                 # (row-major: a conversion back to it after a convolution would read its result pointwise)
-                actual = ember_compile(model, "cpp", freezing=freezing, channels_last=False)(x)
+                # (unpacked: prepacked convolutions always fold batch norm into the weight, test_prepack.py)
+                actual = ember_compile(model, "cpp", freezing=freezing, channels_last=False, prepack=False)(x)
             assert_no_fallback(report, line)
             assert_close(actual, expected, **TOL, what=f"{name} freezing={freezing}", line=line)
             code = _inference_graph(report)
@@ -143,7 +144,7 @@ def test_a_replaced_or_modified_parameter_is_never_stale():
     model = randomize_bn(TwoConvs(c=8))
     x = torch.randn(2, 8, 6, 6)
     # (row-major: channels-last convolutions would have the prologue read every 3x3 weight, frontend/layout.py)
-    compiled = ember_compile(model, "cpp", freezing=True, channels_last=False)
+    compiled = ember_compile(model, "cpp", freezing=True, channels_last=False, prepack=False)
     # change -> whether it changes a tensor the prologue read (the second conv's weight, which its batch norm
     # folds into, batch norms' tensors, the linear weight), so that the prologue runs again
     changes = {
@@ -212,7 +213,8 @@ def test_frozen_weights_keep_no_second_copy_of_every_parameter():
     folded = model.second.conv.weight.numel() * 4
     with torch.no_grad():
         expected = model(x)
-        compiled = ember_compile(model, "cpp", freezing=True)
+        # (packed convolution weights are a second copy by design: setting `prepack`, test_prepack.py)
+        compiled = ember_compile(model, "cpp", freezing=True, prepack=False)
         compiled(x)  # compiles, and runs the prologue once
         before = _tensor_bytes()
         actual = compiled(x)

@@ -181,7 +181,7 @@ def test_freezing_converts_weights_once():
 
     model = randomize_bn(nn.Sequential(conv_bn(3, 8), conv_bn(8, 8)))
     x = torch.randn(2, 3, 12, 12)
-    compiled = ember_compile(model, "cpp", freezing=True)
+    compiled = ember_compile(model, "cpp", freezing=True, prepack=False)  # (packed weights: test_prepack.py)
     with torch.no_grad():
         with reports() as report:
             _check(compiled(x), model(x), "first call", repro())

@@ -1,0 +1,165 @@
+"""Setting `prepack`: under freezing, CPU convolutions run on weights packed once for oneDNN, with batch norm
+folded into the packed weight and the activation fused (frontend/prepack.py).
+
+Each case runs against eager; the compiled graph has oneDNN's convolution with the expected post-op in place
+of ATen's, the prologue packs each weight once, and a weight written in place or replaced is packed again."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from ember.frontend import prepack
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, randomize_bn, reports, repro
+
+pytestmark = pytest.mark.skipif(not prepack.available(), reason="this torch has no oneDNN")
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+PACKED = "torch.ops.mkldnn._convolution_pointwise.default"
+
+
+class ConvAct(nn.Module):
+    """conv (stride, groups, bias as given) -> batch norm -> activation."""
+
+    def __init__(self, cin, cout, act=None, groups=1, stride=1, bias=False, bn=True, k=3):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, groups=groups, bias=bias)
+        self.bn = nn.BatchNorm2d(cout) if bn else nn.Identity()
+        self.act = act() if act else nn.Identity()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class Basic(nn.Module):
+    """ResNet's basic block with a projection: the residual add and ReLU after two convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(ConvAct(4, 8, nn.ReLU), ConvAct(8, 8, stride=1))
+        self.shortcut = ConvAct(4, 8, k=1)
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class TFPadded(nn.Module):
+    """Explicit zero pads before the convolutions, as TensorFlow-style models write them (HF's MobileNetV2):
+    equal widths (read unpadded by the packed convolution), zero widths, and stride 2's unequal [0, 1]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = ConvAct(4, 8, nn.ReLU6, k=3)
+        self.a.conv.padding = (0, 0)
+        self.b = ConvAct(8, 8, nn.ReLU6, k=3, stride=2, groups=8)
+        self.b.conv.padding = (0, 0)
+        self.c = ConvAct(8, 4, k=1)
+
+    def forward(self, x):
+        y = self.a(nn.functional.pad(x, (1, 1, 1, 1)))
+        y = self.b(nn.functional.pad(y, (0, 1, 0, 1)))
+        return self.c(nn.functional.pad(y, (0, 0, 0, 0)))
+
+
+# name -> (model, input shape, memory format of model and input, the post-ops of the packed convolutions)
+CASES = {
+    "conv-bn-relu": (lambda: ConvAct(4, 8, nn.ReLU), (2, 4, 8, 8), torch.contiguous_format, ["relu"]),
+    "conv-bias-no-bn": (lambda: ConvAct(4, 8, bias=True, bn=False), (2, 4, 8, 8), torch.contiguous_format, ["none"]),
+    "conv-bn-relu6-channels-last": (
+        lambda: ConvAct(4, 8, nn.ReLU6, stride=2),
+        (1, 4, 9, 9),
+        torch.channels_last,
+        ["hardtanh"],
+    ),
+    "depthwise-bn-silu": (lambda: ConvAct(8, 8, nn.SiLU, groups=8), (2, 8, 6, 6), torch.contiguous_format, ["swish"]),
+    "grouped-bn-sigmoid": (
+        lambda: ConvAct(8, 12, nn.Sigmoid, groups=4),
+        (2, 8, 6, 6),
+        torch.channels_last,
+        ["sigmoid"],
+    ),
+    "conv-bn-gelu": (lambda: ConvAct(4, 8, nn.GELU), (2, 4, 8, 8), torch.contiguous_format, ["none"]),
+    "basic-block": (Basic, (1, 4, 8, 8), torch.contiguous_format, ["relu", "none", "none"]),
+    "tf-padded": (TFPadded, (1, 4, 9, 9), torch.channels_last, ["hardtanh", "hardtanh", "none"]),
+}
+
+
+def _frozen_graph():
+    from ember.frontend.freezing import FrozenGraph
+
+    gc.collect()
+    (frozen,) = [obj for obj in gc.get_objects() if type(obj) is FrozenGraph]
+    return frozen
+
+
+def _post_ops(code: str) -> list[str]:
+    """The attr argument of each packed convolution in the printed graph, in order."""
+    ops = []
+    for line in code.splitlines():
+        if PACKED in line:
+            ops.append(line.split("'")[1] if "'" in line else line.split('"')[1])
+    return ops
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_packed_convolutions_match_eager(name):
+    make, shape, memory_format, post_ops = CASES[name]
+    torch._dynamo.reset()
+    model = randomize_bn(make()).to(memory_format=memory_format)
+    x = torch.randn(shape).to(memory_format=memory_format)
+    line = repro(case=name)
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_no_fallback(report, line)
+    assert_close(actual, expected, **TOL, what=name, line=line)
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    code = graph.aten_graph
+    assert "aten.convolution" not in code, f"an unpacked convolution is left\n{code}\n{line}"
+    assert sorted(_post_ops(code)) == sorted(post_ops), f"post-ops\n{code}\n{line}"
+    prologue = _frozen_graph().prologue.code
+    assert prologue.count("mkldnn._reorder_convolution_weight.default(") == len(post_ops), (
+        f"weights packed\n{prologue}\n{line}"
+    )
+    assert "sqrt" not in code, f"batch norm is left in the compiled graph\n{code}\n{line}"
+    # equal-width zero pads become the convolution's padding; stride 2's [0, 1] stays a pad
+    assert code.count("aten.constant_pad_nd.default(") == (name == "tf-padded"), f"pads\n{code}\n{line}"
+
+
+def test_a_written_or_replaced_weight_is_packed_again():
+    torch._dynamo.reset()
+    model = randomize_bn(nn.Sequential(ConvAct(3, 8, nn.ReLU), ConvAct(8, 8, nn.ReLU6)))
+    x = torch.randn(1, 3, 10, 10)
+    compiled = ember_compile(model, "cpp", freezing=True)
+    changes = {
+        "first call": lambda: None,
+        "weight written in place": lambda: model[1].conv.weight.mul_(-1),
+        "running_var written in place": lambda: model[0].bn.running_var.mul_(2),
+        "weight replaced": lambda: setattr(
+            model[0].conv, "weight", nn.Parameter(torch.randn_like(model[0].conv.weight))
+        ),
+    }
+    with torch.no_grad():
+        for what, change in changes.items():
+            change()
+            assert_close(compiled(x), model(x), **TOL, what=what, line=repro(change=what))
+    assert _frozen_graph().freezes == len(changes)
+
+
+def test_prepack_off_and_float64_keep_aten_convolutions():
+    """`prepack=False`, or a dtype oneDNN's packed path does not take here, leaves ATen's convolution."""
+    for dtype, options in ((torch.float32, {"prepack": False}), (torch.float64, {})):
+        torch._dynamo.reset()
+        model = randomize_bn(ConvAct(4, 8, nn.ReLU)).to(dtype)
+        x = torch.randn(2, 4, 8, 8, dtype=dtype)
+        line = repro(dtype=dtype, **options)
+        with torch.no_grad(), reports() as report:
+            expected = model(x)
+            actual = ember_compile(model, "cpp", freezing=True, **options)(x)
+        assert_close(actual, expected, **TOL, what=str(dtype), line=line)
+        (graph,) = [g for g in report.graphs if g.kind == "inference"]
+        assert PACKED not in graph.aten_graph and "aten.convolution" in graph.aten_graph, f"{graph.aten_graph}\n{line}"
