@@ -301,7 +301,8 @@ SETTINGS: dict[str, Setting] = {
             "CPU inference graphs with 2-d convolutions of static sizes: convolutions read channels-last inputs "
             "(oneDNN's fast layout; under freezing their weights too, converted once), and the kernels "
             "between them read and write that layout; outputs keep eager's strides. Not where the k x k weights "
-            "to convert outnumber the convolutions' inputs (ResNet-18), which oneDNN would convert per call",
+            "to convert outnumber the convolutions' inputs (ResNet-18), which oneDNN would convert per call, "
+            "unless freezing packs them (prepack)",
             codegen=True,
         ),
         Setting(
