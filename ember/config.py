@@ -289,9 +289,9 @@ SETTINGS: dict[str, Setting] = {
             "prepack",
             bool,
             True,
-            "under freezing, CPU float32 2-d convolutions run on weights packed once into oneDNN's blocked layout "
-            "(batch norm folded in), with their ReLU, ReLU6, SiLU or sigmoid fused: a second copy of the "
-            "convolutions' weights beside the model's own (off: plain weights, read as they are)",
+            "under freezing, CPU float32 2-d convolutions and linear layers run on weights packed once into "
+            "oneDNN's blocked layout (batch norm folded in), convolutions with their ReLU, ReLU6, SiLU or sigmoid "
+            "fused: a second copy of those weights beside the model's own (off: plain weights, read as they are)",
             codegen=True,
         ),
         Setting(

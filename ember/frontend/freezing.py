@@ -71,7 +71,7 @@ def freeze(
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    packed = prepack.prepack(gm, is_constant, fake_mode) if pack else {"packed": 0, "fused": 0}
+    packed = prepack.prepack(gm, is_constant, fake_mode) if pack else {"packed": 0, "fused": 0, "linear": 0}
     split = split_constants(gm, placeholders, frozen)
     if split is None:
         return None
@@ -83,7 +83,7 @@ def freeze(
         lambda: (
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
             f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
-            f"{packed['fused']}; prologue:\n{prologue.code.strip()}"
+            f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']}; prologue:\n{prologue.code.strip()}"
         ),
     )
     return FrozenSplit(gm, main_inputs, prologue, kept, frozen_idx, folded)

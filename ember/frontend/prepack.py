@@ -18,19 +18,25 @@ has no other reader, becomes oneDNN's post-op (`attr`), applied as each output b
     y * sigmoid(y)                       "swish"                 (EfficientNet's SiLU)
     sigmoid(y)                           "sigmoid"
 
+Matrix products whose right operand is frozen (a linear layer's transposed weight) are packed the same
+way: `addmm(bias, x, w)` becomes `mkldnn._linear_pointwise(x, packed, bias)` over
+`mkldnn._reorder_linear_weight(w.t(), x's rows)`. oneDNN's kernel on the packed weight ran 1.1-1.9x
+ATen's `addmm` (MKL's sgemm) at the shapes of the CPU model rows (a 4096-wide head over 128 tokens:
+2.6 ms against 1.4), and never slower.
+
 Batch norm before the activation is folded into the packed weight (freezing.fold_affine, told so by
 `packable`), so that conv, batch norm and activation are one oneDNN call.
 
 Fake tensors have no mkldnn layout: the packed weight's value in the graph is a stand-in, a dense
-tensor of the weight's sizes; only the convolution reads it. Memory: the packed weights are a second
-copy of the convolutions' weights beside the model's own (as under Inductor's freezing, and as ONNX
+tensor of the weight's sizes; only the convolution or product reads it. Memory: the packed weights are a
+second copy of the weights beside the model's own (as under Inductor's freezing, and as ONNX
 Runtime holds its own); `prepack=False` keeps them unpacked.
 
 A zero pad of equal widths before the convolution (TensorFlow-style models pad explicitly) becomes
 the convolution's own padding, without a copy (`_absorb_zero_pad`).
 
-When: float32 2-d convolutions (not transposed) of static sizes on the CPU, with frozen weights and
-biases, where this torch has oneDNN.
+When: float32 2-d convolutions (not transposed) and 2-d matrix products of static sizes on the CPU, with
+frozen weights and biases, where this torch has oneDNN.
 """
 
 from __future__ import annotations
@@ -67,11 +73,40 @@ def packable(node: fx.Node, is_constant: Callable[[object], bool]) -> bool:
     return is_constant(node.args[1]) and (node.args[2] is None or is_constant(node.args[2]))
 
 
+def packable_linear(node: fx.Node, is_constant: Callable[[object], bool]) -> bool:
+    """A float32 `mm(x, w)` or `addmm(bias, x, w)` of static sizes on the CPU whose weight (and bias, of the
+    output's width) are computed from frozen tensors."""
+    if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
+        return False
+    bias, x, w = node.args if node.target is aten.addmm.default else (None, *node.args)
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, w)]
+    if not all(
+        isinstance(t, torch.Tensor)
+        and t.dim() == 2
+        and t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and all(isinstance(s, int) for s in t.shape)
+        for t in vals
+    ):
+        return False
+    if bias is not None:
+        b = bias.meta.get("val") if isinstance(bias, fx.Node) else None
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (vals[1].shape[1],) or b.dtype != torch.float32:
+            return False
+        if not is_constant(bias):
+            return False
+    return is_constant(w)
+
+
 def prepack(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode) -> dict[str, int]:
-    """Rewrite the graph's packable convolutions (in place) as oneDNN's over packed weights, with their
-    activations fused; returns counts {"packed": convolutions, "fused": activations}."""
-    counts = {"packed": 0, "fused": 0}
+    """Rewrite the graph's packable convolutions and matrix products (in place) as oneDNN's over packed
+    weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
+    activations, "linear": matrix products}."""
+    counts = {"packed": 0, "fused": 0, "linear": 0}
     graph = gm.graph
+    for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
+        _pack_linear(graph, mm, fake_mode)
+        counts["linear"] += 1
     for conv in [n for n in graph.nodes if packable(n, is_constant)]:
         x, w, bias, stride, padding, dilation, _, _, groups = conv.args
         x, padding = _absorb_zero_pad(x, list(padding))
@@ -95,10 +130,29 @@ def prepack(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode
         last.replace_all_uses_with(new)
         counts["packed"] += 1
         counts["fused"] += attr != "none"
-    if counts["packed"]:
+    if counts["packed"] or counts["linear"]:
         graph.eliminate_dead_code()
         gm.recompile()
     return counts
+
+
+def _pack_linear(graph: fx.Graph, mm: fx.Node, fake_mode) -> None:
+    """`x @ w (+ bias)` as `mkldnn._linear_pointwise(x, packed, bias)`, `packed` being the [N, K] weight
+    (`w` transposed back: a view of the model's own) reordered for x's row count."""
+    bias, x, w = mm.args if mm.target is aten.addmm.default else (None, *mm.args)
+    rows = x.meta["val"].shape[0]
+    with graph.inserting_before(mm):
+        weight = graph.call_function(aten.permute.default, (w, [1, 0]))
+        packed = graph.call_function(torch.ops.mkldnn._reorder_linear_weight.default, (weight, rows))
+        new = graph.call_function(torch.ops.mkldnn._linear_pointwise.default, (x, packed, bias, "none", [], ""))
+    with fake_mode:
+        weight.meta["val"] = w.meta["val"].permute(1, 0)
+        packed.meta["val"] = torch.empty(weight.meta["val"].shape, dtype=torch.float32)  # stand-in
+        new.meta["val"] = torch.ops.mkldnn._linear_pointwise.default(
+            *fx.node.map_arg(new.args, lambda n: n.meta["val"])
+        )
+    new.meta["stack_trace"] = mm.meta.get("stack_trace")
+    mm.replace_all_uses_with(new)
 
 
 def _absorb_zero_pad(x: fx.Node, padding: list) -> tuple[fx.Node, list]:

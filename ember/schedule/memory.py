@@ -155,7 +155,16 @@ def _subtree(node: KNode) -> list[KNode]:
 
 # Externs whose every result is a fresh allocation ATen made for it (no storage shared with an
 # input, none kept by ATen): the matrix products and convolutions whose results epilogues read.
-_FRESH_RESULTS = {"mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward", "_convolution_pointwise"}
+_FRESH_RESULTS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "convolution",
+    "convolution_backward",
+    "_convolution_pointwise",
+    "_linear_pointwise",
+}
 
 
 def _fresh_extern_result(v: Value, device) -> bool:

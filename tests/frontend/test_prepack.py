@@ -163,3 +163,40 @@ def test_prepack_off_and_float64_keep_aten_convolutions():
         assert_close(actual, expected, **TOL, what=str(dtype), line=line)
         (graph,) = [g for g in report.graphs if g.kind == "inference"]
         assert PACKED not in graph.aten_graph and "aten.convolution" in graph.aten_graph, f"{graph.aten_graph}\n{line}"
+
+
+LINEAR = "torch.ops.mkldnn._linear_pointwise.default"
+
+
+class MLP(nn.Module):
+    """Linear layers with and without bias over a [batch, tokens, width] input, and a head tied to the first
+    layer's weight (read transposed, as a language model's embedding and head share one)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width, bias=False)
+
+    def forward(self, x):
+        h = self.down(nn.functional.gelu(self.up(x)))
+        return h, h @ self.down.weight
+
+
+def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight():
+    torch._dynamo.reset()
+    model = MLP().eval()
+    x = torch.randn(2, 5, 16)
+    compiled = ember_compile(model, "cpp", freezing=True)
+    with torch.no_grad(), reports() as report:
+        for what, change in (("first call", lambda: None), ("weight written", lambda: model.up.weight.mul_(-1))):
+            change()
+            for a, e in zip(compiled(x), model(x)):
+                assert_close(a, e, **TOL, what=what, line=repro(change=what))
+    assert_no_fallback(report, repro())
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    code = graph.aten_graph
+    # up and down read frozen weights; the last product's right operand is frozen too (the transposed head)
+    assert code.count(f"{LINEAR}(") == 3 and "aten.addmm" not in code and "aten.mm" not in code, code
+    prologue = _frozen_graph().prologue.code
+    assert prologue.count("mkldnn._reorder_linear_weight.default(") == 3, prologue
+    assert _frozen_graph().freezes == 2
