@@ -1,19 +1,31 @@
 """What a device is and how fast it is: the facts the backends put in their Target (ember/target.py).
 
-The bandwidth is *measured* (a large copy, once per device and process, about 50 ms); the
-compute rate is the specification's vector (not tensor-core) fp32 rate, matched by device name;
-the launch cost is a typical figure. schedule/cost.py's roofline estimate, the GEMM choice
-(gemm_tuning.py) and realize.py's rule for broadcast transcendental work read them from the Target;
-the rate and launch cost (not the measured bandwidth) are part of the Target's cache key.
+The bandwidth is *measured* (a large copy: 0.24 s of a warm start on an H200, 0.1-0.2 s on a
+2-core CPU), once per device and machine: the disk cache keeps the figure (kind `device`) under
+what identifies the device where it was measured (`_identity`: the GPU's UUID, name, memory and
+driver, or the host, its CPU and thread count; the torch version; the way of measuring), so a
+later process reads it instead. A missing, damaged or unreadable entry is measured anew, as is every
+figure after `ember cache clear`; with the setting `cache` off every process measures. The compute rate is the specification's vector (not
+tensor-core) fp32 rate, matched by device name; the launch cost is a typical figure.
+schedule/cost.py's roofline estimate, the GEMM choice (gemm_tuning.py) and realize.py's rule for
+broadcast transcendental work read them from the Target; the rate and launch cost (not the
+measured bandwidth) are part of the Target's cache key.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
+import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from ember import log
+from ember.runtime.cache import DiskCache, content_key
 
 
 @dataclass(frozen=True)
@@ -58,16 +70,83 @@ def _cpu_copy_bandwidth() -> float:
     return 2 * n / best
 
 
+# How the bandwidth is measured, in the stored figure's key: a change to _cuda_copy_bandwidth or
+# _cpu_copy_bandwidth (sizes, repeats) takes a new number here, so no figure of the old way is read.
+MEASUREMENT = "copy-best-of-5/1"
+BANDWIDTH_FILE = "bandwidth.json"
+
+
 @functools.lru_cache(maxsize=8)
 def device_limits(device: torch.device) -> DeviceLimits:
-    """The device's name, SM count and limits; its bandwidth is measured on first use in this process."""
+    """The device's name, SM count and limits; its bandwidth is read from the disk cache, or measured
+    (and stored) on this machine's first use of the device."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode: copies would be free
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             rate = next((r for key, r in _GPU_FLOPS.items() if key in props.name), _UNKNOWN_GPU_FLOPS)
-            return DeviceLimits(props.name, props.multi_processor_count, _cuda_copy_bandwidth(device), rate, 4e-6)
+            bandwidth = stored_bandwidth(_identity(device), functools.partial(_cuda_copy_bandwidth, device))
+            return DeviceLimits(props.name, props.multi_processor_count, bandwidth, rate, 4e-6)
         threads = torch.get_num_threads()
+        bandwidth = stored_bandwidth(_identity(device), _cpu_copy_bandwidth)
         # AVX2: two 8-wide fp32 FMA units per core at ~2.5 GHz, counted as 32 FLOP/cycle.
-        return DeviceLimits(f"CPU x{threads}", 0, _cpu_copy_bandwidth(), threads * 2.5e9 * 32, 2e-6)
+        return DeviceLimits(f"CPU x{threads}", 0, bandwidth, threads * 2.5e9 * 32, 2e-6)
+
+
+def _identity(device: torch.device) -> tuple:
+    """What the measured bandwidth of `device` depends on: the physical device (a GPU by its UUID,
+    with its name, memory and the driver; the CPU by the host's name, its model and the threads a
+    copy uses) and the torch that copies."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        facts = tuple(
+            str(getattr(props, name, ""))
+            for name in ("name", "uuid", "total_memory", "memory_clock_rate", "memory_bus_width")
+        )
+        return ("cuda", *facts, _first_line("/proc/driver/nvidia/version"), torch.version.cuda, torch.__version__)
+    return ("cpu", platform.node(), platform.machine(), _cpu_model(), torch.get_num_threads(), torch.__version__)
+
+
+def _first_line(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.readline().strip()
+    except OSError:
+        return ""
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def stored_bandwidth(identity: tuple, measure: Callable[[], float]) -> float:
+    """The bandwidth the disk cache keeps for `identity`, else `measure()`'s, stored there for the
+    processes after this one. An entry that is not one finite positive figure is a miss."""
+    cache = DiskCache()
+    key = content_key("device", MEASUREMENT, identity)
+    entry = cache.get("device", key)
+    if entry is not None:
+        found = _parse(entry.files.get(BANDWIDTH_FILE, b""))
+        if found is not None:
+            return found
+        log.artifact("cache", "reject", f"{entry.path}: not a measured bandwidth; measuring again")
+    bandwidth = measure()
+    if math.isfinite(bandwidth) and bandwidth > 0:
+        cache.put("device", key, {BANDWIDTH_FILE: json.dumps({"bandwidth": bandwidth}).encode()})
+    return bandwidth
+
+
+def _parse(data: bytes) -> float | None:
+    try:
+        value = json.loads(data)["bandwidth"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return None
+    return float(value)

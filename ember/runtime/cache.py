@@ -8,7 +8,8 @@ keys; ember's source; the Python, torch and sympy versions). Its users: a graph'
 (runtime/schedule_cache.py), a Triton kernel module, its cubins and launch records
 (backends/triton.py, backends/static_launch.py), a distinct kernel's launch record
 (backends/kernel_dedup.py), a C++ library (backends/cpp.py), GEMM timings
-(backends/gemm_tuning.py), and ember's part of AOTAutograd's key (frontend/aot_cache.py).
+(backends/gemm_tuning.py), a device's measured bandwidth (backends/device.py), and ember's part of
+AOTAutograd's key (frontend/aot_cache.py).
 
 Layout, under the root (setting `cache_dir`):
 
@@ -80,7 +81,9 @@ MARKER_TEXT = (
     b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
-KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch"})
+KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device"})
+# Kinds that describe this machine (a device's measured bandwidth): a cache file does not carry them.
+MACHINE_KINDS = frozenset({"device"})
 SECRETS = frozenset({"aot-key", "aot-id"})
 TMP = ".tmp-"
 TRASH = ".trash-"

@@ -3,9 +3,10 @@
 
 The file holds every entry of the cache (schedules, Triton kernel modules, cubins, launch records,
 distinct kernels' records, C++ libraries, GEMM timings, vouchers of AOTAutograd entries:
-runtime/cache.py's kinds), each with its files' SHA-256, AOTAutograd's entries of ember's graphs
-with the cache's name for them (frontend/cache_file.py adds and installs those), and the identity of what made them (`identity()`: ember's source, the Python,
-torch and Triton versions, the GPU or CPU). Layout:
+runtime/cache.py's kinds, but for the measured bandwidth of this machine's devices), each with
+its files' SHA-256, AOTAutograd's entries of ember's graphs with the cache's name for them
+(frontend/cache_file.py adds and installs those), and the identity of what made them (`identity()`:
+ember's source, the Python, torch and Triton versions, the GPU or CPU). Layout:
 
     MAGIC (12 bytes) | SHA-256 of the rest (32 bytes) | header length (8 bytes, little-endian)
     | header (JSON) | the files' bytes, one after another
@@ -37,7 +38,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.runtime.cache import KINDS, MANIFEST, DiskCache, _ember_source
+from ember.runtime.cache import KINDS, MACHINE_KINDS, MANIFEST, DiskCache, _ember_source
 from ember.runtime.safe_fs import open_folder, open_root
 
 MAGIC = b"EMBERCACHE1\n"
@@ -88,7 +89,7 @@ def _entries(cache: DiskCache) -> list[tuple[str, str, dict[str, bytes]]]:
     found = []
     try:
         with open_root(cache.root, create=False) as (root, _):
-            kinds = sorted(KINDS & set(os.listdir(root)))
+            kinds = sorted((KINDS - MACHINE_KINDS) & set(os.listdir(root)))
             for kind in kinds:
                 with open_folder(root, kind, str(cache.root / kind)) as kind_fd:
                     keys = []
