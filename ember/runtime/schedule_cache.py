@@ -28,11 +28,15 @@ not vouch for; frontend/aot_cache.py signs it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import io
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 
 from ember import config, log
@@ -128,6 +132,19 @@ def _operator(namespace: str, name: str, overload: str | None):
     return packet if overload is None else getattr(packet, overload)
 
 
+def _unevaluated(func, args: tuple):
+    """A size or index expression rebuilt from the arguments it had: it was simplified when it was
+    made, so its arguments are already in their canonical form and order."""
+    return func(*args, evaluate=False)
+
+
+# Expressions rebuilt without sympy's simplification on load. Pickled as sympy pickles them, each is
+# made anew through its class, which simplifies again: Add and Mul collect terms, Max and Min compare
+# every pair of arguments through the assumptions system. For GPT-2's two training graphs (12
+# layers) that was 0.1-0.2 s of a warm start; rebuilt as they were, 0.02 s.
+_SYMPY_OPS = (sympy.Add, sympy.Mul, sympy.Pow, sympy.Max, sympy.Min, sympy.Function)
+
+
 class _SchedulePickler(pickle.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch._ops.OpOverload):
@@ -136,6 +153,12 @@ class _SchedulePickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverloadPacket):
             namespace, name = obj._qualified_op_name.split("::", 1)
             return _operator, (namespace, name, None)
+        if isinstance(obj, _SYMPY_OPS) and obj.args:
+            # Only where rebuilding gives this very expression (its class and arguments), checked
+            # here; anything else is pickled as sympy does.
+            rebuilt = _unevaluated(obj.func, obj.args)
+            if type(rebuilt) is type(obj) and rebuilt == obj:
+                return _unevaluated, (obj.func, obj.args)
         return NotImplemented
 
 
@@ -153,11 +176,29 @@ def dumps(schedule) -> bytes:
 
 def loads(blob: bytes):
     """The schedule again. Outside AOTAutograd's fake mode, which compilers run under: a captured
-    constant rebuilt inside it would be a fake tensor with no memory behind its data pointer."""
+    constant rebuilt inside it would be a fake tensor with no memory behind its data pointer.
+
+    With the cyclic garbage collector paused: unpickling makes tens of thousands of containers, none
+    of them garbage, and every 700 of them start a collection, every hundredth of which looks at the
+    whole heap: in a process that has imported Dynamo, some 400,000 objects (0.1-0.4 s each on a
+    2-core CPU; a GPT-2 schedule of 500 KB took 0.02 s to unpickle paused, up to 0.4 s not). Paused,
+    the new objects are looked at once, by the first young collection after."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), _collector_paused():
         return pickle.loads(blob)  # bytes the caller verified: a checked cache entry, or a signed copy
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for the block (as it was, after: a caller may have it off)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def load(key: str) -> tuple | None:
