@@ -242,6 +242,9 @@ class HostWriter:
         self._fix_input_layouts()
         self.lines += [f"    {line}" for line in self.launcher.prologue()]
         last_use = self._last_uses()
+        dying: dict[int, list[Value]] = {}  # step -> the values it is the last to use, in last_use order
+        for v, p in last_use.items():
+            dying.setdefault(p, []).append(v)
         outputs = {o for o in g.outputs if isinstance(o, Value)}
         for pos, step in enumerate(steps):
             if isinstance(step, KernelStep):
@@ -270,7 +273,7 @@ class HostWriter:
                 self.lines.append(
                     f"    {name} = _alias({self.names[step.base.id]}, {size}, {stride}, {self.py(step.offset)})"
                 )
-            for v in [v for v, p in last_use.items() if p == pos]:
+            for v in dying.get(pos, ()):
                 if v.id in self.names and v not in outputs and v not in self.handed_over and v not in self.mutated:
                     # Python frees the memory when no view of it remains (an input: when the caller
                     # holds it no more either).

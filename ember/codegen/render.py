@@ -48,6 +48,12 @@ def combo_params(reads: list, writes: list) -> list[Param]:
 
 def print_index(expr, floordiv: str) -> str:
     """Print an integer index expression; floordiv is '//' (Triton) or '/' (C++)."""
+    # Numbers and symbols, most of what is printed (every static size and stride), expand to
+    # themselves: printed without a call into sympy's expand.
+    if isinstance(expr, sympy.Integer):
+        return str(int(expr))
+    if isinstance(expr, sympy.Symbol):
+        return expr.name
     expr = sympy.expand(expr) if not isinstance(expr, (IndexDiv, IndexMod)) else expr
     if expr.is_Integer:
         return str(int(expr))
@@ -233,6 +239,8 @@ def unclamped(index, loop_vars: set, floordiv: str) -> tuple[object, list[str]]:
     affine: Triton's axis analysis vectorizes and coalesces the load (H100, GPT-2's 8192x2304 bf16
     cat: 180 us per call with clamps where ATen's copy takes 25 us), and a C++ compiler vectorizes
     the loop with masked loads, where clamps made each element a gather."""
+    if not index.has(sympy.Min, sympy.Max):
+        return index, []  # no clamp to strip (nearly every load): the index as it is
     conditions: list[str] = []
 
     def strip(e):
