@@ -105,7 +105,9 @@ def _report_schedule(report: GraphReport, sched, backend: Backend, target: Targe
 
     report.target = str(target)
     for k in sched.kernels:
-        cost = kernel_cost(k)
+        cost = sched.costs.get(k.name)
+        if cost is None:  # a schedule made elsewhere than _schedule
+            cost = kernel_cost(k)
         moved, flops = as_number(cost.bytes), as_number(cost.flops)
         seconds = estimate_seconds(cost, target)
         report.kernels.append(
@@ -180,6 +182,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.aten.importer import import_graph
     from ember.ir.cse import eliminate_common_subexpressions
     from ember.ir.dce import eliminate_dead_nodes
+    from ember.schedule.cost import kernel_cost
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.padding import pad_matmul_layouts
     from ember.schedule.scheduler import schedule
@@ -206,6 +209,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     sched = schedule(
         graph, eager_peak, target=target, gemm=backend.gemm_chooser, kernel_prefix=KERNEL_PREFIX.get(kind, "k")
     )
+    sched.costs = {k.name: kernel_cost(k) for k in sched.kernels}  # for the report, kept with the schedule
     stage("schedule")
     return sched
 

@@ -48,6 +48,9 @@ class Schedule:
     steps: list[Step]
     decisions: list[FusionDecision] = field(default_factory=list)
     memory: object = None  # the MemoryPlan (schedule/memory.py)
+    # Each kernel's cost (schedule/cost.py: kernel_cost) by name, for reports: worked out once with
+    # the schedule and kept in its pickle, so a graph loaded from a cache does not work it out again.
+    costs: dict = field(default_factory=dict)
 
     @property
     def kernels(self) -> list[Kernel]:

@@ -1,6 +1,6 @@
 """How a schedule is pickled and unpickled (runtime/schedule_cache.py): size and index expressions come
-back as the very expressions stored, rebuilt without simplifying them again, and the garbage collector
-is paused while a pickle loads and left as it was found."""
+back as the very expressions stored, rebuilt without simplifying them again; the garbage collector
+is paused while a pickle loads and left as it was found; the kernels' costs travel with the schedule."""
 
 from __future__ import annotations
 
@@ -9,9 +9,14 @@ import pickle
 
 import pytest
 import sympy
+import torch
+import torch._dynamo
 
+import ember
 from ember.ir.sizes import IndexDiv, IndexMod, index_symbol
 from ember.runtime import schedule_cache
+from ember.schedule import cost
+from tests.helpers import explain_strict
 
 x, y, n = index_symbol("x0"), index_symbol("x1"), sympy.Symbol("s0", integer=True, positive=True)
 EXPRESSIONS = [
@@ -75,3 +80,25 @@ def test_the_collector_is_paused_while_loading_and_left_as_found(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_a_loaded_schedule_reports_the_costs_it_was_made_with(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMBER_AOT_CACHE", "0")  # the schedule cache alone
+
+    def program(x, y):
+        return torch.softmax(x.t() * 2 + y, -1)
+
+    x, y = torch.randn(8, 6), torch.randn(6, 8)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        made = explain_strict(program, x, y)
+        torch._dynamo.reset()
+
+        def not_again(*args, **kwargs):
+            raise AssertionError("a loaded schedule's costs were worked out again")
+
+        monkeypatch.setattr(cost, "kernel_cost", not_again)
+        loaded = explain_strict(program, x, y)
+    (graph,) = loaded.graphs
+    assert "cached schedule" in graph.stage_seconds
+    costs = [(k.name, k.bytes, k.flops) for k in graph.kernels]
+    assert costs == [(k.name, k.bytes, k.flops) for k in made.graphs[0].kernels] and costs
