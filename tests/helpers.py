@@ -13,6 +13,7 @@ import torch
 
 import ember
 from ember.report import ExplainReport, collecting
+from ember.tools.workloads import WORKLOADS, GPT2Stack
 
 # Which workload scale each code generator is tested at: Triton runs in its (slow) CPU
 # interpreter, so it gets the tiny shapes.
@@ -25,6 +26,20 @@ BACKENDS = ("cpp", "triton")
 ON_DEVICES = [pytest.param("cpp", "cpu", id="cpp"), pytest.param("triton", "cpu", id="triton")] + (
     [pytest.param("triton", "cuda", id="triton-cuda")] if torch.cuda.is_available() else []
 )
+
+
+# The GPT-2 stack's blocks are all alike: two of them hold every kernel of a block and the residual
+# stream from one block into the next; the workload's other two repeat them at twice the trace,
+# compile and (under Triton's interpreter) run time.
+GPT2_TEST_BLOCKS = 2
+
+
+def make_workload(name: str, scale: str, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, tuple]:
+    """WORKLOADS[name].make(scale, dtype, device), with a GPT-2 stack cut to GPT2_TEST_BLOCKS blocks."""
+    fn, inputs = WORKLOADS[name].make(scale, dtype, device)
+    if isinstance(fn, GPT2Stack):
+        fn.blocks = fn.blocks[:GPT2_TEST_BLOCKS]
+    return fn, inputs
 
 
 def ember_compile(fn: Callable, backend: str, dynamic: bool | None = False, **options: Any) -> Callable:

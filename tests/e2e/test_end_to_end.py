@@ -1,10 +1,11 @@
 """Every workload of ember.tools.workloads, compiled by ember, against eager PyTorch.
 
-Table: workload x code generator (cpp at scale "small", Triton's interpreter at "tiny") x
-dtype (float32, bfloat16) x static/dynamic shapes; forward outputs and gradients of the
-inputs and parameters. float32 is compared with eager directly; bfloat16 compares both the
-compiled and the eager bf16 results with an fp32 reference computed from the same bf16
-inputs and weights, and requires compiled's error to be at most 2x eager's plus a little.
+Table: workload (the GPT-2 stack cut to two blocks: helpers.make_workload) x code generator
+(cpp at scale "small", Triton's interpreter at "tiny") x dtype (float32, bfloat16) x
+static/dynamic shapes; forward outputs and gradients of the inputs and parameters. float32 is
+compared with eager directly; bfloat16 compares both the compiled and the eager bf16 results
+with an fp32 reference computed from the same bf16 inputs and weights, and requires compiled's
+error to be at most 2x eager's plus a little.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.helpers import (
     ember_compile,
     forward_backward,
     fresh_inputs,
+    make_workload,
     params_of,
     reports,
     repro,
@@ -68,7 +70,7 @@ def _cases():
 @pytest.mark.parametrize("backend,name,dtype,dynamic,train", list(_cases()))
 def test_workload(backend, name, dtype, dynamic, train):
     scale = SCALE[backend]
-    model, base_inputs = WORKLOADS[name].make(scale, dtype, "cpu")
+    model, base_inputs = make_workload(name, scale, dtype)
     compiled_model = copy.deepcopy(model) if isinstance(model, torch.nn.Module) else model
     compiled = ember_compile(compiled_model, backend, dynamic=dynamic)
     ref_model = upcast_copy(model) if dtype != torch.float32 else None

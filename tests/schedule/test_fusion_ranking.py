@@ -8,8 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ember.tools.workloads import WORKLOADS
-from tests.helpers import SCALE, explain_strict
+from tests.helpers import SCALE, explain_strict, make_workload
 
 
 class ConvBlocks(nn.Module):
@@ -39,7 +38,7 @@ def _fingerprint(report) -> list:
 
 
 def _cases(backend: str):
-    model, inputs = WORKLOADS["gpt2_block"].make(SCALE[backend], torch.float32, "cpu")
+    model, inputs = make_workload("gpt2_block", SCALE[backend], torch.float32)
     yield "gpt2_block", model, [x.requires_grad_() for x in inputs]
     conv = ConvBlocks().to(memory_format=torch.channels_last)
     yield "conv_blocks", conv, [torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last).requires_grad_()]

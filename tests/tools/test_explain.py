@@ -11,7 +11,7 @@ import torch
 
 import ember
 from ember.tools.workloads import WORKLOADS, softmax_manual
-from tests.helpers import BACKENDS, SCALE, assert_close, explain_strict, repro
+from tests.helpers import BACKENDS, SCALE, assert_close, explain_strict, make_workload, repro
 
 PINNED = [name for name, w in WORKLOADS.items() if w.expected_kernels is not None]
 
@@ -92,7 +92,7 @@ def _no_fallback_cases():
 def test_no_fallbacks(backend, name, train):
     """ember compiles every graph of every workload (strict off, so a fallback is reported, not raised)."""
     scale = SCALE[backend]
-    fn, inputs = WORKLOADS[name].make(scale, torch.float32, "cpu")
+    fn, inputs = make_workload(name, scale, torch.float32)
     if train:
         inputs = tuple(x.requires_grad_(True) for x in inputs)
     line = repro(workload=name, backend=backend, scale=scale, train=train, dtype=torch.float32, dynamic=False)
