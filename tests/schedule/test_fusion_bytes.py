@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ember import config
+from ember.target import SplitHeuristics
 from tests.helpers import assert_close, ember_compile, reports, repro, tensors
 
 F32 = 4
@@ -108,10 +109,12 @@ def test_cross_entropy_never_writes_the_log_softmax(dtype):
 
 
 def test_split_reduction_stages_of_one_kernel_share_launches():
-    """On Triton the mean over 8192 rows is split in two stages, and so is the targets' bounds
-    check; each first stage (one reads the per-row losses, one the targets) and each second stage
-    is a sibling of the other through the kernel both feed or both read: 3 kernels, not 5."""
-    x, t = torch.randn(8192, 8), torch.randint(0, 8, (8192,))
+    """On Triton the mean over the rows (as many as the split's min_reduce) is split in two stages,
+    and so is the targets' bounds check; each first stage (one reads the per-row losses, one the
+    targets) and each second stage is a sibling of the other through the kernel both feed or both
+    read: 3 kernels, not 5."""
+    rows = SplitHeuristics().min_reduce
+    x, t = torch.randn(rows, 8), torch.randint(0, 8, (rows,))
     line = repro(backend="triton", shape=list(x.shape))
     with reports() as report:
         got = ember_compile(F.cross_entropy, "triton")(x, t)
