@@ -140,7 +140,17 @@ class TwoConvs(nn.Module):
         return y, self.head(y.mean((2, 3)))
 
 
-def test_a_replaced_or_modified_parameter_is_never_stale():
+def test_a_replaced_or_modified_parameter_is_never_stale(monkeypatch):
+    from ember.frontend.freezing import FrozenGraph
+
+    made = []  # every frozen graph made from here on: a second one would be a recompile
+    init = FrozenGraph.__init__
+
+    def recording_init(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(FrozenGraph, "__init__", recording_init)
     model = randomize_bn(TwoConvs(c=8))
     x = torch.randn(2, 8, 6, 6)
     # (row-major: channels-last convolutions would have the prologue read every 3x3 weight, frontend/layout.py)
@@ -174,7 +184,10 @@ def test_a_replaced_or_modified_parameter_is_never_stale():
                 assert not torch.equal(expected[1], previous), f"{what}: the change changed nothing in eager"
             previous = expected[1]
             freezes += refreezes
-            assert [g.freezes for g in _frozen_graphs()] == [freezes], f"{what}: prologue runs"
+            assert [g.freezes for g in made] == [freezes], f"{what}: prologue runs"
+    # And no other frozen graph is alive: a scan of the whole heap, once (per change it cost seconds late in a
+    # session's run, whose heap is large).
+    assert [g.freezes for g in _frozen_graphs()] == [freezes], "frozen graphs alive after the changes"
 
 
 def _frozen_graphs() -> list:
