@@ -53,20 +53,25 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_convolution_weight")
 
 
+def _static_cpu_float32(operands, dim: int) -> bool:
+    """Whether every operand is an FX node whose value is a float32 CPU tensor of `dim` static sizes."""
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in operands]
+    return all(
+        isinstance(t, torch.Tensor)
+        and t.dim() == dim
+        and t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and all(isinstance(s, int) for s in t.shape)
+        for t in vals
+    )
+
+
 def packable(node: fx.Node, is_constant: Callable[[object], bool]) -> bool:
     """A float32 2-d convolution (not transposed) of static sizes on the CPU whose weight and bias are
     computed from frozen tensors (`is_constant`)."""
     if node.op != "call_function" or node.target is not aten.convolution.default or node.args[6]:
         return False
-    x, w = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
-    if not all(
-        isinstance(t, torch.Tensor)
-        and t.dim() == 4
-        and t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and all(isinstance(s, int) for s in t.shape)
-        for t in (x, w)
-    ):
+    if not _static_cpu_float32(node.args[:2], dim=4):
         return False
     if any(p != 0 for p in node.args[7]):  # output padding (transposed convolutions only)
         return False
@@ -79,19 +84,11 @@ def packable_linear(node: fx.Node, is_constant: Callable[[object], bool]) -> boo
     if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
         return False
     bias, x, w = node.args if node.target is aten.addmm.default else (None, *node.args)
-    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, w)]
-    if not all(
-        isinstance(t, torch.Tensor)
-        and t.dim() == 2
-        and t.device.type == "cpu"
-        and t.dtype == torch.float32
-        and all(isinstance(s, int) for s in t.shape)
-        for t in vals
-    ):
+    if not _static_cpu_float32((x, w), dim=2):
         return False
     if bias is not None:
         b = bias.meta.get("val") if isinstance(bias, fx.Node) else None
-        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (vals[1].shape[1],) or b.dtype != torch.float32:
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != (w.meta["val"].shape[1],) or b.dtype != torch.float32:
             return False
         if not is_constant(bias):
             return False
