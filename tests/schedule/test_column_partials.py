@@ -17,7 +17,11 @@ from ember.target import SplitHeuristics
 from tests.helpers import assert_close, assert_not_worse, ember_compile, forward_backward, fresh_inputs, reports, repro
 
 F32 = 4
-N, C = SplitHeuristics().min_reduce, 64
+# The smallest sizes the split applies to: on the Triton target, whose row kernels accumulate column
+# partials, a column sum splits from min_column_reduce rows; a column max, and a column sum on the C++
+# target, from min_reduce rows.
+N, C = SplitHeuristics().min_column_reduce, 64
+N_LONG = SplitHeuristics().min_reduce
 
 
 def _layer_norm(x, w, b):
@@ -44,14 +48,14 @@ def test_layer_norm_backward_reads_its_rows_once():
     x, w, b = fresh_inputs(_inputs((N, C), (C,), (C,)))
     graph = _backward_report(_layer_norm, [x, w, b], "triton")
     # One row kernel (input gradient, and the weight and bias gradients' partial sums per chunk of
-    # 16 rows: 256 chunks), then one kernel summing the partials.
+    # 16 rows: N // 16 chunks), then one kernel summing the partials.
     chunks = N // 16
     row_kernel = 3 * N * C * F32 + 2 * N * F32 + C * F32 + 2 * chunks * C * F32  # x, dy, dx; mean, rstd; w
     final = 2 * chunks * C * F32 + 2 * C * F32
     assert len(graph.kernels) == 2, [k.name for k in graph.kernels]
     assert graph.bytes == row_kernel + final, (graph.bytes, row_kernel + final)
     # The C++ target reads x and dy again in a column kernel of its own.
-    x, w, b = fresh_inputs(_inputs((N, C), (C,), (C,)))
+    x, w, b = fresh_inputs(_inputs((N_LONG, C), (C,), (C,)))
     assert len(_backward_report(_layer_norm, [x, w, b], "cpp").kernels) == 3
 
 
@@ -63,13 +67,13 @@ CASES = [
     # A column max next to a row softmax over the same x. (Training, the backward's x == max
     # needs the column max before the row kernel: a cycle, refused.) Eight columns: Triton's
     # interpreter reduces a max element by element in Python, so each column costs.
-    ("softmax_and_column_max", lambda x: (x.softmax(-1), x.amax(0)), [(N, 8)], False),
+    ("softmax_and_column_max", lambda x: (x.softmax(-1), x.amax(0)), [(N_LONG, 8)], False),
 ]
 
 
 def _compare_with_eager(name, fn, shapes, train):
     """Compile fn for Triton, run it (forward and backward if train) and compare every result with
-    eager's. The weight gradients are fp32 sums of 4096 terms of magnitude ~2 in another order than
+    eager's. The weight gradients are fp32 sums of N terms of magnitude ~2 in another order than
     eager's (chunks of 16 rows, then the chunks): differences of 1e-4 are rounding. Returns the
     compile reports and the repro line."""
     inputs = _inputs(*shapes)
@@ -123,7 +127,7 @@ def test_no_output_written_over_a_buffer_only_the_column_sum_reads():
 # 625; rows of one element, which leave no row loop): each once crashed the compile.
 REFUSED = [
     ("layer_norm_5000_rows", _layer_norm, [(5000, C), (C,), (C,)], True),
-    ("softmax_and_column_sum_of_width_1", lambda x: (x.softmax(-1), x.sum(0)), [(N, 1)], False),
+    ("softmax_and_column_sum_of_width_1", lambda x: (x.softmax(-1), x.sum(0)), [(N_LONG, 1)], False),
 ]
 
 
