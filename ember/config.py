@@ -250,6 +250,14 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "indexed_stores",
+            bool,
+            True,
+            "on the GPU, a write into rows of a graph input (a static KV cache's index_copy_ or index_put_) is "
+            "stored by the kernel computing the rows, where it can only be in place (off: ATen's in-place call)",
+            codegen=True,
+        ),
+        Setting(
             "overlap_collectives",
             bool,
             True,

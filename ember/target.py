@@ -344,6 +344,9 @@ class Target:
     # Programs of a row kernel that also sums its rows' columns (kernel.KColumnPartial); split.py
     # sizes those sums' chunks for them. 0: such kernels are not rendered.
     row_programs: int = 0
+    # Stores at rows an index tensor names, checked against the buffer's size in the kernel
+    # (kernel.KRow): a KV cache's update stored by the kernel computing it (schedule/indexed_store.py).
+    indexed_stores: bool = False
     heuristics: Heuristics = Heuristics()
 
     @property
@@ -364,6 +367,7 @@ class Target:
             self.launch_seconds,
             self.online_softmax,
             self.row_programs,
+            self.indexed_stores,
             astuple(self.heuristics),
         )
 

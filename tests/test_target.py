@@ -63,7 +63,13 @@ def test_the_key_holds_what_a_schedule_depends_on():
     # FLOP rate and launch cost (fixed figures) decide which broadcast values are computed once.
     for same in ({"bandwidth": 1.0}, {"device_name": "another"}):
         assert dataclasses.replace(target, **same).key() == target.key(), same
-    others = ({"sm_count": 114}, {"row_programs": 0}, {"online_softmax": False}, {"arch": ("cuda", 80, 32)})
+    others = (
+        {"sm_count": 114},
+        {"row_programs": 0},
+        {"online_softmax": False},
+        {"indexed_stores": True},
+        {"arch": ("cuda", 80, 32)},
+    )
     for other in (*others, {"flop_rate": 2.0}, {"launch_seconds": 3.0}):
         assert dataclasses.replace(target, **other).key() != target.key(), other
     assert target.tuned("split.max_second_split=8").key() != target.key()

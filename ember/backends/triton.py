@@ -437,6 +437,7 @@ def _make_target(device) -> Target:
         limits.flop_rate,
         limits.launch_seconds,
         online_softmax=True,
+        indexed_stores=True,
         row_programs=max(0, programs) if programs else sm_count,
         heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu)),
     )

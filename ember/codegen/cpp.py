@@ -224,6 +224,8 @@ class CppRenderer(Renderer):
         return f"static_cast<{CPP_DTYPE[dst]}>({x})"
 
     def emit_store(self, store: KStore) -> None:
+        if store.row is not None:  # the C++ target does not set Target.indexed_stores
+            raise NotImplementedError("the C++ target renders no indexed stores")
         self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
 
     # -- loops -------------------------------------------------------------------------------

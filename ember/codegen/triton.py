@@ -105,6 +105,13 @@ def ember_reduce_sum(x, axis: tl.constexpr):
 @triton.jit
 def ember_reduce_prod(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _prod_combine, keep_dims=True)
+
+
+def ember_interpreted_assert(ok, message):
+    # Triton's interpreter compiles no debug mode and drops tl.device_assert: there the kernel
+    # (plain Python) calls this instead.
+    if not ok.handle.data.all():
+        raise IndexError(message)
 """
 
 _COMBINE = {
@@ -214,10 +221,25 @@ class TritonRenderer(Renderer):
     def emit_store(self, store: KStore) -> None:
         ptr = self.buffer_name(store.buffer)
         value = self._tensor(store.value, store.full)
+        if store.row is not None:
+            self._emit_row(store)
         offset = self.index_of(store.index)
         if not self._varies(store.index):
             offset += " + tl.zeros_like(xindex)"  # a block of pointers, so the mask applies
         self.emit(f"tl.store({ptr} + {offset}, {value}, {self.mask(store.full)})")
+
+    def _emit_row(self, store: KStore) -> None:
+        """Define the row a store writes (kernel.KRow) and check it as eager's device-side check
+        does: an index outside the buffer stops the kernel instead of writing another tensor's memory."""
+        row = store.row
+        name, position, size = row.symbol.name, self.ref(row.position), print_index(row.size, "//")
+        if row.wrap:
+            self.emit(f"{name} = tl.where({position} < 0, {position} + {size}, {position})")
+        else:
+            self.emit(f"{name} = {position}")
+        inside = f"((0 <= {name}) & ({name} < {size})) | ~({self.mask(store.full)})"
+        check = "ember_interpreted_assert" if self.interpreted else "tl.device_assert"
+        self.emit(f'{check}({inside}, "index out of bounds: {store.buffer.node.origin}")')
 
     # -- phases ----------------------------------------------------------------------------
     def open_phase(self, phase: int) -> None:
@@ -336,7 +358,7 @@ class TritonRenderer(Renderer):
         if self.reduction:
             args.append("rnumel")
         args += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.reduction else [])
-        self.emit("@triton.jit")
+        self.emit(jit_decorator([k]))
         self.emit(f"def {k.name}({', '.join(args)}):")
         self.indent += 1
         pid = "tl.program_id(0).to(tl.int64)" if self.wide_index else "tl.program_id(0)"
@@ -425,6 +447,14 @@ class TritonKernelSource:
     @property
     def rnumel(self):
         return product(s for s, r in zip(self.kernel.loop_sizes, self.kernel.loop_reduce) if r)
+
+
+def jit_decorator(kernels: list[Kernel]) -> str:
+    """`@triton.jit`, compiled in debug mode where a kernel checks its indexed stores' rows
+    (TritonRenderer._emit_row): Triton drops device asserts otherwise. Functions a kernel calls are
+    compiled with its options."""
+    checks = any(s.row is not None for k in kernels for s in k.stores)
+    return "@triton.jit(debug=True)" if checks else "@triton.jit"
 
 
 def render_triton(kernel: Kernel, target: Target, launch: LaunchConfig | None = None) -> TritonKernelSource:

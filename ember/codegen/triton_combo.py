@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import sympy
 
 from ember.codegen.render import Param, combo_params
-from ember.codegen.triton import TritonRenderer
+from ember.codegen.triton import TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir.sizes import product
 from ember.schedule.kernel import ComboKernel, Kernel
@@ -72,7 +72,7 @@ def render_triton_combo(kernel: ComboKernel, target: Target) -> TritonComboSourc
     params = combo_params(kernel.reads, kernel.writes)
     starts, blocks = _block_starts(kernel.parts, launch.xblock)
     lines = [
-        "@triton.jit",
+        jit_decorator(kernel.parts),
         f"def {kernel.name}({', '.join([p.name for p in params] + ['xnumel', 'XBLOCK: tl.constexpr'])}):",
     ]
     lines.append("    pid = tl.program_id(0)")

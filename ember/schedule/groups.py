@@ -26,6 +26,8 @@ def make_groups(state: ScheduleState) -> None:
 def _new_group(state: ScheduleState, v: Value) -> None:
     if v.node.op == "reduce":
         domain = Domain(v.node.inputs[0].shape, tuple(v.node.attrs["dims"]))
+    elif v in state.indexed_stores:
+        domain = Domain(state.indexed_stores[v].rows)  # the rows it writes
     else:
         domain = Domain(v.shape)
     gid = len(state.groups)
@@ -44,7 +46,9 @@ def group_kernel(
     name = state.kernel_name(gid)
     if gid in state.gemms.by_group:
         return build_gemm_kernel(name, domain, gid, roots, stored, state.owner, state.gemms.by_group[gid])
-    kernel = build_kernel(name, domain, gid, roots, stored, state.owner, state.target.column_partials)
+    kernel = build_kernel(
+        name, domain, gid, roots, stored, state.owner, state.target.column_partials, state.indexed_stores
+    )
     if state.target.online_softmax:
         fold_online_softmax(kernel)
     return kernel

@@ -161,12 +161,27 @@ class KReduce(KNode):
 
 
 @dataclass(eq=False)
+class KRow:
+    """The row a store writes along one dim of its buffer, read from an index tensor: a store into a
+    mutated input at the rows an `index_copy_` or `index_put_` names (schedule/indexed_store.py).
+    The store's index holds `symbol` where that dim's position goes; the target defines it as
+    `position` (an integer the kernel computes) and checks that it lies in [0, size), after adding
+    `size` to a negative one where `wrap` (index_put's -1 is the last row; index_copy's is out of range)."""
+
+    symbol: sympy.Symbol
+    position: KNode
+    size: Expr
+    wrap: bool
+
+
+@dataclass(eq=False)
 class KStore:
     buffer: Value
     index: Expr
     value: KNode
     phase: int
     full: bool
+    row: KRow | None = None  # a store at rows an index tensor names (KRow); None: at the domain position
 
 
 @dataclass(eq=False)
@@ -231,10 +246,12 @@ class Kernel:
     def size_symbols(self) -> list[sympy.Symbol]:
         exprs = list(self.loop_sizes) + list(self.rewritten.values())
         exprs += [n.expr for n in walk(self) if isinstance(n, KIndex)]
+        exprs += [s.row.size for s in self.stores if s.row is not None]
+        rows = {s.row.symbol for s in self.stores if s.row is not None}  # defined in the kernel
         syms: set = set()
         for e in exprs:
             syms |= {s for s in e.free_symbols if not s.name.startswith("d") and not s.name.startswith("l")}
-        return sorted(syms, key=lambda s: s.name)
+        return sorted(syms - rows, key=lambda s: s.name)
 
 
 def walk(kernel: Kernel) -> list[KNode]:
@@ -249,6 +266,8 @@ def walk(kernel: Kernel) -> list[KNode]:
         seen[id(n)] = n
 
     for s in kernel.stores:
+        if s.row is not None:
+            visit(s.row.position)
         visit(s.value)
     for r in kernel.reduces:
         visit(r)

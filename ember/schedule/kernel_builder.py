@@ -34,6 +34,7 @@ from ember.schedule.kernel import (
     KNode,
     KOp,
     KReduce,
+    KRow,
     KStore,
     NotFusable,
     walk,
@@ -75,13 +76,15 @@ class KernelBuilder:
     """Expands a group's values into a Kernel.
 
     owner:   realized Value -> id of the group that computes it (loads come from its buffer)
-    members: values this group computes (its realized roots)
+    indexed: values stored at rows an index names (schedule/indexed_store.py) -> how
     """
 
-    def __init__(self, domain: Domain, group_id: int, owner: dict[Value, int]):
+    def __init__(self, domain: Domain, group_id: int, owner: dict[Value, int], indexed: dict | None = None):
         self.domain = domain
         self.group_id = group_id
         self.owner = owner
+        self.indexed = indexed or {}
+        self.row_stores = 0  # KRow symbols named so far
         self.ranges = dict(zip(domain.vars(), domain.shape))
         self.reduce_vars = {domain.vars()[d] for d in domain.reduce_dims}
         self.cse: dict[tuple, KNode] = {}
@@ -177,6 +180,8 @@ class KernelBuilder:
     def _expr(self, value: Value, index: list[Expr]) -> KNode:
         node = value.node
         owner = self.owner.get(value)
+        if value in self.indexed and owner == self.group_id:
+            raise NotFusable(f"%{value.name} is read in the kernel that scatters its rows")
         if node.op in ("input", "extern") or (owner is not None and owner != self.group_id):
             return self.load(value, index)
         if node.op == "view":
@@ -264,6 +269,8 @@ class KernelBuilder:
         self.record_origin(value.node)
 
     def store(self, value: Value) -> KStore:
+        if value in self.indexed:
+            return self.indexed_store(self.indexed[value])
         index = self.domain.index_for(value.shape)
         if index is None:
             raise NotFusable(f"%{value.name} {value.type_str} does not fit domain {self.domain}")
@@ -278,6 +285,24 @@ class KernelBuilder:
         # walks them is still written once per element: the store belongs inside the row loop.
         full = result.full or bool(offset.free_symbols & self.reduce_vars)
         return KStore(value, offset, stored, result.ready, full)
+
+    def indexed_store(self, store) -> KStore:
+        """The rows `store.src` stored into `store.new` (the input's memory) at the positions
+        `store.index` holds along `store.dim` (an indexed_store.IndexedStore)."""
+        index = self.domain.index_for(store.rows)
+        if index is None:
+            raise NotFusable(f"rows {store.rows} of %{store.new.name} do not fit domain {self.domain}")
+        src = self.expr(store.src, broadcast_index(index, store.src.shape, store.rows))
+        value = self.convert(src, store.new.dtype)
+        position = self.convert(self.expr(store.index, [index[store.dim]]), torch.int64)
+        symbol = index_symbol(f"row{self.row_stores}")
+        self.row_stores += 1
+        at = [symbol if d == store.dim else i for d, i in enumerate(index)]
+        offset = sympy.expand(sum((i * s for i, s in zip(at, layout_of(store.new))), sympy.Integer(0)))
+        row = KRow(symbol, position, sympy.sympify(store.dst.shape[store.dim]), store.wrap)
+        full = value.full or position.full or bool(offset.free_symbols & self.reduce_vars)
+        self.record_origin(store.new.node)
+        return KStore(store.new, offset, value, max(value.ready, position.ready), full, row)
 
 
 def column_partial_input(value: Value, domain: Domain) -> Value | None:
@@ -328,11 +353,15 @@ def build_kernel(
     stored: list[Value],
     owner,
     column_partials: bool = False,
+    indexed: dict | None = None,
 ) -> Kernel:
     """Build the kernel computing `roots` (reductions included) and storing `stored`.
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
-    over this domain's rows are accumulated by the row loop."""
-    b = KernelBuilder(domain, group_id, owner)
+    over this domain's rows are accumulated by the row loop. `indexed`: values stored at rows an
+    index names (schedule/indexed_store.py), each always stored."""
+    indexed = indexed or {}
+    b = KernelBuilder(domain, group_id, owner, indexed)
+    stored = list(stored) + [v for v in roots if v in indexed and v not in stored]
     summed = {v: column_partial_input(v, domain) for v in roots} if column_partials else {}
     partial = {v: x for v, x in summed.items() if x is not None}
     stores = [b.store(v) for v in stored if v not in partial]

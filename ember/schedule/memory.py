@@ -303,6 +303,10 @@ class _Placer:
             self.plan.mutations_in_place.add(inp)
             self.holder[v] = inp  # the caller's memory: not counted in the peak
             return
+        if any(s.row is not None and s.buffer is v for s in kernel.stores):
+            # It writes only the rows an index names: anywhere but in its input, the rest would be unset.
+            # indexed_store.py takes a scatter only where this cannot happen.
+            raise RuntimeError(f"the rows of %{v.name} must be stored into their input, and cannot be")
         donor = self._in_place_donor(kernel, v, pos, taken | others)
         if donor is not None:
             self.plan.inplace.add(v)

@@ -60,6 +60,8 @@ def merged_domain(state: ScheduleState, memo: FusionMemo, a: Group, b: Group) ->
 
 def _merged_domain(state: ScheduleState, a: Group, b: Group) -> Domain | None:
     if a.id in state.gemms.by_group or b.id in state.gemms.by_group:
+        if any(v in state.indexed_stores for v in a.roots + b.roots):
+            return None  # the template stores at its own domain's positions only
         return state.gemms.merged_domain(a, b)
     if a.domain == b.domain:
         return a.domain

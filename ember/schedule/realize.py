@@ -38,10 +38,13 @@ def realize_stored(state: ScheduleState) -> None:
     graph = state.graph
     needed = [o for o in graph.outputs if isinstance(o, Value)]
     for node in graph.nodes:
-        if node.op == "extern":
+        if state.is_extern(node):
             needed += node.value_inputs()
     realized: list[Value] = []
     for v in needed:
+        if v in state.indexed_stores:
+            realized.append(v)  # a kernel stores it (indexed_store.py)
+            continue
         if v.node.op in ("input", "extern"):
             continue
         if v.node.op == "view":
@@ -56,7 +59,7 @@ def realize_stored(state: ScheduleState) -> None:
     # Read by an extern or kept as an alias's base: stored whatever fuses.
     state.read_outside = set(realized) | {a.base for a in state.aliases.values()}
     for node in graph.nodes:
-        if node.op == "extern":
+        if state.is_extern(node):
             state.read_outside |= {view_chain(v)[0] if v in state.aliases else v for v in node.value_inputs()}
     realized += [node.out for node in graph.nodes if node.op == "reduce"]
     state.realized = realized

@@ -2,6 +2,7 @@
 
 Each pass reads and fills in one record, state.ScheduleState; each module holds one pass:
 
+0. indexed_store.py: scatters into graph inputs that kernels store (a KV cache's update);
 1. realize.py: which values live in memory (outputs, extern inputs, reductions, aliases of views);
 2. gemm_plan.py: which matrix products ember's GEMM template runs, each realized in a group of its own;
 3. realize.py: pointwise values cheaper computed once (read by several kernels, or broadcast transcendental work);
@@ -24,6 +25,7 @@ from ember.schedule.gemm import GemmChooser
 from ember.schedule.gemm_plan import plan_gemm_templates
 from ember.schedule.groups import make_groups
 from ember.schedule.horizontal import combine_horizontally
+from ember.schedule.indexed_store import plan_indexed_stores
 from ember.schedule.kernel_builder import room_for_depth
 from ember.schedule.memory import eager_peak as eager_peak_bytes
 from ember.schedule.memory import plan_memory
@@ -66,6 +68,7 @@ def schedule(
 
 def run_passes(state: ScheduleState, eager_peak: int | None, policy: FusionPolicy) -> None:
     """The scheduling passes, once, in order, over a state that holds only the graph and its target."""
+    plan_indexed_stores(state)
     realize_stored(state)
     plan_gemm_templates(state)
     realize_shared(state)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ember.ir.graph import Graph, Node, Value
 from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
+from ember.schedule.indexed_store import IndexedStore
 from ember.schedule.kernel import Domain, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
@@ -51,6 +52,8 @@ class ScheduleState:
     realized: list[Value] = field(default_factory=list)  # values in memory, in the order their groups are made
     # Stored whatever fuses: returned, read by an extern, or the base of an alias.
     read_outside: set[Value] = field(default_factory=set)
+    # A scatter into a graph input that a kernel stores (indexed_store.py): the input's new value -> how.
+    indexed_stores: dict[Value, IndexedStore] = field(default_factory=dict)
     gemm_plans: dict[int, GemmOp] = field(default_factory=dict)  # id(extern node) -> product run as the template
     gemms: GemmGroups = field(default_factory=GemmGroups)  # template groups and their merge rule
     groups: dict[int, Group] = field(default_factory=dict)
@@ -68,8 +71,10 @@ class ScheduleState:
         return f"{self.kernel_prefix}{gid}"
 
     def is_extern(self, node: Node) -> bool:
-        """An extern step: an ATen call the GEMM template does not take over."""
-        return node.op == "extern" and id(node) not in self.gemm_plans
+        """An extern step: an ATen call neither the GEMM template nor an indexed store takes over."""
+        if node.op != "extern" or id(node) in self.gemm_plans:
+            return False
+        return not (node.outputs and node.outputs[0] in self.indexed_stores)
 
     def needed_outside(self, v: Value, members: set[int]) -> bool:
         """Whether a kernel made of the groups `members` must store v: someone outside reads it."""
