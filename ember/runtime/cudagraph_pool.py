@@ -59,14 +59,10 @@ class GraphedCall(Protocol):
     max_graphs: int
     copy_outputs: bool
     recordings: dict
-    seen: dict  # key -> the addresses of the mutated inputs that are not static, at its warm-up call
+    seen: set
     last: Any
 
     def find(self, args: list) -> tuple[tuple | None, Any]: ...
-
-    def key(self, args: list) -> tuple: ...
-
-    def pin(self, args: list, warm: dict[int, int]) -> None: ...
 
     def disable(self, reason: str) -> None: ...
 
@@ -180,13 +176,6 @@ def _same_addresses_in_python(tensors: list, addresses: list[int], positions: li
 same_addresses = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _same_addresses_in_python)
 
 
-def _mutated_addresses(fn: GraphedCall, args: list) -> dict[int, int]:
-    """The addresses of the call's mutated inputs that are not static."""
-    return {
-        k: args[k].data_ptr() for k in fn.mutated if k not in fn.static and isinstance(args[k], torch.Tensor)
-    }
-
-
 def _copy_index(t: torch.Tensor) -> Any:
     """Where a buffer with t's layout is written: broadcast (stride 0) dims at one position."""
     if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride())):
@@ -288,18 +277,11 @@ class Pool:
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
                     f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "
-                    "addresses of parameters, other static inputs and mutated inputs kept in place): it runs without "
-                    "CUDA graphs from here"
+                    "addresses of parameters and other static inputs): it runs without CUDA graphs from here"
                 )
                 return None
-            fn.seen[key] = _mutated_addresses(fn, args)
+            fn.seen.add(key)
             return None  # warm-up: kernels load and libraries set up outside the capture
-        if not fn.recordings:
-            # The first recording decides which mutated inputs stay where they are (Graphed.pin).
-            warm = fn.seen.pop(key)
-            fn.pin(args, warm)
-            key = fn.key(args)
-            fn.seen[key] = warm
         try:
             rec = self._record(fn, args)
         except Exception as e:
@@ -312,7 +294,6 @@ class Pool:
         return rec
 
     def _record(self, fn: GraphedCall, args: list) -> Recording:
-        # Static inputs (fn.static, the pinned mutated ones included) are read and written where they are.
         inputs, copy_in = [], []
         for k, a in enumerate(args):
             if isinstance(a, torch.Tensor) and k not in fn.static:

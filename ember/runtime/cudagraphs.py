@@ -232,9 +232,7 @@ class Graphed:
         self.max_graphs = config.get("cudagraphs_max_graphs")
         self.recordings: dict[tuple, Recording] = {}
         self.last: Recording | None = None  # the last one replayed: tried first
-        # Keys called so far, each with its warm-up call's addresses of the mutated inputs not static.
-        self.seen: dict[tuple, dict[int, int]] = {}
-        self.pinned: frozenset[int] = frozenset()  # mutated inputs made static by `pin`
+        self.seen: set[tuple] = set()
         self.disabled: str | None = None
         self._held_noted = False
         # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
@@ -271,15 +269,6 @@ class Graphed:
         if self.symbolic:
             parts += [a.shape if isinstance(a, torch.Tensor) else a for a in args]
         return tuple(parts)
-
-    def pin(self, args: list, warm: dict[int, int]) -> None:
-        """Make static the mutated inputs found at the same address at the warm-up call and now: state the
-        program keeps and writes in place (an optimizer's step counters, a cache's length) is read and
-        written where it is by every replay instead of being copied in and back (two small copies each,
-        per replay). The address enters the key, as a parameter's does: where one moves, the call is a new
-        key (a new recording, within cudagraphs_max_graphs)."""
-        self.pinned = frozenset(k for k, ptr in warm.items() if args[k].data_ptr() == ptr)
-        self.static = self.static | self.pinned
 
     def disable(self, reason: str) -> None:
         """From here on, run without CUDA graphs; one warning says why."""

@@ -229,59 +229,31 @@ def test_default_mode_copies_an_expanded_output(recorder):
     assert recorder.replays >= 2, line
 
 
-class _Decay(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("state", torch.zeros(4, 8))
+def test_mutated_inputs_are_captured(recorder):
+    class Decay(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("state", torch.zeros(4, 8))
 
-    def forward(self, x, extra):
-        self.state.mul_(0.5).add_(x)  # a buffer: static, written in place by the graph
-        extra.add_(1.0)  # an argument the graph writes
-        return self.state.sum(-1) + extra.sum()
+        def forward(self, x, extra):
+            self.state.mul_(0.5).add_(x)  # a buffer: static, written in place by the graph
+            extra.add_(1.0)  # an argument: copied in, and back after the replay
+            return self.state.sum(-1) + extra.sum()
 
-
-def _run_decay(extras: list, line: str):
-    """Four calls of _Decay compiled under CUDA graphs, the i-th with extras[i], each checked against eager."""
-    model, reference = _Decay(), _Decay()
+    model, reference = Decay(), Decay()
     compiled = ember_compile(model, "cpp", cudagraphs=True)
+    extra, extra_ref = torch.zeros(3), torch.zeros(3)
+    line = repro(program="state = 0.5 * state + x; extra += 1", x="f32[4, 8]", extra="f32[3]", calls=4)
     with torch.no_grad():
-        for i, extra in enumerate(extras):
-            x, extra_ref = torch.randn(4, 8), extra.clone()
+        for i in range(4):
+            x = torch.randn(4, 8)
             out = compiled(x, extra)
             assert_close(out, reference(x, extra_ref), rtol=1e-5, atol=1e-5, what=f"call {i}", line=line)
             assert_close(model.state, reference.state, rtol=1e-5, atol=1e-5, what=f"state {i}", line=line)
             assert_close(extra, extra_ref, rtol=0, atol=0, what=f"extra {i}", line=line)
-    return model
-
-
-def test_mutated_inputs_are_captured(recorder):
-    """A mutated argument passed again at the same address (state the caller keeps: an optimizer's step
-    counter) is written in place by the replay, like the buffer; neither is copied."""
-    extra = torch.zeros(3)
-    line = repro(program="state = 0.5 * state + x; extra += 1", x="f32[4, 8]", extra="f32[3], the same", calls=4)
-    model = _run_decay([extra] * 4, line)
-    (rec,) = cg.pool_for(recorder, CPU).recordings
-    assert not rec.copy_out and len(rec.copy_in) == 1, line  # only x is copied in
-    pointers = {a.data_ptr() for a in rec.inputs if isinstance(a, torch.Tensor)}
-    assert {model.state.data_ptr(), extra.data_ptr()} <= pointers, line
-
-
-def test_mutated_input_at_a_new_address_each_call_is_copied_in_and_back(recorder):
-    extras = [torch.full((3,), float(i)) for i in range(4)]
-    line = repro(program="state = 0.5 * state + x; extra += 1", x="f32[4, 8]", extra="f32[3], new each call", calls=4)
-    _run_decay(extras, line)
-    (rec,) = cg.pool_for(recorder, CPU).recordings
+    rec = cg.pool_for(recorder, CPU).recordings[0]
     assert rec.copy_out and all(k in dict(rec.copy_in) for k in rec.copy_out), line
-
-
-def test_kept_mutated_input_moved_later_records_again(recorder):
-    """Kept in place from the first recording, the argument moves at the third call: that call is a new
-    key (a warm-up, then a second recording), never a replay writing the old tensor."""
-    first, moved = torch.zeros(3), torch.ones(3)
-    line = repro(program="state = 0.5 * state + x; extra += 1", x="f32[4, 8]", extra="f32[3], moved at call 2", calls=5)
-    _run_decay([first, first, moved, moved, moved], line)
-    recordings = cg.pool_for(recorder, CPU).recordings
-    assert len(recordings) == 2 and not any(r.copy_out for r in recordings), line
+    assert any(a is model.state or getattr(a, "data_ptr", lambda: 0)() == model.state.data_ptr() for a in rec.inputs)
 
 
 def _fresh(args: list) -> list:
