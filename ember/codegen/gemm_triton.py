@@ -67,6 +67,8 @@ class GemmRenderer(TritonRenderer):
         self.emit(f"{name} = tl.load({ptr}{mask})")
 
     def emit_store(self, store: KStore) -> None:
+        if store.row is not None:  # merge.py keeps indexed stores out of GEMM templates
+            raise NotImplementedError("a GEMM template renders no indexed stores")
         ptr = self.buffer_name(store.buffer)
         offset = self.index_of(store.index)
         if not self._varies(store.index):

@@ -232,6 +232,7 @@ class TritonRenderer(Renderer):
         """Define the row a store writes (kernel.KRow) and check it as eager's device-side check
         does: an index outside the buffer stops the kernel instead of writing another tensor's memory."""
         row = store.row
+        self.emit_node(row.position)  # a store in a reduce phase is emitted there, with its operands
         name, position, size = row.symbol.name, self.ref(row.position), print_index(row.size, "//")
         if row.wrap:
             self.emit(f"{name} = tl.where({position} < 0, {position} + {size}, {position})")

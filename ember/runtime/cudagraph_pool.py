@@ -109,16 +109,16 @@ class Recording:
     addresses: list[int] = field(default_factory=list)
     strides: list[tuple[int, tuple]] = field(default_factory=list)
     live: list[StorageWeakRef] = field(default_factory=list)  # this step's outputs
-    # The inputs of copy_in copied whole: one foreach copy for all of them. An optimizer step reads a
-    # step counter per parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
-    copy_whole: list[int] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.copy_whole = [k for k, index in self.copy_in if index is None]
     # Every storage ever handed out that is still alive, of this step or an earlier one: the recording's
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
     released: bool = False
+    # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
+    # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
+    copy_whole: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.copy_whole = [k for k, index in self.copy_in if index is None]
 
     def held(self) -> bool:
         return any(not ref.expired() for ref in self.live)

@@ -124,7 +124,9 @@ def schedule_key(gm: torch.fx.GraphModule, kind: str, target: tuple) -> str | No
         return None
     if sum(size for _, (_, size, _) in constants) > MAX_CONSTANT_BYTES:
         return None
-    return content_key("schedule", gm.code, metas, constants, kind, target=target, ember=True)
+    # Deterministic algorithms keep scatters with repeated indices as ATen's (schedule/indexed_store.py).
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    return content_key("schedule", gm.code, metas, constants, kind, deterministic, target=target, ember=True)
 
 
 def _operator(namespace: str, name: str, overload: str | None):

@@ -10,10 +10,15 @@ embedding of a projection) is inlined into that kernel and never reaches memory,
 written where it is, with no copy.
 
 Taken only where the write can be nothing but in place, since the kernel writes just the named rows:
-the input's new value is its only new value and not returned, it has the input's layout, and
-nothing else in the graph reads the input's old value (then no step can run between a read of the
-old rows and their overwrite). The row position is checked against the input's size in the kernel,
-as eager's device-side check does; index_put's negative positions count from the end, as in eager.
+the input's new value is not returned, it has the input's layout, and nothing else in the graph reads
+the input's old value (then no step can run between a read of the old rows and their overwrite). The
+row position is checked against the input's size in the kernel, as eager's device-side check does;
+index_put's negative positions count from the end, as in eager.
+
+Not taken for an integer or bool input: the bounds check compiles the kernel in Triton's debug mode,
+which also checks integer arithmetic for overflow that eager lets wrap. Not taken under
+`torch.use_deterministic_algorithms(True)`: repeated positions are then written in a defined order by
+ATen, and by racing programs in a kernel.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def plan_indexed_stores(state: ScheduleState) -> None:
     state.indexed_stores = {}
     if not state.target.indexed_stores or not config.get("indexed_stores"):
         return
+    if torch.are_deterministic_algorithms_enabled():
+        return
     graph = state.graph
     mutated: dict[Value, Value] = {}
     for inp, pos in graph.mutations:
@@ -66,7 +73,7 @@ def plan_indexed_stores(state: ScheduleState) -> None:
         store = _indexed_store(node)
         if store is None or mutated.get(store.new) is not store.dst or id(store.new) in returned:
             continue
-        if readers.get(store.dst, 0) != 1 or sum(v is store.dst for v in mutated.values()) != 1:
+        if readers.get(store.dst, 0) != 1 or not store.dst.dtype.is_floating_point:
             continue
         if tuple(layout_of(store.new)) != tuple(layout_of(store.dst)) or store.src.dtype != store.dst.dtype:
             continue
@@ -95,7 +102,7 @@ def _indexed_store(node: Node) -> IndexedStore | None:
         if (len(args) == 4 and args[3]) or not isinstance(indices, (list, tuple)):
             return None  # accumulate=True adds: not a store
         given = [k for k, i in enumerate(indices) if i is not None]
-        if len(given) != 1 or any(i is not None for i in indices[: given[0]]):
+        if len(given) != 1:
             return None
         dim, index, wrap = given[0], indices[given[0]], True
     else:

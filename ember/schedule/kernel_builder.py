@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -39,6 +40,9 @@ from ember.schedule.kernel import (
     NotFusable,
     walk,
 )
+
+if TYPE_CHECKING:
+    from ember.schedule.indexed_store import IndexedStore
 
 
 def _small_integer_power(operands: list, dtype: torch.dtype) -> bool:
@@ -79,7 +83,9 @@ class KernelBuilder:
     indexed: values stored at rows an index names (schedule/indexed_store.py) -> how
     """
 
-    def __init__(self, domain: Domain, group_id: int, owner: dict[Value, int], indexed: dict | None = None):
+    def __init__(
+        self, domain: Domain, group_id: int, owner: dict[Value, int], indexed: dict[Value, IndexedStore] | None = None
+    ):
         self.domain = domain
         self.group_id = group_id
         self.owner = owner
@@ -286,7 +292,7 @@ class KernelBuilder:
         full = result.full or bool(offset.free_symbols & self.reduce_vars)
         return KStore(value, offset, stored, result.ready, full)
 
-    def indexed_store(self, store) -> KStore:
+    def indexed_store(self, store: IndexedStore) -> KStore:
         """The rows `store.src` stored into `store.new` (the input's memory) at the positions
         `store.index` holds along `store.dim` (an indexed_store.IndexedStore)."""
         index = self.domain.index_for(store.rows)
@@ -353,7 +359,7 @@ def build_kernel(
     stored: list[Value],
     owner,
     column_partials: bool = False,
-    indexed: dict | None = None,
+    indexed: dict[Value, IndexedStore] | None = None,
 ) -> Kernel:
     """Build the kernel computing `roots` (reductions included) and storing `stored`.
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
@@ -464,7 +470,8 @@ def _memory_order(kernel: Kernel, group: list[tuple]) -> list[tuple]:
     if len(group) < 2:
         return group
     vars_ = {v for v, _, _ in group}
-    candidates = [(1, _bytes_for_ranking(s.buffer), s.index) for s in kernel.stores]
+    # A store at indexed rows (KRow) says nothing of the order along the rows' dim: it is not a reference.
+    candidates = [(1, _bytes_for_ranking(s.buffer), s.index) for s in kernel.stores if s.row is None]
     candidates += [(0, _bytes_for_ranking(n.buffer), n.index) for n in walk(kernel) if isinstance(n, KLoad)]
     candidates = [c for c in candidates if c[2].free_symbols & vars_]
     if not candidates:

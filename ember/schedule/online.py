@@ -64,7 +64,7 @@ def _recompute_phases(kernel: Kernel) -> None:
         else:
             n.ready = max((a.ready for a in n.args()), default=0)
     for s in kernel.stores:
-        s.phase = s.value.ready
+        s.phase = max(s.value.ready, s.row.position.ready if s.row is not None else 0)
     kernel.num_phases = max(
         [r.phase + 1 for r in kernel.reduces] + [s.phase + 1 for s in kernel.stores if s.full] + [1]
     )

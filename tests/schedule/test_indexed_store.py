@@ -55,6 +55,11 @@ def copy_at_computed_positions(cache, start, k):
     cache.index_copy_(1, start + torch.arange(k.shape[1]), k + 1)
 
 
+def store_beside_a_row_sum(cache, pos, k):
+    cache.index_copy_(1, pos, k + 1)  # every row of k written: the store may share the sum's kernel
+    return (k * 2).sum(1)
+
+
 def reads_old_rows_first(cache, pos, k):
     before = cache.sum(dim=1)
     cache.index_copy_(1, pos, k)
@@ -114,8 +119,9 @@ def test_prefill_writes_several_rows():
         (put_broadcast_rows, (torch.zeros(3, 8, 4), torch.tensor([2, 6]), torch.randn(1, 1, 4)), "index_put"),
         (copy_at_computed_positions, (torch.zeros(2, 8, 4), torch.tensor(3), torch.randn(2, 2, 4)), "index_copy"),
         (reads_new_cache, (torch.randn(2, 8, 4), torch.tensor([3]), torch.randn(2, 1, 4)), "index_copy"),
+        (store_beside_a_row_sum, (torch.zeros(4, 64), torch.randperm(64), torch.randn(4, 64)), "index_copy"),
     ],
-    ids=["index_put", "index_put_negative", "index_put_broadcast", "computed_positions", "new_cache_read"],
+    ids=["index_put", "index_put_negative", "index_put_broadcast", "computed_positions", "new_cache_read", "row_sum"],
 )
 def test_scatter_into_input_is_a_kernel_store(fn, args, op):
     graph, line = _run(fn, args)
@@ -129,6 +135,26 @@ def test_stays_an_aten_call_where_the_old_cache_is_read_or_no_input_is_written(f
     graph, line = _run(fn, (torch.randn(2, 8, 4), torch.tensor([3]), torch.randn(2, 1, 4)))
     kernels, calls = _scatters(graph, "index_copy")
     assert calls and not kernels, f"{graph.kernels} {graph.externs}\n{line}"
+
+
+def test_integer_cache_and_deterministic_mode_keep_the_aten_call():
+    graph, line = _run(
+        put_rows, (torch.zeros(2, 8, 4, dtype=torch.int32), torch.tensor([5]), torch.ones(2, 1, 4, dtype=torch.int32))
+    )
+    assert not _scatters(graph, "index_put")[0], line
+    torch.use_deterministic_algorithms(True)
+    try:
+        graph, line = _run(decode_step, decode_inputs())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert not _scatters(graph, "index_copy")[0], line
+
+
+def test_prefill_store_walks_the_rows_contiguously():
+    """The kernel's innermost loop runs along the rows' last dim, not along the index (which strides by a row)."""
+    graph, line = _run(decode_step, decode_inputs(batch=1, heads=2, length=16, dim=8, pos=(0, 1, 2, 3)))
+    (store,) = [k for (k,) in [(k,) for k in graph.kernels] if any("index_copy" in o for o in k.ops) and "cat" in k.ops]
+    assert "tmp" in store.source and "(xindex) % 8" in store.source, f"{store.source}\n{line}"
 
 
 def test_setting_off_keeps_the_aten_call():
