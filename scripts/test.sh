@@ -14,4 +14,9 @@ if ! command -v chromium >/dev/null 2>&1; then
         echo "warning: no apt-get to install chromium: the HTML report's browser test will fail" >&2
     fi
 fi
-exec "$PY" -m pytest -q tests "$@"
+# Two worker processes (pytest-xdist), each taking whole files, so a module's fixtures are built once: most
+# tests spend their time tracing in one Python thread. Where pytest-xdist cannot be installed, one process.
+have xdist || pip_install pytest-xdist || echo "note: no pytest-xdist: the tests run in one process" >&2
+workers=()
+have xdist && workers=(-n "${EMBER_TEST_WORKERS:-2}" --dist loadfile)
+exec "$PY" -m pytest -q ${workers[@]+"${workers[@]}"} tests "$@"
