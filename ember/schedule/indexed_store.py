@@ -23,33 +23,18 @@ ATen, and by racing programs in a kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ember import config
 from ember.ir.graph import Node, Value, layout_of
-from ember.ir.sizes import Expr
+from ember.schedule.kernel import IndexedStore
 
 if TYPE_CHECKING:
     from ember.schedule.state import ScheduleState
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class IndexedStore:
-    """`new`, the input `dst`'s new value, is `dst` with the rows `index` names along `dim` set to
-    `src` (broadcast to `rows`, the written rows' shape)."""
-
-    new: Value
-    dst: Value
-    index: Value
-    src: Value
-    dim: int
-    wrap: bool  # negative positions count from the end (index_put), else they are out of range
-    rows: tuple[Expr, ...]
 
 
 def plan_indexed_stores(state: ScheduleState) -> None:

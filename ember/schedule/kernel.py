@@ -160,6 +160,21 @@ class KReduce(KNode):
         return (self.arg,)
 
 
+@dataclass(frozen=True)
+class IndexedStore:
+    """A scatter into a graph input that a kernel stores (schedule/indexed_store.py): `new`, the input
+    `dst`'s new value, is `dst` with the rows `index` names along `dim` set to `src` (broadcast to
+    `rows`, the written rows' shape)."""
+
+    new: Value
+    dst: Value
+    index: Value
+    src: Value
+    dim: int
+    wrap: bool  # negative positions count from the end (index_put), else they are out of range
+    rows: tuple[Expr, ...]
+
+
 @dataclass(eq=False)
 class KRow:
     """The row a store writes along one dim of its buffer, read from an index tensor: a store into a

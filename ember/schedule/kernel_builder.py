@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -26,6 +25,7 @@ from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 from ember.schedule.kernel import (
     COLUMN_PARTIAL_KINDS,
     Domain,
+    IndexedStore,
     KColumnPartial,
     KConst,
     KConvert,
@@ -40,9 +40,6 @@ from ember.schedule.kernel import (
     NotFusable,
     walk,
 )
-
-if TYPE_CHECKING:
-    from ember.schedule.indexed_store import IndexedStore
 
 
 def _small_integer_power(operands: list, dtype: torch.dtype) -> bool:

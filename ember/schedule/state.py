@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from ember.ir.graph import Graph, Node, Value
 from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
-from ember.schedule.indexed_store import IndexedStore
-from ember.schedule.kernel import Domain, Kernel
+from ember.schedule.kernel import Domain, IndexedStore, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
 from ember.target import Heuristics, HorizontalHeuristics, Target
