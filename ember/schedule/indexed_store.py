@@ -49,6 +49,8 @@ def plan_indexed_stores(state: ScheduleState) -> None:
     mutated: dict[Value, Value] = {}
     for inp, pos in graph.mutations:
         mutated[graph.outputs[pos]] = inp
+    if len(mutated) < len(graph.mutations):
+        return  # one value is two inputs' new value: the memory plan copies it into each (memory.py)
     returned = {id(v) for v in graph.user_outputs() if isinstance(v, Value)}
     readers: dict[Value, int] = {}
     for node in graph.nodes:
