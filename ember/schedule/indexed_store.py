@@ -30,6 +30,7 @@ import torch
 from ember import config
 from ember.ir.graph import Node, Value, layout_of
 from ember.schedule.kernel import IndexedStore
+from ember.schedule.realize import view_chain
 
 if TYPE_CHECKING:
     from ember.schedule.state import ScheduleState
@@ -54,7 +55,7 @@ def plan_indexed_stores(state: ScheduleState) -> None:
     returned = {id(v) for v in graph.user_outputs() if isinstance(v, Value)}
     readers: dict[Value, int] = {}
     for node in graph.nodes:
-        for v in {_root(x) for x in node.value_inputs()}:
+        for v in {view_chain(x)[0] for x in node.value_inputs()}:
             readers[v] = readers.get(v, 0) + 1
     for node in graph.nodes:
         store = _indexed_store(node)
@@ -65,12 +66,6 @@ def plan_indexed_stores(state: ScheduleState) -> None:
         if tuple(layout_of(store.new)) != tuple(layout_of(store.dst)) or store.src.dtype != store.dst.dtype:
             continue
         state.indexed_stores[store.new] = store
-
-
-def _root(v: Value) -> Value:
-    while v.node.op == "view":
-        v = v.node.inputs[0]
-    return v
 
 
 def _indexed_store(node: Node) -> IndexedStore | None:

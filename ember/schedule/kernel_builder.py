@@ -361,10 +361,8 @@ def build_kernel(
     """Build the kernel computing `roots` (reductions included) and storing `stored`.
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
     over this domain's rows are accumulated by the row loop. `indexed`: values stored at rows an
-    index names (schedule/indexed_store.py), each always stored."""
-    indexed = indexed or {}
+    index names (schedule/indexed_store.py; realize.py keeps them among the values always stored)."""
     b = KernelBuilder(domain, group_id, owner, indexed)
-    stored = list(stored) + [v for v in roots if v in indexed and v not in stored]
     summed = {v: column_partial_input(v, domain) for v in roots} if column_partials else {}
     partial = {v: x for v, x in summed.items() if x is not None}
     stores = [b.store(v) for v in stored if v not in partial]
