@@ -52,9 +52,8 @@ def _launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
     xhint = int(xnumel) if xnumel.is_Integer else h.symbolic_outputs
     if not any(kernel.loop_reduce):
         xblock = min(h.pointwise_block, _next_pow2(max(xhint, 1)))
-        return LaunchConfig(
-            xblock, 0, h.pointwise_wide_warps if xblock >= h.pointwise_wide_from else h.pointwise_warps, False
-        )
+        warps = _pow2_floor(max(1, xblock // (32 * h.pointwise_thread_elements)))
+        return LaunchConfig(xblock, 0, max(h.pointwise_warps, min(h.pointwise_max_warps, warps)), False)
     if kernel.column_partials:  # the scheduler fused them only into rows held whole
         return _column_partials_config(kernel, int(rnumel), h)
     tiles = _tile_loads(kernel)

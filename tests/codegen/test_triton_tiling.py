@@ -185,3 +185,13 @@ def test_the_target_says_whether_the_interpreter_runs_the_kernel():
     (k,) = b.schedule(*b.g.outputs).kernels
     assert TRITON.interpreted and "ember_round_bf16" in render_triton(k, TRITON).source
     assert "ember_round_bf16" not in render_triton(k, dataclasses.replace(TRITON, interpreted=False)).source
+
+
+def test_pointwise_programs_take_four_elements_a_thread():
+    # XBLOCK 1024 runs on 8 warps, 512 on 4, and small blocks keep the 2-warp floor.
+    for numel, block, warps in ((1 << 20, 1024, 8), (512, 512, 4), (256, 256, 2), (40, 64, 2)):
+        b = G()
+        x = b.input(numel, dtype=BF16)
+        (k,) = b.schedule(b.pw("mul", _cast(b, x), _cast(b, x))).kernels
+        cfg = launch_config(k, TRITON)
+        assert (cfg.xblock, cfg.rblock, cfg.num_warps) == (block, 0, warps), numel
