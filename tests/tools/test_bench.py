@@ -244,3 +244,23 @@ def test_flop_formulas_count_gqa_attention_over_every_query_head():
         else:
             assert formula(q, kv, kv) == full, op
     assert any("flash_attention_for_cpu" in str(op) for op in formulas)
+
+
+def test_float32_workloads_are_checked_against_float64_where_the_step_runs_there():
+    # A float32 module: the reference is the step in float64, so eager's own float32 error sets the
+    # tolerance. A function over a float32 tensor it captured cannot run in float64: float32 then.
+    from ember.tools.bench.built import Built
+
+    cpu = torch.device("cpu")
+    x = torch.randn(8, 16)
+    module = torch.nn.Linear(16, 4)
+    (ref,) = measure.reference(Built(module, (x,)), (x,), False, cpu, torch.float32)
+    assert ref.dtype == torch.float64
+    torch.testing.assert_close(ref.float(), module(x).detach(), rtol=1e-5, atol=1e-5)
+    weight = torch.randn(16, 4)
+    (ref,) = measure.reference(Built(lambda a: a @ weight, (x,)), (x,), False, cpu, torch.float32)
+    assert ref.dtype == torch.float32
+    (ref,) = measure.reference(
+        Built(module.to(torch.bfloat16), (x.bfloat16(),)), (x.bfloat16(),), False, cpu, torch.bfloat16
+    )
+    assert ref.dtype == torch.float32

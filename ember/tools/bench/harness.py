@@ -178,7 +178,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         if built.reference is not None:
             ref = built.reference()
         else:
-            ref = measure.fp32_reference(built, inputs, train, s.device)
+            ref = measure.reference(built, inputs, train, s.device, w.compute_dtype)
         eager = measure.Step(built.fn, train, built.autocast, s.device)
         if built.reset is not None:
             built.reset()
@@ -190,7 +190,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         del eager_out
         limit["floor_ms"] = measure.floor_ms(limit, ceilings, w.compute_dtype)
         record["limit"] = limit
-        record["eager_err_vs_fp32"] = eager_err
+        record["eager_err"] = eager_err
         n = measure.rotations(inputs, measure.cache_bytes(s.device)[0])
         record["rotations"] = n
         input_sets = measure.copies_of(inputs, n)

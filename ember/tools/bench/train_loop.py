@@ -94,7 +94,7 @@ def run(case, s, record: dict, ceilings: dict) -> dict:
         record["error"] = f"eager: {results['eager']['note']}"
         return record
     tol = measure.tolerance(torch.bfloat16, results["eager"]["err"])
-    record["eager_err_vs_fp32"] = results["eager"]["err"]
+    record["eager_err"] = results["eager"]["err"]
     for compiler, r in results.items():
         if "err" not in r:
             continue
