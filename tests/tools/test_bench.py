@@ -264,3 +264,18 @@ def test_float32_workloads_are_checked_against_float64_where_the_step_runs_there
         Built(module.to(torch.bfloat16), (x.bfloat16(),)), (x.bfloat16(),), False, cpu, torch.bfloat16
     )
     assert ref.dtype == torch.float32
+
+
+def test_a_float64_reference_differentiates_along_the_same_cotangents():
+    # randn draws other numbers in float64 than in float32 past 16 elements: the cotangents are drawn in
+    # float32 and cast, so eager's float32 gradients sit within rounding of the float64 reference's.
+    from ember.tools.bench.built import Built
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48))
+    inputs = measure.prepare_inputs((torch.randn(32, 16),), True)
+    ref = measure.reference(Built(module, inputs), inputs, True, cpu, torch.float32)
+    assert all(r.dtype == torch.float64 for r in ref)
+    eager = measure.Step(module, True, None, cpu)(*inputs)
+    assert measure.max_err(eager, ref) < 1e-5

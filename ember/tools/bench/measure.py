@@ -64,8 +64,11 @@ class Step:
         if isinstance(self.fn, nn.Module):
             leaves += [p for p in self.fn.parameters() if p.requires_grad]
         if self.cotangents is None:
+            # Drawn in float32 and cast, so that a reference in another dtype (float64) differentiates
+            # along the same directions: randn draws other numbers for each dtype.
             gen = torch.Generator(device=outs[0].device).manual_seed(1)
-            self.cotangents = [torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) for o in outs]
+            draws = [torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32) for o in outs]
+            self.cotangents = [d.to(o.dtype) for d, o in zip(draws, outs)]
         if self.via_backward:
             torch.autograd.backward(outs, self.cotangents, inputs=leaves)
             grads = [leaf.grad for leaf in leaves]
