@@ -195,3 +195,10 @@ def test_pointwise_programs_take_four_elements_a_thread():
         (k,) = b.schedule(b.pw("mul", _cast(b, x), _cast(b, x))).kernels
         cfg = launch_config(k, TRITON)
         assert (cfg.xblock, cfg.rblock, cfg.num_warps) == (block, 0, warps), numel
+    # Blocks past 1024 (a target allowing them) keep pointwise_max_warps.
+    wide = dataclasses.replace(TRITON, heuristics=TRITON.heuristics.tuned("launch.pointwise_block=4096"))
+    assert (launch_config(k, wide).xblock, launch_config(k, wide).num_warps) == (64, 2)
+    b = G()
+    x = b.input(1 << 20, dtype=BF16)
+    (k,) = b.schedule(b.pw("mul", _cast(b, x), _cast(b, x))).kernels
+    assert (launch_config(k, wide).xblock, launch_config(k, wide).num_warps) == (4096, 8)

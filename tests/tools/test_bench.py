@@ -254,13 +254,13 @@ def test_float32_workloads_are_checked_against_float64_where_the_step_runs_there
     cpu = torch.device("cpu")
     x = torch.randn(8, 16)
     module = torch.nn.Linear(16, 4)
-    (ref,) = measure.reference(Built(module, (x,)), (x,), False, cpu, torch.float32)
-    assert ref.dtype == torch.float64
+    (ref,), dtype = measure.reference(Built(module, (x,)), (x,), False, cpu, torch.float32)
+    assert ref.dtype == dtype == torch.float64
     torch.testing.assert_close(ref.float(), module(x).detach(), rtol=1e-5, atol=1e-5)
     weight = torch.randn(16, 4)
-    (ref,) = measure.reference(Built(lambda a: a @ weight, (x,)), (x,), False, cpu, torch.float32)
-    assert ref.dtype == torch.float32
-    (ref,) = measure.reference(
+    (ref,), dtype = measure.reference(Built(lambda a: a @ weight, (x,)), (x,), False, cpu, torch.float32)
+    assert ref.dtype == dtype == torch.float32
+    (ref,), _ = measure.reference(
         Built(module.to(torch.bfloat16), (x.bfloat16(),)), (x.bfloat16(),), False, cpu, torch.bfloat16
     )
     assert ref.dtype == torch.float32
@@ -275,7 +275,21 @@ def test_a_float64_reference_differentiates_along_the_same_cotangents():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48))
     inputs = measure.prepare_inputs((torch.randn(32, 16),), True)
-    ref = measure.reference(Built(module, inputs), inputs, True, cpu, torch.float32)
+    ref, _ = measure.reference(Built(module, inputs), inputs, True, cpu, torch.float32)
     assert all(r.dtype == torch.float64 for r in ref)
     eager = measure.Step(module, True, None, cpu)(*inputs)
     assert measure.max_err(eager, ref) < 1e-5
+
+
+def test_each_output_is_held_to_its_own_tolerance():
+    # Eager is far from the reference on the second output only: that loosens the second's tolerance,
+    # not the first's, and the worst output is the one furthest past its own.
+    ref = [torch.ones(4), torch.ones(4)]
+    eager = [torch.ones(4), torch.full((4,), 1.5)]
+    tols = measure.tolerances(torch.float32, measure.errors(eager, ref))
+    assert tols == [1e-4, 2 * 0.5 + 1e-4]
+    assert measure.worst([torch.ones(4), torch.full((4,), 1.9)], ref, tols)[0] <= tols[1]
+    err, tol = measure.worst([torch.full((4,), 1.01), torch.ones(4)], ref, tols)
+    assert (err, tol) == (pytest.approx(0.01), 1e-4) and not err <= tol
+    err, tol = measure.worst([torch.full((4,), math.nan), torch.ones(4)], ref, tols)
+    assert not err <= tol
