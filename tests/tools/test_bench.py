@@ -293,3 +293,19 @@ def test_each_output_is_held_to_its_own_tolerance():
     assert (err, tol) == (pytest.approx(0.01), 1e-4) and not err <= tol
     err, tol = measure.worst([torch.full((4,), math.nan), torch.ones(4)], ref, tols)
     assert not err <= tol
+
+
+def test_float32_outputs_are_judged_by_the_float64_rule():
+    # Against a float64 reference each output passes where allclose to eager's, or where its RMSE is at
+    # most twice eager's plus tol/10 (accuracy.py's rule); an output further off fails, by name.
+    from ember.tools.bench import harness
+
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.linspace(-1, 1, 256, dtype=torch.float64), torch.linspace(0, 2, 256, dtype=torch.float64)]
+    noise = [torch.randn(256, generator=gen) for _ in ref]
+    eager = [r.float() + 1e-2 * n for r, n in zip(ref, noise)]
+    check = harness.checker(ref, eager, torch.float64, [0.0, 0.0], train=True)
+    assert check([e.clone() for e in eager])[2] is None
+    assert check([ref[0].float() + 1.5e-2 * noise[0], eager[1]])[2] is None
+    err, tol, failure = check([eager[0], ref[1].float() + 0.1])
+    assert failure.startswith("output 1: RMSE") and err > tol

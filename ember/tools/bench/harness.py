@@ -3,7 +3,8 @@
 Per case: build the workload (seeded), compute a reference (measure.reference: float32 for a
 low-precision workload, float64 for a float32 one) and eager's output, count the limit (bytes,
 FLOPs); then for each compiler: compile and run once (its first call), check each output against the
-reference within twice eager's own error on it plus slack (a mismatch is recorded and not timed). Then time eager and every
+reference (`checker`: by the float64 rule against float64, within twice eager's own error plus slack
+against float32; a mismatch is recorded and not timed). Then time eager and every
 compiler that passed in `rounds` rounds that take turns (the order rotates each round), and report
 each one's median over the rounds: the device's speed drifts over seconds (clocks, other tenants
 of the host), and timing A then B once puts that drift into A/B. Last, each one's peak memory. ember's reports say how many kernels and externs it made and which graphs fell back
@@ -13,6 +14,7 @@ to eager; a case where ember fell back is still timed, and says so. One JSON rec
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import statistics
@@ -26,7 +28,7 @@ import torch
 import torch._dynamo
 
 from ember.tools import timing_noise
-from ember.tools.bench import compile_time, host_cost, measure
+from ember.tools.bench import compile_time, float64_rule, host_cost, measure
 from ember.tools.bench.compilers import PEERS, compile_fn
 from ember.tools.bench.workloads import Case, missing_requirement
 
@@ -103,9 +105,38 @@ def _ember_summary(report) -> dict:
     }
 
 
-def run_compiler(case: Case, compiler: str, built, inputs, ref, tols, s: Settings) -> tuple[dict, object]:
-    """Compile, run once and check each output against the reference within its tolerance (`tols`);
-    returns the result and the step to time (None: not timed).
+def checker(ref: list, eager_out: list, ref_dtype, tols: list[float], train: bool) -> Callable[[list], tuple]:
+    """How a compiled step's outputs are checked, as `check(outputs) -> (err, tol, failure or None)`.
+    Against a float64 reference (a float32 workload): each output by the float64 rule of accuracy.py,
+    err and tol being the RMSE and bound of the first output that fails, else of the one nearest its
+    bound. Against a float32 one (a low-precision workload): each output's max relative error within
+    twice eager's on it plus slack, err and tol those of the output furthest past its own."""
+    if ref_dtype != torch.float64:
+
+        def by_rel_err(out: list) -> tuple:
+            err, tol = measure.worst(out, ref, tols)
+            return err, tol, None if err <= tol else f"max rel err {err:.2e} > tol {tol:.2e}"
+
+        return by_rel_err
+    eager = [e.detach().clone() for e in eager_out]
+    rule_tol = float64_rule.tolerance_for(False, train)
+
+    def by_float64_rule(out: list) -> tuple:
+        if len(out) != len(ref):
+            return math.inf, 0.0, f"{len(out)} outputs, the reference has {len(ref)}"
+        checks = [float64_rule.check_tensor(f"output {k}", *t, rule_tol) for k, t in enumerate(zip(out, eager, ref))]
+        failed = next((c for c in checks if not c.passed), None)
+        shown = failed or max(checks, key=float64_rule.ratio, default=None)
+        if shown is None:
+            return 0.0, 0.0, None
+        return shown.compiled_rmse, shown.bound, None if failed is None else f"{failed.name}: {failed.how}"
+
+    return by_float64_rule
+
+
+def run_compiler(case: Case, compiler: str, built, inputs, check, s: Settings) -> tuple[dict, object]:
+    """Compile, run once and check its outputs (`check`, from `checker`); returns the result and the
+    step to time (None: not timed).
 
     Compilers share Dynamo's cache here (no reset between them): its entries are guarded by
     backend, so each compiled step keeps its own code while the rounds alternate."""
@@ -127,11 +158,11 @@ def run_compiler(case: Case, compiler: str, built, inputs, ref, tols, s: Setting
         return result, None
     if compiler.startswith("ember"):
         result.update(_ember_summary(report))
-    err, tol = measure.worst(out, ref, tols)
+    err, tol, failure = check(out)
     del out
     result["err"], result["tol"] = err, tol
-    if not err <= tol:  # NaN fails too
-        result.update(status="mismatch", note=f"max rel err {err:.2e} > tol {tol:.2e}")
+    if failure is not None:
+        result.update(status="mismatch", note=failure)
         return result, None
     result["status"] = "fell back" if result.get("fallbacks") else "ok"
     return result, step
@@ -177,11 +208,12 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         torch.manual_seed(0)
         built = w.instance(s.scale, s.device, case.mode)
         inputs = measure.prepare_inputs(built.inputs, train)
+        ref_dtype = None
         if built.reference is not None:
             ref = built.reference()
         else:
-            ref, record["reference_dtype"] = measure.reference(built, inputs, train, s.device, w.compute_dtype)
-            record["reference_dtype"] = str(record["reference_dtype"]).removeprefix("torch.")
+            ref, ref_dtype = measure.reference(built, inputs, train, s.device, w.compute_dtype)
+            record["reference_dtype"] = str(ref_dtype).removeprefix("torch.")
         eager = measure.Step(built.fn, train, built.autocast, s.device)
         if built.reset is not None:
             built.reset()
@@ -190,6 +222,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         flops = measure.count_flops(eager, inputs)
         least = built.bytes or measure.min_bytes(built.fn, inputs, eager_out, eager.cotangents)
         limit = {"bytes": least, "flops": flops}
+        check = checker(ref, eager_out, ref_dtype, measure.tolerances(w.compute_dtype, eager_errs), train)
         del eager_out
         limit["floor_ms"] = measure.floor_ms(limit, ceilings, w.compute_dtype)
         record["limit"] = limit
@@ -203,7 +236,6 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         record["trace"] = traceback.format_exc()[-2000:]
         _free(s.device)
         return record
-    tols = measure.tolerances(w.compute_dtype, eager_errs)
     torch._dynamo.reset()
     steps = {"eager": eager}
     for compiler in s.compilers:
@@ -211,7 +243,7 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
             record["compilers"][compiler] = {"status": "skipped", "note": "runs inference only"}
             continue
         s.progress(f"{case.key}: {compiler}")
-        record["compilers"][compiler], step = run_compiler(case, compiler, built, inputs, ref, tols, s)
+        record["compilers"][compiler], step = run_compiler(case, compiler, built, inputs, check, s)
         if step is not None:
             steps[compiler] = step
         _free(s.device)

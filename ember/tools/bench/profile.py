@@ -64,9 +64,12 @@ def _profile_compilers(case: Case, s: harness.Settings, top: int, results: dict)
     torch.manual_seed(0)
     built = w.instance(s.scale, s.device, case.mode)
     inputs = measure.prepare_inputs(built.inputs, train)
-    ref, _ = measure.reference(built, inputs, train, s.device, w.compute_dtype)
+    ref, ref_dtype = measure.reference(built, inputs, train, s.device, w.compute_dtype)
     eager = measure.Step(built.fn, train, built.autocast, s.device)
-    tols = measure.tolerances(w.compute_dtype, measure.errors(eager(*inputs), ref))
+    eager_out = eager(*inputs)
+    tols = measure.tolerances(w.compute_dtype, measure.errors(eager_out, ref))
+    check = harness.checker(ref, eager_out, ref_dtype, tols, train)
+    del eager_out
     input_sets = measure.copies_of(inputs, measure.rotations(inputs, measure.cache_bytes(s.device)[0]))
     results["eager"] = {"status": "ok", **profile_step(eager, input_sets, s, top)}
     results["eager"].pop("kernel_us")
@@ -78,7 +81,7 @@ def _profile_compilers(case: Case, s: harness.Settings, top: int, results: dict)
         ranges = compiler.startswith("ember") and s.device.type == "cpu"
         with config.override(profile_ranges=True) if ranges else contextlib.nullcontext():
             with collecting() as report:
-                result, step = harness.run_compiler(case, compiler, built, inputs, ref, tols, s)
+                result, step = harness.run_compiler(case, compiler, built, inputs, check, s)
             if step is not None:
                 result.update(profile_step(step, input_sets, s, top))
         if compiler == "ember":
