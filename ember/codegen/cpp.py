@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import sympy
 import torch
 
 from ember.codegen.render import Renderer, print_index, unclamped
@@ -441,6 +442,95 @@ class CppRenderer(Renderer):
         value = f"({acc}_nan ? static_cast<{t}>(NAN) : {acc})" if _nan_flagged(r) else acc
         self.emit(f"{t} {name} = {value};")
 
+    # -- column tiles --------------------------------------------------------------------------
+    def _column_tiled(self) -> bool:
+        """Whether the kernel is a sum over rows of columns contiguous in memory, rendered a tile of
+        columns at a time (cpp.column_tile): one outer dim (the columns), one loop over the rows, plain
+        floating sums short enough to need no cascade, nothing stored or reduced before them, and every
+        load that walks the rows contiguous along the columns and strided along the rows."""
+        k = self.kernel
+        outer, rows = self._dims(reduce=False), self._dims(reduce=True)
+        if self.h.column_tile <= 1 or len(outer) != 1 or not rows or k.num_phases != 1:
+            return False
+        if any(r.kind != "sum" or not r.dtype.is_floating_point or r.online_max is not None for r in k.reduces):
+            return False
+        if any(self.direct_reduce(r) or self._cascaded(r) for r in k.reduces):
+            return False
+        if any(s.phase == 0 or s.full for s in k.stores):
+            return False
+        column, row = outer[0][0], rows[-1][0]
+        walking = [n for n in self.nodes if isinstance(n, KLoad) and n.full]
+        if not walking:
+            return False
+        for load in walking:
+            try:
+                index = sympy.expand(self.kernel.index(load.index))
+                along_columns, along_rows = index.coeff(column), index.coeff(row)
+            except (TypeError, AttributeError):
+                return False
+            if not (along_columns == 1 and along_rows.is_Integer and abs(int(along_rows)) > 1):
+                return False
+            if index.has(sympy.Function) or any(s.is_Function for s in index.atoms(sympy.Function)):
+                return False
+        return True
+
+    def _render_column_tiles(self) -> None:
+        """The kernel as tiles of cpp.column_tile columns: each tile's accumulators start at zero, every
+        row adds into them in a vector loop along the columns, then the tile's results are finalized and
+        stored. The sums add each column's rows in row order, as the row loop did."""
+        k = self.kernel
+        (column, size), rows = self._dims(reduce=False)[0], self._dims(reduce=True)
+        tile, n = self.h.column_tile, print_index(size, "/")
+        work = print_index(product(k.loop_sizes), "/")
+        self.emit(f"#pragma omp parallel for if(parallel: {work} > {self.h.parallel_threshold})")
+        self.emit(f"for (int64_t {column.name}_tile = 0; {column.name}_tile < {n}; {column.name}_tile += {tile}) {{")
+        self.indent += 1
+        end = f"{column.name}_end"
+        self.emit(f"const int64_t {end} = std::min<int64_t>({column.name}_tile + {tile}, {n});")
+        lane = f"{column.name} - {column.name}_tile"
+        columns = f"for (int64_t {column.name} = {column.name}_tile; {column.name} < {end}; {column.name}++) {{"
+        accs = {id(r): self.fresh("acc") for r in k.reduces}
+        for r in k.reduces:
+            self.emit(f"{CPP_DTYPE[r.dtype]} {accs[id(r)]}[{tile}];")
+        self.emit("#pragma omp simd")
+        self.emit(columns)
+        for r in k.reduces:
+            self.emit(f"    {accs[id(r)]}[{lane}] = {self._zero(r)};")
+        self.emit("}")
+        for v, s in rows:
+            self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
+            self.indent += 1
+        self.emit("#pragma omp simd")
+        self.emit(columns)
+        self.indent += 1
+        saved = dict(self.names)
+        for r in k.reduces:
+            self.emit_node(r.arg)
+            self.emit(f"{accs[id(r)]}[{lane}] += {self.ref(r.arg)};")
+        self.names = saved
+        self.indent -= 1
+        self.emit("}")
+        for _ in rows:
+            self.indent -= 1
+            self.emit("}")
+        self.emit("#pragma omp simd")
+        self.emit(columns)
+        self.indent += 1
+        for r in k.reduces:
+            name = self.fresh("red")
+            self.names[id(r)] = name
+            self.emit(f"{CPP_DTYPE[r.dtype]} {name} = {accs[id(r)]}[{lane}];")
+        for node in self.nodes:
+            if not node.full and not isinstance(node, KReduce) and node.ready == 1:
+                self.emit_node(node)
+        for store in k.stores:
+            self.emit_node(store.value)
+            self.emit_store(store)
+        self.indent -= 1
+        self.emit("}")
+        self.indent -= 1
+        self.emit("}")
+
     def render(self) -> str:
         self._acc_names: dict[int, str] = {}
         k = self.kernel
@@ -454,6 +544,11 @@ class CppRenderer(Renderer):
                 args.append(f"int64_t {p.name}")
         self.emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
         self.indent += 1
+        if self._column_tiled():
+            self._render_column_tiles()
+            self.indent -= 1
+            self.emit("}")
+            return "\n".join(self.lines)
         outer = self._dims(reduce=False)
         total = product(k.loop_sizes)
         work = print_index(total, "/")
