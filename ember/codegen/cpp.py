@@ -136,6 +136,21 @@ def _nan_flagged(r: KReduce) -> bool:
     return r.kind in _FLOAT_MINMAX and r.dtype.is_floating_point
 
 
+def _costly_per_column(node: KNode) -> bool:
+    """Whether a sum's argument holds a value that varies with the column only and is more than a
+    load or a conversion of one (column tiles compute such values again for every row)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if not n.full and not isinstance(n, (KLoad, KConst, KConvert, KIndex)):
+            return True
+        stack.extend(n.args())
+    return False
+
+
 def _phase_roots(kernel: Kernel, phase: int) -> list[KNode]:
     return [r.arg for r in kernel.reduces if r.phase == phase] + [
         s.value for s in kernel.stores if s.full and s.phase == phase
@@ -445,18 +460,25 @@ class CppRenderer(Renderer):
     # -- column tiles --------------------------------------------------------------------------
     def _column_tiled(self) -> bool:
         """Whether the kernel is a sum over rows of columns contiguous in memory, rendered a tile of
-        columns at a time (cpp.column_tile): one outer dim (the columns), one loop over the rows, plain
-        floating sums short enough to need no cascade, nothing stored or reduced before them, and every
-        load that walks the rows contiguous along the columns and strided along the rows."""
+        columns at a time (cpp.column_tile): one outer dim (the columns) of at least two tiles (so that
+        two threads share them), one loop over the rows, plain floating sums short enough to need no
+        cascade, nothing stored or reduced before them, per-column values in the sums that are only
+        loads (computed again for every row in a tile), and every load that walks the rows contiguous
+        along the columns and strided along the rows."""
         k = self.kernel
         outer, rows = self._dims(reduce=False), self._dims(reduce=True)
         if self.h.column_tile <= 1 or len(outer) != 1 or not rows or k.num_phases != 1:
+            return False
+        columns = outer[0][1]
+        if not columns.is_Integer or int(columns) < 2 * self.h.column_tile:
             return False
         if any(r.kind != "sum" or not r.dtype.is_floating_point or r.online_max is not None for r in k.reduces):
             return False
         if any(self.direct_reduce(r) or self._cascaded(r) for r in k.reduces):
             return False
         if any(s.phase == 0 or s.full for s in k.stores):
+            return False
+        if any(_costly_per_column(r.arg) for r in k.reduces):
             return False
         column, row = outer[0][0], rows[-1][0]
         walking = [n for n in self.nodes if isinstance(n, KLoad) and n.full]
@@ -477,12 +499,14 @@ class CppRenderer(Renderer):
     def _render_column_tiles(self) -> None:
         """The kernel as tiles of cpp.column_tile columns: each tile's accumulators start at zero, every
         row adds into them in a vector loop along the columns, then the tile's results are finalized and
-        stored. The sums add each column's rows in row order, as the row loop did."""
+        stored. Each column's rows are added one after another (the row loop's `omp simd reduction`
+        added them in vector lanes: a sum's rounding differs by the order)."""
         k = self.kernel
         (column, size), rows = self._dims(reduce=False)[0], self._dims(reduce=True)
         tile, n = self.h.column_tile, print_index(size, "/")
-        work = print_index(product(k.loop_sizes), "/")
-        self.emit(f"#pragma omp parallel for if(parallel: {work} > {self.h.parallel_threshold})")
+        total = product(k.loop_sizes)
+        if not (total.is_Integer and int(total) <= self.h.parallel_threshold):  # as render's outer loops
+            self.emit(f"#pragma omp parallel for if(parallel: {print_index(total, '/')} > {self.h.parallel_threshold})")
         self.emit(f"for (int64_t {column.name}_tile = 0; {column.name}_tile < {n}; {column.name}_tile += {tile}) {{")
         self.indent += 1
         end = f"{column.name}_end"

@@ -1,6 +1,8 @@
 """C++ sums over rows of columns contiguous in memory (bias and norm-weight gradients): rendered a tile of
 columns at a time (cpp.column_tile), every row adding into the tile's accumulators along the columns,
-and checked against eager, with tails, several row dims, a per-column epilogue, bf16 and NaN/inf."""
+where there are at least two tiles of columns, the rows need no cascade and the sums' per-column values
+are loads. Each case is checked against eager, tiled or not, with tails, several row dims, a per-column
+epilogue, bf16, NaN/inf and an input written in place."""
 
 from __future__ import annotations
 
@@ -17,17 +19,23 @@ def bias_and_weight_grads(g, x, scale):
     return g.sum(dims), (g * x).sum(dims), g.float().mean(dims) * scale + 1
 
 
+def _tiled(fn, *args, **options) -> bool:
+    return any("l0_tile" in k.source for k in explain_strict(fn, *args, **options).kernels)
+
+
 @pytest.mark.parametrize(
-    "shape,dtype",
+    "shape,dtype,tiled",
     [
-        ((128, 1024), torch.float32),
-        ((7, 33), torch.float32),
-        ((300, 65), torch.float32),
-        ((5, 3, 130), torch.float32),
-        ((64, 200), torch.bfloat16),
+        ((128, 1024), torch.float32, True),
+        ((300, 200), torch.float32, True),
+        ((5, 3, 130), torch.float32, True),
+        ((64, 200), torch.bfloat16, True),
+        ((7, 33), torch.float32, False),  # fewer than two tiles of columns
+        ((5000, 16), torch.float32, False),
+        ((4097, 130), torch.float32, None),  # the split pass cuts the long column into partial sums
     ],
 )
-def test_column_sums_run_in_column_tiles_and_match_eager(shape, dtype):
+def test_column_sums_match_eager_in_column_tiles_where_they_apply(shape, dtype, tiled):
     g, x = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
     rows = g.view(-1, shape[-1])
     rows[1, 3] = float("nan")
@@ -40,22 +48,40 @@ def test_column_sums_run_in_column_tiles_and_match_eager(shape, dtype):
         torch.testing.assert_close(
             a, b, rtol=tol, atol=tol, equal_nan=True, msg=lambda m, k=k: f"output {k}: {m}\n{line}"
         )
-    sources = [k.source for k in explain_strict(bias_and_weight_grads, g, x, scale).kernels]
-    assert any("l0_tile" in s for s in sources), "\n\n".join(sources)
+    if tiled is not None:
+        assert _tiled(bias_and_weight_grads, g, x, scale) == tiled, line
+
+
+def gated_sums(g, b, c):
+    """A per-column value that is more than a load inside a sum (sigmoid(b)), an epilogue of its own, and
+    a sum added into an input in place."""
+    c.add_((g * c).sum(0))
+    return ((g * b.sigmoid()).sum(0) + b) * b.exp(), (g * g).sum(0)
+
+
+@pytest.mark.parametrize("tile", [1, 64])
+def test_per_column_values_and_in_place_inputs_match_eager_tiled_or_not(tile):
+    g, b, c = torch.randn(300, 200), torch.randn(200), torch.randn(200)
+    want_c = c.clone()
+    want = gated_sums(g, b, want_c)
+    got = ember_compile(gated_sums, "cpp", heuristics=f"cpp.column_tile={tile}")(g, b, c)
+    for a, w in zip((*got, c), (*want, want_c)):
+        torch.testing.assert_close(a, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{m}\n{repro(tile=tile)}")
+    # sigmoid(b) in a sum would be computed again for every row: that kernel keeps its row loop.
+    sources = [k.source for k in explain_strict(gated_sums, g, b, c.clone()).kernels]
+    assert not any("l0_tile" in s and "exp" in s for s in sources), "\n\n".join(sources)
 
 
 def test_row_sums_keep_their_row_loop():
     # Rows contiguous along the summed dim (softmax's, layer norm's) are not column sums.
     x = torch.randn(64, 300)
-    (kernel,) = explain_strict(lambda x: x.sum(-1), x).kernels
-    assert "l0_tile" not in kernel.source, kernel.source
+    assert not _tiled(lambda x: x.sum(-1), x)
     torch.testing.assert_close(ember_compile(lambda x: x.sum(-1), "cpp")(x), x.sum(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_column_tile_one_keeps_the_strided_loop():
     x = torch.randn(128, 256)
     fn = lambda x: x.sum(0)
-    (kernel,) = explain_strict(fn, x, heuristics="cpp.column_tile=1").kernels
-    assert "l0_tile" not in kernel.source, kernel.source
+    assert _tiled(fn, x) and not _tiled(fn, x, heuristics="cpp.column_tile=1")
     compiled = ember_compile(fn, "cpp", heuristics="cpp.column_tile=1")
     torch.testing.assert_close(compiled(x), fn(x), rtol=1e-5, atol=1e-5)
