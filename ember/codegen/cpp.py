@@ -462,9 +462,11 @@ class CppRenderer(Renderer):
         """Whether the kernel is a sum over rows of columns contiguous in memory, rendered a tile of
         columns at a time (cpp.column_tile): one outer dim (the columns) of at least two tiles (so that
         two threads share them), one loop over the rows, plain floating sums short enough to need no
-        cascade, nothing stored or reduced before them, per-column values in the sums that are only
-        loads (computed again for every row in a tile), and every load that walks the rows contiguous
-        along the columns and strided along the rows."""
+        cascade, nothing stored or reduced before them (what is stored at every row and column is
+        stored in the row's vector loop), per-column values in the sums that are only loads (computed
+        again for every row in a tile), and every load that walks the rows either contiguous along the
+        columns and strided along the rows, or one value per row (a row's scale), at least one the
+        former."""
         k = self.kernel
         outer, rows = self._dims(reduce=False), self._dims(reduce=True)
         if self.h.column_tile <= 1 or len(outer) != 1 or not rows or k.num_phases != 1:
@@ -476,25 +478,26 @@ class CppRenderer(Renderer):
             return False
         if any(self.direct_reduce(r) or self._cascaded(r) for r in k.reduces):
             return False
-        if any(s.phase == 0 or s.full for s in k.stores):
+        if any(s.phase == 0 and not s.full for s in k.stores):
             return False
         if any(_costly_per_column(r.arg) for r in k.reduces):
             return False
         column, row = outer[0][0], rows[-1][0]
         walking = [n for n in self.nodes if isinstance(n, KLoad) and n.full]
-        if not walking:
-            return False
+        strided = 0
         for load in walking:
             try:
                 index = sympy.expand(self.kernel.index(load.index))
                 along_columns, along_rows = index.coeff(column), index.coeff(row)
             except (TypeError, AttributeError):
                 return False
-            if not (along_columns == 1 and along_rows.is_Integer and abs(int(along_rows)) > 1):
-                return False
             if index.has(sympy.Function) or any(s.is_Function for s in index.atoms(sympy.Function)):
                 return False
-        return True
+            if along_columns == 1 and along_rows.is_Integer and abs(int(along_rows)) > 1:
+                strided += 1
+            elif not (along_columns == 0 and along_rows != 0):
+                return False
+        return strided > 0
 
     def _render_column_tiles(self) -> None:
         """The kernel as tiles of cpp.column_tile columns: each tile's accumulators start at zero, every
@@ -531,6 +534,9 @@ class CppRenderer(Renderer):
         for r in k.reduces:
             self.emit_node(r.arg)
             self.emit(f"{accs[id(r)]}[{lane}] += {self.ref(r.arg)};")
+        for store in (s for s in k.stores if s.full):
+            self.emit_node(store.value)
+            self.emit_store(store)
         self.names = saved
         self.indent -= 1
         self.emit("}")
@@ -547,7 +553,7 @@ class CppRenderer(Renderer):
         for node in self.nodes:
             if not node.full and not isinstance(node, KReduce) and node.ready == 1:
                 self.emit_node(node)
-        for store in k.stores:
+        for store in (s for s in k.stores if not s.full):
             self.emit_node(store.value)
             self.emit_store(store)
         self.indent -= 1

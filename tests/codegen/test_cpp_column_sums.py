@@ -85,3 +85,20 @@ def test_column_tile_one_keeps_the_strided_loop():
     assert _tiled(fn, x) and not _tiled(fn, x, heuristics="cpp.column_tile=1")
     compiled = ember_compile(fn, "cpp", heuristics="cpp.column_tile=1")
     torch.testing.assert_close(compiled(x), fn(x), rtol=1e-5, atol=1e-5)
+
+
+def rms_norm_backward(g, x, rstd, w):
+    """RMSNorm's backward at one kernel: the weight's gradient sums g * x * rstd over the rows (rstd one
+    value per row), and the input's gradient is stored at every element in the same loop."""
+    return (g * x * rstd).sum(0), g * w * rstd + x * (rstd * 2.0 / x.shape[-1])
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 256), (33, 200)])
+def test_a_per_row_scale_and_a_per_element_store_run_in_column_tiles(rows, cols):
+    g, x, w = torch.randn(rows, cols), torch.randn(rows, cols), torch.randn(cols)
+    rstd = torch.rand(rows, 1) + 0.5
+    line = repro(rows=rows, cols=cols)
+    got, want = ember_compile(rms_norm_backward, "cpp")(g, x, rstd, w), rms_norm_backward(g, x, rstd, w)
+    for k, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"output {k}: {m}\n{line}")
+    assert _tiled(rms_norm_backward, g, x, rstd, w), line
