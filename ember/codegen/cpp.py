@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-import sympy
 import torch
 
+from ember.codegen.cpp_columns import ColumnTiles
 from ember.codegen.render import Renderer, print_index, unclamped
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
@@ -136,21 +136,6 @@ def _nan_flagged(r: KReduce) -> bool:
     return r.kind in _FLOAT_MINMAX and r.dtype.is_floating_point
 
 
-def _costly_per_column(node: KNode) -> bool:
-    """Whether a sum's argument holds a value that varies with the column only and is more than a
-    load or a conversion of one (column tiles compute such values again for every row)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if not n.full and not isinstance(n, (KLoad, KConst, KConvert, KIndex)):
-            return True
-        stack.extend(n.args())
-    return False
-
-
 def _phase_roots(kernel: Kernel, phase: int) -> list[KNode]:
     return [r.arg for r in kernel.reduces if r.phase == phase] + [
         s.value for s in kernel.stores if s.full and s.phase == phase
@@ -179,13 +164,17 @@ def _one_hot(r: KReduce, kernel: Kernel, var) -> tuple[KNode, KNode] | None:
     return None
 
 
-class CppRenderer(Renderer):
+class CppRenderer(ColumnTiles, Renderer):
     persistent = False
 
     def __init__(self, kernel: Kernel, shared: frozenset = frozenset(), heuristics: CppHeuristics | None = None):
         super().__init__(kernel)
         self.shared = shared  # buffers that share memory with another parameter: not __restrict__
         self.h = heuristics or CppHeuristics()  # the target's loop shapes (target.heuristics.cpp)
+
+    @staticmethod
+    def ctype(dtype: torch.dtype) -> str:
+        return CPP_DTYPE[dtype]
 
     def const(self, node: KConst) -> str:
         v, dt = node.value, node.dtype
@@ -457,110 +446,6 @@ class CppRenderer(Renderer):
         value = f"({acc}_nan ? static_cast<{t}>(NAN) : {acc})" if _nan_flagged(r) else acc
         self.emit(f"{t} {name} = {value};")
 
-    # -- column tiles --------------------------------------------------------------------------
-    def _column_tiled(self) -> bool:
-        """Whether the kernel is a sum over rows of columns contiguous in memory, rendered a tile of
-        columns at a time (cpp.column_tile): one outer dim (the columns) of at least two tiles (so that
-        two threads share them), one loop over the rows, plain floating sums short enough to need no
-        cascade, nothing stored or reduced before them (what is stored at every row and column is
-        stored in the row's vector loop), per-column values in the sums that are only loads (computed
-        again for every row in a tile), and every load that walks the rows either contiguous along the
-        columns and strided along the rows, or one value per row (a row's scale), at least one the
-        former."""
-        k = self.kernel
-        outer, rows = self._dims(reduce=False), self._dims(reduce=True)
-        if self.h.column_tile <= 1 or len(outer) != 1 or not rows or k.num_phases != 1:
-            return False
-        columns = outer[0][1]
-        if not columns.is_Integer or int(columns) < 2 * self.h.column_tile:
-            return False
-        if any(r.kind != "sum" or not r.dtype.is_floating_point or r.online_max is not None for r in k.reduces):
-            return False
-        if any(self.direct_reduce(r) or self._cascaded(r) for r in k.reduces):
-            return False
-        if any(s.phase == 0 and not s.full for s in k.stores):
-            return False
-        if any(_costly_per_column(r.arg) for r in k.reduces):
-            return False
-        column, row = outer[0][0], rows[-1][0]
-        walking = [n for n in self.nodes if isinstance(n, KLoad) and n.full]
-        strided = 0
-        for load in walking:
-            try:
-                index = sympy.expand(self.kernel.index(load.index))
-                along_columns, along_rows = index.coeff(column), index.coeff(row)
-            except (TypeError, AttributeError):
-                return False
-            if index.has(sympy.Function) or any(s.is_Function for s in index.atoms(sympy.Function)):
-                return False
-            if along_columns == 1 and along_rows.is_Integer and abs(int(along_rows)) > 1:
-                strided += 1
-            elif not (along_columns == 0 and along_rows != 0):
-                return False
-        return strided > 0
-
-    def _render_column_tiles(self) -> None:
-        """The kernel as tiles of cpp.column_tile columns: each tile's accumulators start at zero, every
-        row adds into them in a vector loop along the columns, then the tile's results are finalized and
-        stored. Each column's rows are added one after another (the row loop's `omp simd reduction`
-        added them in vector lanes: a sum's rounding differs by the order)."""
-        k = self.kernel
-        (column, size), rows = self._dims(reduce=False)[0], self._dims(reduce=True)
-        tile, n = self.h.column_tile, print_index(size, "/")
-        total = product(k.loop_sizes)
-        if not (total.is_Integer and int(total) <= self.h.parallel_threshold):  # as render's outer loops
-            self.emit(f"#pragma omp parallel for if(parallel: {print_index(total, '/')} > {self.h.parallel_threshold})")
-        self.emit(f"for (int64_t {column.name}_tile = 0; {column.name}_tile < {n}; {column.name}_tile += {tile}) {{")
-        self.indent += 1
-        end = f"{column.name}_end"
-        self.emit(f"const int64_t {end} = std::min<int64_t>({column.name}_tile + {tile}, {n});")
-        lane = f"{column.name} - {column.name}_tile"
-        columns = f"for (int64_t {column.name} = {column.name}_tile; {column.name} < {end}; {column.name}++) {{"
-        accs = {id(r): self.fresh("acc") for r in k.reduces}
-        for r in k.reduces:
-            self.emit(f"{CPP_DTYPE[r.dtype]} {accs[id(r)]}[{tile}];")
-        self.emit("#pragma omp simd")
-        self.emit(columns)
-        for r in k.reduces:
-            self.emit(f"    {accs[id(r)]}[{lane}] = {self._zero(r)};")
-        self.emit("}")
-        for v, s in rows:
-            self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
-            self.indent += 1
-        self.emit("#pragma omp simd")
-        self.emit(columns)
-        self.indent += 1
-        saved = dict(self.names)
-        for r in k.reduces:
-            self.emit_node(r.arg)
-            self.emit(f"{accs[id(r)]}[{lane}] += {self.ref(r.arg)};")
-        for store in (s for s in k.stores if s.full):
-            self.emit_node(store.value)
-            self.emit_store(store)
-        self.names = saved
-        self.indent -= 1
-        self.emit("}")
-        for _ in rows:
-            self.indent -= 1
-            self.emit("}")
-        self.emit("#pragma omp simd")
-        self.emit(columns)
-        self.indent += 1
-        for r in k.reduces:
-            name = self.fresh("red")
-            self.names[id(r)] = name
-            self.emit(f"{CPP_DTYPE[r.dtype]} {name} = {accs[id(r)]}[{lane}];")
-        for node in self.nodes:
-            if not node.full and not isinstance(node, KReduce) and node.ready == 1:
-                self.emit_node(node)
-        for store in (s for s in k.stores if not s.full):
-            self.emit_node(store.value)
-            self.emit_store(store)
-        self.indent -= 1
-        self.emit("}")
-        self.indent -= 1
-        self.emit("}")
-
     def render(self) -> str:
         self._acc_names: dict[int, str] = {}
         k = self.kernel
@@ -574,8 +459,8 @@ class CppRenderer(Renderer):
                 args.append(f"int64_t {p.name}")
         self.emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
         self.indent += 1
-        if self._column_tiled():
-            self._render_column_tiles()
+        if self.column_tiled():
+            self.render_column_tiles()
             self.indent -= 1
             self.emit("}")
             return "\n".join(self.lines)
