@@ -105,13 +105,15 @@ def _ember_summary(report) -> dict:
     }
 
 
-def checker(ref: list, eager_out: list, ref_dtype, tols: list[float], train: bool) -> Callable[[list], tuple]:
+def checker(ref: list, eager_out: list, ref_dtype, dtype: torch.dtype, train: bool) -> Callable[[list], tuple]:
     """How a compiled step's outputs are checked, as `check(outputs) -> (err, tol, failure or None)`.
     Against a float64 reference (a float32 workload): each output by the float64 rule of accuracy.py,
     err and tol being the RMSE and bound of the first output that fails, else of the one nearest its
     bound. Against a float32 one (a low-precision workload): each output's max relative error within
-    twice eager's on it plus slack, err and tol those of the output furthest past its own."""
+    twice eager's on it plus the slack of `dtype`, the workload's (measure.tolerance), err and tol those
+    of the output furthest past its own."""
     if ref_dtype != torch.float64:
+        tols = measure.tolerances(dtype, measure.errors(eager_out, ref))
 
         def by_rel_err(out: list) -> tuple:
             err, tol = measure.worst(out, ref, tols)
@@ -218,15 +220,14 @@ def run_case(case: Case, ceilings: dict, s: Settings) -> dict:
         if built.reset is not None:
             built.reset()
         eager_out = eager(*inputs)
-        eager_errs = measure.errors(eager_out, ref)
         flops = measure.count_flops(eager, inputs)
         least = built.bytes or measure.min_bytes(built.fn, inputs, eager_out, eager.cotangents)
         limit = {"bytes": least, "flops": flops}
-        check = checker(ref, eager_out, ref_dtype, measure.tolerances(w.compute_dtype, eager_errs), train)
+        check = checker(ref, eager_out, ref_dtype, w.compute_dtype, train)
+        record["eager_err"] = measure.max_err(eager_out, ref)
         del eager_out
         limit["floor_ms"] = measure.floor_ms(limit, ceilings, w.compute_dtype)
         record["limit"] = limit
-        record["eager_err"] = max(eager_errs, default=0.0)
         n = measure.rotations(inputs, measure.cache_bytes(s.device)[0])
         record["rotations"] = n
         input_sets = measure.copies_of(inputs, n)
