@@ -202,6 +202,13 @@ class HorizontalHeuristics:
     # C++: elements of one work item (a part's chunk of rows) that OpenMP threads take in turn (a
     # combo of fewer elements than cpp.parallel_threshold runs on one thread).
     cpu_item_elements: int = 16384
+    # Kernels of one body (equal but for their buffers and element counts: an optimizer's update of
+    # each parameter) run as one launch that reads each part's buffer addresses from a table in
+    # memory (codegen/triton_combo.py: render_triton_table), with no cap on parts or buffers, where at
+    # least table_min_parts share the body; 0: never (the C++ target). Each program computes
+    # table_xblock elements of one part.
+    table_min_parts: int = 0
+    table_xblock: int = 512
 
 
 @dataclass(frozen=True)

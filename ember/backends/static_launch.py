@@ -49,6 +49,13 @@ class StaticLaunch:
             f"{codes!r}, ({', '.join(passed)},), stream)"
         )
 
+    def run(self, blocks: int, args: tuple, stream: int) -> None:
+        """Launch now, given every non-constexpr parameter's value in order (pointers as addresses)."""
+        codes = "".join(c for c in self.params if c) + "O" * self.scratch
+        self.launch(
+            self.function, blocks, 1, 1, self.num_warps, self.shared, codes, args + (None,) * self.scratch, stream
+        )
+
 
 def from_compiled(compiled, device: int) -> StaticLaunch | None:
     """Load a compiled kernel through torch's static launcher; None where this torch lacks it or

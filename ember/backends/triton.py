@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import sympy
@@ -39,16 +40,24 @@ from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
 from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launches
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
+from ember.backends.table_launch import TableLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
-from ember.codegen.triton_combo import render_triton_combo
+from ember.codegen.triton_combo import (
+    TABLE_FILL_ARGS,
+    TABLE_FILL_BIAS,
+    TABLE_FILL_SOURCE,
+    TritonTableSource,
+    render_triton_combo,
+    render_triton_table,
+)
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import INTERPRETER_SM_COUNT, Heuristics, PadHeuristics, SplitHeuristics, Target
+from ember.target import INTERPRETER_SM_COUNT, Heuristics, HorizontalHeuristics, PadHeuristics, SplitHeuristics, Target
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start. The
@@ -97,6 +106,8 @@ class TritonBackend:
         for k in kernels:
             if is_gemm_kernel(k):
                 r = render_gemm(k, self._target)
+            elif isinstance(k, ComboKernel) and k.table:  # one body over many parts' buffers
+                r = render_triton_table(k, self._target)
             elif isinstance(k, ComboKernel):  # independent pointwise kernels in one launch
                 r = render_triton_combo(k, self._target)
             else:
@@ -110,6 +121,8 @@ class TritonBackend:
         if config.get("autotune") and self.rendered:
             self._autotune(kernels)
             parts = [PRELUDE] + [self.sources[k.name] for k in kernels]
+        if any(isinstance(r, TritonTableSource) for r in self.rendered.values()):
+            parts.append(TABLE_FILL_SOURCE)  # writes a table during a CUDA graph's capture
         source = "\n\n".join(parts) + "\n"
         self.full_source = source
         if not kernels:
@@ -138,6 +151,7 @@ class TritonBackend:
                     stats.add("kernels_compiled")
                     shared = SHARED.put(key, None, kernel_dedup.Launchable(function=fns[name]))
                 namespace[name] = shared.function
+            self._table_launches(module, namespace)
             return namespace
         precompile_gemms(self.gemm_kernels, gemm_fns)
         clock("build_gemm_compile_s")
@@ -154,9 +168,40 @@ class TritonBackend:
         clock("build_compile_s")
         if self.static:
             namespace["_static_launch"] = next(iter(self.static.values())).launch
+        self._table_launches(module, namespace)
         if records is not None and jobs and len(recorded) < len(self.static):
             records.save({name: s.record for name, s in self.static.items()})
         return namespace
+
+    def _table_launches(self, module, namespace: dict) -> None:
+        """A TableLaunch (backends/table_launch.py) per table combo kernel, as `_tables_<name>`,
+        launching the kernel the way the others are (static, Triton's launcher, or kernel[grid]),
+        and its form for unaligned buffers and the table-writing kernel through kernel[grid] (the
+        latter loaded now: a capture may launch it, and must not load a binary)."""
+        tables = {n: r for n, r in self.rendered.items() if isinstance(r, TritonTableSource)}
+        if not tables:
+            return
+        fp_fusion = _fp_fusion()
+        device = self.device if self.device is not None else torch.device("cpu")
+        writer = module.ember_table_fill
+        if not self._target.interpreted:
+            launch_handles(writer.warmup(torch.int64, *[TABLE_FILL_BIAS] * TABLE_FILL_ARGS, grid=(1,)))
+
+        def fill(out, values):
+            writer[(1,)](out, *values, num_warps=1)
+
+        for name, r in tables.items():
+            blocks, xblock, warps = r.blocks, r.launch.xblock, r.launch.num_warps
+            slow = _grid_launch(getattr(module, f"{name}_any"), blocks, xblock, warps, fp_fusion)
+            if name in self.static:
+                fast = _static_table_launch(self.static[name], blocks)
+            elif name in self.direct:
+                handles = (namespace[f"{name}_run"], namespace[f"{name}_fn"], namespace[f"{name}_meta"])
+                fast = _direct_table_launch(handles, blocks, xblock)
+            else:
+                on_grid = _grid_launch(namespace[name], blocks, xblock, warps, fp_fusion)
+                fast = lambda stream, *tables, on_grid=on_grid: on_grid(*tables)
+            namespace[f"_tables_{name}"] = TableLaunch(r, device, fast, slow, fill)
 
     def _compile_distinct(self, jobs: list[tuple], keys: dict[str, str], module, device: int | None, namespace) -> None:
         """Compile each distinct kernel of `jobs` once (backends/kernel_dedup.py) and make every
@@ -277,6 +322,9 @@ class TritonBackend:
         if name in self.gemm_kernels:
             return self.gemm_kernels[name].launch_line(args["buffers"])
         r = self.rendered[name]
+        if isinstance(r, TritonTableSource):
+            stream = "stream" if name in self.static or name in self.direct else "None"
+            return f"_tables_{name}({stream}, {', '.join(args['buffers'])})"
         line, slow = self._launch(r, name, args)
         guard = getattr(r, "guard", ())
         if not guard:
@@ -357,6 +405,10 @@ def _warmup_jobs(fns: dict, rendered: dict[str, TritonKernelSource]) -> list[tup
     fp_fusion = _fp_fusion()  # read here: the settings in force are this thread's
     for name, fn in fns.items():
         r = rendered[name]
+        if isinstance(r, TritonTableSource):  # the address table (int64s), the heads and each block's part
+            args = [torch.int64, torch.int32, torch.int32]
+            jobs.append((name, fn, args, {"XBLOCK": r.launch.xblock}, r.launch.num_warps, fp_fusion))
+            continue
         sizes = [p.value for p in r.params if p.kind == "size"] + [r.xnumel] + ([r.rnumel] if r.launch.rblock else [])
         narrow = bool(getattr(r, "guard", ()))
         args = [p.value.dtype for p in r.params if p.kind == "buffer"] + [_stand_in(x, narrow) for x in sizes]
@@ -414,6 +466,8 @@ def _gpu_arch() -> tuple:
 # programs in flight, each walking fewer rows, which a GPU runs side by side (decisions.md).
 # cuBLAS runs fast only on aligned extents: products on the GPU get padded layouts.
 _GPU_SPLIT = SplitHeuristics(partials=131072)
+# Kernels of one body run as one table combo kernel however many (codegen/triton_combo.py).
+_GPU_HORIZONTAL = HorizontalHeuristics(table_min_parts=2)
 
 
 def _make_target(device) -> Target:
@@ -439,9 +493,35 @@ def _make_target(device) -> Target:
         online_softmax=True,
         indexed_stores=True,
         row_programs=max(0, programs) if programs else sm_count,
-        heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu)),
+        heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu), horizontal=_GPU_HORIZONTAL),
     )
     return target.tuned(config.get("heuristics"))
+
+
+def _grid_launch(fn, blocks: int, xblock: int, warps: int, fp_fusion: bool) -> Callable:
+    """A table combo kernel's launch through kernel[grid], given its tables."""
+
+    def launch(*tables):
+        fn[(blocks,)](*tables, XBLOCK=xblock, num_warps=warps, enable_fp_fusion=fp_fusion)
+
+    return launch
+
+
+def _static_table_launch(static: StaticLaunch, blocks: int) -> Callable:
+    def launch(stream, *tables):
+        static.run(blocks, tuple(t.data_ptr() for t in tables), stream)
+
+    return launch
+
+
+def _direct_table_launch(handles: tuple, blocks: int, xblock: int) -> Callable:
+    """Through Triton's own launcher: every parameter in order, the constexpr XBLOCK included."""
+    run, fn, meta = handles
+
+    def launch(stream, *tables):
+        run(blocks, 1, 1, stream, fn, meta, None, None, None, *tables, xblock)
+
+    return launch
 
 
 def _warmup(fn, args, consts, num_warps, fp_fusion):

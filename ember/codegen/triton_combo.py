@@ -7,6 +7,13 @@ table of tensors the same way): each program compares its id with the parts' fir
 calls its part. Parts being functions, each branch's names stay its own (a part's bf16 `tmp3`
 and another's fp32 `tmp3` are never one variable of two types). Every part runs with the same
 XBLOCK and warps, those launch_config gives its largest part; the launch's sizes are static.
+
+A table combo kernel (ComboKernel.table: parts of one body, an optimizer's per-parameter updates)
+is one body instead (`render_triton_table`), as apex's multi_tensor_apply is: each program reads its
+part from a per-block table, then the part's first block, element count and buffer addresses from
+the part's row of an address table (backends/table_launch.py builds it from the buffers of a call).
+Its source does not grow with the parts, no branch picks a part, and the launch passes two
+pointers, not every buffer.
 """
 
 from __future__ import annotations
@@ -16,10 +23,10 @@ from dataclasses import dataclass
 import sympy
 
 from ember.codegen.render import Param, combo_params
-from ember.codegen.triton import TritonRenderer, jit_decorator
+from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir.sizes import product
-from ember.schedule.kernel import ComboKernel, Kernel
+from ember.schedule.kernel import ComboKernel, Kernel, KLoad
 from ember.target import Target
 
 
@@ -93,3 +100,116 @@ def _block_starts(parts: list[Kernel], xblock: int) -> tuple[list[int], int]:
         starts.append(total)
         total += -(-int(product(p.loop_sizes)) // xblock)
     return starts, total
+
+
+@dataclass
+class TritonTableSource:
+    """A table combo kernel's source and what its launch needs. `params`: every buffer of the parts
+    once (codegen/render.py: combo_params), as the host passes them; `part_buffers`: per part, its
+    buffers' places in `params`, in the body's parameter order (one row of the address table);
+    `vector`: per body parameter, whether the body reads or writes it along the flat position (its
+    address must be 16-byte aligned for `source`'s kernel, which tells Triton so; `name`_any assumes
+    nothing); `first_blocks`, `numels` and `part_of_block`: the parts' blocks, in launch order (the
+    kernel reads them from two tables of int32s, made once: heads, a first block and a count per
+    part, and each block's part)."""
+
+    kernel: ComboKernel
+    source: str
+    params: list[Param]
+    launch: LaunchConfig
+    part_buffers: list[list[int]]
+    vector: tuple[bool, ...]
+    first_blocks: list[int]
+    numels: list[int]
+    part_of_block: list[int]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.part_of_block)
+
+    @property
+    def heads(self) -> list[int]:
+        return [v for first, numel in zip(self.first_blocks, self.numels) for v in (first, numel)]
+
+
+class _TableBody(TritonRenderer):
+    """The body every part of a table combo kernel shares, rendered from its first part."""
+
+    def render_table(self, name: str, aligned: bool, hint_numel: bool) -> tuple[str, tuple[bool, ...]]:
+        vector = tuple(self._along_position(p.value) for p in self.params)
+        self.emit(jit_decorator([self.kernel]))
+        self.emit(f"def {name}(table, heads, part_of_block, XBLOCK: tl.constexpr):")
+        self.indent += 1
+        self.emit("pid = tl.program_id(0)")
+        self.emit("part = tl.load(part_of_block + pid)")
+        self.emit("xoffset = (pid - tl.load(heads + 2 * part)) * XBLOCK")
+        numel = "tl.load(heads + 2 * part + 1)"
+        self.emit(f"xnumel = {f'tl.multiple_of({numel}, 16)' if hint_numel else numel}")
+        self.emit(f"row = table + part.to(tl.int64) * {len(self.params)}")
+        for k, (p, along) in enumerate(zip(self.params, vector)):
+            address = f"tl.load(row + {k})"
+            if aligned and along:
+                address = f"tl.multiple_of({address}, 16)"
+            self.emit(f"{p.name} = {address}.to(tl.pointer_type({TRITON_DTYPE[p.value.dtype]}))")
+        self.emit("xindex = xoffset + tl.arange(0, XBLOCK)")
+        self.emit("xmask = xindex < xnumel")
+        self._emit_loop_vars(reduce=False)
+        self.body()
+        self.emit("return")
+        return "\n".join(self.lines), vector
+
+    def _along_position(self, buffer) -> bool:
+        indices = [n.index for n in self.nodes if isinstance(n, KLoad) and n.buffer is buffer]
+        indices += [s.index for s in self.kernel.stores if s.buffer is buffer]
+        return any(self._varies(i) for i in indices)
+
+
+def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSource:
+    """One body for every part of a table combo kernel (schedule/horizontal.py: table_signature),
+    two forms: `name` assumes 16-byte aligned addresses for its vector buffers, `name`_any none."""
+    rules = target.heuristics.horizontal
+    numels = [int(product(p.loop_sizes)) for p in kernel.parts]
+    xblock = min(rules.table_xblock, 1 << (max(numels) - 1).bit_length())  # a power of two
+    h = target.heuristics.launch
+    warps = max(h.pointwise_warps, min(h.pointwise_max_warps, xblock // (32 * h.pointwise_thread_elements)))
+    launch = LaunchConfig(xblock, 0, 1 << (warps.bit_length() - 1), False)
+    hint_numel = all(n % 16 == 0 for n in numels)
+    first = kernel.parts[0]
+    fast, vector = _TableBody(first, launch, target.interpreted).render_table(kernel.name, True, hint_numel)
+    any_, _ = _TableBody(first, launch, target.interpreted).render_table(f"{kernel.name}_any", False, hint_numel)
+    params = combo_params(kernel.reads, kernel.writes)
+    place = {p.value.id: k for k, p in enumerate(params)}
+    part_buffers = []
+    for part in kernel.parts:
+        body = _TableBody(part, launch, target.interpreted).params
+        if any(p.kind != "buffer" for p in body) or len(body) != len(vector):
+            raise NotImplementedError("a table combo kernel's parts have one body, of static sizes")
+        part_buffers.append([place[p.value.id] for p in body])
+    starts, _ = _block_starts(kernel.parts, xblock)
+    part_of_block = [k for k, n in enumerate(numels) for _ in range(-(-n // xblock))]
+    if len(part_of_block) >= 2**31 or max(numels) >= 2**31:
+        raise NotImplementedError("a table combo kernel's blocks and counts are int32s")
+    return TritonTableSource(
+        kernel, fast + "\n\n\n" + any_, params, launch, part_buffers, vector, starts, numels, part_of_block
+    )
+
+
+# Writes an address table on the device from a launch's arguments (backends/table_launch.py: a table
+# made while a CUDA graph captures, where a copy from the host cannot be captured): TABLE_FILL_ARGS
+# addresses a launch, each passed plus TABLE_FILL_BIAS so that every one is an int64 to Triton (it
+# types smaller integers int32), and not specialized on (one binary for every value).
+TABLE_FILL_ARGS = 64
+TABLE_FILL_BIAS = 1 << 62
+
+
+def _table_fill_source() -> str:
+    names = [f"a{k}" for k in range(TABLE_FILL_ARGS)]
+    lines = [
+        f"@triton.jit(do_not_specialize={list(range(1, TABLE_FILL_ARGS + 1))})",
+        f"def ember_table_fill(out, {', '.join(names)}):",
+    ]
+    lines += [f"    tl.store(out + {k}, {a} - {TABLE_FILL_BIAS})" for k, a in enumerate(names)]
+    return "\n".join(lines)
+
+
+TABLE_FILL_SOURCE = _table_fill_source()

@@ -14,7 +14,10 @@ The rules (the target's `heuristics.horizontal`):
   number generators' included), and the kernel computing a mutated input's new value follows
   every other reader of the input (so it can still write in place). Kernels of one level have no
   path between them, in either direction, and packing kernels of one level never makes a cycle;
-- at most `max_parts` parts and `max_buffers` distinct buffers per launch;
+- at most `max_parts` parts and `max_buffers` distinct buffers per launch, except where at least
+  `table_min_parts` kernels of one level share one body (`table_signature`: equal but for their
+  buffers and element counts, as an optimizer's per-parameter updates are): those run as one launch
+  of any size, each part's buffer addresses read from a table in memory (a table combo kernel);
 - no part writes memory another part of its launch reads: the memory plan places each part's
   outputs knowing what the other parts read (memory.py);
 - where the combined order raises the planned peak by more than `max_peak_increase`, the
@@ -27,13 +30,15 @@ from __future__ import annotations
 
 import heapq
 
+import torch
+
 from ember import config
 from ember.ir.graph import Value
 from ember.ir.sizes import product
 from ember.schedule import collectives
 from ember.schedule.collectives import FusionBarriers
 from ember.schedule.gemm import is_gemm_kernel
-from ember.schedule.kernel import ComboKernel, Kernel
+from ember.schedule.kernel import ComboKernel, KConst, KConvert, Kernel, KLoad, KOp, walk
 from ember.schedule.memory import plan_memory
 from ember.schedule.state import ScheduleState
 from ember.schedule.steps import ExternStep, FusionDecision, KernelStep, Step, step_inputs, step_outputs
@@ -49,10 +54,14 @@ def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     steps = state.steps
     deps = dependencies(state, steps)
     barriers = collectives.fusion_barriers(state.graph) if config.get("overlap_collectives") else None
-    groups = pack(steps, levels(deps), rules, barriers)
-    if not groups:
+    packed = pack(steps, levels(deps), rules, barriers)
+    if not packed:
         return
-    combos = [ComboKernel(f"{state.kernel_prefix}combo{n}", [steps[k].kernel for k in g]) for n, g in enumerate(groups)]
+    groups = [g for g, _ in packed]
+    combos = [
+        ComboKernel(f"{state.kernel_prefix}combo{n}", [steps[k].kernel for k in g], table=table)
+        for n, (g, table) in enumerate(packed)
+    ]
     combined = reorder(steps, deps, groups, combos)
     memory = plan_memory(state.graph, combined, eager_peak)
     before, after = state.memory.peak_bytes, memory.peak_bytes
@@ -67,6 +76,8 @@ def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     for combo in combos:
         parts = ", ".join(p.name for p in combo.parts)
         reason = f"horizontal: {len(combo.parts)} independent pointwise kernels in one launch"
+        if combo.table:
+            reason += " (one body, each part's buffers read from a table)"
         state.decisions.append(FusionDecision(combo.name, parts, True, reason))
 
 
@@ -114,9 +125,10 @@ def eligible(kernel: object, rules: HorizontalHeuristics) -> bool:
 
 def pack(
     steps: list[Step], level: list[int], rules: HorizontalHeuristics, barriers: FusionBarriers | None = None
-) -> list[list[int]]:
+) -> list[tuple[list[int], bool]]:
     """Groups of at least two step positions, each of eligible kernels of one level, in step
-    order, within the caps on parts and buffers. With `barriers` (a graph's functional
+    order, and whether the group is a table combo kernel (its kernels share one body). Other
+    groups keep within the caps on parts and buffers. With `barriers` (a graph's functional
     collectives), a kernel computing a collective's input keeps its own launch, and kernels
     after a wait share launches only with kernels after a wait."""
     by_level: dict[tuple, list[int]] = {}
@@ -127,22 +139,92 @@ def pack(
                 continue
             after = barriers is not None and barriers.after_wait_of(writes)
             by_level.setdefault((level[k], after), []).append(k)
-    groups: list[list[int]] = []
+    groups: list[tuple[list[int], bool]] = []
     for members in by_level.values():
-        current: list[int] = []
-        buffers: set[int] = set()
-        for k in members:
-            kernel = steps[k].kernel
-            mine = {v.id for v in list(kernel.reads) + kernel.writes}
-            if len(mine) > rules.max_buffers:
-                continue
-            if len(current) == rules.max_parts or len(buffers | mine) > rules.max_buffers:
-                groups.append(current)
-                current, buffers = [], set()
-            current.append(k)
-            buffers |= mine
-        groups.append(current)
-    return sorted((g for g in groups if len(g) >= 2), key=lambda g: g[0])
+        tables = _table_groups(steps, members, rules)
+        groups += [(g, True) for g in tables]
+        tabled = {k for g in tables for k in g}
+        groups += [(g, False) for g in _capped_groups(steps, [k for k in members if k not in tabled], rules)]
+    return sorted((g for g in groups if len(g[0]) >= 2), key=lambda g: g[0][0])
+
+
+def _table_groups(steps: list[Step], members: list[int], rules: HorizontalHeuristics) -> list[list[int]]:
+    """The members that at least `table_min_parts` (and two) kernels of one body make up, by body."""
+    if rules.table_min_parts <= 0:
+        return []
+    by_body: dict[tuple, list[int]] = {}
+    for k in members:
+        body = table_signature(steps[k].kernel)
+        if body is not None:
+            by_body.setdefault(body, []).append(k)
+    return [g for g in by_body.values() if len(g) >= max(2, rules.table_min_parts)]
+
+
+def _capped_groups(steps: list[Step], members: list[int], rules: HorizontalHeuristics) -> list[list[int]]:
+    """Consecutive members, within the caps on parts and distinct buffers per launch."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    buffers: set[int] = set()
+    for k in members:
+        kernel = steps[k].kernel
+        mine = {v.id for v in list(kernel.reads) + kernel.writes}
+        if len(mine) > rules.max_buffers:
+            continue
+        if len(current) == rules.max_parts or len(buffers | mine) > rules.max_buffers:
+            groups.append(current)
+            current, buffers = [], set()
+        current.append(k)
+        buffers |= mine
+    groups.append(current)
+    return groups
+
+
+def table_signature(kernel: Kernel) -> tuple | None:
+    """What a kernel computes, but for which buffers it reads and writes and how many elements: two
+    kernels of equal signatures run one body, given each one's buffers and count (a kernel of one
+    element has no loop: an optimizer's step counter). None where the kernel's body depends on its
+    sizes: a loop of more than one dim, an index other than the flat position or 0 (a 0-d input), a
+    position the kernel computes (iota, an indexed store's row), a bool buffer. Whether the count is
+    a multiple of 16 is part of it: the body tells Triton so (vector access)."""
+    if len(kernel.loop_sizes) > 1 or kernel.column_partials or any(s.row is not None for s in kernel.stores):
+        return None
+    flat = kernel.index_vars[0] if kernel.loop_sizes else None  # none in a kernel of one element (a counter)
+    params: dict[int, int] = {}  # buffer id -> its place among the kernel's parameters (codegen/render.py)
+    for v in list(kernel.reads) + kernel.writes:
+        params.setdefault(v.id, len(params))
+    dtypes = tuple(v.dtype for v in {v.id: v for v in list(kernel.reads) + kernel.writes}.values())
+    if torch.bool in dtypes:  # Triton keeps bools in memory as bytes: its pointer type is not the body's
+        return None
+
+    def place(expr) -> str | None:
+        index = kernel.index(expr)
+        return "x" if flat is not None and index == flat else "0" if index == 0 else None
+
+    nodes = walk(kernel)
+    at = {id(n): pos for pos, n in enumerate(nodes)}
+    body: list[tuple] = []
+    for n in nodes:
+        if isinstance(n, KLoad):
+            where = place(n.index)
+            if where is None:
+                return None
+            body.append(("load", n.dtype, n.full, params[n.buffer.id], where))
+        elif isinstance(n, KConst):
+            body.append(("const", n.dtype, n.full, repr(n.value)))
+        elif isinstance(n, KConvert):
+            body.append(("convert", n.dtype, n.full, at[id(n.arg)]))
+        elif isinstance(n, KOp):
+            body.append(("op", n.dtype, n.full, n.fn, tuple(at[id(a)] for a in n.operands)))
+        else:  # KIndex (a computed position), reductions
+            return None
+    stores = []
+    for s in kernel.stores:
+        where = place(s.index)
+        if where is None:
+            return None
+        stores.append((params[s.buffer.id], where, at[id(s.value)], s.full))
+    aligned = int(product(kernel.loop_sizes)) % 16 == 0
+    return (len(kernel.reads), dtypes, tuple(body), tuple(stores), kernel.num_phases, aligned)
 
 
 def reorder(steps: list[Step], deps: list[set[int]], groups: list[list[int]], combos: list[ComboKernel]) -> list[Step]:

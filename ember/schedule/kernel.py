@@ -310,6 +310,9 @@ class ComboKernel:
 
     name: str
     parts: list[Kernel]
+    # The parts share one body (horizontal.table_signature): a target that can runs it once, each
+    # program reading its part's buffer addresses and element count from a table.
+    table: bool = False
 
     @property
     def domain(self) -> ComboDomain:

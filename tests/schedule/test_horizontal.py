@@ -15,9 +15,10 @@ import torch
 from ember import config
 from ember.backends.triton import TritonBackend
 from ember.codegen.cpp_combo import render_cpp_combo
-from ember.codegen.triton_combo import render_triton_combo
+from ember.codegen.triton_combo import render_triton_combo, render_triton_table
 from ember.ir.graph import Graph, verify
 from ember.ir.sizes import contiguous_strides
+from ember.schedule.horizontal import table_signature
 from ember.schedule.kernel import ComboKernel, kernel_parts
 from ember.schedule.memory import plan_memory
 from ember.schedule.scheduler import schedule
@@ -67,7 +68,8 @@ class G:
         for k in sched.kernels:
             if isinstance(k, ComboKernel):  # every combo kernel renders in both languages
                 assert k.name in render_cpp_combo(k, tgt or target(), lambda p: frozenset())[0]
-                assert k.name in render_triton_combo(k, TRITON).source
+                render = render_triton_table if k.table else render_triton_combo
+                assert k.name in render(k, TRITON).source
         return sched
 
 
@@ -203,3 +205,52 @@ def test_extern_calls_keep_their_order():
     order = [s.node.out.id for s in sched.steps if isinstance(s, ExternStep)]
     assert order == sorted(order) and e3.id in order and e2.id in order, order
     assert not combos(sched)
+
+
+def test_kernels_of_one_body_take_one_table_launch_past_the_caps():
+    """40 updates, bf16 and fp32, of sizes a multiple of 16 and not, with caps of 4 parts and 8
+    buffers: with table launches each of the 4 bodies is one launch; a transposed read (two loop
+    dims) is no table's part and stays within the caps."""
+    b = G()
+    sizes = [16, 48, 7, 33, 1024, 5]
+    xs = [b.input(sizes[k % len(sizes)], dtype=BF16 if k % 2 else F32) for k in range(40)]
+    ys = [b.axpb(x) for x in xs]
+    t = b.pw("mul", b.g.add_input((I(6), I(4)), F32, (I(1), I(6))), 2.0)  # a column-major input
+    u = b.pw("sub", b.input(9), 1.0)  # a body of its own
+    sched = b.schedule(*ys, t, u, tgt=target(max_parts=4, max_buffers=8, table_min_parts=2))
+    tables = [k for k in combos(sched) if k.table]
+    assert len(tables) == 4, [(k.name, len(k.parts)) for k in combos(sched)]
+    assert sorted(len(k.parts) for k in tables) == [7, 7, 13, 13]
+    for k in tables:
+        (signature,) = {table_signature(p) for p in k.parts}
+        assert signature is not None
+        assert len({p.reads[0].dtype for p in k.parts}) == 1
+        assert len({int(p.loop_sizes[0]) % 16 == 0 for p in k.parts}) == 1
+    (kt,) = [p for k in sched.kernels for p in kernel_parts(k) if t in p.writes]
+    assert table_signature(kt) is None
+    assert not any(kt in k.parts for k in tables)
+    assert len(sched.kernels) == 5  # the four tables, and t's kernel with u's (not a table: one body each)
+    assert not b.schedule(*ys, tgt=target(table_min_parts=0, max_parts=64, max_buffers=256)).kernels[0].table
+
+
+def test_parts_of_other_constants_or_ops_are_other_bodies():
+    b = G()
+    xs = [b.input(32) for _ in range(4)]
+    ys = [b.pw("add", b.pw("mul", xs[0], 0.5), 1.0), b.pw("add", b.pw("mul", xs[1], 0.5), 1.0)]
+    ys += [b.pw("add", b.pw("mul", xs[2], 0.25), 1.0), b.pw("sub", b.pw("mul", xs[3], 0.5), 1.0)]
+    sched = b.schedule(*ys, tgt=target(table_min_parts=2))
+    signatures = [table_signature(p) for k in sched.kernels for p in kernel_parts(k)]
+    assert len(set(signatures)) == 3
+    (table,) = [k for k in combos(sched) if k.table]
+    assert {v.id for v in table.writes} == {ys[0].id, ys[1].id}
+
+
+def test_step_counters_of_one_element_take_one_table_launch():
+    """An optimizer's per-parameter step counters (0-d, `step += 1`): kernels without a loop, one body."""
+    b = G()
+    counters = [b.input() for _ in range(40)]
+    ys = [b.pw("add", c, 1.0) for c in counters]
+    sched = b.schedule(*ys, tgt=target(table_min_parts=2))
+    (table,) = sched.kernels
+    assert table.table and len(table.parts) == 40
+    assert table_signature(table.parts[0]) is not None and not table.parts[0].loop_sizes

@@ -1,0 +1,111 @@
+"""The launch of a table combo kernel (codegen/triton_combo.py: render_triton_table): the address
+table of a call's buffers, and the kernel form their alignment allows.
+
+A call passes every part's buffers; their addresses pick the table. An optimizer step passes the
+same parameters, states and (mostly) gradients each step, so a table is built once and found again
+by a dict lookup over the addresses; the last RECENT tables are kept. The parts' heads (first block
+and count) and each block's part never change: they are made once, with the launch.
+
+Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
+waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses),
+so a table a capture needs and does not have is written by kernels (`fill`, which take the
+addresses as arguments) that the capture records: each replay writes it again before the table
+kernel reads it. Such a table holds nothing until a replay runs, so only that graph uses it; a
+table a capture finds is kept for good, as is every captured one (the graph's replays read them).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
+
+# Tables kept outside CUDA graphs: the address sets a loop cycles through (gradients set to None
+# and allocated again each step get the same few addresses from the caching allocator).
+RECENT = 8
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class _Table:
+    __slots__ = ("aligned", "device", "host")
+
+    def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
+        self.device = device
+        self.host = host  # the pinned memory copied from (held until the copy is done: torch's allocator sees to it)
+        self.aligned = aligned
+
+
+class TableLaunch:
+    """Called by the host program with the stream and the kernel's buffers (`source.params`' order):
+    launches `fast(stream, table, heads, part_of_block)` where every vector buffer is 16-byte
+    aligned, else `slow(table, heads, part_of_block)` (the form that assumes nothing).
+    `fill(out, values)` launches the kernel that writes TABLE_FILL_ARGS values (biased) at `out`.
+    Made while compiling: the constant tables are made outside the compiler's fake tensors."""
+
+    def __init__(self, source: TritonTableSource, device: torch.device, fast: Callable, slow: Callable, fill: Callable):
+        self._parts = [tuple(b) for b in source.part_buffers]
+        self._vector = [k for k, along in enumerate(source.vector) if along]
+        self._device = device
+        self._cuda = device.type == "cuda"
+        with unset_fake_temporarily():
+            self._heads = torch.tensor(source.heads, dtype=torch.int32, device=device)
+            self._part_of_block = torch.tensor(source.part_of_block, dtype=torch.int32, device=device)
+        self._fast, self._slow, self._fill = fast, slow, fill
+        self._recent: OrderedDict[tuple, _Table] = OrderedDict()
+        self._kept: dict[tuple, _Table] = {}  # tables a capture found: written, and read by a graph
+        self._captured: list[_Table] = []  # tables written by a graph's own kernels
+
+    def __call__(self, stream, *buffers: torch.Tensor) -> None:
+        addresses = tuple(map(_data_ptr, buffers))
+        table = self._table(addresses)
+        if table.aligned:
+            self._fast(stream, table.device, self._heads, self._part_of_block)
+        else:
+            self._slow(table.device, self._heads, self._part_of_block)
+
+    def _table(self, addresses: tuple) -> _Table:
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        table = self._kept.get(addresses) or self._recent.get(addresses)
+        if table is not None:
+            if capturing:
+                self._recent.pop(addresses, None)
+                self._kept[addresses] = table
+            return table
+        rows, aligned = self._rows(addresses)
+        if capturing:
+            table = _Table(self._write_on_device(rows), None, aligned)
+            self._captured.append(table)
+            return table
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
+        table = _Table(host.to(self._device, non_blocking=True), host, aligned)
+        self._recent[addresses] = table
+        while len(self._recent) > RECENT:
+            self._recent.popitem(last=False)
+        return table
+
+    def _rows(self, addresses: tuple) -> tuple[list[int], bool]:
+        rows: list[int] = []
+        aligned = True
+        for part in self._parts:
+            mine = [addresses[b] for b in part]
+            rows += mine
+            aligned = aligned and all(mine[k] % 16 == 0 for k in self._vector)
+        return rows, aligned
+
+    def _write_on_device(self, rows: list[int]) -> torch.Tensor:
+        launches = -(-len(rows) // TABLE_FILL_ARGS)
+        out = torch.empty(launches * TABLE_FILL_ARGS, dtype=torch.int64, device=self._device)
+        values = [v + TABLE_FILL_BIAS for v in rows] + [TABLE_FILL_BIAS] * (len(out) - len(rows))
+        for k in range(launches):
+            self._fill(out[k * TABLE_FILL_ARGS :], values[k * TABLE_FILL_ARGS : (k + 1) * TABLE_FILL_ARGS])
+        return out
+
+    @property
+    def tables(self) -> int:
+        """Address tables held now (for tests)."""
+        return len(self._recent) + len(self._kept) + len(self._captured)

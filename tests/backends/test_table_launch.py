@@ -1,0 +1,131 @@
+"""The launch of a table combo kernel (backends/table_launch.py): the address table a call's buffers
+make, kept per set of addresses, the kernel form their alignment allows, and tables a CUDA graph's
+capture writes with its own kernels. The launches are recorded, not run: what the kernels compute is
+checked in tests/codegen/test_combo_kernels.py."""
+
+from __future__ import annotations
+
+import torch
+
+from ember.backends import table_launch
+from ember.backends.table_launch import RECENT, TableLaunch
+from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
+from ember.codegen.triton_launch import LaunchConfig
+
+
+def _source() -> TritonTableSource:
+    """Two parts of 40 and 8 elements in blocks of 16; the body's parameters are a vector read, a 0-d
+    read and a vector write; the kernel's buffers are [p0, p1, counter, out0, out1]."""
+    return TritonTableSource(
+        kernel=None,
+        source="",
+        params=[],
+        launch=LaunchConfig(16, 0, 1, False),
+        part_buffers=[[0, 2, 3], [1, 2, 4]],
+        vector=(True, False, True),
+        first_blocks=[0, 3],
+        numels=[40, 8],
+        part_of_block=[0, 0, 0, 1],
+    )
+
+
+class _Recorder:
+    def __init__(self):
+        self.fast: list[list[int]] = []
+        self.slow: list[list[int]] = []
+        self.fills = 0
+
+    def launch(self, cuda: bool = False) -> TableLaunch:
+        def fast(stream, table, heads, blocks):
+            assert heads.tolist() == [0, 40, 3, 8] and blocks.tolist() == [0, 0, 0, 1]
+            self.fast.append(table.tolist())
+
+        def slow(table, heads, blocks):
+            self.slow.append(table.tolist())
+
+        def fill(out, values):  # what ember_table_fill computes
+            assert len(values) == TABLE_FILL_ARGS
+            self.fills += 1
+            out[: len(values)] = torch.tensor([v - TABLE_FILL_BIAS for v in values])
+
+        launch = TableLaunch(_source(), torch.device("cpu"), fast, slow, fill)
+        launch._cuda = cuda  # the capture's checks, on CPU tensors
+        return launch
+
+
+def _buffers(count: int = 5) -> list[torch.Tensor]:
+    return [torch.zeros(64) for _ in range(count)]
+
+
+def test_each_part_row_holds_its_first_block_count_and_addresses_in_body_order():
+    rec = _Recorder()
+    bufs = _buffers()
+    rec.launch()(None, *bufs)
+    a = [b.data_ptr() for b in bufs]
+    assert rec.fast == [[a[0], a[2], a[3], a[1], a[2], a[4]]]
+    assert not rec.slow
+
+
+def test_same_addresses_reuse_their_table_and_new_ones_add_one_up_to_a_bound():
+    rec = _Recorder()
+    launch = rec.launch()
+    bufs = _buffers()
+    launch(None, *bufs)
+    launch(None, *bufs)
+    assert launch.tables == 1
+    kept = []
+    for _ in range(RECENT + 3):
+        grads = _buffers(2)  # new tensors in the places of p0 and p1
+        kept.append(grads)
+        launch(None, *grads, *bufs[2:])
+    assert launch.tables == RECENT
+    assert rec.fast[-1][0] == kept[-1][0].data_ptr() and rec.fast[-1][3] == kept[-1][1].data_ptr()
+
+
+def test_an_unaligned_vector_buffer_takes_the_form_that_assumes_nothing():
+    rec = _Recorder()
+    launch = rec.launch()
+    bufs = _buffers()
+    launch(None, *bufs[:4], bufs[4][1:])  # out1 one float in: 4-byte aligned
+    assert len(rec.slow) == 1 and not rec.fast
+
+
+def test_an_unaligned_scalar_buffer_keeps_the_aligned_form():
+    rec = _Recorder()
+    launch = rec.launch()
+    bufs = _buffers()
+    launch(None, *bufs[:2], bufs[2][3:], *bufs[3:])  # the 0-d counter is read at 0 only
+    assert len(rec.fast) == 1 and not rec.slow
+
+
+def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_reads(monkeypatch):
+    """Capturing, a table not held is written by the fill kernels (a copy from the host cannot be
+    captured); it is the graph's alone: a later call outside the capture builds its own. A table a
+    capture finds is kept past the RECENT bound (the graph reads it at every replay)."""
+    rec = _Recorder()
+    launch = rec.launch(cuda=True)
+    capturing = [True]
+    monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))  # no CUDA here to pin with
+    bufs = _buffers()
+    a = [b.data_ptr() for b in bufs]
+    launch(None, *bufs)
+    assert rec.fills == 1 and rec.fast[0][:6] == [a[0], a[2], a[3], a[1], a[2], a[4]]
+    capturing[0] = False
+    launch(None, *bufs)  # outside the graph: a table of its own, copied
+    assert rec.fills == 1 and launch.tables == 2 and rec.fast[1] == rec.fast[0][:6]
+    capturing[0] = True
+    launch(None, *bufs)  # the capture finds the copied table: kept for good
+    capturing[0] = False
+    for _ in range(RECENT + 2):
+        launch(None, *_buffers())
+    assert launch.tables == 1 + 1 + RECENT  # the captured one, the kept one, the recent ones
+    launch(None, *bufs)
+    assert rec.fills == 1 and launch.tables == 2 + RECENT
+
+
+def _unpinned(tensor):
+    def make(*args, pin_memory=False, **kwargs):
+        return tensor(*args, **kwargs)
+
+    return make
