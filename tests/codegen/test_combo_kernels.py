@@ -34,18 +34,24 @@ def _tensors(device):
     return params, grads, states
 
 
-@pytest.mark.parametrize("backend,device", ON_DEVICES)
-def test_foreach_style_updates_of_twenty_mixed_tensors_take_ceil_20_over_cap_launches(backend, device):
-    params, grads, states = _tensors(device)
+def _two_steps(params, grads, states, backend, line, **options):
+    """Two compiled momentum steps beside two eager ones on copies: the graph's report, and the copies."""
     want = [[t.clone() for t in ts] for ts in (params, grads, states)]
-    line = f"repro: momentum step over 20 tensors {SIZES[:10]} x2, bf16 every third, cap {CAP}, {backend} on {device}"
-    compiled = ember_compile(momentum_step, backend, heuristics=f"horizontal.max_parts={CAP}")
+    compiled = ember_compile(momentum_step, backend, **options)
     with reports() as report:
         for _ in range(2):
             compiled(params, grads, states)
             momentum_step(*want)
     assert_no_fallback(report, line)
     (graph,) = report.graphs
+    return graph, want
+
+
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_foreach_style_updates_of_twenty_mixed_tensors_take_ceil_20_over_cap_launches(backend, device):
+    params, grads, states = _tensors(device)
+    line = f"repro: momentum step over 20 tensors {SIZES[:10]} x2, bf16 every third, cap {CAP}, {backend} on {device}"
+    graph, want = _two_steps(params, grads, states, backend, line, heuristics=f"horizontal.max_parts={CAP}")
     if backend == "cpp":
         assert len(graph.kernels) <= math.ceil(len(SIZES) / CAP), [k.name for k in graph.kernels]
     else:  # one table launch per body, whatever the cap: {bf16, fp32} x {count a multiple of 16, not}
@@ -103,15 +109,8 @@ def test_table_kernel_over_unaligned_views_takes_its_form_for_any_address(backen
     params = [flat[o : o + math.prod(s)].view(s) for o, s in zip(offsets, sizes)]
     grads = [torch.randn(s, device=device) for s in sizes]
     states = [torch.randn(s, device=device) for s in sizes]
-    want = [[t.clone() for t in ts] for ts in (params, grads, states)]
     line = f"repro: momentum step over views at odd offsets {offsets} of one buffer, {backend} on {device}"
-    compiled = ember_compile(momentum_step, backend)
-    with reports() as report:
-        for _ in range(2):
-            compiled(params, grads, states)
-            momentum_step(*want)
-    assert_no_fallback(report, line)
-    (graph,) = report.graphs
+    graph, want = _two_steps(params, grads, states, backend, line)
     assert len(graph.kernels) == 1 and "part_of_block" in graph.kernels[0].source, graph.kernels
     for k, (got, ref) in enumerate(zip(params + states, want[0] + want[2])):
         assert_close(got, ref, rtol=1e-5, atol=1e-5, what=f"tensor {k}", line=line)
