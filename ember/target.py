@@ -205,8 +205,9 @@ class HorizontalHeuristics:
     # Kernels of one body (equal but for their buffers and element counts: an optimizer's update of
     # each parameter) run as one launch that reads each part's buffer addresses from a table in
     # memory (codegen/triton_combo.py: render_triton_table), with no cap on parts or buffers, where at
-    # least table_min_parts share the body; 0: never (the C++ target). Each program computes
-    # table_xblock elements of one part.
+    # least table_min_parts share the body; 0: never (the C++ target; EMBER_HEURISTICS takes positive
+    # integers, so a count no graph reaches, such as 100000, turns it off). Each program computes
+    # table_xblock elements of one part (a power of two: a value between two is taken down).
     table_min_parts: int = 0
     table_xblock: int = 512
 

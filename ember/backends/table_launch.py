@@ -3,7 +3,7 @@ table of a call's buffers, and the kernel form their alignment allows.
 
 A call passes every part's buffers; their addresses pick the table. An optimizer step passes the
 same parameters, states and (mostly) gradients each step, so a table is built once and found again
-by a dict lookup over the addresses; the last RECENT tables are kept. The parts' heads (first block
+by a dict lookup over the addresses; the RECENT tables used last are kept. The parts' heads (first block
 and count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
@@ -36,7 +36,9 @@ class _Table:
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
         self.device = device
-        self.host = host  # the pinned memory copied from (held until the copy is done: torch's allocator sees to it)
+        self.host = (
+            host  # the pinned memory copied from (torch's pinned allocator reuses it only once the copy is done)
+        )
         self.aligned = aligned
 
 
@@ -72,6 +74,8 @@ class TableLaunch:
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         table = self._kept.get(addresses) or self._recent.get(addresses)
         if table is not None:
+            if addresses in self._recent:
+                self._recent.move_to_end(addresses)  # least recently used goes first
             if capturing:
                 self._recent.pop(addresses, None)
                 self._kept[addresses] = table

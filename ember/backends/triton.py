@@ -184,11 +184,12 @@ class TritonBackend:
         fp_fusion = _fp_fusion()
         device = self.device if self.device is not None else torch.device("cpu")
         writer = module.ember_table_fill
+        fill_options = {"num_warps": 1, "enable_fp_fusion": fp_fusion}  # warmed with the launch's own: one cache key
         if not self._target.interpreted:
-            launch_handles(writer.warmup(torch.int64, *[TABLE_FILL_BIAS] * TABLE_FILL_ARGS, grid=(1,)))
+            launch_handles(writer.warmup(torch.int64, *[TABLE_FILL_BIAS] * TABLE_FILL_ARGS, grid=(1,), **fill_options))
 
         def fill(out, values):
-            writer[(1,)](out, *values, num_warps=1)
+            writer[(1,)](out, *values, **fill_options)
 
         for name, r in tables.items():
             blocks, xblock, warps = r.blocks, r.launch.xblock, r.launch.num_warps

@@ -169,7 +169,8 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
     two forms: `name` assumes 16-byte aligned addresses for its vector buffers, `name`_any none."""
     rules = target.heuristics.horizontal
     numels = [int(product(p.loop_sizes)) for p in kernel.parts]
-    xblock = min(rules.table_xblock, 1 << (max(numels) - 1).bit_length())  # a power of two
+    # Powers of two (Triton's blocks): the setting's, taken down, no larger than the largest part needs.
+    xblock = min(1 << (max(1, rules.table_xblock).bit_length() - 1), 1 << (max(numels) - 1).bit_length())
     h = target.heuristics.launch
     warps = max(h.pointwise_warps, min(h.pointwise_max_warps, xblock // (32 * h.pointwise_thread_elements)))
     launch = LaunchConfig(xblock, 0, 1 << (warps.bit_length() - 1), False)

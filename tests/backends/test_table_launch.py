@@ -78,8 +78,15 @@ def test_same_addresses_reuse_their_table_and_new_ones_add_one_up_to_a_bound():
         grads = _buffers(2)  # new tensors in the places of p0 and p1
         kept.append(grads)
         launch(None, *grads, *bufs[2:])
+        launch(None, *bufs)  # used every step: never the least recently used
     assert launch.tables == RECENT
-    assert rec.fast[-1][0] == kept[-1][0].data_ptr() and rec.fast[-1][3] == kept[-1][1].data_ptr()
+    built = len(rec.fast)
+    launch(None, *bufs)
+    launch(None, *kept[-1], *bufs[2:])
+    assert launch.tables == RECENT and len(rec.fast) == built + 2
+    launch(None, *kept[0], *bufs[2:])  # evicted long ago: built again
+    assert launch.tables == RECENT
+    assert rec.fast[-1][0] == kept[0][0].data_ptr() and rec.fast[-1][3] == kept[0][1].data_ptr()
 
 
 def test_an_unaligned_vector_buffer_takes_the_form_that_assumes_nothing():

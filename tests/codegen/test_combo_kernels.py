@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from ember.backends.table_launch import TableLaunch
 from tests.helpers import ON_DEVICES, assert_close, assert_no_fallback, ember_compile, reports
 
 # 20 tensors of mixed sizes and ranks; every third parameter is bf16 with fp32 state.
@@ -100,7 +101,7 @@ def test_parts_of_other_ranks_a_counter_and_many_work_items(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", [p for p in ON_DEVICES if p.values[0] == "triton"])
-def test_table_kernel_over_unaligned_views_takes_its_form_for_any_address(backend, device):
+def test_table_kernel_over_unaligned_views_takes_its_form_for_any_address(backend, device, monkeypatch):
     """Parameters that are views one element into a shared buffer (4-byte aligned, not 16): the table
     kernel's form that assumes aligned addresses must not run; the results equal eager's."""
     sizes = [(48,), (32,), (64,), (16,)]
@@ -110,7 +111,17 @@ def test_table_kernel_over_unaligned_views_takes_its_form_for_any_address(backen
     grads = [torch.randn(s, device=device) for s in sizes]
     states = [torch.randn(s, device=device) for s in sizes]
     line = f"repro: momentum step over views at odd offsets {offsets} of one buffer, {backend} on {device}"
+    aligned = []
+    choose = TableLaunch._table
+
+    def spy(self, addresses):
+        table = choose(self, addresses)
+        aligned.append(table.aligned)
+        return table
+
+    monkeypatch.setattr(TableLaunch, "_table", spy)
     graph, want = _two_steps(params, grads, states, backend, line)
+    assert aligned == [False, False], aligned  # the form that assumes no alignment, both calls
     assert len(graph.kernels) == 1 and "part_of_block" in graph.kernels[0].source, graph.kernels
     for k, (got, ref) in enumerate(zip(params + states, want[0] + want[2])):
         assert_close(got, ref, rtol=1e-5, atol=1e-5, what=f"tensor {k}", line=line)
