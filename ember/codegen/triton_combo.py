@@ -10,10 +10,10 @@ XBLOCK and warps, those launch_config gives its largest part; the launch's sizes
 
 A table combo kernel (ComboKernel.table: parts of one body, an optimizer's per-parameter updates)
 is one body instead (`render_triton_table`), as apex's multi_tensor_apply is: each program reads its
-part from a per-block table, then the part's first block, element count and buffer addresses from
-the part's row of an address table (backends/table_launch.py builds it from the buffers of a call).
-Its source does not grow with the parts, no branch picks a part, and the launch passes two
-pointers, not every buffer.
+part from a per-block table, the part's first block and element count from a table of heads, and its
+buffer addresses from the part's row of an address table (backends/table_launch.py builds it from the
+buffers of a call). Its source does not grow with the parts, no branch picks a part, and the launch
+passes three pointers, not every buffer.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sympy
 
 from ember.codegen.render import Param, combo_params
 from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
-from ember.codegen.triton_launch import LaunchConfig, launch_config
+from ember.codegen.triton_launch import LaunchConfig, launch_config, pointwise_config
 from ember.ir.sizes import product
 from ember.schedule.kernel import ComboKernel, Kernel, KLoad
 from ember.target import Target
@@ -171,9 +171,7 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
     numels = [int(product(p.loop_sizes)) for p in kernel.parts]
     # Powers of two (Triton's blocks): the setting's, taken down, no larger than the largest part needs.
     xblock = min(1 << (max(1, rules.table_xblock).bit_length() - 1), 1 << (max(numels) - 1).bit_length())
-    h = target.heuristics.launch
-    warps = max(h.pointwise_warps, min(h.pointwise_max_warps, xblock // (32 * h.pointwise_thread_elements)))
-    launch = LaunchConfig(xblock, 0, 1 << (warps.bit_length() - 1), False)
+    launch = pointwise_config(xblock, target.heuristics.launch)
     hint_numel = all(n % 16 == 0 for n in numels)
     first = kernel.parts[0]
     fast, vector = _TableBody(first, launch, target.interpreted).render_table(kernel.name, True, hint_numel)
@@ -181,9 +179,9 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
     params = combo_params(kernel.reads, kernel.writes)
     place = {p.value.id: k for k, p in enumerate(params)}
     part_buffers = []
-    for part in kernel.parts:
-        body = _TableBody(part, launch, target.interpreted).params
-        if any(p.kind != "buffer" for p in body) or len(body) != len(vector):
+    for part in kernel.parts:  # each part's buffers in the order the body names them (reads, then writes)
+        body = combo_params(part.reads, part.writes)
+        if part.size_symbols() or len(body) != len(vector):
             raise NotImplementedError("a table combo kernel's parts have one body, of static sizes")
         part_buffers.append([place[p.value.id] for p in body])
     starts, _ = _block_starts(kernel.parts, xblock)

@@ -45,15 +45,20 @@ def launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
     return replace(_launch_config(kernel, target), cascade_steps=target.heuristics.launch.cascade_steps)
 
 
+def pointwise_config(xblock: int, h: LaunchHeuristics) -> LaunchConfig:
+    """A pointwise kernel's launch at `xblock` (a power of two) elements a program: a warp per
+    32 * pointwise_thread_elements of them, within pointwise_warps and pointwise_max_warps."""
+    warps = _pow2_floor(max(1, xblock // (32 * h.pointwise_thread_elements)))
+    return LaunchConfig(xblock, 0, max(h.pointwise_warps, min(h.pointwise_max_warps, warps)), False)
+
+
 def _launch_config(kernel: Kernel, target: Target) -> LaunchConfig:
     h = target.heuristics.launch
     xnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if not r)
     rnumel = product(s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r)
     xhint = int(xnumel) if xnumel.is_Integer else h.symbolic_outputs
     if not any(kernel.loop_reduce):
-        xblock = min(h.pointwise_block, _next_pow2(max(xhint, 1)))
-        warps = _pow2_floor(max(1, xblock // (32 * h.pointwise_thread_elements)))
-        return LaunchConfig(xblock, 0, max(h.pointwise_warps, min(h.pointwise_max_warps, warps)), False)
+        return pointwise_config(min(h.pointwise_block, _next_pow2(max(xhint, 1))), h)
     if kernel.column_partials:  # the scheduler fused them only into rows held whole
         return _column_partials_config(kernel, int(rnumel), h)
     tiles = _tile_loads(kernel)
