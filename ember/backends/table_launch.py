@@ -10,8 +10,12 @@ Outside a CUDA graph's capture a table is copied from pinned host memory, stream
 waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses),
 so a table a capture needs and does not have is written by kernels (`fill`, which take the
 addresses as arguments) that the capture records: each replay writes it again before the table
-kernel reads it. Such a table holds nothing until a replay runs, so only that graph uses it; a
-table a capture finds is kept for good, as is every captured one (the graph's replays read them).
+kernel reads it. Such a table is a temporary of the graph, like any intermediate buffer: it comes
+from the capture's memory pool and is let go as soon as the launch is recorded. Keeping it would
+hold a block of a graph's private pool past the graph's life, and torch refuses to capture into a
+pool that no live graph uses but whose blocks are still held ("use_count > 0" in
+CUDACachingAllocator), which is how one graph's release broke the next capture. A table a capture
+finds (copied before, outside any pool) is kept for good: the graph's replays read it.
 """
 
 from __future__ import annotations
@@ -60,7 +64,6 @@ class TableLaunch:
         self._fast, self._slow, self._fill = fast, slow, fill
         self._recent: OrderedDict[tuple, _Table] = OrderedDict()
         self._kept: dict[tuple, _Table] = {}  # tables a capture found: written, and read by a graph
-        self._captured: list[_Table] = []  # tables written by a graph's own kernels
 
     def __call__(self, stream, *buffers: torch.Tensor) -> None:
         addresses = tuple(map(_data_ptr, buffers))
@@ -82,9 +85,7 @@ class TableLaunch:
             return table
         rows, aligned = self._rows(addresses)
         if capturing:
-            table = _Table(self._write_on_device(rows), None, aligned)
-            self._captured.append(table)
-            return table
+            return _Table(self._write_on_device(rows), None, aligned)  # the capture's temporary
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
         table = _Table(host.to(self._device, non_blocking=True), host, aligned)
         self._recent[addresses] = table
@@ -112,4 +113,4 @@ class TableLaunch:
     @property
     def tables(self) -> int:
         """Address tables held now (for tests)."""
-        return len(self._recent) + len(self._kept) + len(self._captured)
+        return len(self._recent) + len(self._kept)

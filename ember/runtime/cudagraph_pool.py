@@ -302,6 +302,12 @@ class Pool:
                 _copy(inputs[-1], a, copy_in[-1][1])  # the capture sees real values (a fake recorder runs it)
             else:
                 inputs.append(a)
+        if self.recordings and all(r.released for r in self.recordings):
+            # No live graph captured into this pool. torch drops a private pool only once every graph
+            # of it is gone and its memory was given back (empty_cache); until then a capture into it
+            # trips torch's internal assert ("use_count > 0"). A new pool costs nothing.
+            self.handle = self.recorder.new_pool()
+            self.recordings = []
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
         graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)

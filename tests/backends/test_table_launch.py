@@ -5,6 +5,8 @@ checked in tests/codegen/test_combo_kernels.py."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ember.backends import table_launch
@@ -105,12 +107,17 @@ def test_an_unaligned_scalar_buffer_keeps_the_aligned_form():
     assert len(rec.fast) == 1 and not rec.slow
 
 
-def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_reads(monkeypatch):
+def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_finds(monkeypatch):
     """Capturing, a table not held is written by the fill kernels (a copy from the host cannot be
-    captured); it is the graph's alone: a later call outside the capture builds its own. A table a
-    capture finds is kept past the RECENT bound (the graph reads it at every replay)."""
+    captured) and let go once its launch is recorded: it is the graph's temporary, and a block of
+    the graph's pool held past the graph breaks the next capture into that pool. A later call outside
+    the capture builds its own table. A table a capture finds is kept past the RECENT bound (the
+    graph reads it at every replay)."""
     rec = _Recorder()
     launch = rec.launch(cuda=True)
+    read: list[weakref.ref] = []
+    fast = launch._fast
+    launch._fast = lambda stream, table, *rest: (read.append(weakref.ref(table)), fast(stream, table, *rest))
     capturing = [True]
     monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))  # no CUDA here to pin with
@@ -118,17 +125,19 @@ def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_reads(m
     a = [b.data_ptr() for b in bufs]
     launch(None, *bufs)
     assert rec.fills == 1 and rec.fast[0][:6] == [a[0], a[2], a[3], a[1], a[2], a[4]]
+    assert read[0]() is None and launch.tables == 0  # nothing of the capture's pool is held
     capturing[0] = False
     launch(None, *bufs)  # outside the graph: a table of its own, copied
-    assert rec.fills == 1 and launch.tables == 2 and rec.fast[1] == rec.fast[0][:6]
+    assert rec.fills == 1 and launch.tables == 1 and rec.fast[1] == rec.fast[0][:6]
     capturing[0] = True
     launch(None, *bufs)  # the capture finds the copied table: kept for good
+    assert read[2]() is read[1]()
     capturing[0] = False
     for _ in range(RECENT + 2):
         launch(None, *_buffers())
-    assert launch.tables == 1 + 1 + RECENT  # the captured one, the kept one, the recent ones
+    assert launch.tables == 1 + RECENT  # the kept one, the recent ones
     launch(None, *bufs)
-    assert rec.fills == 1 and launch.tables == 2 + RECENT
+    assert rec.fills == 1 and launch.tables == 1 + RECENT and read[-1]() is read[1]()
 
 
 def _unpinned(tensor):

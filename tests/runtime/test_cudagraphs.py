@@ -317,6 +317,28 @@ def test_dynamo_reset_releases_a_compiled_models_recordings(recorder):
     assert rec.released and rec.graph is None, repro(program="mlp", rule="released after torch._dynamo.reset()")
 
 
+def test_a_capture_after_every_graph_was_released_takes_a_new_pool(recorder):
+    """torch keeps a private pool whose graphs are all gone until its memory is given back, and a
+    capture into it then fails its internal assert: the next recording gets a pool of its own."""
+    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(2, 8))
+    first = recorder.recorded[-1].pool
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(3)]
+    line = repro(program="mlp", rule="a new pool once every graph of the old one is released")
+    assert recorder.recorded[-1].pool != first and recorder.pools[-1] == recorder.recorded[-1].pool, line
+    assert torch.equal(outs[2], outs[0]), line
+    pool = cg.pool_for(recorder, CPU)
+    assert [r.released for r in pool.recordings] == [False] and pool.recordings[0].index == 0, line
+
+
 def test_a_disabled_graph_releases_its_recordings(recorder):
     with config.override(cudagraphs_max_graphs=1):
         fn = _graphed(recorder)
