@@ -13,7 +13,8 @@ graph trees (docs/cudagraphs.md says them for users):
   are read where they are; the others are copied into buffers the recording owns.
 - One memory pool per device (and recorder) is shared by every recorded graph, the forward and
   backward of a training step among them. A recording's outputs stay allocated, so no later
-  recording places anything over them; its temporaries may be reused by later recordings.
+  recording places anything over them; its temporaries may be reused by later recordings. Once
+  every recording of a pool is released, the next capture takes a new pool.
 - Outputs live in the pool and the next replay overwrites them. A step begins at
   `torch.compiler.cudagraph_mark_step_begin()`, or at the next torch.compile'd invocation when no
   backward is pending; outputs of earlier steps are then invalidated (reading them raises PyTorch's
