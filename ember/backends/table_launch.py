@@ -1,10 +1,13 @@
 """The launch of a table combo kernel (codegen/triton_combo.py: render_triton_table): the address
 table of a call's buffers, and the kernel form their alignment allows.
 
-A call passes every part's buffers; their addresses pick the table. An optimizer step passes the
-same parameters, states and (mostly) gradients each step, so a table is built once and found again
-by a dict lookup over the addresses; the RECENT tables used last are kept. The parts' heads (first block
-and count) and each block's part never change: they are made once, with the launch.
+A call passes each distinct tensor of the parts' buffers once (an in-place output is its input)
+and `slots`, each kernel buffer's place among them; their addresses pick the table. An optimizer
+step passes the same parameters, states and (mostly) gradients each step, so a table is built once
+and found again: the last call's table by comparing addresses, else by a dict lookup over them; the
+RECENT tables used last are kept. A call's host time is mostly reading the addresses (GPT-2's
+AdamW step passes some 450 tensors to each of two table kernels). The parts' heads (first block and
+count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
 waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses),
@@ -47,7 +50,8 @@ class _Table:
 
 
 class TableLaunch:
-    """Called by the host program with the stream and the kernel's buffers (`source.params`' order):
+    """Called by the host program with the stream, `slots` and the distinct tensors among the kernel's
+    buffers (`source.params`' order; buffer k is `tensors[slots[k]]`):
     launches `fast(stream, table, heads, part_of_block)` where every vector buffer is 16-byte
     aligned, else `slow(table, heads, part_of_block)` (the form that assumes nothing).
     `fill(out, values)` launches the kernel that writes TABLE_FILL_ARGS values (biased) at `out`.
@@ -64,40 +68,46 @@ class TableLaunch:
         self._fast, self._slow, self._fill = fast, slow, fill
         self._recent: OrderedDict[tuple, _Table] = OrderedDict()
         self._kept: dict[tuple, _Table] = {}  # tables a capture found: written, and read by a graph
+        self._last: tuple = ((), (), None)  # (slots, addresses, table) of the last call outside a capture
 
-    def __call__(self, stream, *buffers: torch.Tensor) -> None:
-        addresses = tuple(map(_data_ptr, buffers))
-        table = self._table(addresses)
+    def __call__(self, stream, slots: tuple, *tensors: torch.Tensor) -> None:
+        addresses = tuple(map(_data_ptr, tensors))
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        last_slots, last_addresses, table = self._last
+        if capturing or slots is not last_slots or addresses != last_addresses:
+            table = self._table(slots, addresses, capturing)
+            if not capturing:
+                self._last = (slots, addresses, table)
         if table.aligned:
             self._fast(stream, table.device, self._heads, self._part_of_block)
         else:
             self._slow(table.device, self._heads, self._part_of_block)
 
-    def _table(self, addresses: tuple) -> _Table:
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        table = self._kept.get(addresses) or self._recent.get(addresses)
+    def _table(self, slots: tuple, addresses: tuple, capturing: bool) -> _Table:
+        key = (slots, addresses)
+        table = self._kept.get(key) or self._recent.get(key)
         if table is not None:
-            if addresses in self._recent:
-                self._recent.move_to_end(addresses)  # least recently used goes first
+            if key in self._recent:
+                self._recent.move_to_end(key)  # least recently used goes first
             if capturing:
-                self._recent.pop(addresses, None)
-                self._kept[addresses] = table
+                self._recent.pop(key, None)
+                self._kept[key] = table
             return table
-        rows, aligned = self._rows(addresses)
+        rows, aligned = self._rows(slots, addresses)
         if capturing:
             return _Table(self._write_on_device(rows), None, aligned)  # the capture's temporary
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
         table = _Table(host.to(self._device, non_blocking=True), host, aligned)
-        self._recent[addresses] = table
+        self._recent[key] = table
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
         return table
 
-    def _rows(self, addresses: tuple) -> tuple[list[int], bool]:
+    def _rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:
         rows: list[int] = []
         aligned = True
         for part in self._parts:
-            mine = [addresses[b] for b in part]
+            mine = [addresses[slots[b]] for b in part]
             rows += mine
             aligned = aligned and all(mine[k] % 16 == 0 for k in self._vector)
         return rows, aligned

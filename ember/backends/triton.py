@@ -325,7 +325,10 @@ class TritonBackend:
         r = self.rendered[name]
         if isinstance(r, TritonTableSource):
             stream = "stream" if name in self.static or name in self.direct else "None"
-            return f"_tables_{name}({stream}, {', '.join(args['buffers'])})"
+            # Each tensor once (an in-place output is its input): the launch reads every address per call.
+            distinct = {b: k for k, b in enumerate(dict.fromkeys(args["same"]))}
+            slots = tuple(distinct[b] for b in args["same"])
+            return f"_tables_{name}({stream}, {slots}, {', '.join(distinct)})"
         line, slow = self._launch(r, name, args)
         guard = getattr(r, "guard", ())
         if not guard:

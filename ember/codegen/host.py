@@ -11,7 +11,9 @@ How a kernel is launched is the backend's business: it passes a launcher with
 `launch_line(kernel, args)` and `prologue()` (lines run once per call, e.g. reading the current
 CUDA stream). `args["buffers"]` names the kernel's buffers in parameter order and
 `args["maybe_unaligned"]` those this program did not allocate itself (inputs, extern results,
-aliases): only those can start at an address that is not 16-byte aligned.
+aliases): only those can start at an address that is not 16-byte aligned. `args["same"]` gives,
+per buffer, the first name of the kernel's buffers that is bound to the same tensor (a buffer
+written in place of an input it reads is that input), for launches that pay per tensor passed.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ class HostWriter:
         self.graph = schedule.graph
         self.launcher = launcher
         self.allocated: set[str] = set()  # names bound to memory this program allocated (aligned)
+        self.tensor_of: dict[str, str] = {}  # name -> the name first bound to the same tensor object
         self.lines: list[str] = []
         self.names: dict[int, str] = {}  # Value.id -> Python variable
         self.ns: dict[str, Any] = {
@@ -257,7 +260,14 @@ class HostWriter:
                     self.lines.append(f"    # {step.kernel.name}: every output is empty, nothing to launch")
                 else:
                     buffers = [self.names[v.id] for v in _kernel_buffers(step.kernel)]
-                    args = {"buffers": buffers, "maybe_unaligned": [b for b in buffers if b not in self.allocated]}
+                    first: dict[str, str] = {}
+                    for b in buffers:
+                        first.setdefault(self.tensor_of.get(b, b), b)
+                    args = {
+                        "buffers": buffers,
+                        "maybe_unaligned": [b for b in buffers if b not in self.allocated],
+                        "same": [first[self.tensor_of.get(b, b)] for b in buffers],
+                    }
                     launch = self.launcher.launch_line(step.kernel, args)
                     if ranges:
                         self.lines.append(f"    with _profiler_range({step.kernel.name!r}):")
@@ -410,6 +420,7 @@ class HostWriter:
         how = "in place" if v in self.plan.inplace else "reuse"
         if same_layout(donor, v):
             self.lines.append(f"    {name} = {old}  # {how}")
+            self.tensor_of[name] = self.tensor_of.get(old, old)
         else:
             self.lines.append(f"    {name} = _alias({old}, {size}, {stride}, 0)  # {how}")
         if donor in self.handed_over:

@@ -55,6 +55,9 @@ class _Recorder:
         return launch
 
 
+ALL = (0, 1, 2, 3, 4)  # each of the five buffers its own tensor
+
+
 def _buffers(count: int = 5) -> list[torch.Tensor]:
     return [torch.zeros(64) for _ in range(count)]
 
@@ -62,31 +65,46 @@ def _buffers(count: int = 5) -> list[torch.Tensor]:
 def test_each_part_row_holds_its_first_block_count_and_addresses_in_body_order():
     rec = _Recorder()
     bufs = _buffers()
-    rec.launch()(None, *bufs)
+    rec.launch()(None, ALL, *bufs)
     a = [b.data_ptr() for b in bufs]
     assert rec.fast == [[a[0], a[2], a[3], a[1], a[2], a[4]]]
     assert not rec.slow
+
+
+def test_a_tensor_passed_once_fills_every_buffer_slot_it_stands_for():
+    """An in-place step passes each tensor once: out0 is p0 and out1 is p1 (slots 0, 1, 2, 0, 1)."""
+    rec = _Recorder()
+    launch = rec.launch()
+    p0, p1, counter = _buffers(3)
+    inplace = (0, 1, 2, 0, 1)
+    launch(None, inplace, p0, p1, counter)
+    a = [p0.data_ptr(), p1.data_ptr(), counter.data_ptr()]
+    assert rec.fast == [[a[0], a[2], a[0], a[1], a[2], a[1]]]
+    launch(None, ALL, p0, p1, counter, p0, p1)  # the same addresses under other slots: a table of its own
+    assert launch.tables == 2 and rec.fast[1] == rec.fast[0]
+    launch(None, inplace, p0, p1, counter)
+    assert launch.tables == 2
 
 
 def test_same_addresses_reuse_their_table_and_new_ones_add_one_up_to_a_bound():
     rec = _Recorder()
     launch = rec.launch()
     bufs = _buffers()
-    launch(None, *bufs)
-    launch(None, *bufs)
+    launch(None, ALL, *bufs)
+    launch(None, ALL, *bufs)
     assert launch.tables == 1
     kept = []
     for _ in range(RECENT + 3):
         grads = _buffers(2)  # new tensors in the places of p0 and p1
         kept.append(grads)
-        launch(None, *grads, *bufs[2:])
-        launch(None, *bufs)  # used every step: never the least recently used
+        launch(None, ALL, *grads, *bufs[2:])
+        launch(None, ALL, *bufs)  # used every step: never the least recently used
     assert launch.tables == RECENT
     built = len(rec.fast)
-    launch(None, *bufs)
-    launch(None, *kept[-1], *bufs[2:])
+    launch(None, ALL, *bufs)
+    launch(None, ALL, *kept[-1], *bufs[2:])
     assert launch.tables == RECENT and len(rec.fast) == built + 2
-    launch(None, *kept[0], *bufs[2:])  # evicted long ago: built again
+    launch(None, ALL, *kept[0], *bufs[2:])  # evicted long ago: built again
     assert launch.tables == RECENT
     assert rec.fast[-1][0] == kept[0][0].data_ptr() and rec.fast[-1][3] == kept[0][1].data_ptr()
 
@@ -95,7 +113,7 @@ def test_an_unaligned_vector_buffer_takes_the_form_that_assumes_nothing():
     rec = _Recorder()
     launch = rec.launch()
     bufs = _buffers()
-    launch(None, *bufs[:4], bufs[4][1:])  # out1 one float in: 4-byte aligned
+    launch(None, ALL, *bufs[:4], bufs[4][1:])  # out1 one float in: 4-byte aligned
     assert len(rec.slow) == 1 and not rec.fast
 
 
@@ -103,7 +121,7 @@ def test_an_unaligned_scalar_buffer_keeps_the_aligned_form():
     rec = _Recorder()
     launch = rec.launch()
     bufs = _buffers()
-    launch(None, *bufs[:2], bufs[2][3:], *bufs[3:])  # the 0-d counter is read at 0 only
+    launch(None, ALL, *bufs[:2], bufs[2][3:], *bufs[3:])  # the 0-d counter is read at 0 only
     assert len(rec.fast) == 1 and not rec.slow
 
 
@@ -123,20 +141,20 @@ def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_finds(m
     monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))  # no CUDA here to pin with
     bufs = _buffers()
     a = [b.data_ptr() for b in bufs]
-    launch(None, *bufs)
+    launch(None, ALL, *bufs)
     assert rec.fills == 1 and rec.fast[0][:6] == [a[0], a[2], a[3], a[1], a[2], a[4]]
     assert read[0]() is None and launch.tables == 0  # nothing of the capture's pool is held
     capturing[0] = False
-    launch(None, *bufs)  # outside the graph: a table of its own, copied
+    launch(None, ALL, *bufs)  # outside the graph: a table of its own, copied
     assert rec.fills == 1 and launch.tables == 1 and rec.fast[1] == rec.fast[0][:6]
     capturing[0] = True
-    launch(None, *bufs)  # the capture finds the copied table: kept for good
+    launch(None, ALL, *bufs)  # the capture finds the copied table: kept for good
     assert read[2]() is read[1]()
     capturing[0] = False
     for _ in range(RECENT + 2):
-        launch(None, *_buffers())
+        launch(None, ALL, *_buffers())
     assert launch.tables == 1 + RECENT  # the kept one, the recent ones
-    launch(None, *bufs)
+    launch(None, ALL, *bufs)
     assert rec.fills == 1 and launch.tables == 1 + RECENT and read[-1]() is read[1]()
 
 
