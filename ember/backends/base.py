@@ -41,5 +41,6 @@ class Backend(Protocol):
 
     def launch_line(self, kernel: Kernel, args: dict) -> str:
         """The host-program line that launches `kernel`; `args["buffers"]` names its buffers in
-        order, `args["maybe_unaligned"]` those the program did not allocate itself."""
+        order, `args["maybe_unaligned"]` those the program did not allocate itself, `args["same"]` per
+        buffer the first of its names bound to the same tensor (codegen/host.py)."""
         ...

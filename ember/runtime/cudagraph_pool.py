@@ -1,6 +1,7 @@
 """The memory pool and step bookkeeping of CUDA graphs (runtime/cudagraphs.py wraps graphs in it).
 
-A `Pool` holds every recording one recorder made on one device, in order, and the step: which
+A `Pool` holds the live recordings one recorder made on one device, in order (all in one memory
+pool, a new one once every recording of the last was released), and the step: which
 outputs the caller may still read, which are of an earlier step (invalidated before a replay writes
 over them), and whether a replay now could write over an output still held in this step.
 """
@@ -191,7 +192,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, index: Any) -> None:
 
 
 class Pool:
-    """One memory pool and its step bookkeeping: every graph one recorder records on one device."""
+    """The memory pool and step bookkeeping of every graph one recorder records on one device."""
 
     def __init__(self, recorder: Recorder, device: torch.device, hands_out: bool = True):
         self.recorder = recorder
@@ -303,11 +304,13 @@ class Pool:
             else:
                 inputs.append(a)
         if self.recordings and all(r.released for r in self.recordings):
-            # No live graph captured into this pool. torch drops a private pool only once every graph
-            # of it is gone and its memory was given back (empty_cache); until then a capture into it
-            # trips torch's internal assert ("use_count > 0"). A new pool costs nothing.
+            # No live graph captured into this pool. torch drops a private pool when its last graph
+            # goes, unless a block of it is still allocated; a capture into a pool kept that way trips
+            # torch's internal assert ("use_count > 0") and leaves its RNG in capture state. A new pool
+            # costs nothing; the log says so, since a block held past its graphs is a leak to find.
             self.handle = self.recorder.new_pool()
             self.recordings = []
+            log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
         graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)

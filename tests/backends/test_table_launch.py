@@ -86,6 +86,21 @@ def test_a_tensor_passed_once_fills_every_buffer_slot_it_stands_for():
     assert launch.tables == 2
 
 
+def test_a_call_with_the_last_calls_addresses_looks_nothing_up(monkeypatch):
+    rec = _Recorder()
+    launch = rec.launch()
+    looked_up = []
+    find = TableLaunch._table
+    monkeypatch.setattr(TableLaunch, "_table", lambda self, *a: (looked_up.append(a[1]), find(self, *a))[1])
+    bufs = _buffers()
+    for _ in range(3):
+        launch(None, ALL, *bufs)
+    other = _buffers()
+    launch(None, ALL, *other)
+    launch(None, ALL, *bufs)  # no longer the last call's: found in the kept tables
+    assert len(looked_up) == 3 and launch.tables == 2 and len(rec.fast) == 5
+
+
 def test_same_addresses_reuse_their_table_and_new_ones_add_one_up_to_a_bound():
     rec = _Recorder()
     launch = rec.launch()

@@ -339,6 +339,18 @@ def test_a_capture_after_every_graph_was_released_takes_a_new_pool(recorder):
     assert [r.released for r in pool.recordings] == [False] and pool.recordings[0].index == 0, line
 
 
+def test_a_capture_beside_a_live_recording_shares_its_pool(recorder):
+    """The forward and backward of a step, and any graph recorded while another lives, share one pool."""
+    pool = cg.Pool(recorder, CPU)
+    first, second = _graphed(recorder, pool), _graphed(recorder, pool, program=lambda a: [a.pop() + 1])
+    x = torch.ones(2)
+    for fn in (first, first, second, second):  # warm-up and record each
+        fn([x])
+    line = repro(program="two graphs of one pool", rule="no new pool while a recording lives")
+    assert len(recorder.recorded) == 2 and recorder.recorded[0].pool == recorder.recorded[1].pool, line
+    assert len(recorder.pools) == 1, line
+
+
 def test_a_disabled_graph_releases_its_recordings(recorder):
     with config.override(cudagraphs_max_graphs=1):
         fn = _graphed(recorder)
