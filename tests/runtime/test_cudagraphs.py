@@ -12,6 +12,7 @@ import io
 import logging
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -317,26 +318,52 @@ def test_dynamo_reset_releases_a_compiled_models_recordings(recorder):
     assert rec.released and rec.graph is None, repro(program="mlp", rule="released after torch._dynamo.reset()")
 
 
-def test_a_capture_after_every_graph_was_released_takes_a_new_pool(recorder):
-    """torch keeps a private pool whose graphs are all gone until its memory is given back, and a
-    capture into it then fails its internal assert: the next recording gets a pool of its own."""
-    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
-    with torch.no_grad():
-        for _ in range(3):
-            compiled(torch.randn(2, 8))
-    first = recorder.recorded[-1].pool
-    del compiled
+class TorchLikePools(FakeRecorder):
+    """A FakeRecorder that keeps torch's rule for graph memory pools: a pool whose graphs are all gone
+    stays while any block of it is allocated, and a capture into it then fails torch's assert."""
+
+    def __init__(self):
+        super().__init__()
+        self.graphs: dict[str, list[weakref.ref]] = {}
+        self.blocks: dict[str, list[weakref.ref]] = {}
+
+    def record(self, run, inputs, pool):
+        graphs = self.graphs.setdefault(pool, [])
+        kept = [b for b in self.blocks.get(pool, []) if b() is not None]
+        if graphs and all(g() is None for g in graphs) and kept:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        graph, outputs = super().record(run, inputs, pool)
+        self.recorded.pop()  # the recorder holds no graph: ember's recording does
+        graphs.append(weakref.ref(graph))
+        self.blocks.setdefault(pool, []).extend(weakref.ref(o) for o in outputs if isinstance(o, torch.Tensor))
+        return graph, outputs
+
+
+def test_a_capture_after_every_graph_was_released_takes_a_new_pool():
+    """A block of a pool held past its graphs (as an address table held by its launch once was) made
+    the next capture into that pool fail: once every recording of the pool is released, the next one
+    takes a new pool."""
+    with cg.use_recorder(TorchLikePools()) as recorder:
+        compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+        with torch.no_grad():
+            for _ in range(3):
+                compiled(torch.randn(2, 8))
+        pool = cg.pool_for(recorder, CPU)
+        held = pool.recordings[0].outputs[0]  # a block of the first pool, alive past its graph
+        first = pool.handle
+        del compiled
+        torch._dynamo.reset()
+        gc.collect()
+        assert pool.recordings[0].released
+        compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)  # a failed capture would run without a graph
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            outs = [compiled(x).clone() for _ in range(3)]
+        line = repro(program="mlp", rule="a new pool once every graph of the old one is released")
+        assert pool.handle != first and len(recorder.graphs[pool.handle]) == 1 and held.numel(), line
+        assert torch.equal(outs[2], outs[0]), line
+        assert [r.released for r in pool.recordings] == [False] and pool.recordings[0].index == 0, line
     torch._dynamo.reset()
-    gc.collect()
-    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
-    x = torch.randn(2, 8)
-    with torch.no_grad():
-        outs = [compiled(x) for _ in range(3)]
-    line = repro(program="mlp", rule="a new pool once every graph of the old one is released")
-    assert recorder.recorded[-1].pool != first and recorder.pools[-1] == recorder.recorded[-1].pool, line
-    assert torch.equal(outs[2], outs[0]), line
-    pool = cg.pool_for(recorder, CPU)
-    assert [r.released for r in pool.recordings] == [False] and pool.recordings[0].index == 0, line
 
 
 def test_a_capture_beside_a_live_recording_shares_its_pool(recorder):
