@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -38,23 +39,25 @@ class StaticLaunch:
     scratch: int  # trailing scratch-pointer arguments the binary takes (null: sized 0)
     record: dict  # what from_record needs to load it again (the cubin by its cache key)
 
+    @cached_property
+    def codes(self) -> str:
+        """The launcher's argument codes: the non-constexpr parameters', then the scratch pointers'."""
+        return "".join(c for c in self.params if c) + "O" * self.scratch
+
     def line(self, blocks: int, args: list[str]) -> str:
         """The launch statement, given every parameter's Python expression in order. Pointers go
         as integer addresses: the launcher then skips its per-pointer driver query."""
         passed = [f"{a}.data_ptr()" if code == "O" else a for a, code in zip(args, self.params, strict=True) if code]
-        codes = "".join(c for c in self.params if c) + "O" * self.scratch
         passed += ["None"] * self.scratch
         return (
             f"_static_launch({self.function}, {blocks}, 1, 1, {self.num_warps}, {self.shared}, "
-            f"{codes!r}, ({', '.join(passed)},), stream)"
+            f"{self.codes!r}, ({', '.join(passed)},), stream)"
         )
 
     def run(self, blocks: int, args: tuple, stream: int) -> None:
         """Launch now, given every non-constexpr parameter's value in order (pointers as addresses)."""
-        codes = "".join(c for c in self.params if c) + "O" * self.scratch
-        self.launch(
-            self.function, blocks, 1, 1, self.num_warps, self.shared, codes, args + (None,) * self.scratch, stream
-        )
+        scratch = (None,) * self.scratch
+        self.launch(self.function, blocks, 1, 1, self.num_warps, self.shared, self.codes, args + scratch, stream)
 
 
 def from_compiled(compiled, device: int) -> StaticLaunch | None:

@@ -43,9 +43,9 @@ class _Table:
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
         self.device = device
-        self.host = (
-            host  # the pinned memory copied from (torch's pinned allocator reuses it only once the copy is done)
-        )
+        # The pinned memory copied from, held with the table (torch's pinned allocator reuses it only
+        # once the copy is done); None for a table written on the device.
+        self.host = host
         self.aligned = aligned
 
 
