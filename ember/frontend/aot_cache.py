@@ -316,7 +316,8 @@ def _trusted(key: bytes, code: EmberGraphCode) -> bool:
 def _state_tag() -> tuple:
     """What changes ember's graphs but not AOTAutograd's key on every supported torch: the autocast
     dtypes (torch 2.11's key holds only whether autocast is on) and the default dtype, cuDNN's
-    flags (a convolution's output layout) and TF32 settings."""
+    flags (a convolution's output layout), TF32 settings, and SDPA's enabled kernels and their
+    priority order (which kernel the trace names)."""
     autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
     cudnn = torch.backends.cudnn
     return (
@@ -324,6 +325,8 @@ def _state_tag() -> tuple:
         str(torch.get_default_dtype()),
         (cudnn.enabled, cudnn.benchmark, cudnn.deterministic, cudnn.allow_tf32),
         torch.backends.cuda.matmul.allow_tf32,
+        tuple(getattr(torch._C, f"_get_{name}_sdp_enabled")() for name in ("cudnn", "flash", "mem_efficient", "math")),
+        tuple(torch._C._get_sdp_priority_order()),
     )
 
 

@@ -167,6 +167,9 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             from ember.frontend.patterns import attention_pass
 
             attention_pass(gm)
+        from ember.frontend.sdpa_gradient import sdpa_gradient_pass
+
+        sdpa_gradient_pass(gm, example_inputs)  # cuDNN's attention backward, given the layout it assumes
 
     from ember.frontend.decompositions import decomposition_table
 

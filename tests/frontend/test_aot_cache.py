@@ -105,6 +105,23 @@ def test_autocast_dtype_and_a_cleared_cache_are_misses(tmp_path):
         assert _inference_hits(lambda a: fn(a, w), x) == 0
 
 
+def test_sdpa_kernel_choice_is_part_of_the_key(tmp_path):
+    """The kernel SDPA resolves to is picked while AOTAutograd traces, from the enabled kernels and
+    their priority: a graph traced under other flags is not loaded."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fn(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True) * 2
+
+    q = torch.randn(2, 2, 8, 4)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _inference_hits(fn, q) == 0
+        assert _inference_hits(fn, q) == 1
+        with sdpa_kernel([SDPBackend.MATH]):
+            assert _inference_hits(fn, q) == 0
+            assert _inference_hits(fn, q) == 1
+
+
 def test_a_hit_reads_the_current_values_of_module_tensors(tmp_path):
     class Scaled(torch.nn.Module):
         def __init__(self):
