@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from ember import config, log
 from ember.runtime.cudagraph_pool import (
@@ -146,10 +147,17 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
     return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic, len(tensors))
 
 
+# Activation checkpointing saves the generator's state on the host before a random op it will
+# recompute (aten/lowerings/rng_state.py): `torch.cuda.get_rng_state` cannot run inside a capture.
+_HOST_RNG_STATE_OPS = (run_and_save_rng_state, run_with_rng_state)
+
+
 def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     """Why an ATen call cannot be captured into a CUDA graph, or None."""
     if target is getattr(torch.ops.higher_order, "while_loop", None):
         return "control flow on the host: torch.while_loop reads its condition on the host every turn"
+    if target in _HOST_RNG_STATE_OPS:
+        return "the generator's state read or set on the host: activation checkpointing's recomputed random op"
     if target is getattr(torch.ops.higher_order, "cond", None):
         pred = args[0] if args else None
         if isinstance(pred, torch.fx.Node) and isinstance(pred.meta.get("val"), torch.Tensor):

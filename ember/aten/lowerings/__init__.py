@@ -14,5 +14,6 @@ from ember.aten.lowerings import (  # noqa: F401
     movement,
     pooling,
     reductions,
+    rng_state,
     size_checks,
 )
