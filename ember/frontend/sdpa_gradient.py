@@ -12,7 +12,8 @@ tokens, heads, size], as transformers' models make them, or of one q/k/v project
 key and value gradients 46-525 times eager's error (docs/bench/h100.md). eager is exposed the same
 way; a model's own transpose back mostly gives its gradient the output's layout, call after call.
 
-So, before AOTAutograd, every SDPA call of a graph on a CUDA device is pointed at
+So, before AOTAutograd, every SDPA call of a graph on a CUDA device (its activation-checkpointed
+regions' included) is pointed at
 `sdpa_output_layout_gradient`: SDPA itself, then the identity whose backward lays the incoming
 gradient out as SDPA's output (which torch allocates in the query's layout). Each plan then meets
 one gradient layout per query layout, as in eager. Where the gradient already comes so (the usual
@@ -54,7 +55,7 @@ def sdpa_gradient_pass(gm: fx.GraphModule, example_inputs) -> int:
     """The pass as the backend runs it: the SDPA calls of a CUDA graph rewritten; how many. An
     unexpected failure leaves the graph as Dynamo gave it, with a warning (EMBER_STRICT=1 raises)."""
     try:
-        if not any(_is_sdpa(n) for n in gm.graph.nodes) or not _on_cuda(gm, example_inputs):
+        if not any(_is_sdpa(n) for m in _graphs(gm) for n in m.graph.nodes) or not _on_cuda(gm, example_inputs):
             return 0
         return rewrite_sdpa_calls(gm)
     except Exception as e:
@@ -65,18 +66,38 @@ def sdpa_gradient_pass(gm: fx.GraphModule, example_inputs) -> int:
 
 
 def rewrite_sdpa_calls(gm: fx.GraphModule) -> int:
-    """Point every SDPA call of `gm` at `sdpa_output_layout_gradient`; returns how many."""
-    changed = [n for n in gm.graph.nodes if _is_sdpa(n)]
-    for node in changed:
-        node.target = sdpa_output_layout_gradient
+    """Point every SDPA call of `gm` and of the graphs it calls (an activation-checkpointed region's
+    body) at `sdpa_output_layout_gradient`; returns how many."""
+    changed = []
+    for module in _graphs(gm):
+        found = [n for n in module.graph.nodes if _is_sdpa(n)]
+        for node in found:
+            node.target = sdpa_output_layout_gradient
+        if found:
+            module.recompile()
+        changed += found
     if changed:
-        gm.recompile()
         log.artifact(
             "patterns",
             f"{len(changed)} SDPA call(s): gradient laid out as the output",
             ", ".join(n.name for n in changed),
         )
     return len(changed)
+
+
+def _graphs(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """`gm` and the bodies of its activation-checkpointed regions (their SDPA calls are traced with
+    the region, forward and recomputed backward alike); a cond branch or loop body is left alone."""
+    checkpoint = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    bodies = [
+        getattr(gm, n.args[0].target, None)
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and n.target is checkpoint
+        and n.args
+        and getattr(n.args[0], "op", None) == "get_attr"
+    ]
+    return [gm] + [b for b in bodies if isinstance(b, fx.GraphModule)]
 
 
 def _on_cuda(gm: fx.GraphModule, example_inputs) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember import config
 from ember.frontend import sdpa_gradient
 from ember.frontend.sdpa_gradient import rewrite_sdpa_calls, sdpa_gradient_pass, sdpa_output_layout_gradient
 
@@ -157,3 +158,26 @@ def test_gradients_through_compiled_sdpa_meet_the_float64_rule(device, layout, m
         eager_error = (e.double() - r).abs().max().item()
         error = (c.double() - r).abs().max().item()
         assert error <= 2 * eager_error + 1e-5, f"{layout}: error {error:.3g} against eager's {eager_error:.3g}"
+
+
+def _checkpointed(q, k, v):
+    from torch.utils.checkpoint import checkpoint
+
+    out = checkpoint(
+        lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v, use_reentrant=False
+    )
+    return out.transpose(1, 2).reshape(2, 32, 64)
+
+
+def test_an_activation_checkpointed_call_is_rewritten_and_trains_as_eager(monkeypatch):
+    monkeypatch.setattr(sdpa_gradient, "_on_cuda", lambda gm, inputs: True)
+    heads = _heads("transposed", "cpu", torch.float32)
+    gm, _ = _capture(_checkpointed, *heads)
+    assert rewrite_sdpa_calls(gm) == 1
+    leaves = [t.detach().requires_grad_(True) for t in heads]
+    expected = torch.autograd.grad(_checkpointed(*leaves).sum(), leaves)
+    torch._dynamo.reset()
+    with config.override(strict=True):  # a fallback raises
+        got = torch.autograd.grad(torch.compile(_checkpointed, backend="ember")(*leaves).sum(), leaves)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
