@@ -348,6 +348,15 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "sdpa_cudnn_training",
+            bool,
+            False,
+            "let AOTAutograd trace SDPA in CUDA graphs that need gradients into cuDNN's attention kernel; off: "
+            "torch 2.11 caches cuDNN's backward plans without the output gradient's strides and silently "
+            "miscomputes a gradient laid out otherwise than at the plan's first call (frontend/attention_backward.py)",
+            codegen=True,
+        ),
+        Setting(
             "gemm",
             str,
             "aten",

@@ -15,7 +15,7 @@ ember adds its own part through `torch.compiler.config.cache_key_tag`, a key of 
 recipe: ember's identity (its source, the settings that change generated code, versions), the
 cache's random name for its entries (`aot-id` in ember's cache folder: `ember cache clear` makes a
 new one, orphaning them; a cache file imported brings its own, frontend/cache_file.py), and the state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32
-flags). The target a schedule was made for is stored with it and checked on a hit. Used only
+flags, SDPA's enabled kernels and their priority). The target a schedule was made for is stored with it and checked on a hit. Used only
 where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for),
 where ember's cache folder is usable, and where the Dynamo graph captures no tensor constant; a
 graph ember ran eagerly, or whose schedule it would not cache (symbolic sizes), is not saved
@@ -316,8 +316,9 @@ def _trusted(key: bytes, code: EmberGraphCode) -> bool:
 def _state_tag() -> tuple:
     """What changes ember's graphs but not AOTAutograd's key on every supported torch: the autocast
     dtypes (torch 2.11's key holds only whether autocast is on) and the default dtype, cuDNN's
-    flags (a convolution's output layout), TF32 settings, and SDPA's enabled kernels and their
-    priority order (which kernel the trace names)."""
+    flags (a convolution's output layout), TF32 settings, and SDPA's enabled kernels, their priority
+    order and the math kernel's reduced-precision reductions (which kernel, and which ops, the trace
+    names)."""
     autocast = tuple((d, torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cpu", "cuda"))
     cudnn = torch.backends.cudnn
     return (
@@ -327,6 +328,7 @@ def _state_tag() -> tuple:
         torch.backends.cuda.matmul.allow_tf32,
         tuple(getattr(torch._C, f"_get_{name}_sdp_enabled")() for name in ("cudnn", "flash", "mem_efficient", "math")),
         tuple(torch._C._get_sdp_priority_order()),
+        torch._C._get_math_sdp_allow_fp16_bf16_reduction(),
     )
 
 

@@ -167,9 +167,6 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             from ember.frontend.patterns import attention_pass
 
             attention_pass(gm)
-        from ember.frontend.sdpa_gradient import sdpa_gradient_pass
-
-        sdpa_gradient_pass(gm, example_inputs)  # cuDNN's attention backward, given the layout it assumes
 
     from ember.frontend.decompositions import decomposition_table
 
@@ -194,8 +191,15 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         # reads: hf_gpt2's training step peaked at 6.2 GB vs eager's 5.3 and Inductor's 4.2).
         **partition,
     )
+    from ember.frontend.attention_backward import training_attention_kernels
+
     try:
-        with config.override(**options), progress.compiling(lambda: _graph_name(gm)), explained():
+        with (
+            config.override(**options),
+            progress.compiling(lambda: _graph_name(gm)),
+            explained(),
+            training_attention_kernels(gm, example_inputs),
+        ):
             if not cached:
                 compiled = compiler(gm, example_inputs)
             else:
