@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,12 +41,14 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
     (frontend/aot_cache.py). Each graph ember runs eagerly appends its kind to `fell_back`."""
 
     def compile_one(gm: torch.fx.GraphModule, example_inputs):
+        from ember.frontend.attention_backward import check_traced
         from ember.frontend.freezing import FrozenGraph
         from ember.pipeline import EagerGraph, compile_graph
 
         # The backward graph is compiled lazily, after torch.compile returned: re-enter the
         # caller's options here so they apply to it too.
         with config.override(**options):
+            check_traced(gm, kind)
             if kind == "inference" and config.get("channels_last"):
                 _channels_last(gm, example_inputs)
             if kind == "backward" and fell_back:
@@ -191,8 +194,15 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         # reads: hf_gpt2's training step peaked at 6.2 GB vs eager's 5.3 and Inductor's 4.2).
         **partition,
     )
-    from ember.frontend.attention_backward import training_attention_kernels
+    from ember.frontend.attention_backward import (
+        eager_without_cudnn_attention,
+        excludes_cudnn,
+        training_attention_kernels,
+    )
 
+    with config.override(**options):
+        # Dynamo's graph run eagerly in ember's place picks the kernels its trace would have.
+        eager = eager_without_cudnn_attention(gm.forward) if excludes_cudnn(gm, example_inputs) else gm.forward
     try:
         with (
             config.override(**options),
@@ -207,17 +217,17 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
 
                 with aot_cache.in_force(options):
                     compiled = compiler(gm, example_inputs)
-        return _dynamo_graph_if_eager(gm, compiled, fell_back)
+        return _dynamo_graph_if_eager(eager, compiled, fell_back)
     except dynamo_control_flow():
         raise  # PyTorch's own control flow: a restart of the capture, a graph break (ember/signals.py)
     except Exception as e:
         with config.override(**options):
             if config.get("strict"):
                 raise
-        return _eager_after_trace_failure(gm, e)
+        return _eager_after_trace_failure(gm, eager, e)
 
 
-def _dynamo_graph_if_eager(gm: torch.fx.GraphModule, compiled, fell_back: list[str]):
+def _dynamo_graph_if_eager(eager: Callable, compiled, fell_back: list[str]):
     """What runs: AOTAutograd's compiled function, or Dynamo's graph where ember runs the inference
     or forward graph eagerly (the pipeline has warned, once, and its report names the reason).
 
@@ -230,7 +240,7 @@ def _dynamo_graph_if_eager(gm: torch.fx.GraphModule, compiled, fell_back: list[s
     returned, runs its ATen graph: the forward that saved its inputs is compiled."""
     if not any(kind in ("inference", "forward") for kind in fell_back):
         return compiled
-    return gm.forward
+    return eager
 
 
 def _graph_name(gm: torch.fx.GraphModule) -> str:
@@ -257,7 +267,7 @@ def _aot_cache_usable(gm: torch.fx.GraphModule) -> bool:
     return aot_cache.usable(gm)
 
 
-def _eager_after_trace_failure(gm: torch.fx.GraphModule, error: Exception):
+def _eager_after_trace_failure(gm: torch.fx.GraphModule, eager: Callable, error: Exception):
     """AOTAutograd itself could not trace the graph (a PyTorch meta function raising: the backward
     of `_efficient_attention_forward` on torch 2.11): the Dynamo graph runs eagerly, loudly, and
     the report says so. ember's own passes never ran, so this is not one of its fail-safe catches."""
@@ -267,7 +277,7 @@ def _eager_after_trace_failure(gm: torch.fx.GraphModule, error: Exception):
     report.fallback = f"AOTAutograd: {type(error).__name__}: {error}".strip()[:500]
     log.warn(f"ember: running a graph eagerly: {report.fallback}")
     publish(report)
-    return gm.forward
+    return eager
 
 
 _register_lock = threading.Lock()

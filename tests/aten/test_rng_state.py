@@ -19,8 +19,9 @@ def _compiled_grads(fn, *tensors, backend="cpp"):
         out = torch.compile(fn, backend="ember")(*leaves)
         grads = torch.autograd.grad(out.sum(), leaves)
     assert_no_fallback(report, fn.__name__)
-    names = [e for g in report.graphs for e in getattr(g, "externs", [])]
-    return out, grads, names
+    externs = " ".join(str(e) for g in report.graphs for e in g.externs)
+    assert "run_and_save_rng_state" in externs and "run_with_rng_state" in externs, externs
+    return out, grads
 
 
 def _attend(q, k, v):
@@ -35,7 +36,7 @@ def checkpointed_attention(q, k, v):
 def test_checkpointed_attention_compiles_and_trains_as_eager(backend):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
-    out, grads, _ = _compiled_grads(checkpointed_attention, q, k, v, backend=backend)
+    out, grads = _compiled_grads(checkpointed_attention, q, k, v, backend=backend)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     expected = checkpointed_attention(*leaves)
     torch.testing.assert_close(out, expected)
@@ -52,11 +53,25 @@ def test_the_recomputed_dropout_draws_the_forwards_mask():
     recomputation, and y / x gives the forward's mask: they agree only if both drew the same."""
     torch.manual_seed(0)
     x = torch.rand(64, 64) + 0.5  # no zeros
-    out, (grad,), _ = _compiled_grads(checkpointed_dropout, x)
+    out, (grad,) = _compiled_grads(checkpointed_dropout, x)
     kept = out != 0
     assert 0.3 < kept.float().mean() < 0.7
     torch.testing.assert_close(grad, kept.float() * 6)
     torch.testing.assert_close(out[kept], x[kept] * 6)
+
+
+def checkpointed_noise(x):
+    return checkpoint(lambda a: a * torch.rand_like(a), x, use_reentrant=False)
+
+
+def test_a_recomputed_random_op_with_one_result_draws_the_forwards_numbers():
+    """rand_like returns one tensor (no getitem tells its value): y = x * r, so the gradient of sum(y)
+    is r as the backward redraws it, and y / x is r as the forward drew it."""
+    torch.manual_seed(0)
+    x = torch.rand(32, 32) + 0.5
+    out, (grad,) = _compiled_grads(checkpointed_noise, x)
+    torch.testing.assert_close(grad, out / x)
+    assert 0.3 < grad.mean() < 0.7
 
 
 def test_cuda_graphs_refuse_the_host_side_generator_state():

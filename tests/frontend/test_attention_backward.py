@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import ember
 from ember.frontend import attention_backward
+from tests.helpers import assert_no_fallback, reports
 
 
 def _attend(q):
@@ -20,7 +21,8 @@ def _mlp(x):
 
 @pytest.fixture
 def traced_flags(monkeypatch):
-    """The cuDNN-attention flag at each graph ember compiles, with every graph taken for a CUDA one."""
+    """The cuDNN-attention flag when ember compiles each graph (the forward's compile runs inside
+    AOTAutograd's trace), with every graph taken for a CUDA one."""
     import ember.pipeline
 
     seen = []
@@ -31,7 +33,7 @@ def traced_flags(monkeypatch):
         return compile_graph(gm, example_inputs, kind, **kwargs)
 
     monkeypatch.setattr(ember.pipeline, "compile_graph", spy)
-    monkeypatch.setattr(attention_backward, "_on_cuda", lambda gm, inputs: True)
+    monkeypatch.setattr(attention_backward, "_on_cuda", lambda node: True)
     return seen
 
 
@@ -66,20 +68,93 @@ def test_other_graphs_keep_the_callers_kernels(traced_flags, fn, grad, options):
     assert traced_flags and all(enabled for _, enabled in traced_flags), traced_flags
 
 
-def test_a_cpu_graph_keeps_the_callers_kernels():
+def _attend_with_grad_enabled(q):
+    with torch.enable_grad():
+        return _attend(q)
+
+
+def test_grad_enabled_inside_a_no_grad_call_counts_as_training(traced_flags):
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    with torch.no_grad():
+        _compile_and_run(_attend_with_grad_enabled, q)
+    assert ("forward", False) in traced_flags, traced_flags
+
+
+def test_a_graph_ember_runs_eagerly_runs_without_cudnn(monkeypatch):
+    """Dynamo's graph in ember's place (here: AOTAutograd's trace fails) runs under the exclusion."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("trace failed")
+
+    flags = []
+    real = attention_backward.eager_without_cudnn_attention
+
+    def recording(run):
+        wrapped = real(run)
+
+        def call(*args):
+            flags.append("called")
+            return wrapped(*args)
+
+        return call
+
+    def flag_at_sdpa(*args, **kwargs):
+        flags.append(torch._C._get_cudnn_sdp_enabled())
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+    monkeypatch.setattr(attention_backward, "_on_cuda", lambda node: True)
+    monkeypatch.setattr(attention_backward, "eager_without_cudnn_attention", recording)
+    monkeypatch.setattr("torch._dynamo.backends.common.aot_autograd", lambda **kw: failing)
     q = torch.randn(2, 2, 8, 4, requires_grad=True)
     torch._dynamo.reset()
-    flags = []
-    real = attention_backward._needs_exclusion
+    compiled = torch.compile(_attend, backend="ember")
+    with pytest.warns(UserWarning, match="running a graph eagerly"):
+        out = compiled(q)
+    torch.testing.assert_close(out, _attend(q))
+    assert flags == ["called"], flags
+    with attention_backward._cudnn_attention_off():
+        flag_at_sdpa(q, q, q)
+    assert flags[-1] is False and torch._C._get_cudnn_sdp_enabled()
 
-    def spy(gm, inputs):
-        flags.append(real(gm, inputs))
-        return flags[-1]
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_backward, "_needs_exclusion", spy)
-        _compile_and_run(_attend, q)
-    assert flags == [False]
+def test_the_flag_comes_back_after_an_error_and_a_lone_math_kernel_warns(monkeypatch):
+    monkeypatch.setattr(attention_backward, "_on_cuda", lambda node: True)
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    gm = torch.fx.symbolic_trace(_attend)
+    before = torch._C._get_cudnn_sdp_enabled()
+    only = [torch.nn.attention.SDPBackend.CUDNN_ATTENTION, torch.nn.attention.SDPBackend.MATH]
+    seen = []
+
+    def trace_that_fails():
+        with attention_backward.training_attention_kernels(gm, [q]):
+            seen.append(torch._C._get_cudnn_sdp_enabled())
+            raise RuntimeError("boom")
+
+    with torch.nn.attention.sdpa_kernel(only), pytest.raises(RuntimeError, match="boom"):  # noqa: SIM117
+        with pytest.warns(UserWarning, match="math kernel"):
+            trace_that_fails()
+    assert seen == [False]
+    assert torch._C._get_cudnn_sdp_enabled() == before
+
+
+def test_a_backward_graph_calling_cudnn_attention_warns():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    node = graph.call_function(torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default, (x,))
+    graph.output(node)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.warns(UserWarning, match="cuDNN's attention backward"):
+        attention_backward.check_traced(gm, "backward")
+    attention_backward.check_traced(gm, "forward")  # a forward graph: nothing to say
+
+
+def test_a_cpu_graph_keeps_the_callers_kernels():
+    gm = torch.fx.symbolic_trace(_attend)
+    for node in gm.graph.nodes:  # as Dynamo records it: the query's example value
+        if node.op == "placeholder":
+            node.meta["example_value"] = torch.randn(2, 2, 8, 4)
+    q = torch.randn(2, 2, 8, 4, requires_grad=True)
+    assert not attention_backward.excludes_cudnn(gm, [q])
 
 
 _DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -125,7 +200,9 @@ def test_compiled_attention_gradients_meet_the_float64_rule_whatever_ran_before(
         with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
             eager = _gradients(fn, heads)  # no cached plans: the error a correct kernel has
         torch._dynamo.reset()
-        compiled = _gradients(torch.compile(fn, backend="ember"), heads)
+        with reports() as report, ember.config.override(strict=True):
+            compiled = _gradients(torch.compile(fn, backend="ember"), heads)
+        assert_no_fallback(report, f"{fn.__name__} {layout} {device}")
         for r, e, c in zip(reference, eager, compiled):
             eager_error = (e.double() - r).abs().max().item()
             error = (c.double() - r).abs().max().item()

@@ -1,8 +1,11 @@
 """Activation checkpointing's RNG ops: `run_and_save_rng_state(op, *args)` gives the default
 generator's state and op's result; `run_with_rng_state(state, op, *args)` runs op with the generator
-at that state and puts it back. torch.utils.checkpoint wraps each random op of a checkpointed region
-in them (an op tagged nondeterministic_seeded: dropout, SDPA), so that the backward's recomputation
-draws what the forward drew.
+at that state and puts it back. AOTAutograd's partitioner wraps each random op (tagged
+nondeterministic_seeded: dropout, SDPA, rand_like) that the backward of a checkpointed region
+recomputes in them, so that the recomputation draws what the forward drew: on the CPU, and on CUDA
+where its graph-safe form is off or the graph spans devices. (On one CUDA device torch 2.11 uses
+that form, `graphsafe_run_with_rng_state` over generator inputs, which ember does not compile: such
+a graph runs eagerly, with a warning.)
 
 Each becomes one extern step that calls the higher-order op itself (torch's own implementation per
 device: the state is a CPU byte tensor, read and set on the host), with its nested result
@@ -16,6 +19,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from ember.aten.builder import GraphBuilder, op_name
@@ -50,35 +54,47 @@ def _check_op(op) -> None:
         raise Unsupported(f"an RNG-state op around {type(op).__name__}, not an ATen op")
 
 
-def _result_meta(node):
-    """The node's recorded value; where the partitioner made the node without one (it does for these
-    ops), the tuple its getitem users' values spell, None at positions no user reads."""
+def _result_meta(node, op, args, kwargs):
+    """op's result as AOTAutograd recorded it: where the partitioner made the node without a value
+    (it does for these ops), the op run on the arguments' fake values."""
     val = node.meta.get("val")
     if val is not None:
-        return val
-    parts = {u.args[1]: u.meta.get("val") for u in node.users if u.target is operator.getitem}
-    if not parts or len(parts) != len(node.users) or any(v is None for v in parts.values()):
+        return val[1] if node.target is run_and_save_rng_state else val
+    fake = torch.fx.node.map_arg((args, kwargs), lambda a: a.meta.get("val"))
+    mode = detect_fake_mode(torch.utils._pytree.tree_leaves(fake))
+    if mode is None:
         raise Unsupported(f"{node.name}: no recorded value")
-    return tuple(parts.get(k) for k in range(max(parts) + 1))
+    with mode:
+        return op(*fake[0], **fake[1])
+
+
+def _state_meta(node):
+    val = node.meta.get("val")
+    if val is not None:
+        return val[0]
+    if not all(u.target is operator.getitem for u in node.users):
+        raise Unsupported(f"{node.name}: its result is read other than by index")
+    states = [u.meta.get("val") for u in node.users if u.args[1] == 0]
+    if not states or states[0] is None:
+        raise Unsupported(f"{node.name}: the generator's state is not read")
+    return states[0]
 
 
 @lowering(run_and_save_rng_state)
 def _run_and_save_rng_state(ctx: GraphBuilder, node):
     op, *args = node.args
     _check_op(op)
-    meta = _result_meta(node)
-    if len(meta) != 2 or meta[1] is None:
-        raise Unsupported(f"{node.name}: its result is not read")
-    state_meta, result_meta = meta
+    state_meta = _state_meta(node)
+    result_meta = _result_meta(node, op, args, node.kwargs)
     nested = isinstance(result_meta, (tuple, list))
-    flat_meta = (state_meta, *result_meta) if nested else (state_meta, result_meta)
     results = ctx.extern_call(
         SavedRngCall(op, nested),
         tuple(ctx.arg(a) for a in args),
         {k: ctx.arg(v) for k, v in node.kwargs.items()},
-        flat_meta,
+        (state_meta, *result_meta) if nested else (state_meta, result_meta),
         origin=f"run_and_save_rng_state({op_name(op)})",
     )
+    results[0].device = state_meta.device  # a CPU byte tensor, whatever the graph's device
     return (results[0], tuple(results[1:])) if nested else (results[0], results[1])
 
 
@@ -90,6 +106,6 @@ def _run_with_rng_state(ctx: GraphBuilder, node):
         WithRngCall(op),
         (ctx.arg(state), *(ctx.arg(a) for a in args)),
         {k: ctx.arg(v) for k, v in node.kwargs.items()},
-        _result_meta(node),
+        _result_meta(node, op, args, node.kwargs),
         origin=f"run_with_rng_state({op_name(op)})",
     )
