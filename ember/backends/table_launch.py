@@ -18,11 +18,14 @@ from the capture's memory pool and is let go as soon as the launch is recorded. 
 hold a block of a graph's private pool past the graph's life, and torch refuses to capture into a
 pool that no live graph uses but whose blocks are still held ("use_count > 0" in
 CUDACachingAllocator), which is how one graph's release broke the next capture. A table a capture
-finds (copied before, outside any pool) is kept for good: the graph's replays read it.
+finds (copied before, outside any pool) lives as long as the recording that reads it at every
+replay (runtime/cudagraph_pool.py: keep_while_recorded), and is found again by its addresses while
+it lives; under a capture of the caller's own it is kept for good (its graph's life is the caller's).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -30,6 +33,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
+from ember.runtime.cudagraph_pool import keep_while_recorded
 
 # Tables kept outside CUDA graphs: the address sets a loop cycles through (gradients set to None
 # and allocated again each step get the same few addresses from the caching allocator).
@@ -39,7 +43,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Table:
-    __slots__ = ("aligned", "device", "host")
+    __slots__ = ("__weakref__", "aligned", "device", "host")
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
         self.device = device
@@ -67,7 +71,9 @@ class TableLaunch:
             self._part_of_block = torch.tensor(source.part_of_block, dtype=torch.int32, device=device)
         self._fast, self._slow, self._fill = fast, slow, fill
         self._recent: OrderedDict[tuple, _Table] = OrderedDict()
-        self._kept: dict[tuple, _Table] = {}  # tables a capture found: written, and read by a graph
+        # Tables a capture found, read by a graph: held by its recording (or below, for good).
+        self._kept: weakref.WeakValueDictionary[tuple, _Table] = weakref.WeakValueDictionary()
+        self._kept_for_good: list[_Table] = []
         self._last: tuple = ((), (), None)  # (slots, addresses, table) of the last call outside a capture
 
     def __call__(self, stream, slots: tuple, *tensors: torch.Tensor) -> None:
@@ -92,6 +98,8 @@ class TableLaunch:
             if capturing:
                 self._recent.pop(key, None)
                 self._kept[key] = table
+                if not keep_while_recorded(table) and table not in self._kept_for_good:
+                    self._kept_for_good.append(table)
             return table
         rows, aligned = self._rows(slots, addresses)
         if capturing:

@@ -90,6 +90,22 @@ def _generation() -> tuple[int, bool]:
 _tracker: list = []  # Dynamo's GenerationTracker, imported on first use
 
 
+# -- what a recording keeps alive -----------------------------------------------------------------
+
+_capture = threading.local()
+
+
+def keep_while_recorded(obj: Any) -> bool:
+    """During a capture this pool records: hold `obj` for as long as the recording lives (a table
+    that a kernel of the graph reads at every replay, made before the capture); False elsewhere (a
+    capture of the caller's own, whose graph's life the caller decides)."""
+    kept = getattr(_capture, "kept", None)
+    if kept is None:
+        return False
+    kept.append(obj)
+    return True
+
+
 # -- recordings ----------------------------------------------------------------------------------
 
 
@@ -114,6 +130,7 @@ class Recording:
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
     released: bool = False
+    kept: list = field(default_factory=list)  # what the graph reads that no buffer of it holds (keep_while_recorded)
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
     # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
     copy_whole: list[int] = field(init=False)
@@ -131,6 +148,7 @@ class Recording:
     def release(self) -> None:
         """Drop the graph, its copy buffers and its outputs' memory (back to the pool): it never replays again."""
         self.graph, self.inputs, self.outputs, self.copy_in, self.copy_whole = None, [], [], [], []
+        self.kept = []
         self.live, self.given, self.released = [], [], True
 
     def hand_out(self, device: torch.device) -> list:
@@ -313,7 +331,11 @@ class Pool:
             log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
-        graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
+        _capture.kept = kept = []
+        try:
+            graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
+        finally:
+            _capture.kept = None
         # Static inputs are the caller's own memory: an output viewing one is the caller's (AOTAutograd remakes
         # it from the caller's tensor). A copy buffer is the recording's, which every replay writes: an output
         # viewing it (a forward's saved input, a backward's incoming gradient) is handed out like a pool output.
@@ -362,6 +384,7 @@ class Pool:
                 a.data_ptr() if k in fn.static and isinstance(a, torch.Tensor) else 0 for k, a in enumerate(args)
             ],
             strides=[(k, args[k].stride()) for k in copied],
+            kept=kept,
         )
         self.recordings.append(rec)
         return rec

@@ -178,3 +178,32 @@ def _unpinned(tensor):
         return tensor(*args, **kwargs)
 
     return make
+
+
+def test_a_table_a_pool_capture_finds_lives_as_long_as_its_recording(monkeypatch):
+    """Under a capture the pool records (runtime/cudagraph_pool.py), a table found is held by the
+    recording, not by the launch: once the recording is released, the table goes, and the next
+    call outside a capture makes its own again."""
+    from ember.runtime import cudagraph_pool
+
+    rec = _Recorder()
+    launch = rec.launch(cuda=True)
+    capturing = [False]
+    monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
+    bufs = _buffers()
+    launch(None, ALL, *bufs)  # outside: a copied table
+    recording_keeps: list = []
+    capturing[0] = True
+    cudagraph_pool._capture.kept = recording_keeps  # what Pool._record sets around its capture
+    try:
+        launch(None, ALL, *bufs)  # the capture finds it
+    finally:
+        cudagraph_pool._capture.kept = None
+    capturing[0] = False
+    assert len(recording_keeps) == 1 and launch.tables == 1 and not launch._kept_for_good
+    for _ in range(RECENT + 2):  # the recent tables turn over; the found one stays, held by the recording
+        launch(None, ALL, *_buffers())
+    assert launch.tables == 1 + RECENT
+    recording_keeps.clear()  # the recording is released
+    assert launch.tables == RECENT
