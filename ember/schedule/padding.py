@@ -62,8 +62,11 @@ class AlignedProduct:
     # the same way whatever its strides).
     layout_args = (-2, -1)
 
-    def __init__(self, op, n: int | None = None, n_pad: int | None = None):
+    def __init__(self, op, n: int | None = None, n_pad: int | None = None, dense_operands: bool = False):
         self.op, self.n, self.n_pad = op, n, n_pad
+        # The CPU's BLAS reads a row-padded operand's padding (_dense_on_cpu): there a product with
+        # such an operand is never the plain ATen call.
+        self.dense_operands = dense_operands
         padded = f", N padded {n} -> {n_pad}" if n_pad else ""
         self.__name__ = f"{op.__name__} aligned{padded}"
 
@@ -82,7 +85,8 @@ class AlignedProduct:
             return None
         per = _ALIGN_BYTES // a[2].itemsize
         cuts = _cuts(self.n, self.n_pad, per, a[:2], b[:2])
-        if self.n_pad is None and cuts[0][1].plain:
+        padded_operand = self.dense_operands and not (_dense_layout(a[:2]) and _dense_layout(b[:2]))
+        if self.n_pad is None and cuts[0][1].plain and not padded_operand:
             return self.op
         return FixedProduct(self, cuts)
 
@@ -152,6 +156,8 @@ def _run(op, n: int | None, n_pad: int | None, cuts: tuple, bias: list, a, b):
     `n_pad` apart; the result is the view of its first N columns. The weight is read in place:
     padding it with zero columns instead copied it on every call (GPT-2's head: 77 MB, alive
     beside the 823 MB of logits, so the H100 inference peak was 913 MB against eager's 836)."""
+    if a.device.type == "cpu":
+        a, b = _dense_on_cpu(a), _dense_on_cpu(b)
     if n_pad is None:
         return _product(op, cuts[0][1], bias, a, b)
     out = torch.empty((a.shape[0], n_pad), dtype=a.dtype, device=a.device)
@@ -181,6 +187,22 @@ def _product(op, cut: _Cut, bias, a, b, out=None):
             _OUT[op](*part, a[rows], b, out=out[rows])
         return out
     return _into(op, out, bias, a, b)
+
+
+def _dense_layout(layout: tuple) -> bool:
+    """Whether a 2-d (shape, strides) lays its rows or its columns next to each other."""
+    (m, k), (row, col) = layout
+    return (col == 1 and (row == k or m <= 1)) or (row == 1 and (col == m or k <= 1))
+
+
+def _dense_on_cpu(t):
+    """`t` itself where its rows or columns lie next to each other, else a dense copy. The CPU's
+    bf16 GEMM (oneDNN) reads a row-padded operand's padding, as far as its blocks reach, and
+    multiplies it by the zeros it packs the other operand with: padding that holds NaN or inf bits
+    (a padded buffer is never written there) made NaN results. cuBLAS reads only the extents."""
+    if t.dim() != 2 or t.is_contiguous() or t.t().is_contiguous():
+        return t
+    return t.contiguous()
 
 
 def _into(op, out, bias, a, b):
@@ -216,6 +238,7 @@ def pad_matmul_layouts(graph: Graph, target: Target, keep_outputs_dense: bool) -
     if not h.products:
         return []
     pinned = {o for o in graph.outputs if isinstance(o, Value)} if keep_outputs_dense else set()
+    cpu = target.device == "cpu"
     notes = []
     for node in graph.nodes:
         if node.op != "extern" or node.attrs["target"] not in _PRODUCTS or node.attrs["kwargs"]:
@@ -225,11 +248,11 @@ def pad_matmul_layouts(graph: Graph, target: Target, keep_outputs_dense: bool) -
             continue
         padded = _padded_row(out, h)
         if padded is not None and out not in pinned and tuple(out.stride) == tuple(contiguous_strides(out.shape)):
-            node.attrs["target"] = AlignedProduct(node.attrs["target"], int(out.shape[1]), padded)
+            node.attrs["target"] = AlignedProduct(node.attrs["target"], int(out.shape[1]), padded, cpu)
             out.stride = (sympy.Integer(padded), sympy.Integer(1))
             notes.append(f"{node.origin} -> %{out.name}: N padded to {padded}")
         else:
-            node.attrs["target"] = AlignedProduct(node.attrs["target"])
+            node.attrs["target"] = AlignedProduct(node.attrs["target"], dense_operands=cpu)
         for operand in _matrix_operands(node):
             base = _computed_base(operand)
             if base is None or base in pinned:

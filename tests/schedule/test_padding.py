@@ -161,3 +161,23 @@ def test_an_epilogue_writes_over_an_aligned_product(pad_on_cpu):
         got = torch.compile(m, backend="ember")(x)
     assert re.search(r"\b1 in place", report.graphs[0].memory), report.graphs[0].memory
     assert_close(got, m(x), rtol=1e-5, atol=1e-5, what="linear + gelu", line=repro(case="in place"))
+
+
+def test_a_cpu_product_never_reads_an_operands_row_padding():
+    """A padded buffer's padding is never written: it may hold NaN bits. The CPU's bf16 GEMM reads
+    a row-padded operand's padding, so the product gets dense operands there; the result is the
+    product of the logical matrices, with no NaN."""
+    storage = torch.full((96, 1008), float("nan"), dtype=torch.bfloat16)
+    a = storage[:, :1001]  # rows 1008 apart, the padding NaN
+    a.copy_(torch.randn(96, 1001))
+    b = torch.randn(1001, 64, dtype=torch.bfloat16)
+    product = padding.AlignedProduct(torch.ops.aten.mm.default, dense_operands=True)
+    fixed = product.specialize([((96, 1001), (1008, 1), torch.bfloat16), ((1001, 64), (64, 1), torch.bfloat16)])
+    aligned_k = product.specialize([((96, 1000), (1008, 1), torch.bfloat16), ((1000, 64), (64, 1), torch.bfloat16)])
+    assert aligned_k is not torch.ops.aten.mm.default  # no cut needed, but a padded operand: not the plain call
+    expected = (a.float() @ b.float()).to(torch.bfloat16)
+    assert not torch.isnan(aligned_k(a[:, :1000], b[:1000])).any()
+    for run in (product, fixed):
+        got = run(a, b)
+        assert not torch.isnan(got).any()
+        assert_close(got, expected, rtol=2e-2, atol=2e-1, what="product", line=repro(case="padded operand"))
