@@ -16,7 +16,8 @@ recipe: ember's identity (its source, the settings that change generated code, v
 cache's random name for its entries (`aot-id` in ember's cache folder: `ember cache clear` makes a
 new one, orphaning them; a cache file imported brings its own, frontend/cache_file.py), and the
 state torch 2.11's key leaves out (autocast dtypes, default dtype, cuDNN and TF32 flags, SDPA's
-enabled kernels, their priority and the math kernel's reduced-precision flag). The target a schedule was made for is stored with it and checked on a hit. Used only
+enabled kernels, their priority and the math kernel's reduced-precision flag). The target a
+schedule was made for is stored with it and checked on a hit. Used only
 where the schedule cache is (`schedule_cache` and `cache` on, `gemm=aten`, no pass logs asked for),
 where ember's cache folder is usable, and where the Dynamo graph captures no tensor constant; a
 graph ember ran eagerly, or whose schedule it would not cache (symbolic sizes), is not saved

@@ -11,8 +11,8 @@ gradients 46-525 times eager's error (docs/bench/h100.md); in an eager probe, cu
 were wrong in 5 of 9 layout cases (docs/bench/h200-sdpa/eager-flash-vs-cudnn.txt).
 
 So a CUDA graph that calls SDPA and may need gradients (a tensor input or parameter that requires
-them, under grad mode or a graph that turns it on) is traced with cuDNN's attention disabled: torch's next choice (flash attention, else memory-efficient, else math) has no
-such cache. Inference graphs keep torch's choice (cuDNN's forward allocates its own output: nothing
+them, under grad mode or a graph that turns it on) is traced with cuDNN's attention disabled:
+torch's next choice (flash attention, else memory-efficient, else math) has no such cache. Inference graphs keep torch's choice (cuDNN's forward allocates its own output: nothing
 for a cache to get wrong). Where such a graph runs eagerly instead (ember fell back), its calls run
 under the same exclusion (`eager_without_cudnn_attention`), so the kernels it picks are the ones a
 compile would have traced. The setting `sdpa_cudnn_training` lets the trace pick cuDNN again.
@@ -35,14 +35,12 @@ from torch import fx
 
 from ember import config, log
 
-_CUDNN_BACKWARD = "aten._scaled_dot_product_cudnn_attention_backward"
-
 
 @contextlib.contextmanager
-def training_attention_kernels(gm: fx.GraphModule, example_inputs) -> Iterator[None]:
-    """While the block runs (AOTAutograd's trace of `gm`), cuDNN's attention is off where `gm` is
-    a CUDA graph that calls SDPA and may need gradients; the caller's flag comes back after."""
-    if not excludes_cudnn(gm, example_inputs):
+def training_attention_kernels(excluded: bool) -> Iterator[None]:
+    """While the block runs (AOTAutograd's trace of a graph), cuDNN's attention is off where
+    `excluded` (excludes_cudnn of that graph); the caller's flag comes back after."""
+    if not excluded:
         yield
         return
     with _cudnn_attention_off():
@@ -82,7 +80,8 @@ def check_traced(gm: fx.GraphModule, kind: str) -> None:
     """Warn where a backward graph traced while the exclusion should hold calls cuDNN's attention."""
     if kind != "backward" or config.get("sdpa_cudnn_training"):
         return
-    if any(n.op == "call_function" and str(n.target).startswith(_CUDNN_BACKWARD) for n in gm.graph.nodes):
+    cudnn_backward = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+    if any(n.op == "call_function" and n.target is cudnn_backward for n in gm.graph.nodes):
         log.warn(
             "ember: a backward graph calls cuDNN's attention backward, whose gradients torch 2.11 can "
             "miscompute silently (another thread enabled it during the trace?); compare with eager"

@@ -201,14 +201,15 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     )
 
     with config.override(**options):
-        # Dynamo's graph run eagerly in ember's place picks the kernels its trace would have.
-        eager = eager_without_cudnn_attention(gm.forward) if excludes_cudnn(gm, example_inputs) else gm.forward
+        no_cudnn_attention = excludes_cudnn(gm, example_inputs)
+    # Dynamo's graph run eagerly in ember's place picks the kernels its trace would have.
+    eager = eager_without_cudnn_attention(gm.forward) if no_cudnn_attention else gm.forward
     try:
         with (
             config.override(**options),
             progress.compiling(lambda: _graph_name(gm)),
             explained(),
-            training_attention_kernels(gm, example_inputs),
+            training_attention_kernels(no_cudnn_attention),
         ):
             if not cached:
                 compiled = compiler(gm, example_inputs)

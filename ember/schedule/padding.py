@@ -200,9 +200,7 @@ def _dense_on_cpu(t):
     bf16 GEMM (oneDNN) reads a row-padded operand's padding, as far as its blocks reach, and
     multiplies it by the zeros it packs the other operand with: padding that holds NaN or inf bits
     (a padded buffer is never written there) made NaN results. cuBLAS reads only the extents."""
-    if t.dim() != 2 or t.is_contiguous() or t.t().is_contiguous():
-        return t
-    return t.contiguous()
+    return t if t.dim() != 2 or _dense_layout(_layout(t)) else t.contiguous()
 
 
 def _into(op, out, bias, a, b):
