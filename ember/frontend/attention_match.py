@@ -64,6 +64,7 @@ _TRANSPOSE_FUNCS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.Tenso
 _TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims"}
 _WHERE_FUNCS = {torch.where}
 _MASKED_FILL_FUNCS = {torch.masked_fill, torch.Tensor.masked_fill}
+_OUT_OF_PLACE_OPERATORS = {operator.and_, operator.or_, operator.not_}
 _INPLACE_OPERATORS = {
     operator.iadd,
     operator.isub,
@@ -234,6 +235,8 @@ def mutates(node: fx.Node) -> bool:
     if node.op == "call_function":
         if node.target in _INPLACE_OPERATORS:
             return True
+        if node.target in _OUT_OF_PLACE_OPERATORS:  # named with a trailing underscore, but pure
+            return False
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_")
     return False
@@ -495,6 +498,10 @@ _CONST_FUNCS = {
     operator.sub,
     operator.add,
     operator.neg,
+    operator.and_,
+    operator.or_,
+    torch.diff,
+    torch.cumsum,
 }
 _CONST_METHODS = {
     "tril",
@@ -511,6 +518,12 @@ _CONST_METHODS = {
     "__getitem__",
     "eq",
     "ne",
+    "cumsum",
+    "new_ones",
+    "new_zeros",
+    "new_full",
+    "__and__",
+    "__or__",
 }
 _MAX_CONST_ELEMENTS = 1 << 24
 
@@ -548,28 +561,76 @@ def _constant(node: fx.Node, memo: dict) -> Any:
 def _is_causal(rw: Rewrite, scores_shape) -> bool:
     """Whether the mask is, provably, SDPA's is_causal (lower triangle of a square score matrix)."""
     L, S = scores_shape[-2], scores_shape[-1]
-    if not (isinstance(L, int) and isinstance(S, int) and L == S):
-        return False  # is_causal aligns top-left; only claim it where that cannot matter
+    mask = _evaluated(rw.mask_node)
+    if mask is None or any(d != 1 for d in mask.shape[:-2]):
+        return False
+    if rw.mask == "additive":
+        return mask.is_floating_point() and _keeps(mask, -math.inf) == "causal" and _square(L, S, mask)
+    keep = ~mask if rw.invert_mask else mask
+    return mask.dtype == torch.bool and _keeps(keep) == "causal" and _square(L, S, mask)
+
+
+def sdpa_constant_mask(sdpa: fx.Node) -> str | None:
+    """What an SDPA call's `attn_mask`, when built from constants only, keeps: "causal" (exactly
+    the lower triangle of a square score matrix, in every batch and head), "all" (every score), or
+    None (not constant, not evaluable here, or any other pattern).
+
+    A boolean mask keeps its True entries. A float mask keeps its zeros and may mask with -inf or
+    its dtype's most negative value (transformers masks with `finfo(dtype).min`): added to a score,
+    either gives an exponent that is exactly zero in softmax, and a causal row always keeps its
+    diagonal, so no row is left without a kept score (where -inf and `finfo.min` would differ)."""
+    mask = _evaluated(call_arg(sdpa, 3, "attn_mask"))
+    q, k = example_value(call_arg(sdpa, 0, "query")), example_value(call_arg(sdpa, 1, "key"))
+    if mask is None or q is None or k is None or q.dim() < 2:
+        return None
+    if mask.dtype == torch.bool:
+        kept = _keeps(mask)
+    elif mask.is_floating_point():
+        kept = _keeps(mask, torch.finfo(mask.dtype).min)
+    else:
+        return None
+    if kept == "causal" and not _square(q.shape[-2], k.shape[-2], mask):
+        return None
+    return kept
+
+
+def _evaluated(node: Any) -> torch.Tensor | None:
+    """`node`'s value, where it is a tensor of at least two dims built from constants only."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if not isinstance(node, fx.Node):
+        return None
     try:
         with unset_fake_temporarily():
-            mask = _constant(rw.mask_node, {})
-            if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (L, S):
-                return False
-            if any(d != 1 for d in mask.shape[:-2]):
-                return False
-            mask = mask.reshape(L, S)
-            tril = torch.ones(L, S, dtype=torch.bool).tril()
-            if rw.mask == "additive":
-                causal = torch.zeros(L, S, dtype=mask.dtype).masked_fill(~tril, -math.inf)
-                return bool(torch.equal(mask, causal))
-            keep = ~mask if rw.invert_mask else mask
-            return mask.dtype == torch.bool and bool(torch.equal(keep, tril))
+            value = _constant(node, {})
     except _NoMatch:
-        return False
-    except (RuntimeError, TypeError, ValueError, IndexError):  # not evaluable here: not known to be causal
-        return False
+        return None
+    except (RuntimeError, TypeError, ValueError, IndexError):  # not evaluable here: not known
+        return None
+    return value if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+
+
+def _keeps(mask: torch.Tensor, masked_fill: float | None = None) -> str | None:
+    """ "all", "causal" or None for a boolean mask (kept: True), or for a float mask (kept: 0;
+    masked: -inf, or `masked_fill` where given)."""
+    if mask.dtype == torch.bool:
+        keep = mask
+    else:
+        masked = mask == -math.inf
+        if masked_fill is not None:
+            masked |= mask == masked_fill
+        keep = mask == 0
+        if not bool((keep | masked).all()):
+            return None
+    if bool(keep.all()):
+        return "all"
+    L, S = keep.shape[-2:]
+    return "causal" if bool(torch.equal(keep, torch.ones(L, S, dtype=torch.bool).tril().expand_as(keep))) else None
+
+
+def _square(L: Any, S: Any, mask: torch.Tensor) -> bool:
+    """is_causal aligns the triangle top-left; only claim it where L == S, so that cannot matter."""
+    return isinstance(L, int) and isinstance(S, int) and L == S and tuple(mask.shape[-2:]) == (L, S)
 
 
 def constant_ancestors(node: fx.Node) -> list[fx.Node]:

@@ -25,6 +25,7 @@ from ember.frontend.attention_match import (
     find_attention,
     is_call,
     mutates,
+    sdpa_constant_mask,
 )
 
 
@@ -45,10 +46,64 @@ def attention_pass(gm: fx.GraphModule) -> list[Rewrite]:
     apply(gm, found)
     if found:
         log.artifact("patterns", f"{len(found)} attention rewrite(s)", lambda: "\n".join(rw.describe() for rw in found))
+    folded = constant_sdpa_masks(gm)
+    if folded:
+        log.artifact("patterns", f"{len(folded)} constant SDPA mask(s) folded", lambda: "\n".join(folded))
     densified = dense_sdpa_masks(gm)
     if densified:
         log.artifact("patterns", f"{len(densified)} SDPA mask(s) made dense", lambda: "\n".join(densified))
     return found
+
+
+def constant_sdpa_masks(gm: fx.GraphModule) -> list[str]:
+    """SDPA calls whose `attn_mask` is built from constants only and keeps exactly the causal
+    triangle become `is_causal=True` with no mask; a mask that keeps every score is dropped.
+
+    transformers builds its causal mask in the graph under torch.compile (in eager it passes
+    none where it can check the inputs' values, which tracing cannot): arange, compares and
+    cumsum over position ids, with no graph input among them. With a mask, SDPA's flash kernel
+    is ineligible and the memory-efficient one runs, with its bias read per score; with
+    is_causal, flash (or cuDNN's) skips the masked half. Here the mask is evaluated once, when
+    the graph is compiled (attention_match.sdpa_constant_mask says what counts as causal), and
+    the nodes that built it are erased where nothing else reads them."""
+    folded, builders = [], []
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+            continue
+        if call_arg(node, 5, "is_causal", False) is not False or call_arg(node, 3, "attn_mask") is None:
+            continue
+        mask = call_arg(node, 3, "attn_mask")
+        kept = sdpa_constant_mask(node)
+        if kept is None:
+            continue
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if len(args) > 3:
+            args[3] = None
+        else:
+            kwargs["attn_mask"] = None
+        if kept == "causal":
+            if len(args) > 5:
+                args[5] = True
+            else:
+                kwargs["is_causal"] = True
+        node.args, node.kwargs = tuple(args), kwargs
+        builders += constant_ancestors(mask)
+        folded.append(
+            f"{node.name}: attn_mask {mask.name} keeps {'the causal triangle: is_causal=True' if kept == 'causal' else 'every score: dropped'}"
+        )
+    if folded:
+        _erase_unread(gm.graph, builders)
+        gm.graph.lint()
+        gm.recompile()
+    return folded
+
+
+def _erase_unread(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase those of `nodes` (pure ones) that nothing reads any more, last first."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=lambda n: -position[n]):
+        if not node.users and node.op in ("call_function", "call_method") and not mutates(node):
+            graph.erase_node(node)
 
 
 def dense_sdpa_masks(gm: fx.GraphModule, devices: tuple[str, ...] = ("cuda",)) -> list[str]:
@@ -153,10 +208,7 @@ def _apply(graph: fx.Graph, rw: Rewrite) -> fx.Node:
     dead = [*rw.chain, *rw.peeled]
     if rw.mask == "causal":
         dead += constant_ancestors(rw.mask_node)
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for node in sorted(set(dead), key=lambda n: -position[n]):
-        if not node.users and node.op in ("call_function", "call_method") and not mutates(node):
-            graph.erase_node(node)
+    _erase_unread(graph, dead)
     return new
 
 

@@ -195,6 +195,30 @@ def _same_addresses_in_python(tensors: list, addresses: list[int], positions: li
 same_addresses = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _same_addresses_in_python)
 
 
+def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
+    """Which inputs set this call's key apart from the nearest one seen: what a user needs to find
+    the tensor that moves (a parameter replaced every step, an output kept from a plain run)."""
+    nearest = min(
+        (seen for seen in fn.seen if len(seen) == len(key)),
+        key=lambda seen: sum(a != b for a, b in zip(seen, key, strict=True)),
+        default=None,
+    )
+    if nearest is None:
+        return "a new number of inputs"
+    parts = []
+    for k, (a, b) in enumerate(zip(nearest, key, strict=True)):
+        if a == b:
+            continue
+        if k >= n_args:
+            parts.append(f"input {k - n_args}'s shape")
+        elif k in fn.static:
+            parts.append(f"static input {k}'s address")
+        else:
+            parts.append(f"input {k}'s strides or value")
+    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+    return f"this call differs from the nearest recorded one in {shown}"
+
+
 def _copy_index(t: torch.Tensor) -> Any:
     """Where a buffer with t's layout is written: broadcast (stride 0) dims at one position."""
     if all(st != 0 or n <= 1 for n, st in zip(t.shape, t.stride())):
@@ -296,7 +320,8 @@ class Pool:
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
                     f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "
-                    "addresses of parameters and other static inputs): it runs without CUDA graphs from here"
+                    f"addresses of parameters and other static inputs; {_what_changed(fn, key, len(args))}): "
+                    "it runs without CUDA graphs from here"
                 )
                 return None
             fn.seen.add(key)

@@ -413,7 +413,21 @@ def test_rerecording_is_bounded_then_one_warning(recorder):
                 assert fn([torch.full((n,), float(n))])[0].tolist() == [2.0 * n] * n, line
     messages = [str(w.message) for w in caught if "cudagraphs_max_graphs" in str(w.message)]
     assert len(messages) == 1 and len(recorder.recorded) == 2, line
+    assert "input 0's shape" in messages[0], messages
     assert fn.report is None or "off" in fn.report.cudagraphs
+
+
+def test_the_bound_names_a_static_input_whose_address_moves(recorder):
+    with config.override(cudagraphs_max_graphs=2):
+        fn = _graphed(recorder, static=(1,), program=lambda a: [a[0] + a[1]])
+    x = torch.ones(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replaced = [torch.ones(2) for _ in range(3)]  # all alive: three addresses
+        for weight in replaced:  # a "parameter" replaced by a new tensor every call
+            assert fn([x, weight])[0].tolist() == [2.0, 2.0]
+    messages = [str(w.message) for w in caught if "cudagraphs_max_graphs" in str(w.message)]
+    assert len(messages) == 1 and "static input 1's address" in messages[0], messages
 
 
 def test_dynamic_shapes_record_one_graph_per_shape(recorder):
