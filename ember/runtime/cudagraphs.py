@@ -169,7 +169,7 @@ def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     tags = set(target.tags)
     if getattr(torch.Tag, "cudagraph_unsafe", None) in tags:
         return f"{name} is marked cudagraph_unsafe"
-    if torch.Tag.dynamic_output_shape in tags:
+    if torch.Tag.dynamic_output_shape in tags and not _integer_indexing(target, args):
         return f"data-dependent sizes: {name}"
     if torch.Tag.data_dependent_output in tags:
         return f"a sync: {name} reads a device value on the host"
@@ -178,6 +178,20 @@ def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     ):
         return f"RNG with an explicit generator: {name} (only the default CUDA generator's state is graph-safe)"
     return None
+
+
+def _integer_indexing(target: Any, args: Sequence) -> bool:
+    """aten.index with integer index tensors only: its size follows from the indices' sizes. The
+    op is tagged with data-dependent sizes for boolean indices (`x[x > 0]`), whose count of True
+    entries sizes the result."""
+    if target is not torch.ops.aten.index.Tensor or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return False
+    indices = [i for i in args[1] if i is not None]
+    values = [i.meta.get("val") if isinstance(i, torch.fx.Node) else i for i in indices]
+    return bool(values) and all(
+        isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype not in (torch.bool, torch.uint8)
+        for v in values
+    )
 
 
 def _subgraph_refusals(gm: Any, node: torch.fx.Node) -> list[str]:

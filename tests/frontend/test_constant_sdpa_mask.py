@@ -45,6 +45,14 @@ def _bool_causal(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_positions_mask(q, k))
 
 
+def _dunder_causal(q, k, v):
+    """The comparisons as methods, as torch 2.11's Dynamo records transformers' `==` on CUDA."""
+    i = torch.arange(q.shape[-2])[:, None]
+    j = torch.arange(k.shape[-2])[None, :]
+    keep = j.__le__(i).__and__(i.__eq__(i).__invert__().__invert__())
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
 def _float_causal_min(q, k, v):
     keep = _positions_mask(q, k)
     mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min).to(q.dtype)
@@ -63,7 +71,9 @@ def _sliding_window(q, k, v):
 
 
 def _tril(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril())
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    )
 
 
 def _keep_everything(q, k, v):
@@ -82,7 +92,9 @@ def _qkv(L=8, S=8, requires_grad=False):
     return q, k, v
 
 
-@pytest.mark.parametrize("fn", [_bool_causal, _float_causal_min], ids=["bool", "float-finfo-min"])
+@pytest.mark.parametrize(
+    "fn", [_bool_causal, _dunder_causal, _float_causal_min], ids=["bool", "operator-methods", "float-finfo-min"]
+)
 def test_a_constant_causal_mask_becomes_is_causal(fn):
     q, k, v = _qkv()
     gm, inputs = _capture(fn, q, k, v)

@@ -491,6 +491,18 @@ def _aten_graph(target=None, args=(), kwargs=None, cpu_input: bool = False):
     "gm, device, reason",
     [
         pytest.param(lambda: _aten_graph(torch.ops.aten.nonzero.default), "cuda", "data-dependent sizes", id="sizes"),
+        pytest.param(
+            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(4, dtype=torch.bool)],)),
+            "cuda",
+            "data-dependent sizes",
+            id="boolean-index",
+        ),
+        pytest.param(
+            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(3, dtype=torch.long)],)),
+            "cuda",
+            None,
+            id="integer-index",
+        ),
         pytest.param(lambda: _aten_graph(torch.ops.aten._local_scalar_dense.default), "cuda", "a sync", id="sync"),
         pytest.param(
             lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,), {"generator": torch.Generator()}),
