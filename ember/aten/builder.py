@@ -44,6 +44,7 @@ class GraphBuilder:
         # branch or loop body becomes its own compiled graph (the pipeline passes it; this layer
         # cannot import the pipeline). None: such ops run as ATen calls.
         self.compile_subgraph: Callable[[torch.fx.GraphModule, str], Callable] | None = None
+        self._on_device: dict[Value, Value] = {}  # each CPU scalar's one copy to the device
 
     @property
     def device(self) -> torch.device:
@@ -88,13 +89,25 @@ class GraphBuilder:
             raise Unsupported(f"device {t.device}")
 
     def operand(self, x) -> Any:
-        """A kernel operand: a Value on the graph's device with a kernel dtype, or a scalar."""
+        """A kernel operand: a Value on the graph's device with a kernel dtype, or a scalar. A CPU
+        scalar tensor in a device graph is copied to the device once, as eager allows it beside
+        device tensors."""
         if isinstance(x, Value):
+            if x.device != self.graph.device and x.device.type == "cpu" and not x.shape:
+                x = self.to_device(x)
             self.check_kernel_tensor(x)
             return x
         if isinstance(x, (bool, int, float, Expr)):
             return x
         raise Unsupported(f"operand {type(x).__name__}")
+
+    def to_device(self, x: Value, origin: str = "to device") -> Value:
+        """`x`, a CPU scalar tensor, copied to the graph's device: one copy however many kernels read it."""
+        copied = self._on_device.get(x)
+        if copied is None:
+            meta = torch.empty((), dtype=x.dtype, device="meta")
+            copied = self._on_device[x] = self.extern_call(ToDevice(self.graph.device), (x,), {}, meta, origin=origin)
+        return copied
 
     def is_sym_float(self, x) -> bool:
         return isinstance(x, Value) and x in self.sym_floats
@@ -188,11 +201,28 @@ class GraphBuilder:
         }
         node = self.graph.add("extern", [], attrs, real, origin)
         node.inputs = values_in((args, kwargs))
+        # A result on the host in a device graph (an ATen op over a CPU scalar: `torch.tensor(d).sqrt()`
+        # in DeBERTa's attention) keeps its device: no kernel may read it where it is (`operand`).
+        host = [m for m in metas if isinstance(m, torch.Tensor)]
+        for value, m in zip(node.outputs, host, strict=True):
+            if m.device.type == "cpu" and self.graph.device.type != "cpu":
+                value.device = m.device
         outs = iter(node.outputs)
         results = [next(outs) if t is not None else None for t in out_types]
         if isinstance(meta, (list, tuple)):
             return tuple(results)
         return results[0]
+
+
+class ToDevice:
+    """An extern target that copies a (CPU scalar) tensor to the graph's device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.__name__ = "to_device"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device, non_blocking=True)
 
 
 def node_meta(node: torch.fx.Node) -> Any:

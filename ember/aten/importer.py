@@ -77,10 +77,7 @@ class Importer:
             if val.dim() == 0 and val.device.type == "cpu":
                 # A CPU scalar tensor beside device tensors (eager allows it: masked_fill's value):
                 # one copy to the device, and kernels read it like any other input.
-                meta = torch.empty((), dtype=val.dtype, device="meta")
-                return self.builder.extern_call(
-                    _ToDevice(self.graph.device), (value,), {}, meta, origin=f"{node.name} to device"
-                )
+                return self.builder.to_device(value, origin=f"{node.name} to device")
             return value
         if isinstance(val, (torch.SymInt, int)):
             expr = as_expr(val)
@@ -270,17 +267,6 @@ def _static_shape_promised_for_data_dependent(node: torch.fx.Node) -> bool:
     metas = metas if isinstance(metas, (list, tuple)) else [metas]
     shapes = [m.shape for m in metas if isinstance(m, torch.Tensor)]
     return bool(shapes) and all(isinstance(s, int) for shape in shapes for s in shape)
-
-
-class _ToDevice:
-    """An extern target that copies a (CPU scalar) tensor to the graph's device."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.__name__ = "to_device"
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.device, non_blocking=True)
 
 
 class _ConstantTensor:
