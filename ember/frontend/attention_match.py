@@ -543,7 +543,9 @@ _CONST_METHODS = {
     "__and__",
     "__or__",
 }
-_MAX_CONST_ELEMENTS = 1 << 24
+# A value evaluated here holds at most this many bytes of storage (an expanded view counts its
+# storage, not its broadcast elements): transformers' [8, 1, 2048, 2048] boolean mask is 32 MiB.
+_MAX_CONST_BYTES = 1 << 26
 
 
 def _constant(node: fx.Node, memo: dict) -> Any:
@@ -571,7 +573,7 @@ def _constant(node: fx.Node, memo: dict) -> Any:
         result = getattr(self, node.target)(*rest, **kwargs)
     else:
         result = node.target(*args, **kwargs)
-    _require(not isinstance(result, torch.Tensor) or result.numel() <= _MAX_CONST_ELEMENTS)
+    _require(not isinstance(result, torch.Tensor) or result.untyped_storage().nbytes() <= _MAX_CONST_BYTES)
     memo[node] = result
     return result
 
@@ -583,49 +585,125 @@ def _is_causal(rw: Rewrite, scores_shape) -> bool:
     if mask is None or any(d != 1 for d in mask.shape[:-2]):
         return False
     if rw.mask == "additive":
-        return mask.is_floating_point() and _keeps(mask, -math.inf) == "causal" and _square(L, S, mask)
+        return mask.is_floating_point() and _keeps(mask, -math.inf) == "causal" and _square(L, S, mask.shape[-2:])
     keep = ~mask if rw.invert_mask else mask
-    return mask.dtype == torch.bool and _keeps(keep) == "causal" and _square(L, S, mask)
+    return mask.dtype == torch.bool and _keeps(keep) == "causal" and _square(L, S, mask.shape[-2:])
 
 
-def sdpa_constant_mask(sdpa: fx.Node) -> str | None:
+def sdpa_constant_mask(sdpa: fx.Node, memo: dict | None = None) -> str | None:
     """What an SDPA call's `attn_mask`, when built from constants only, keeps: "causal" (exactly
     the lower triangle of a square score matrix, in every batch and head), "all" (every score), or
-    None (not constant, not evaluable here, or any other pattern).
+    None (not constant, not evaluable here, or any other pattern). `memo` (one per graph) keeps
+    each mask's answer: transformers' layers share one mask.
 
     A boolean mask keeps its True entries. A float mask keeps its zeros and may mask with -inf or
-    its dtype's most negative value (transformers masks with `finfo(dtype).min`): added to a score,
-    either gives an exponent that is exactly zero in softmax, and a causal row always keeps its
-    diagonal, so no row is left without a kept score (where -inf and `finfo.min` would differ)."""
-    mask = _evaluated(call_arg(sdpa, 3, "attn_mask"))
+    its dtype's most negative value (transformers masks with `finfo(dtype).min`): a causal row
+    always keeps its diagonal, so no row is left without a kept score, and a masked score's exponent
+    (the score plus that value, minus the row's maximum) underflows to zero in softmax unless
+    scores reach the value's magnitude (65504 for float16, 3.4e38 for bfloat16 and float32)."""
+    memo = {} if memo is None else memo
+    node = call_arg(sdpa, 3, "attn_mask")
+    if node not in memo.setdefault("kept", {}):
+        mask = _evaluated(node, memo.setdefault("values", {}))
+        kept = None
+        if mask is not None and mask.dtype == torch.bool:
+            kept = (_keeps(mask), tuple(mask.shape[-2:]))
+        elif mask is not None and mask.is_floating_point():
+            kept = (_keeps(mask, torch.finfo(mask.dtype).min), tuple(mask.shape[-2:]))
+        memo["kept"][node] = kept
+    kept = memo["kept"][node]
     q, k = example_value(call_arg(sdpa, 0, "query")), example_value(call_arg(sdpa, 1, "key"))
-    if mask is None or q is None or k is None or q.dim() < 2:
+    if kept is None or q is None or k is None or q.dim() < 2:
         return None
-    if mask.dtype == torch.bool:
-        kept = _keeps(mask)
-    elif mask.is_floating_point():
-        kept = _keeps(mask, torch.finfo(mask.dtype).min)
-    else:
+    pattern, last_two = kept
+    if pattern == "causal" and not _square(q.shape[-2], k.shape[-2], last_two):
         return None
-    if kept == "causal" and not _square(q.shape[-2], k.shape[-2], mask):
-        return None
-    return kept
+    return pattern
 
 
-def _evaluated(node: Any) -> torch.Tensor | None:
-    """`node`'s value, where it is a tensor of at least two dims built from constants only."""
+def _evaluated(node: Any, memo: dict | None = None) -> torch.Tensor | None:
+    """`node`'s value, where it is a tensor of at least two dims built from constants only, none of
+    which the graph writes in place (`m.tril_()`, `m[:, 5:] = False`: the node reads the value
+    before the write, the SDPA call after it)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     if not isinstance(node, fx.Node):
         return None
+    memo = {} if memo is None else memo
     try:
         with unset_fake_temporarily():
-            value = _constant(node, {})
+            value = _constant(node, memo)
     except _NoMatch:
         return None
     except (RuntimeError, TypeError, ValueError, IndexError):  # not evaluable here: not known
         return None
+    if _written_in_place(constant_ancestors(node)):
+        return None
     return value if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
+
+
+def _written_in_place(nodes: list[fx.Node]) -> bool:
+    """Whether an in-place op writes any of `nodes` or a value derived from them by the ops a
+    constant is built from (a view of it: `m.view(8, 8).tril_()`)."""
+    seen, todo = set(nodes), list(nodes)
+    while todo:
+        for user in todo.pop().users:
+            if mutates(user):
+                return True
+            if user not in seen and (
+                is_call(user, _CONST_FUNCS, _CONST_METHODS) or is_call(user, _ALIAS_FUNCS, _ALIAS_METHODS)
+            ):
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+# Ops whose result may share its input's memory: an in-place write through one writes the input.
+_ALIAS_FUNCS = {
+    getattr,  # x.T, x.mT
+    operator.getitem,
+    torch.transpose,
+    torch.permute,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.narrow,
+    torch.select,
+    torch.flatten,
+    torch.reshape,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.movedim,
+    torch.diagonal,
+    torch.t,
+    torch.detach,
+    torch.as_strided,
+}
+_ALIAS_METHODS = {
+    "t",
+    "transpose",
+    "permute",
+    "squeeze",
+    "narrow",
+    "select",
+    "as_strided",
+    "detach",
+    "flatten",
+    "unflatten",
+    "view_as",
+    "expand_as",
+    "reshape_as",
+    "split",
+    "chunk",
+    "unbind",
+    "unfold",
+    "diagonal",
+    "movedim",
+    "swapaxes",
+    "swapdims",
+    "contiguous",
+    "type_as",
+}
 
 
 def _keeps(mask: torch.Tensor, masked_fill: float | None = None) -> str | None:
@@ -646,9 +724,9 @@ def _keeps(mask: torch.Tensor, masked_fill: float | None = None) -> str | None:
     return "causal" if bool(torch.equal(keep, torch.ones(L, S, dtype=torch.bool).tril().expand_as(keep))) else None
 
 
-def _square(L: Any, S: Any, mask: torch.Tensor) -> bool:
+def _square(L: Any, S: Any, last_two: tuple) -> bool:
     """is_causal aligns the triangle top-left; only claim it where L == S, so that cannot matter."""
-    return isinstance(L, int) and isinstance(S, int) and L == S and tuple(mask.shape[-2:]) == (L, S)
+    return isinstance(L, int) and isinstance(S, int) and L == S and tuple(last_two) == (L, S)
 
 
 def constant_ancestors(node: fx.Node) -> list[fx.Node]:

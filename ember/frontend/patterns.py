@@ -66,14 +66,14 @@ def constant_sdpa_masks(gm: fx.GraphModule) -> list[str]:
     is_causal, flash (or cuDNN's) skips the masked half. Here the mask is evaluated once, when
     the graph is compiled (attention_match.sdpa_constant_mask says what counts as causal), and
     the nodes that built it are erased where nothing else reads them."""
-    folded, builders = [], []
+    folded, builders, memo = [], [], {}
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
             continue
         if call_arg(node, 5, "is_causal", False) is not False or call_arg(node, 3, "attn_mask") is None:
             continue
         mask = call_arg(node, 3, "attn_mask")
-        kept = sdpa_constant_mask(node)
+        kept = sdpa_constant_mask(node, memo)
         if kept is None:
             continue
         args, kwargs = list(node.args), dict(node.kwargs)

@@ -136,7 +136,9 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for reason in [extern_refusal(node.target, node.args, node.kwargs), *_subgraph_refusals(gm, node)]:
+        found = [extern_refusal(node.target, node.args, node.kwargs), *_subgraph_refusals(gm, node)]
+        found.append(_host_result(node, device))
+        for reason in found:
             if reason and reason not in reasons:
                 reasons.append(reason)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:
@@ -180,6 +182,19 @@ def extern_refusal(target: Any, args: Sequence, kwargs: dict) -> str | None:
     return None
 
 
+def _host_result(node: torch.fx.Node, device: torch.device) -> str | None:
+    """A CPU tensor computed inside a device graph (DeBERTa's `torch.tensor(d).sqrt()`): the host
+    computes it, and its copy to the device reads pageable host memory, which a capture cannot."""
+    if device.type == "cpu":
+        return None
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (list, tuple)) else [vals]
+    if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vals):
+        name = getattr(node.target, "__name__", str(node.target))
+        return f"a CPU tensor computed in the graph ({name})"
+    return None
+
+
 def _integer_indexing(target: Any, args: Sequence) -> bool:
     """aten.index with integer index tensors only: its size follows from the indices' sizes. The
     op is tagged with data-dependent sizes for boolean indices (`x[x > 0]`), whose count of True
@@ -189,7 +204,10 @@ def _integer_indexing(target: Any, args: Sequence) -> bool:
     indices = [i for i in args[1] if i is not None]
     values = [i.meta.get("val") if isinstance(i, torch.fx.Node) else i for i in indices]
     return bool(values) and all(
-        isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype not in (torch.bool, torch.uint8)
+        isinstance(v, torch.Tensor)
+        and v.device.type != "cpu"  # a host index is copied to the device inside the op
+        and not v.is_floating_point()
+        and v.dtype not in (torch.bool, torch.uint8)
         for v in values
     )
 

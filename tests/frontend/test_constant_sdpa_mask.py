@@ -80,6 +80,24 @@ def _keep_everything(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool))
 
 
+def _tril_in_place(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
+    m.tril_()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _set_in_place(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
+    m[:, 5:] = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
+def _written_through_a_view(q, k, v):
+    m = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool)
+    m.t().triu_()  # the transpose's upper triangle is the mask's lower one
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+
 def _mask_from_input(q, k, v, lengths):
     keep = torch.arange(k.shape[-2])[None, :] < lengths[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :])
@@ -123,14 +141,33 @@ def test_a_mask_that_keeps_every_score_is_dropped():
         (_sliding_window, (8, 8)),  # constant, but not causal
         (_float_causal_finite, (8, 8)),  # -1e4 is not "masked": a score could outweigh it
         (_tril, (4, 8)),  # not square: is_causal would align the triangle top-left
+        # written in place after it is built: the nodes that build it read it before the write
+        (_tril_in_place, (8, 8)),
+        (_set_in_place, (8, 8)),
+        (_written_through_a_view, (8, 8)),
     ],
-    ids=["sliding-window", "finite-fill", "rectangular"],
+    ids=["sliding-window", "finite-fill", "rectangular", "tril_", "setitem", "through-a-view"],
 )
 def test_other_constant_masks_stay(fn, shapes):
     q, k, v = _qkv(*shapes)
-    gm, _ = _capture(fn, q, k, v)
+    gm, inputs = _capture(fn, q, k, v)
     assert constant_sdpa_masks(gm) == []
     assert _sdpa_node(gm).kwargs.get("attn_mask") is not None
+    torch.testing.assert_close(gm(*inputs)[0], fn(q, k, v))
+
+
+def test_a_compiled_mask_written_in_place_matches_eager():
+    q, k, v = _qkv()
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(_set_in_place, backend="ember")(q, k, v), _set_in_place(q, k, v))
+
+
+def test_a_broadcast_mask_is_bounded_by_its_storage():
+    """transformers' mask at batch 80 × 512 tokens, [80, 1, 512, 512]: 21 MB of booleans, under the
+    64 MiB a value evaluated at compile time may hold (attention_match._MAX_CONST_BYTES)."""
+    q = torch.randn(80, 1, 512, 2)
+    gm, _ = _capture(_bool_causal, q, q, q)
+    assert len(constant_sdpa_masks(gm)) == 1
 
 
 def test_torch_tril_folds_on_a_square_score_matrix_only():
@@ -148,7 +185,12 @@ def test_a_mask_built_from_an_input_stays():
     assert constant_sdpa_masks(gm) == []
 
 
-def test_a_compiled_training_step_through_a_folded_mask_matches_eager():
+def test_a_compiled_training_step_through_a_folded_mask_matches_eager(monkeypatch):
+    from ember.frontend import patterns
+
+    folded = []
+    fold = patterns.constant_sdpa_masks
+    monkeypatch.setattr(patterns, "constant_sdpa_masks", lambda gm: folded.extend(fold(gm)) or folded)
     q, k, v = _qkv(requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(_bool_causal, backend="ember")
@@ -159,6 +201,7 @@ def test_a_compiled_training_step_through_a_folded_mask_matches_eager():
     torch.testing.assert_close(out, ref)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want)
+    assert len(folded) == 1 and "is_causal=True" in folded[0], folded
 
 
 def test_transformers_causal_lm_masks_fold():

@@ -470,6 +470,25 @@ def test_static_input_at_a_new_address_records_again(recorder):
     ), line
 
 
+def _fake(shape, dtype, device):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor(FakeTensorMode(), torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
+
+
+def _host_scalar_graph():
+    """A CUDA graph that computes a CPU scalar (DeBERTa's `torch.tensor(d).sqrt()`) and divides by it."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = _fake((4,), torch.float32, "cuda")
+    scale = graph.call_function(torch.ops.aten.sqrt.default, (torch.tensor(64.0),))
+    scale.meta["val"] = torch.empty(())
+    out = graph.call_function(torch.ops.aten.div.Tensor, (x, scale))
+    out.meta["val"] = _fake((4,), torch.float32, "cuda")
+    graph.output([out])
+    return types.SimpleNamespace(graph=graph)
+
+
 def _aten_graph(target=None, args=(), kwargs=None, cpu_input: bool = False):
     """An ATen graph on a CUDA device: `target(x, *args, **kwargs)`, optionally beside a CPU input."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -498,11 +517,18 @@ def _aten_graph(target=None, args=(), kwargs=None, cpu_input: bool = False):
             id="boolean-index",
         ),
         pytest.param(
-            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(3, dtype=torch.long)],)),
+            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([_fake((3,), torch.long, "cuda")],)),
             "cuda",
             None,
             id="integer-index",
         ),
+        pytest.param(
+            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(3, dtype=torch.long)],)),
+            "cuda",
+            "data-dependent sizes",
+            id="host-integer-index",
+        ),
+        pytest.param(_host_scalar_graph, "cuda", "a CPU tensor computed in the graph (sqrt.default)", id="host-result"),
         pytest.param(lambda: _aten_graph(torch.ops.aten._local_scalar_dense.default), "cuda", "a sync", id="sync"),
         pytest.param(
             lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,), {"generator": torch.Generator()}),
