@@ -34,6 +34,19 @@ ON_DEVICES = [pytest.param("cpp", "cpu", id="cpp"), pytest.param("triton", "cpu"
 GPT2_TEST_BLOCKS = 2
 
 
+def dynamo_graph(fn: Callable, *args: Any) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's Torch-level graph of `fn(*args)` (one graph, no breaks) and its inputs in its own order."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return graphs[0]
+
+
 def make_workload(name: str, scale: str, dtype: torch.dtype, device: str = "cpu") -> tuple[Any, tuple]:
     """WORKLOADS[name].make(scale, dtype, device), with a GPT-2 stack cut to GPT2_TEST_BLOCKS blocks."""
     fn, inputs = WORKLOADS[name].make(scale, dtype, device)

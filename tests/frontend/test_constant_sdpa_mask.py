@@ -9,18 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.frontend.patterns import constant_sdpa_masks
-
-
-def _capture(fn, *args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return graphs[0]
+from tests.helpers import dynamo_graph
 
 
 def _sdpa_node(gm):
@@ -115,7 +104,7 @@ def _qkv(L=8, S=8, requires_grad=False):
 )
 def test_a_constant_causal_mask_becomes_is_causal(fn):
     q, k, v = _qkv()
-    gm, inputs = _capture(fn, q, k, v)
+    gm, inputs = dynamo_graph(fn, q, k, v)
     folded = constant_sdpa_masks(gm)
     assert len(folded) == 1 and "is_causal=True" in folded[0], folded
     sdpa = _sdpa_node(gm)
@@ -127,7 +116,7 @@ def test_a_constant_causal_mask_becomes_is_causal(fn):
 
 def test_a_mask_that_keeps_every_score_is_dropped():
     q, k, v = _qkv()
-    gm, inputs = _capture(_keep_everything, q, k, v)
+    gm, inputs = dynamo_graph(_keep_everything, q, k, v)
     folded = constant_sdpa_masks(gm)
     assert len(folded) == 1 and "dropped" in folded[0], folded
     sdpa = _sdpa_node(gm)
@@ -150,7 +139,7 @@ def test_a_mask_that_keeps_every_score_is_dropped():
 )
 def test_other_constant_masks_stay(fn, shapes):
     q, k, v = _qkv(*shapes)
-    gm, inputs = _capture(fn, q, k, v)
+    gm, inputs = dynamo_graph(fn, q, k, v)
     assert constant_sdpa_masks(gm) == []
     assert _sdpa_node(gm).kwargs.get("attn_mask") is not None
     torch.testing.assert_close(gm(*inputs)[0], fn(q, k, v))
@@ -166,22 +155,22 @@ def test_a_broadcast_mask_is_bounded_by_its_storage():
     """transformers' mask at batch 80 × 512 tokens, [80, 1, 512, 512]: 21 MB of booleans, under the
     64 MiB a value evaluated at compile time may hold (attention_match._MAX_CONST_BYTES)."""
     q = torch.randn(80, 1, 512, 2)
-    gm, _ = _capture(_bool_causal, q, q, q)
+    gm, _ = dynamo_graph(_bool_causal, q, q, q)
     assert len(constant_sdpa_masks(gm)) == 1
 
 
 def test_torch_tril_folds_on_a_square_score_matrix_only():
     q, k, v = _qkv(8, 8)
-    gm, inputs = _capture(_tril, q, k, v)
+    gm, inputs = dynamo_graph(_tril, q, k, v)
     assert len(constant_sdpa_masks(gm)) == 1
     torch.testing.assert_close(gm(*inputs)[0], _tril(q, k, v))
-    gm, _ = _capture(_tril, *_qkv(4, 8))
+    gm, _ = dynamo_graph(_tril, *_qkv(4, 8))
     assert constant_sdpa_masks(gm) == []
 
 
 def test_a_mask_built_from_an_input_stays():
     q, k, v = _qkv()
-    gm, _ = _capture(_mask_from_input, q, k, v, torch.tensor([5, 8]))
+    gm, _ = dynamo_graph(_mask_from_input, q, k, v, torch.tensor([5, 8]))
     assert constant_sdpa_masks(gm) == []
 
 

@@ -8,18 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.frontend.patterns import dense_sdpa_masks
-
-
-def _capture(fn, *args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return graphs[0]  # the graph, and its inputs in its own order
+from tests.helpers import dynamo_graph
 
 
 def _attention(q, k, v, keep):
@@ -35,7 +24,7 @@ def _attention_positional(q, k, v, keep):
 def test_broadcast_last_dim_mask_is_made_contiguous():
     q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
     keep = torch.rand(2, 8) > 0.3
-    gm, inputs = _capture(_attention, q, k, v, keep)
+    gm, inputs = dynamo_graph(_attention, q, k, v, keep)
     made = dense_sdpa_masks(gm, devices=("cpu",))
     assert len(made) == 1 and "contiguous" in made[0], made
     sdpa = next(n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention)
@@ -48,8 +37,8 @@ def test_broadcast_last_dim_mask_is_made_contiguous():
 def test_unit_stride_mask_and_cpu_graphs_are_left_alone():
     q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
     keep = torch.rand(2, 8) > 0.3
-    assert dense_sdpa_masks(_capture(_attention_positional, q, k, v, keep)[0], devices=("cpu",)) == []
-    assert dense_sdpa_masks(_capture(_attention, q, k, v, keep)[0]) == []  # CUDA only by default
+    assert dense_sdpa_masks(dynamo_graph(_attention_positional, q, k, v, keep)[0], devices=("cpu",)) == []
+    assert dense_sdpa_masks(dynamo_graph(_attention, q, k, v, keep)[0]) == []  # CUDA only by default
 
 
 def _two_layers(q, k, v, keep):
@@ -62,7 +51,7 @@ def test_one_dense_copy_per_mask():
     # BERT's layers share one mask: a copy per layer kept 12 of them (201 MB) alive at once.
     q, k, v = (torch.randn(2, 3, 8, 4) for _ in range(3))
     keep = torch.rand(2, 8) > 0.3
-    gm, inputs = _capture(_two_layers, q, k, v, keep)
+    gm, inputs = dynamo_graph(_two_layers, q, k, v, keep)
     made = dense_sdpa_masks(gm, devices=("cpu",))
     sdpas = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
     copies = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
