@@ -20,8 +20,8 @@ rewritten only when SDPA computes the same function:
   and needs no gradient. At most one mask.
 * Masks: a fill must be exactly -inf (a finite fill such as `finfo.min` gives a fully masked
   row a uniform distribution where SDPA gives zeros, so it is left alone). A mask built only
-  from constants (`torch.tril(torch.ones(L, L))`, sliced, viewed, compared) is evaluated here;
-  if it is the lower triangle of a square score matrix the call becomes `is_causal=True`,
+  from constants (`torch.tril(torch.ones(L, L))`, sliced, viewed, compared) is evaluated at
+  compile time (constant_masks.py); if it is the lower triangle of a square score matrix the call becomes `is_causal=True`,
   otherwise the boolean mask itself is passed.
 * Casts: only to q's dtype or to float32. Dropping an fp32 upcast around softmax is exact in
   spirit because every SDPA backend keeps scores and softmax in fp32 for bf16/fp16 inputs
@@ -49,6 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ember.frontend.constant_masks import evaluated, keeps, square
+from ember.frontend.fx_nodes import call_arg, example_value, is_call, mutates
+
 _MATMUL_FUNCS = {operator.matmul, torch.matmul, torch.bmm, torch.Tensor.matmul, torch.Tensor.bmm}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
 _MUL_FUNCS = {operator.mul, torch.mul, torch.multiply, torch.Tensor.mul}
@@ -64,20 +67,6 @@ _TRANSPOSE_FUNCS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.Tenso
 _TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims"}
 _WHERE_FUNCS = {torch.where}
 _MASKED_FILL_FUNCS = {torch.masked_fill, torch.Tensor.masked_fill}
-_OUT_OF_PLACE_OPERATORS = {operator.and_, operator.or_, operator.not_}
-_INPLACE_OPERATORS = {
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-    operator.imatmul,
-    operator.ipow,
-    operator.iand,
-    operator.ior,
-    operator.ixor,
-    operator.setitem,
-}
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -121,29 +110,6 @@ def find_attention(gm: fx.GraphModule) -> list[Rewrite]:
 
 # ---------------------------------------------------------------------------------------------
 # Recognising nodes
-
-
-def is_call(node: Any, funcs: set, methods: set) -> bool:
-    if not isinstance(node, fx.Node):
-        return False
-    if node.op == "call_function":
-        return node.target in funcs
-    return node.op == "call_method" and node.target in methods
-
-
-def example_value(node: Any):
-    """The FakeTensor Dynamo recorded for `node`, or None."""
-    if not isinstance(node, fx.Node):
-        return None
-    v = node.meta.get("example_value")
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def call_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    # A method's args[0] is self, so `x.softmax(dim)` and `F.softmax(x, dim)` index alike.
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 def _number(x: Any) -> float | None:
@@ -226,20 +192,6 @@ def _transposed_last(node: fx.Node, ndim: int) -> fx.Node | None:
         if all(isinstance(d, int) for d in dims) and tuple(d % ndim for d in dims) == want:
             return node.args[0]
     return None
-
-
-def mutates(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("_")
-    if node.op == "call_function":
-        if node.target in _INPLACE_OPERATORS:
-            return True
-        if node.target in _OUT_OF_PLACE_OPERATORS:  # named with a trailing underscore, but pure
-            return False
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.startswith("_")
-    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,269 +424,13 @@ def _is_neg_inf(x: Any) -> bool:
     return isinstance(x, float) and x == -math.inf
 
 
-# ---------------------------------------------------------------------------------------------
-# Causal masks built from constants
-
-
-# Ops a mask may be built from to be evaluated here: factories and shape/compare ops only.
-_CONST_FUNCS = {
-    torch.ones,
-    torch.zeros,
-    torch.full,
-    torch.arange,
-    torch.tril,
-    torch.triu,
-    torch.logical_not,
-    torch.where,
-    torch.masked_fill,
-    operator.eq,
-    operator.ne,
-    operator.lt,
-    operator.le,
-    operator.gt,
-    operator.ge,
-    operator.invert,
-    operator.getitem,
-    operator.sub,
-    operator.add,
-    operator.neg,
-    operator.and_,
-    operator.or_,
-    torch.diff,
-    torch.cumsum,
-}
-_CONST_METHODS = {
-    "tril",
-    "triu",
-    "bool",
-    "float",
-    "to",
-    "view",
-    "reshape",
-    "unsqueeze",
-    "expand",
-    "logical_not",
-    "masked_fill",
-    "__getitem__",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "cumsum",
-    "diff",
-    # the operators as methods: how torch 2.11's Dynamo records `a == b` on some tensors
-    "__eq__",
-    "__ne__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__invert__",
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__neg__",
-    "new_ones",
-    "new_zeros",
-    "new_full",
-    "__and__",
-    "__or__",
-}
-# A value evaluated here holds at most this many bytes of storage (an expanded view counts its
-# storage, not its broadcast elements): transformers' [8, 1, 2048, 2048] boolean mask is 32 MiB.
-_MAX_CONST_BYTES = 1 << 26
-
-
-def _constant(node: fx.Node, memo: dict) -> Any:
-    """Evaluate `node` on the CPU if it is built from constants only; raises _NoMatch otherwise."""
-    if node in memo:
-        return memo[node]
-    _require(is_call(node, _CONST_FUNCS, _CONST_METHODS))
-
-    def value(a):
-        if isinstance(a, fx.Node):
-            return _constant(a, memo)
-        if isinstance(a, (tuple, list)):
-            return type(a)(value(x) for x in a)
-        if isinstance(a, slice):
-            return slice(value(a.start), value(a.stop), value(a.step))
-        _require(a is None or isinstance(a, (int, float, bool, torch.dtype, torch.device, str, type(...))))
-        return a
-
-    args = value(node.args)
-    kwargs = {k: (torch.device("cpu") if k == "device" else value(a)) for k, a in node.kwargs.items()}
-    if node.op == "call_method":
-        self, *rest = args
-        if node.target == "to":
-            rest = [a for a in rest if not isinstance(a, (torch.device, str))]
-        result = getattr(self, node.target)(*rest, **kwargs)
-    else:
-        result = node.target(*args, **kwargs)
-    _require(not isinstance(result, torch.Tensor) or result.untyped_storage().nbytes() <= _MAX_CONST_BYTES)
-    memo[node] = result
-    return result
-
-
 def _is_causal(rw: Rewrite, scores_shape) -> bool:
     """Whether the mask is, provably, SDPA's is_causal (lower triangle of a square score matrix)."""
     L, S = scores_shape[-2], scores_shape[-1]
-    mask = _evaluated(rw.mask_node)
+    mask = evaluated(rw.mask_node)
     if mask is None or any(d != 1 for d in mask.shape[:-2]):
         return False
     if rw.mask == "additive":
-        return mask.is_floating_point() and _keeps(mask, -math.inf) == "causal" and _square(L, S, mask.shape[-2:])
+        return mask.is_floating_point() and keeps(mask, -math.inf) == "causal" and square(L, S, mask.shape[-2:])
     keep = ~mask if rw.invert_mask else mask
-    return mask.dtype == torch.bool and _keeps(keep) == "causal" and _square(L, S, mask.shape[-2:])
-
-
-def sdpa_constant_mask(sdpa: fx.Node, memo: dict | None = None) -> str | None:
-    """What an SDPA call's `attn_mask`, when built from constants only, keeps: "causal" (exactly
-    the lower triangle of a square score matrix, in every batch and head), "all" (every score), or
-    None (not constant, not evaluable here, or any other pattern). `memo` (one per graph) keeps
-    each mask's answer: transformers' layers share one mask.
-
-    A boolean mask keeps its True entries. A float mask keeps its zeros and may mask with -inf or
-    its dtype's most negative value (transformers masks with `finfo(dtype).min`): a causal row
-    always keeps its diagonal, so no row is left without a kept score, and a masked score's exponent
-    (the score plus that value, minus the row's maximum) underflows to zero in softmax unless
-    scores reach the value's magnitude (65504 for float16, 3.4e38 for bfloat16 and float32)."""
-    memo = {} if memo is None else memo
-    node = call_arg(sdpa, 3, "attn_mask")
-    if node not in memo.setdefault("kept", {}):
-        mask = _evaluated(node, memo.setdefault("values", {}))
-        kept = None
-        if mask is not None and mask.dtype == torch.bool:
-            kept = (_keeps(mask), tuple(mask.shape[-2:]))
-        elif mask is not None and mask.is_floating_point():
-            kept = (_keeps(mask, torch.finfo(mask.dtype).min), tuple(mask.shape[-2:]))
-        memo["kept"][node] = kept
-    kept = memo["kept"][node]
-    q, k = example_value(call_arg(sdpa, 0, "query")), example_value(call_arg(sdpa, 1, "key"))
-    if kept is None or q is None or k is None or q.dim() < 2:
-        return None
-    pattern, last_two = kept
-    if pattern == "causal" and not _square(q.shape[-2], k.shape[-2], last_two):
-        return None
-    return pattern
-
-
-def _evaluated(node: Any, memo: dict | None = None) -> torch.Tensor | None:
-    """`node`'s value, where it is a tensor of at least two dims built from constants only, none of
-    which the graph writes in place (`m.tril_()`, `m[:, 5:] = False`: the node reads the value
-    before the write, the SDPA call after it)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    if not isinstance(node, fx.Node):
-        return None
-    memo = {} if memo is None else memo
-    try:
-        with unset_fake_temporarily():
-            value = _constant(node, memo)
-    except _NoMatch:
-        return None
-    except (RuntimeError, TypeError, ValueError, IndexError):  # not evaluable here: not known
-        return None
-    if _written_in_place(constant_ancestors(node)):
-        return None
-    return value if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
-
-
-def _written_in_place(nodes: list[fx.Node]) -> bool:
-    """Whether an in-place op writes any of `nodes` or a value derived from them by the ops a
-    constant is built from (a view of it: `m.view(8, 8).tril_()`)."""
-    seen, todo = set(nodes), list(nodes)
-    while todo:
-        for user in todo.pop().users:
-            if mutates(user):
-                return True
-            if user not in seen and (
-                is_call(user, _CONST_FUNCS, _CONST_METHODS) or is_call(user, _ALIAS_FUNCS, _ALIAS_METHODS)
-            ):
-                seen.add(user)
-                todo.append(user)
-    return False
-
-
-# Ops whose result may share its input's memory: an in-place write through one writes the input.
-_ALIAS_FUNCS = {
-    getattr,  # x.T, x.mT
-    operator.getitem,
-    torch.transpose,
-    torch.permute,
-    torch.squeeze,
-    torch.unsqueeze,
-    torch.narrow,
-    torch.select,
-    torch.flatten,
-    torch.reshape,
-    torch.split,
-    torch.chunk,
-    torch.unbind,
-    torch.movedim,
-    torch.diagonal,
-    torch.t,
-    torch.detach,
-    torch.as_strided,
-}
-_ALIAS_METHODS = {
-    "t",
-    "transpose",
-    "permute",
-    "squeeze",
-    "narrow",
-    "select",
-    "as_strided",
-    "detach",
-    "flatten",
-    "unflatten",
-    "view_as",
-    "expand_as",
-    "reshape_as",
-    "split",
-    "chunk",
-    "unbind",
-    "unfold",
-    "diagonal",
-    "movedim",
-    "swapaxes",
-    "swapdims",
-    "contiguous",
-    "type_as",
-}
-
-
-def _keeps(mask: torch.Tensor, masked_fill: float | None = None) -> str | None:
-    """ "all", "causal" or None for a boolean mask (kept: True), or for a float mask (kept: 0;
-    masked: -inf, or `masked_fill` where given)."""
-    if mask.dtype == torch.bool:
-        keep = mask
-    else:
-        masked = mask == -math.inf
-        if masked_fill is not None:
-            masked |= mask == masked_fill
-        keep = mask == 0
-        if not bool((keep | masked).all()):
-            return None
-    if bool(keep.all()):
-        return "all"
-    L, S = keep.shape[-2:]
-    return "causal" if bool(torch.equal(keep, torch.ones(L, S, dtype=torch.bool).tril().expand_as(keep))) else None
-
-
-def _square(L: Any, S: Any, last_two: tuple) -> bool:
-    """is_causal aligns the triangle top-left; only claim it where L == S, so that cannot matter."""
-    return isinstance(L, int) and isinstance(S, int) and L == S and tuple(last_two) == (L, S)
-
-
-def constant_ancestors(node: fx.Node) -> list[fx.Node]:
-    """The nodes a constant mask is built from (itself included), which a causal rewrite leaves unread."""
-    seen, todo = [], [node]
-    while todo:
-        n = todo.pop()
-        if n not in seen and is_call(n, _CONST_FUNCS, _CONST_METHODS):
-            seen.append(n)
-            todo.extend(n.all_input_nodes)
-    return seen
+    return mask.dtype == torch.bool and keeps(keep) == "causal" and square(L, S, mask.shape[-2:])

@@ -17,16 +17,9 @@ import torch.nn.functional as F
 from torch import fx
 
 from ember import config, faults, log
-from ember.frontend.attention_match import (
-    Rewrite,
-    call_arg,
-    constant_ancestors,
-    example_value,
-    find_attention,
-    is_call,
-    mutates,
-    sdpa_constant_mask,
-)
+from ember.frontend.attention_match import Rewrite, find_attention
+from ember.frontend.constant_masks import constant_ancestors, sdpa_constant_mask
+from ember.frontend.fx_nodes import call_arg, example_value, is_call, mutates
 
 
 def attention_pass(gm: fx.GraphModule) -> list[Rewrite]:
@@ -64,15 +57,15 @@ def constant_sdpa_masks(gm: fx.GraphModule) -> list[str]:
     cumsum over position ids, with no graph input among them. With a mask, SDPA's flash kernel
     is ineligible and the memory-efficient one runs, with its bias read per score; with
     is_causal, flash (or cuDNN's) skips the masked half. Here the mask is evaluated once, when
-    the graph is compiled (attention_match.sdpa_constant_mask says what counts as causal), and
+    the graph is compiled (constant_masks.sdpa_constant_mask says what counts as causal), and
     the nodes that built it are erased where nothing else reads them."""
     folded, builders, memo = [], [], {}
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
             continue
-        if call_arg(node, 5, "is_causal", False) is not False or call_arg(node, 3, "attn_mask") is None:
-            continue
         mask = call_arg(node, 3, "attn_mask")
+        if call_arg(node, 5, "is_causal", False) is not False or mask is None:
+            continue
         kept = sdpa_constant_mask(node, memo)
         if kept is None:
             continue

@@ -1,5 +1,5 @@
 """SDPA masks built from constants only, folded where they keep the causal triangle or every score
-(frontend/patterns.py: constant_sdpa_masks; what counts, attention_match.sdpa_constant_mask).
+(frontend/patterns.py: constant_sdpa_masks; what counts, constant_masks.sdpa_constant_mask).
 
 transformers builds its causal mask in the graph under torch.compile; with that mask SDPA cannot
 use flash attention. Each test checks the rewritten graph and that it computes what eager does."""
@@ -153,7 +153,7 @@ def test_a_compiled_mask_written_in_place_matches_eager():
 
 def test_a_broadcast_mask_is_bounded_by_its_storage():
     """transformers' mask at batch 80 × 512 tokens, [80, 1, 512, 512]: 21 MB of booleans, under the
-    64 MiB a value evaluated at compile time may hold (attention_match._MAX_CONST_BYTES)."""
+    64 MiB a value evaluated at compile time may hold (constant_masks._MAX_CONST_BYTES)."""
     q = torch.randn(80, 1, 512, 2)
     gm, _ = dynamo_graph(_bool_causal, q, q, q)
     assert len(constant_sdpa_masks(gm)) == 1
