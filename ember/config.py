@@ -467,6 +467,14 @@ SETTINGS: dict[str, Setting] = {
             "advise CPU buffers of 32 MiB or more to use transparent huge pages before their first "
             "write (one page fault per 2 MiB, not per 4 KiB; only where the kernel's THP mode is madvise)",
         ),
+        Setting(
+            "cpu_heap_retain_mb",
+            int,
+            256,
+            "once a CPU graph is compiled, glibc's malloc serves chunks below 32 MiB from its heap and keeps "
+            "up to this many MiB of freed heap, so a call's buffers are not faulted in and zeroed anew by "
+            "the kernel each call (runtime/heap.py); process-wide; 0 leaves malloc as it is",
+        ),
     ]
 }
 

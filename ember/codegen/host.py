@@ -31,6 +31,7 @@ from ember import config
 from ember.codegen.render import print_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr, contiguous_strides
+from ember.runtime import heap
 from ember.runtime.huge_pages import MIN_BYTES, huge_allocator
 from ember.schedule.kernel import kernel_parts
 from ember.schedule.memory import MemoryPlan, same_layout
@@ -223,6 +224,8 @@ class HostWriter:
         self.ns["device"] = self.device
         self.ns["empty"] = allocator(self.device)
         huge = huge_allocator(self.ns["empty"]) if self.device.type == "cpu" and config.get("cpu_huge_pages") else None
+        if self.device.type == "cpu":
+            heap.retain(config.get("cpu_heap_retain_mb"))
         if huge is not None:
             self.ns["empty_huge"] = huge
         ranges = config.get("profile_ranges")  # a profiler range named after each kernel launch

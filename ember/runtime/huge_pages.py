@@ -11,8 +11,8 @@ aligned interior `MADV_HUGEPAGE` before the first write makes those faults one p
 call takes 5.4 ms (docs/bench/cpu.md). PyTorch offers the same for every allocation behind
 `THP_MEM_ALLOC_ENABLE=1`; ember does it by default for its own large buffers only.
 
-Smaller buffers are left alone: below the threshold malloc usually hands back memory it has
-already faulted in, and advising pieces of its heap would only split its mappings. Mode `always`
+Smaller buffers are left alone: they come from malloc's heap, which ember keeps faulted in
+between calls (heap.py), and advising pieces of it would only split its mappings. Mode `always`
 needs no advice and mode `never` ignores it, so both get the plain allocator. The cost: a fault
 that finds no free huge page may compact memory first (the kernel's `defrag` setting), a latency
 the `cpu_huge_pages` setting turns off.

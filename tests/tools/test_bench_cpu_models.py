@@ -89,3 +89,25 @@ def test_harness_runs_onnxruntime_beside_ember_in_inference_only():
     header, rows, _ = report.table_rows(report.Run.of(records))
     column = header.index("ember ÷ ONNX Runtime")
     assert rows[0][column] != "-" and rows[1][column] == "-", (header, rows)
+
+
+def test_vision_batch_norms_are_at_a_trained_networks_scale():
+    """The vision rows' batch norms have scale 1, shift 0 and the image's own statistics, so that the
+    last blocks of a deep net compute on normal floats (transformers' weight-like init of the scales
+    left EfficientNet's output subnormal, which Intel CPUs run 10x slower)."""
+    _require("transformers")
+    (w,) = [w for w in WORKLOADS.values() if w.name == "cpu_efficientnet_b0"]
+    built = w.build(w.sizes["tiny"], CPU)
+    norms = [m for m in built.fn.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert norms and all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
+    first = norms[0]
+    seen = []
+    hook = first.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    built.fn.eval()
+    with torch.no_grad():
+        out = built.fn(*built.inputs)
+    hook.remove()
+    batch_mean = seen[0].mean(dim=(0, 2, 3))
+    torch.testing.assert_close(first.running_mean, batch_mean, rtol=1e-4, atol=1e-5)
+    tiny = torch.finfo(torch.float32).tiny
+    assert out.abs().mean() > 1e-3 and not ((out != 0) & (out.abs() < tiny)).any()

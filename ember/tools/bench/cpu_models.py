@@ -34,9 +34,33 @@ def _vision(family: str, model_cls: str, field: str, **kwargs):
             extra["attn_implementation"] = "sdpa"
         model = getattr(transformers, model_cls)(cls(**zoo._zero_dropouts({**extra, **kwargs}, cls)))
         m = zoo._no_dropout(zoo._Field(model, ("pixel_values",), field)).to(device)
-        return Built(m, (torch.randn(batch, 3, res, res, device=device),))
+        image = torch.randn(batch, 3, res, res, device=device)
+        _batch_norms_at_scale(m, image)
+        return Built(m, (image,))
 
     return build
+
+
+def _batch_norms_at_scale(model: torch.nn.Module, *inputs) -> None:
+    """Batch norms as a trained network has them: scale 1, shift 0, running statistics those of the
+    inputs. transformers initializes their scales like weights (normal, std 0.02), so in inference
+    each of EfficientNet's blocks shrinks its activations about 50-fold: the last blocks compute on
+    subnormal floats, which Intel CPUs take microcode assists for (EfficientNet-B0 ran 10x slower for
+    eager, ember and ONNX Runtime alike), a cost no trained model pays."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    training = model.training
+    for m in norms:
+        m.reset_parameters()
+        m.momentum = None  # the cumulative average: after one call, the call's own statistics
+    model.train()
+    with torch.no_grad():
+        model(*inputs)
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    model.train(training)
 
 
 def _whisper_encoder(size, device):
