@@ -468,6 +468,13 @@ SETTINGS: dict[str, Setting] = {
             "write (one page fault per 2 MiB, not per 4 KiB; only where the kernel's THP mode is madvise)",
         ),
         Setting(
+            "conv_bias_epilogue",
+            bool,
+            True,
+            "a CUDA convolution's bias is added by the ember kernel that reads its result, not by ATen's "
+            "own launch after cuDNN's (frontend/conv_bias.py; forward and inference graphs)",
+        ),
+        Setting(
             "cpu_heap_retain_mb",
             int,
             256,

@@ -1,0 +1,78 @@
+"""A CUDA convolution's bias peeled off into a pointwise add that ember fuses into the next kernel.
+Graphs are traced over fake CUDA tensors (no GPU needed), rewritten, then run on real CPU tensors
+against eager: the rewritten graph names no device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ember.frontend.conv_bias import peel_bias
+
+aten = torch.ops.aten
+
+
+def _traced_on_cuda(fn, *inputs):
+    """`fn` traced to ATen over fake CUDA copies of `inputs`, each node carrying its fake value."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda") for t in inputs]
+        return make_fx(fn)(*fakes)
+
+
+def _convolutions(gm):
+    return [n for n in gm.graph.nodes if n.target is aten.convolution.default]
+
+
+def _read_twice(y):
+    return y.relu() + y.sigmoid()
+
+
+CASES = {
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(2, 8, 10, 10), (16, 8, 3, 3), (16,)]),
+    "depthwise 7x7": (lambda x, w, b: F.conv2d(x, w, b, padding=3, groups=8), [(2, 8, 14, 14), (8, 1, 7, 7), (8,)]),
+    "conv3d": (lambda x, w, b: F.conv3d(x, w, b), [(1, 4, 5, 6, 7), (6, 4, 3, 3, 3), (6,)]),
+    "transposed": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), [(2, 8, 5, 5), (8, 4, 3, 3), (4,)]),
+    "read twice": (
+        lambda x, w, b: _read_twice(F.conv2d(x, w, b)),
+        [(1, 3, 8, 8), (5, 3, 3, 3), (5,)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bias_peeled_and_result_unchanged(name):
+    fn, shapes = CASES[name]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in shapes]
+    gm = _traced_on_cuda(fn, *inputs)
+    assert peel_bias(gm) == 1
+    (conv,) = _convolutions(gm)
+    assert conv.args[2] is None
+    (add,) = [u for u in conv.users]
+    assert add.target is aten.add.Tensor and add.meta["val"].device.type == "cuda"
+    torch.testing.assert_close(gm(*inputs), fn(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_result_keeps_its_layout():
+    x = torch.randn(2, 8, 10, 10).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(8, 1, 3, 3), torch.randn(8)
+    gm = _traced_on_cuda(lambda x, w, b: F.conv2d(x, w, b, groups=8), x, w, b)
+    before = [n.meta["val"].stride() for n in _convolutions(gm)]
+    peel_bias(gm)
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    result = output.args[0]
+    result = result[0] if isinstance(result, (list, tuple)) else result
+    assert result.target is aten.add.Tensor
+    assert result.meta["val"].stride() == before[0]  # what AOTAutograd was promised
+
+
+def test_left_alone_without_a_bias_or_off_the_gpu():
+    x, w = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    gm = _traced_on_cuda(lambda x, w: F.conv2d(x, w), x, w)
+    assert peel_bias(gm) == 0
+    cpu = make_fx(lambda x, w, b: F.conv2d(x, w, b), tracing_mode="fake")(x, w, torch.randn(4))
+    assert peel_bias(cpu) == 0 and _convolutions(cpu)[0].args[2] is not None
