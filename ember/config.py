@@ -473,6 +473,7 @@ SETTINGS: dict[str, Setting] = {
             True,
             "a CUDA convolution's bias is added by the ember kernel that reads its result, not by ATen's "
             "own launch after cuDNN's (frontend/conv_bias.py; forward and inference graphs)",
+            codegen=True,
         ),
         Setting(
             "cpu_heap_retain_mb",

@@ -12,8 +12,9 @@ profile` of HF ConvNeXt-tiny's inference on the H100, 22 of those bias launches 
 10.2 ms step. Inductor peels the bias off the same way.
 
 Forward and inference graphs only: a backward graph's convolution_backward computes the bias's
-gradient as it did. The result is rounded once more than cuDNN's (the convolution's output is
-stored in its dtype before the bias is added), as under Inductor.
+gradient as it did. Where ATen fused the bias into the convolution's own kernel (its depthwise and
+fallback kernels do), the result is now rounded to its dtype once more, before the add, as under
+Inductor; where ATen added it in a launch of its own, the rounding is the same.
 
 When: 2-d and 3-d convolutions (transposed too) on a CUDA device, with a bias.
 """
@@ -31,37 +32,48 @@ def peel_bias(gm: fx.GraphModule) -> int:
     returns how many did."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
+    if fake_mode is None:
+        return 0  # no fake values to check the rewrite against
     peeled = 0
-    for node in list(gm.graph.nodes):
-        if not _peelable(node):
-            continue
-        bias, out = node.args[2], node.meta["val"]
-        args = (*node.args[:2], None, *node.args[3:])
-        shape = [-1] + [1] * (out.dim() - 2)
-        with fake_mode:  # every value first: a failure leaves this convolution as it was
-            conv_val = aten.convolution.default(*fx.node.map_arg(args, lambda n: n.meta["val"]))
-            shaped_val = aten.view.default(bias.meta["val"], shape)
-            add_val = aten.add.Tensor(conv_val, shaped_val)
-        with gm.graph.inserting_before(node):
-            conv = gm.graph.call_function(aten.convolution.default, args)
-            shaped = gm.graph.call_function(aten.view.default, (bias, shape))
-            add = gm.graph.call_function(aten.add.Tensor, (conv, shaped))
-        for new, val in ((conv, conv_val), (shaped, shaped_val), (add, add_val)):
-            new.meta["val"] = val
-            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-                if key in node.meta:
-                    new.meta[key] = node.meta[key]
-        node.replace_all_uses_with(add)
-        gm.graph.erase_node(node)
-        peeled += 1
-    if peeled:
-        gm.graph.lint()
-        gm.recompile()
+    try:
+        for node in list(gm.graph.nodes):
+            if _peelable(node) and _peel(gm, node, fake_mode):
+                peeled += 1
+    finally:
+        if peeled:  # each rewrite is whole: the graph is valid even when a later one raised
+            gm.graph.lint()
+            gm.recompile()
     return peeled
 
 
+def _peel(gm: fx.GraphModule, node: fx.Node, fake_mode) -> bool:
+    """Rewrite one convolution; False (nothing changed) where the add would not reproduce its result's
+    shape, dtype and strides (an `aten.convolution` called with a bias of another dtype)."""
+    bias, out = node.args[2], node.meta["val"]
+    args = (*node.args[:2], None, *node.args[3:])
+    shape = [-1] + [1] * (out.dim() - 2)
+    with fake_mode:  # every value first: a failure leaves this convolution as it was
+        conv_val = aten.convolution.default(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+        shaped_val = aten.view.default(bias.meta["val"], shape)
+        add_val = aten.add.Tensor(conv_val, shaped_val)
+    if (add_val.shape, add_val.dtype, add_val.stride()) != (out.shape, out.dtype, out.stride()):
+        return False
+    with gm.graph.inserting_before(node):
+        conv = gm.graph.call_function(aten.convolution.default, args)
+        shaped = gm.graph.call_function(aten.view.default, (bias, shape))
+        add = gm.graph.call_function(aten.add.Tensor, (conv, shaped))
+    for new, val in ((conv, conv_val), (shaped, shaped_val), (add, add_val)):
+        new.meta["val"] = val
+        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+    node.replace_all_uses_with(add)
+    gm.graph.erase_node(node)
+    return True
+
+
 def _peelable(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target is not aten.convolution.default:
+    if node.op != "call_function" or node.target is not aten.convolution.default or node.kwargs:
         return False
     bias = node.args[2]
     out = node.meta.get("val")

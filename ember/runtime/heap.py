@@ -17,7 +17,8 @@ machine a 1x1 convolution from 16 to 96 channels over 112x112 took 1.35 ms a cal
 So, once a CPU graph is compiled, ember fixes both thresholds with `mallopt`: chunks below 32 MiB
 come from the heap (larger ones stay mmapped, where huge_pages.py applies), and the heap is shrunk
 only when more than `cpu_heap_retain_mb` of it is free. The cost is memory: up to that much freed
-memory stays with the process, as ONNX Runtime's arena keeps its own. The setting is the process's
+memory stays with each of malloc's arenas (one per thread that allocated, up to glibc's limit), as
+ONNX Runtime's arena keeps its own. The setting is the process's
 and outlives the graph: other code in the process (eager PyTorch, other compilers) runs with it too.
 Where the user chose glibc's thresholds (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_,
 GLIBC_TUNABLES) or another allocator replaces malloc, ember leaves it alone.
@@ -26,7 +27,6 @@ GLIBC_TUNABLES) or another allocator replaces malloc, ember leaves it alone.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -36,7 +36,7 @@ from ember import log
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its dynamic threshold on 64-bit
 _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
-_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+_USER_SETTINGS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
 _REPLACEMENTS = ("jemalloc", "tcmalloc", "mimalloc")  # preloaded allocators that serve malloc instead
 
 
@@ -45,7 +45,7 @@ def _glibc():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 (musl and others have no such symbol)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
@@ -60,6 +60,8 @@ def configure(mallopt, megabytes: int, environ) -> bool:
     or `environ` shows the user's own choice; whether they were set."""
     if mallopt is None or megabytes <= 0 or any(k in environ for k in _USER_SETTINGS):
         return False
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return False
     if any(name in environ.get("LD_PRELOAD", "") for name in _REPLACEMENTS):
         return False
     trim = min(megabytes << 20, 2**31 - 1)  # mallopt takes an int
@@ -72,12 +74,22 @@ def configure(mallopt, megabytes: int, environ) -> bool:
 
 
 _configured: list[bool] = []  # this process's outcome, once decided
+_first_value: list[int] = []  # the setting it was decided with
+_told: set[int] = set()  # later values already said to change nothing
 _lock = threading.Lock()
 
 
 def retain(megabytes: int) -> bool:
-    """`configure` this process's malloc on the first call; later calls, with any value, change nothing."""
+    """`configure` this process's malloc on the first call; later calls, with any value, change nothing
+    (a different value is said once, at EMBER_DEBUG=1)."""
     with _lock:
         if not _configured:
             _configured.append(configure(_glibc(), megabytes, os.environ))
+            _first_value.append(megabytes)
+        elif megabytes != _first_value[0] and megabytes not in _told:
+            _told.add(megabytes)
+            log.summary(
+                f"cpu_heap_retain_mb={megabytes} changes nothing: the process's first CPU graph set malloc "
+                f"with {_first_value[0]}"
+            )
         return _configured[0]

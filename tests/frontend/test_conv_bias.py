@@ -36,6 +36,10 @@ CASES = {
     "depthwise 7x7": (lambda x, w, b: F.conv2d(x, w, b, padding=3, groups=8), [(2, 8, 14, 14), (8, 1, 7, 7), (8,)]),
     "conv3d": (lambda x, w, b: F.conv3d(x, w, b), [(1, 4, 5, 6, 7), (6, 4, 3, 3, 3), (6,)]),
     "transposed": (lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2), [(2, 8, 5, 5), (8, 4, 3, 3), (4,)]),
+    "transposed, groups": (
+        lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2, groups=2),
+        [(2, 8, 5, 5), (8, 3, 3, 3), (6,)],
+    ),
     "read twice": (
         lambda x, w, b: _read_twice(F.conv2d(x, w, b)),
         [(1, 3, 8, 8), (5, 3, 3, 3), (5,)],
@@ -76,3 +80,33 @@ def test_left_alone_without_a_bias_or_off_the_gpu():
     assert peel_bias(gm) == 0
     cpu = make_fx(lambda x, w, b: F.conv2d(x, w, b), tracing_mode="fake")(x, w, torch.randn(4))
     assert peel_bias(cpu) == 0 and _convolutions(cpu)[0].args[2] is not None
+
+
+def test_a_bias_of_another_dtype_is_left_alone():
+    """`aten.convolution` called directly with a float32 bias on half inputs: the add would promote the
+    result, so the convolution stays whole."""
+    x, w, b = torch.randn(1, 3, 8, 8).half(), torch.randn(4, 3, 3, 3).half(), torch.randn(4)
+
+    def conv(x, w, b):
+        return aten.convolution.default(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+    try:
+        gm = _traced_on_cuda(conv, x, w, b)
+    except RuntimeError:
+        pytest.skip("this torch refuses the mixed dtypes while tracing")
+    assert peel_bias(gm) == 0
+
+
+def test_the_backend_hook_rewrites_cuda_graphs_only():
+    from ember.frontend.backend import _conv_bias_epilogue
+
+    x, w, b = torch.randn(1, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(4)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fakes = [torch.empty(t.shape, device="cuda") for t in (x, w, b)]
+    gm = _traced_on_cuda(lambda x, w, b: F.conv2d(x, w, b), x, w, b)
+    _conv_bias_epilogue(gm, fakes)
+    assert _convolutions(gm)[0].args[2] is None
+    cpu = make_fx(lambda x, w, b: F.conv2d(x, w, b), tracing_mode="fake")(x, w, b)
+    _conv_bias_epilogue(cpu, [x, w, b])
+    assert _convolutions(cpu)[0].args[2] is not None

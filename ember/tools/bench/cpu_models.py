@@ -51,7 +51,7 @@ def _batch_norms_at_scale(model: torch.nn.Module, *inputs) -> None:
     if not norms:
         return
     momenta = [m.momentum for m in norms]
-    training = model.training
+    modes = [(m, m.training) for m in model.modules()]
     for m in norms:
         m.reset_parameters()
         m.momentum = None  # the cumulative average: after one call, the call's own statistics
@@ -60,7 +60,8 @@ def _batch_norms_at_scale(model: torch.nn.Module, *inputs) -> None:
         model(*inputs)
     for m, momentum in zip(norms, momenta):
         m.momentum = momentum
-    model.train(training)
+    for m, training in modes:
+        m.training = training
 
 
 def _whisper_encoder(size, device):
