@@ -203,8 +203,8 @@ class GraphBuilder:
         node.inputs = values_in((args, kwargs))
         # A result on the host in a device graph (an ATen op over a CPU scalar: `torch.tensor(d).sqrt()`
         # in DeBERTa's attention) keeps its device: no kernel may read it where it is (`operand`).
-        host = [m for m in metas if isinstance(m, torch.Tensor)]
-        for value, m in zip(node.outputs, host, strict=True):
+        tensor_metas = [m for m in metas if isinstance(m, torch.Tensor)]
+        for value, m in zip(node.outputs, tensor_metas, strict=True):
             if m.device.type == "cpu" and self.graph.device.type != "cpu":
                 value.device = m.device
         outs = iter(node.outputs)

@@ -136,9 +136,8 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        found = [extern_refusal(node.target, node.args, node.kwargs), *_subgraph_refusals(gm, node)]
-        found.append(_host_result(node, device))
-        for reason in found:
+        found = [extern_refusal(node.target, node.args, node.kwargs), _host_result(node, device)]
+        for reason in [*found, *_subgraph_refusals(gm, node)]:
             if reason and reason not in reasons:
                 reasons.append(reason)
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:

@@ -73,8 +73,7 @@ def configure(mallopt, megabytes: int, environ) -> bool:
     return done
 
 
-_configured: list[bool] = []  # this process's outcome, once decided
-_first_value: list[int] = []  # the setting it was decided with
+_decided: list[tuple[int, bool]] = []  # the setting this process decided with, and whether malloc was set
 _told: set[int] = set()  # later values already said to change nothing
 _lock = threading.Lock()
 
@@ -83,13 +82,12 @@ def retain(megabytes: int) -> bool:
     """`configure` this process's malloc on the first call; later calls, with any value, change nothing
     (a different value is said once, at EMBER_DEBUG=1)."""
     with _lock:
-        if not _configured:
-            _configured.append(configure(_glibc(), megabytes, os.environ))
-            _first_value.append(megabytes)
-        elif megabytes != _first_value[0] and megabytes not in _told:
+        if not _decided:
+            _decided.append((megabytes, configure(_glibc(), megabytes, os.environ)))
+        first, outcome = _decided[0]
+        if megabytes != first and megabytes not in _told:
             _told.add(megabytes)
             log.summary(
-                f"cpu_heap_retain_mb={megabytes} changes nothing: the process's first CPU graph set malloc "
-                f"with {_first_value[0]}"
+                f"cpu_heap_retain_mb={megabytes} changes nothing: the process's first CPU graph set malloc with {first}"
             )
-        return _configured[0]
+        return outcome

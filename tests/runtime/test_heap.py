@@ -115,4 +115,4 @@ def test_reused_buffers_do_not_fault_again():
 def test_compiling_a_cpu_graph_sets_it():
     f = ember_compile(lambda x: x + 1, "cpp")
     torch.testing.assert_close(f(torch.ones(3)), torch.full((3,), 2.0))
-    assert heap._configured  # decided by the first CPU graph of the process
+    assert heap._decided  # decided by the first CPU graph of the process
