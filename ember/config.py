@@ -258,6 +258,22 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "gathers",
+            bool,
+            True,
+            "on the GPU, index_select, embedding and indexing by one integer tensor are computed by the kernels "
+            "that read them, at the rows the index holds (off: ATen's call)",
+            codegen=True,
+        ),
+        Setting(
+            "scatter_adds",
+            bool,
+            True,
+            "on the GPU, scatter_add, index_add and index_put(accumulate=True) into zeros are added atomically by "
+            "the kernel computing the added values (off: ATen's call)",
+            codegen=True,
+        ),
+        Setting(
             "overlap_collectives",
             bool,
             True,

@@ -360,9 +360,10 @@ class Target:
     # Programs of a row kernel that also sums its rows' columns (kernel.KColumnPartial); split.py
     # sizes those sums' chunks for them. 0: such kernels are not rendered.
     row_programs: int = 0
-    # Stores at rows an index tensor names, checked against the buffer's size in the kernel
-    # (kernel.KRow): a KV cache's update stored by the kernel computing it (schedule/indexed_store.py).
-    indexed_stores: bool = False
+    # Loads and stores at rows an index tensor names, checked against the buffer's size in the kernel
+    # (kernel.KRow): gathers computed where they are read (schedule/gathers.py), a KV cache's update
+    # stored by the kernel computing it, and scatter-adds accumulated atomically (schedule/indexed_store.py).
+    indexed_rows: bool = False
     heuristics: Heuristics = Heuristics()
 
     @property
@@ -383,7 +384,7 @@ class Target:
             self.launch_seconds,
             self.online_softmax,
             self.row_programs,
-            self.indexed_stores,
+            self.indexed_rows,
             astuple(self.heuristics),
         )
 

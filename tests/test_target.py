@@ -67,7 +67,7 @@ def test_the_key_holds_what_a_schedule_depends_on():
         {"sm_count": 114},
         {"row_programs": 0},
         {"online_softmax": False},
-        {"indexed_stores": True},
+        {"indexed_rows": True},
         {"arch": ("cuda", 80, 32)},
     )
     for other in (*others, {"flop_rate": 2.0}, {"launch_seconds": 3.0}):

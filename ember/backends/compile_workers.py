@@ -30,6 +30,12 @@ from collections.abc import Callable
 
 from ember import stats
 
+# Options of every kernel's compile and launch besides its warps and contraction. A kernel that checks
+# the rows it gathers or stores at is compiled in debug mode (codegen/triton.py: jit_decorator), which
+# would also check its 32-bit index arithmetic for overflow; eager's index math does not, and Inductor
+# turns those checks off too. Without debug mode the option changes nothing.
+KERNEL_OPTIONS = {"sanitize_overflow": False}
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Kernels per message: small enough to spread a graph's kernels evenly over the workers.
 BATCH = 4
@@ -222,7 +228,7 @@ def _serve() -> None:
         for name, args, consts, num_warps, fp_fusion in batch:
             try:
                 getattr(module, name).warmup(
-                    *args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts
+                    *args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **KERNEL_OPTIONS, **consts
                 )
                 results.append((name, None))
             except Exception as e:  # noqa: BLE001  (any failure: the parent compiles it again and reports it)

@@ -36,6 +36,7 @@ import sympy
 import torch
 
 from ember import config, log
+from ember.backends.compile_workers import KERNEL_OPTIONS
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.codegen.triton_launch import LaunchConfig
 from ember.codegen.triton_tuning import launch_candidates
@@ -340,7 +341,7 @@ def _prepare(
         if device.type == "cuda":
             r = sources[i]
             args = [p.value.dtype for p in r.params if p.kind == "buffer"] + _sizes(r)
-            fn.warmup(*args, grid=(1,), num_warps=r.launch.num_warps, **_constants(r))
+            fn.warmup(*args, grid=(1,), num_warps=r.launch.num_warps, **KERNEL_OPTIONS, **_constants(r))
         return fn
 
     with ThreadPoolExecutor(max(1, min(config.get("compile_threads"), len(sources)))) as pool:
@@ -389,7 +390,7 @@ def _launch(fn, r: TritonKernelSource, buffers: list[torch.Tensor]) -> Callable[
     consts = _constants(r)
 
     def run():
-        fn[grid](*buffers, *sizes, **consts, num_warps=r.launch.num_warps)
+        fn[grid](*buffers, *sizes, **consts, num_warps=r.launch.num_warps, **KERNEL_OPTIONS)
 
     run.launch = r.launch  # what it launches, for a timer that prices candidates (tests)
     return run

@@ -35,6 +35,7 @@ import torch
 
 from ember import config, log, stats
 from ember.backends import kernel_dedup, static_launch
+from ember.backends.compile_workers import KERNEL_OPTIONS
 from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
@@ -353,7 +354,9 @@ class TritonBackend:
         per_program = r.launch.rows_per_program or r.launch.xblock
         grid = f"triton.cdiv({xnumel}, {per_program})"
         keywords = ", ".join(f"{k}={v}" for k, v in consts.items())
-        slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={r.launch.num_warps}, enable_fp_fusion={_fp_fusion()})"
+        options = ", ".join(f"{k}={v}" for k, v in KERNEL_OPTIONS.items())
+        warps = r.launch.num_warps
+        slow = f"{name}[({grid},)]({', '.join(parts)}, {keywords}, num_warps={warps}, enable_fp_fusion={_fp_fusion()}, {options})"
         if name not in self.static and name not in self.direct:
             return slow, slow
         # Every parameter in order; the grid a number where the sizes are static, else computed per
@@ -495,7 +498,7 @@ def _make_target(device) -> Target:
         limits.flop_rate,
         limits.launch_seconds,
         online_softmax=True,
-        indexed_stores=True,
+        indexed_rows=True,
         row_programs=max(0, programs) if programs else sm_count,
         heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu), horizontal=_GPU_HORIZONTAL),
     )
@@ -529,7 +532,7 @@ def _direct_table_launch(handles: tuple, blocks: int, xblock: int) -> Callable:
 
 
 def _warmup(fn, args, consts, num_warps, fp_fusion):
-    return fn.warmup(*args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **consts)
+    return fn.warmup(*args, grid=(1,), num_warps=num_warps, enable_fp_fusion=fp_fusion, **KERNEL_OPTIONS, **consts)
 
 
 def launch_handles(compiled) -> tuple | None:

@@ -229,7 +229,7 @@ class CppRenderer(ColumnTiles, Renderer):
         return f"static_cast<{CPP_DTYPE[dst]}>({x})"
 
     def emit_store(self, store: KStore) -> None:
-        if store.row is not None:  # the C++ target does not set Target.indexed_stores
+        if store.row is not None:  # the C++ target does not set Target.indexed_rows
             raise NotImplementedError("the C++ target renders no indexed stores")
         self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
 

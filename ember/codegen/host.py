@@ -257,8 +257,13 @@ class HostWriter:
                 parts = kernel_parts(step.kernel)
                 scalars = [sym for part in parts for sym in part.size_symbols()]  # its size and scalar parameters
                 self._require_bound([*step.kernel.reads, *step.kernel.writes, *scalars], step.kernel.name)
+                added = {s.buffer: s.initial for part in parts for s in part.stores if s.accumulate}
                 for v in step.kernel.writes:
                     self._allocate(v)
+                    if v in added:  # a scatter-add adds into its initial value (schedule/indexed_store.py)
+                        initial = added[v]
+                        fill = "zero_()" if initial is None else f"copy_({self.names[initial.id]})"
+                        self.lines.append(f"    {self.names[v.id]}.{fill}")
                 if step.kernel.writes_nothing:
                     self.lines.append(f"    # {step.kernel.name}: every output is empty, nothing to launch")
                 else:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 
 from ember.ir.sizes import IndexDiv, IndexMod
-from ember.schedule.kernel import KConst, Kernel, KIndex, KNode, KReduce, KStore, walk
+from ember.schedule.kernel import KConst, Kernel, KIndex, KNode, KReduce, KRow, KStore, walk
 
 
 @dataclass
@@ -136,7 +136,8 @@ class Renderer:
             self.emit_node(a)
         if isinstance(node, KReduce):
             raise TypeError("reductions are finalized by their phase, not emitted on demand")
-        name = self.fresh()
+        # A row read from an index tensor is named by its symbol: index expressions hold that name.
+        name = node.symbol.name if isinstance(node, KRow) else self.fresh()
         self.names[id(node)] = name
         self.define(name, node)
 

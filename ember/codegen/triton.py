@@ -8,6 +8,7 @@ where some index needs them. Block sizes and warps come from triton_launch.py.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir import dtypes, ops
 from ember.ir.graph import layout_of
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore
+from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KRow, KStore, walk
 from ember.target import Target
 
 TRITON_DTYPE = {
@@ -184,6 +185,8 @@ class TritonRenderer(Renderer):
                 index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "//")
                 mask = " & ".join([self.mask(node.full)] + inside)
                 self.emit(f"{name} = tl.load({ptr} + {print_index(index, '//')}, {mask}, other=0)")
+        elif isinstance(node, KRow):
+            self._define_row(node)
         elif isinstance(node, KIndex):
             self.emit(f"{name} = {self.index_of(node.expr)}")
         elif isinstance(node, KConvert):
@@ -215,32 +218,41 @@ class TritonRenderer(Renderer):
         return self.ref(node)
 
     def _varies(self, index) -> bool:
-        """Whether an index expression depends on a loop variable (else it names one element)."""
-        return bool(self.kernel.index(index).free_symbols & set(self.kernel.index_vars))
+        """Whether an index expression depends on a loop variable, directly or through a row the kernel
+        reads from an index tensor (else it names one element)."""
+        return bool(self.kernel.index(index).free_symbols & self._varying)
+
+    @functools.cached_property
+    def _varying(self) -> set:
+        rows = {n.symbol for n in self.nodes if isinstance(n, KRow) and not is_scalar(n)}
+        return set(self.kernel.index_vars) | rows
 
     def emit_store(self, store: KStore) -> None:
         ptr = self.buffer_name(store.buffer)
         value = self._tensor(store.value, store.full)
         if store.row is not None:
-            self._emit_row(store)
+            self.emit_node(store.row)  # a store in a reduce phase is emitted there, with its operands
         offset = self.index_of(store.index)
         if not self._varies(store.index):
             offset += " + tl.zeros_like(xindex)"  # a block of pointers, so the mask applies
-        self.emit(f"tl.store({ptr} + {offset}, {value}, {self.mask(store.full)})")
+        if store.accumulate:
+            # Programs add into the same elements in any order (eager's CUDA scatter_add does too).
+            self.emit(f'tl.atomic_add({ptr} + {offset}, {value}, {self.mask(store.full)}, sem="relaxed")')
+        else:
+            self.emit(f"tl.store({ptr} + {offset}, {value}, {self.mask(store.full)})")
 
-    def _emit_row(self, store: KStore) -> None:
-        """Define the row a store writes (kernel.KRow) and check it as eager's device-side check
-        does: an index outside the buffer stops the kernel instead of writing another tensor's memory."""
-        row = store.row
-        self.emit_node(row.position)  # a store in a reduce phase is emitted there, with its operands
+    def _define_row(self, row: KRow) -> None:
+        """Define the row a load or store reaches (kernel.KRow) and check it as eager's device-side
+        check does: an index outside the buffer stops the kernel instead of reading or writing another
+        tensor's memory."""
         name, position, size = row.symbol.name, self.ref(row.position), print_index(row.size, "//")
         if row.wrap:
             self.emit(f"{name} = tl.where({position} < 0, {position} + {size}, {position})")
         else:
             self.emit(f"{name} = {position}")
-        inside = f"((0 <= {name}) & ({name} < {size})) | ~({self.mask(store.full)})"
+        inside = f"((0 <= {name}) & ({name} < {size})) | ~({self.mask(row.full)})"
         check = "ember_interpreted_assert" if self.interpreted else "tl.device_assert"
-        self.emit(f'{check}({inside}, "index out of bounds: {store.buffer.node.origin}")')
+        self.emit(f'{check}({inside}, "index out of bounds: {row.origin}")')
 
     # -- phases ----------------------------------------------------------------------------
     def open_phase(self, phase: int) -> None:
@@ -451,10 +463,11 @@ class TritonKernelSource:
 
 
 def jit_decorator(kernels: list[Kernel]) -> str:
-    """`@triton.jit`, compiled in debug mode where a kernel checks its indexed stores' rows
-    (TritonRenderer._emit_row): Triton drops device asserts otherwise. Functions a kernel calls are
-    compiled with its options."""
-    checks = any(s.row is not None for k in kernels for s in k.stores)
+    """`@triton.jit`, compiled in debug mode where a kernel checks the rows it gathers or stores at
+    (TritonRenderer._define_row): Triton drops device asserts otherwise. Functions a kernel calls are
+    compiled with its options. The launch turns off debug mode's checks of 32-bit index arithmetic for
+    overflow (backends/triton.py: LAUNCH_OPTIONS), which eager's indexing does not make either."""
+    checks = any(isinstance(n, KRow) for k in kernels for n in walk(k))
     return "@triton.jit(debug=True)" if checks else "@triton.jit"
 
 

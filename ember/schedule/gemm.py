@@ -268,8 +268,8 @@ def is_gemm_kernel(kernel: Kernel) -> bool:
 class GemmKernelBuilder(KernelBuilder):
     """KernelBuilder over the product's domain whose product value is the accumulator tile."""
 
-    def __init__(self, domain: Domain, group_id: int, owner: dict, gemm: GemmOp):
-        super().__init__(domain, group_id, owner)
+    def __init__(self, domain: Domain, group_id: int, owner: dict, gemm: GemmOp, gathers: dict | None = None):
+        super().__init__(domain, group_id, owner, gathers=gathers)
         self.gemm = gemm
         self.acc = KAcc(torch.float32, False, 0)
         # The operands come first: the template's A and B pointers (and the host's arguments).
@@ -286,6 +286,9 @@ class GemmKernelBuilder(KernelBuilder):
             return None
         index = VIEW_KINDS["reshape"].index(dom.vars(), tuple(value.shape), dom.shape, {"shape": dom.shape})
         return [simplify_index(sympy.expand(i), self.ranges) for i in index]
+
+    def gather(self, gather, index: list[Expr]) -> KNode:
+        raise NotFusable(f"the gather %{gather.value.name} in a GEMM template's epilogue")  # it renders no KRow
 
     def _offset(self, index: list[Expr], shape) -> Expr:
         flat = sum((i * s for i, s in zip(index, contiguous_strides(tuple(shape)))), sympy.Integer(0))
@@ -321,12 +324,20 @@ class GemmKernelBuilder(KernelBuilder):
 
 
 def build_gemm_kernel(
-    name: str, domain: Domain, group_id: int, roots: list[Value], stored: list[Value], owner: dict, gemm: GemmOp
+    name: str,
+    domain: Domain,
+    group_id: int,
+    roots: list[Value],
+    stored: list[Value],
+    owner: dict,
+    gemm: GemmOp,
+    gathers: dict | None = None,
 ) -> GemmKernel:
-    """The template kernel computing the product and the epilogue `roots`, storing `stored`."""
+    """The template kernel computing the product and the epilogue `roots`, storing `stored`. An epilogue
+    that reads a gather (`gathers`, schedule/gathers.py) is not fusable."""
     if domain.reduce_dims or tuple(domain.shape) != tuple(gemm.out.shape):
         raise NotFusable(f"a GEMM template iterates over its product's shape, not {domain}")
-    b = GemmKernelBuilder(domain, group_id, owner, gemm)
+    b = GemmKernelBuilder(domain, group_id, owner, gemm, gathers)
     stores = [b.store(v) for v in stored]
     for v in roots:
         if v not in stored:

@@ -45,9 +45,19 @@ def group_kernel(
     stored = list(roots) if stored is None else stored
     name = state.kernel_name(gid)
     if gid in state.gemms.by_group:
-        return build_gemm_kernel(name, domain, gid, roots, stored, state.owner, state.gemms.by_group[gid])
+        return build_gemm_kernel(
+            name, domain, gid, roots, stored, state.owner, state.gemms.by_group[gid], state.gathers
+        )
     kernel = build_kernel(
-        name, domain, gid, roots, stored, state.owner, state.target.column_partials, state.indexed_stores
+        name,
+        domain,
+        gid,
+        roots,
+        stored,
+        state.owner,
+        state.target.column_partials,
+        state.indexed_stores,
+        state.gathers,
     )
     if state.target.online_softmax:
         fold_online_softmax(kernel)

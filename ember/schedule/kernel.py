@@ -109,9 +109,32 @@ class KNode:
 
 
 @dataclass(eq=False)
+class KRow(KNode):
+    """A position along one dim of a buffer, read from an index tensor: the row a gather loads
+    (schedule/gathers.py) or a scatter stores (schedule/indexed_store.py). An index that uses it
+    holds `symbol` where that dim's position goes; the target defines `symbol` as `position` (an
+    integer the kernel computes) and checks that it lies in [0, size), after adding `size` to a
+    negative one where `wrap` (index_put's and indexing's -1 is the last row; index_copy's and
+    index_select's is out of range). `origin` names the op for the error."""
+
+    symbol: sympy.Symbol
+    position: KNode
+    size: Expr
+    wrap: bool
+    origin: str
+
+    def args(self):
+        return (self.position,)
+
+
+@dataclass(eq=False)
 class KLoad(KNode):
     buffer: Value
     index: Expr
+    rows: tuple[KRow, ...] = ()  # the gathered positions `index` uses (defined before the load)
+
+    def args(self):
+        return self.rows
 
     def __repr__(self):
         return f"load({self.buffer.name}[{self.index}])"
@@ -162,9 +185,15 @@ class KReduce(KNode):
 
 @dataclass(frozen=True)
 class IndexedStore:
-    """A scatter into a graph input that a kernel stores (schedule/indexed_store.py): `new`, the input
-    `dst`'s new value, is `dst` with the rows `index` names along `dim` set to `src` (broadcast to
-    `rows`, the written rows' shape)."""
+    """A scatter that a kernel stores (schedule/indexed_store.py): `new` is `dst` with the rows `index`
+    names along `dim` set to `src` (broadcast to `rows`, the written rows' shape), or, where
+    `accumulate`, with `src` added to them.
+
+    `index` holds one position per written row (a 1-d tensor over the rows' `dim`: index_copy,
+    index_put, index_add) or, where `per_element`, one per element (shaped as `rows`: scatter_add).
+    Without `accumulate`, `dst` is a graph input and `new` is stored into its memory; with it, `new` is a
+    buffer the host program fills with `dst` (zeroes, where `dst` is zeros: `initial` None) before the
+    kernel adds into it."""
 
     new: Value
     dst: Value
@@ -173,20 +202,24 @@ class IndexedStore:
     dim: int
     wrap: bool  # negative positions count from the end (index_put), else they are out of range
     rows: tuple[Expr, ...]
+    accumulate: bool = False
+    per_element: bool = False
+    initial: Value | None = None
 
 
-@dataclass(eq=False)
-class KRow:
-    """The row a store writes along one dim of its buffer, read from an index tensor: a store into a
-    mutated input at the rows an `index_copy_` or `index_put_` names (schedule/indexed_store.py).
-    The store's index holds `symbol` where that dim's position goes; the target defines it as
-    `position` (an integer the kernel computes) and checks that it lies in [0, size), after adding
-    `size` to a negative one where `wrap` (index_put's -1 is the last row; index_copy's is out of range)."""
+@dataclass(frozen=True)
+class Gather:
+    """A gather that kernels compute where they read it (schedule/gathers.py): `value` is `src` with
+    dim `dim` replaced by the dims of `index`, read at the positions `index` holds (index_select,
+    embedding, `x[:, idx]`), or, where `per_element`, shaped as `index`, each element read at the
+    position `index` holds there along `dim` (torch.gather)."""
 
-    symbol: sympy.Symbol
-    position: KNode
-    size: Expr
-    wrap: bool
+    value: Value
+    src: Value
+    index: Value
+    dim: int
+    wrap: bool  # negative positions count from the end (indexing), else they are out of range
+    per_element: bool = False
 
 
 @dataclass(eq=False)
@@ -197,6 +230,8 @@ class KStore:
     phase: int
     full: bool
     row: KRow | None = None  # a store at rows an index tensor names (KRow); None: at the domain position
+    accumulate: bool = False  # adds into the buffer atomically (a scatter-add), else writes it
+    initial: Value | None = None  # what an accumulating store's buffer holds before the kernel: None, zeros
 
 
 @dataclass(eq=False)
@@ -261,12 +296,13 @@ class Kernel:
     def size_symbols(self) -> list[sympy.Symbol]:
         exprs = list(self.loop_sizes) + list(self.rewritten.values())
         exprs += [n.expr for n in walk(self) if isinstance(n, KIndex)]
-        exprs += [s.row.size for s in self.stores if s.row is not None]
-        rows = {s.row.symbol for s in self.stores if s.row is not None}  # defined in the kernel
+        rows = [n for n in walk(self) if isinstance(n, KRow)]
+        exprs += [r.size for r in rows]
+        defined = {r.symbol for r in rows}  # in the kernel
         syms: set = set()
         for e in exprs:
             syms |= {s for s in e.free_symbols if not s.name.startswith("d") and not s.name.startswith("l")}
-        return sorted(syms - rows, key=lambda s: s.name)
+        return sorted(syms - defined, key=lambda s: s.name)
 
 
 def walk(kernel: Kernel) -> list[KNode]:
@@ -282,7 +318,7 @@ def walk(kernel: Kernel) -> list[KNode]:
 
     for s in kernel.stores:
         if s.row is not None:
-            visit(s.row.position)
+            visit(s.row)
         visit(s.value)
     for r in kernel.reduces:
         visit(r)

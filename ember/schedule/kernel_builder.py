@@ -25,6 +25,7 @@ from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 from ember.schedule.kernel import (
     COLUMN_PARTIAL_KINDS,
     Domain,
+    Gather,
     IndexedStore,
     KColumnPartial,
     KConst,
@@ -78,16 +79,23 @@ class KernelBuilder:
 
     owner:   realized Value -> id of the group that computes it (loads come from its buffer)
     indexed: values stored at rows an index names (schedule/indexed_store.py) -> how
+    gathers: values read at positions an index holds (schedule/gathers.py) -> how
     """
 
     def __init__(
-        self, domain: Domain, group_id: int, owner: dict[Value, int], indexed: dict[Value, IndexedStore] | None = None
+        self,
+        domain: Domain,
+        group_id: int,
+        owner: dict[Value, int],
+        indexed: dict[Value, IndexedStore] | None = None,
+        gathers: dict[Value, Gather] | None = None,
     ):
         self.domain = domain
         self.group_id = group_id
         self.owner = owner
         self.indexed = indexed or {}
-        self.row_stores = 0  # KRow symbols named so far
+        self.gathers = gathers or {}
+        self.row_symbols = 0  # KRow symbols named so far
         self.ranges = dict(zip(domain.vars(), domain.shape))
         self.reduce_vars = {domain.vars()[d] for d in domain.reduce_dims}
         self.cse: dict[tuple, KNode] = {}
@@ -97,6 +105,7 @@ class KernelBuilder:
         self.origins: dict[str, None] = {}
         self.fx_nodes: dict[str, None] = {}  # the ATen FX nodes they were
         self.column_partials: list[KColumnPartial] = []
+        self.rows_by_symbol: dict[sympy.Symbol, KRow] = {}
 
     def record_origin(self, node) -> None:
         """Note the ATen op (and its FX node) an IR node of this kernel came from."""
@@ -161,14 +170,41 @@ class KernelBuilder:
 
     def load(self, value: Value, index: list[Expr]) -> KNode:
         offset = sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0))
+        rows = tuple(r for r in self.rows_by_symbol.values() if r.symbol in offset.free_symbols)
         # A loop of extent 1 is at 0: a load indexed by it does not vary along it (a split's
         # [S, N/S] chunks with S = N read each chunk's first row once, not once per step).
         ones = {v: 0 for v in offset.free_symbols if self.ranges.get(v) == 1}
         offset = simplify_index(sympy.expand(offset.subs(ones) if ones else offset), self.ranges)
         self.reads.setdefault(value, None)
-        full = bool(offset.free_symbols & self.reduce_vars)
-        raw = self._intern(("load", value.id, offset), lambda: KLoad(value.dtype, full, 0, value, offset))
+        full = bool(offset.free_symbols & self.reduce_vars) or any(r.full for r in rows)
+        ready = max((r.ready for r in rows), default=0)
+        raw = self._intern(("load", value.id, offset), lambda: KLoad(value.dtype, full, ready, value, offset, rows))
         return self.convert(raw, dtypes.compute_dtype(value.dtype))
+
+    def row(self, position: KNode, size: Expr, wrap: bool, origin: str) -> KRow:
+        """The position `position` names along a dim of `size` (kernel.KRow), one per distinct
+        position: two gathers by one index share it."""
+
+        def make() -> KRow:
+            symbol = index_symbol(f"row{self.row_symbols}")
+            self.row_symbols += 1
+            row = KRow(torch.int64, position.full, position.ready, symbol, position, sympy.sympify(size), wrap, origin)
+            self.rows_by_symbol[symbol] = row
+            return row
+
+        return self._intern(("row", id(position), sympy.sympify(size), wrap), make)
+
+    def gather(self, gather: Gather, index: list[Expr]) -> KNode:
+        """`gather.value` at `index`: its source read at the row the index tensor holds there."""
+        dim, depth = gather.dim, len(gather.index.shape)
+        at = index if gather.per_element else index[dim : dim + depth]
+        position = self.convert(self.expr(gather.index, at), torch.int64)
+        src = gather.src
+        row = self.row(position, src.shape[dim], gather.wrap, gather.value.node.origin)
+        self.record_origin(gather.value.node)  # its result is the source's load: expr() does not note it
+        if gather.per_element:
+            return self.expr(src, [row.symbol if d == dim else i for d, i in enumerate(index)])
+        return self.expr(src, [*index[:dim], row.symbol, *index[dim + depth :]])
 
     # The core: the expression for `value` at `index` (a list of index expressions).
     def expr(self, value: Value, index: list[Expr]) -> KNode:
@@ -185,6 +221,8 @@ class KernelBuilder:
         owner = self.owner.get(value)
         if value in self.indexed and owner == self.group_id:
             raise NotFusable(f"%{value.name} is read in the kernel that scatters its rows")
+        if value in self.gathers and (owner is None or owner == self.group_id):
+            return self.gather(self.gathers[value], index)
         if node.op in ("input", "extern") or (owner is not None and owner != self.group_id):
             return self.load(value, index)
         if node.op == "view":
@@ -290,22 +328,24 @@ class KernelBuilder:
         return KStore(value, offset, stored, result.ready, full)
 
     def indexed_store(self, store: IndexedStore) -> KStore:
-        """The rows `store.src` stored into `store.new` (the input's memory) at the positions
-        `store.index` holds along `store.dim` (an indexed_store.IndexedStore)."""
+        """The rows `store.src` stored into (or, where `store.accumulate`, added to) `store.new` at the
+        positions `store.index` holds along `store.dim` (an indexed_store.IndexedStore)."""
         index = self.domain.index_for(store.rows)
         if index is None:
             raise NotFusable(f"rows {store.rows} of %{store.new.name} do not fit domain {self.domain}")
         src = self.expr(store.src, broadcast_index(index, store.src.shape, store.rows))
         value = self.convert(src, store.new.dtype)
-        position = self.convert(self.expr(store.index, [index[store.dim]]), torch.int64)
-        symbol = index_symbol(f"row{self.row_stores}")
-        self.row_stores += 1
-        at = [symbol if d == store.dim else i for d, i in enumerate(index)]
+        at_index = index if store.per_element else [index[store.dim]]
+        position = self.convert(self.expr(store.index, at_index), torch.int64)
+        row = self.row(position, store.dst.shape[store.dim], store.wrap, store.new.node.origin)
+        at = [row.symbol if d == store.dim else i for d, i in enumerate(index)]
         offset = sympy.expand(sum((i * s for i, s in zip(at, layout_of(store.new))), sympy.Integer(0)))
-        row = KRow(symbol, position, sympy.sympify(store.dst.shape[store.dim]), store.wrap)
-        full = value.full or position.full or bool(offset.free_symbols & self.reduce_vars)
+        full = value.full or row.full or bool(offset.free_symbols & self.reduce_vars)
         self.record_origin(store.new.node)
-        return KStore(store.new, offset, value, max(value.ready, position.ready), full, row)
+        if store.initial is not None:
+            self.reads.setdefault(store.initial, None)  # copied into the buffer before the kernel runs
+        ready = max(value.ready, row.ready)
+        return KStore(store.new, offset, value, ready, full, row, store.accumulate, store.initial)
 
 
 def column_partial_input(value: Value, domain: Domain) -> Value | None:
@@ -357,12 +397,14 @@ def build_kernel(
     owner,
     column_partials: bool = False,
     indexed: dict[Value, IndexedStore] | None = None,
+    gathers: dict[Value, Gather] | None = None,
 ) -> Kernel:
     """Build the kernel computing `roots` (reductions included) and storing `stored`.
     `column_partials`: the target renders KColumnPartial, so roots that are chunked column sums
     over this domain's rows are accumulated by the row loop. `indexed`: values stored at rows an
-    index names (schedule/indexed_store.py; realize.py keeps them among the values always stored)."""
-    b = KernelBuilder(domain, group_id, owner, indexed)
+    index names (schedule/indexed_store.py; realize.py keeps them among the values always stored).
+    `gathers`: values read at the positions an index holds (schedule/gathers.py)."""
+    b = KernelBuilder(domain, group_id, owner, indexed, gathers)
     summed = {v: column_partial_input(v, domain) for v in roots} if column_partials else {}
     partial = {v: x for v, x in summed.items() if x is not None}
     stores = [b.store(v) for v in stored if v not in partial]
@@ -472,13 +514,34 @@ def _memory_order(kernel: Kernel, group: list[tuple]) -> list[tuple]:
     if not candidates:
         return group
     _, _, ref = max(candidates, key=lambda c: (c[0], c[1]))
+    # A gathered row (KRow) jumps across its buffer as the dims its position depends on advance:
+    # those dims go outside the ones the load walks contiguously (a graph network's [edges, features]
+    # messages are read a feature row at a time, not a column of scattered rows).
+    jumps = {v for r in walk(kernel) if isinstance(r, KRow) and r.symbol in ref.free_symbols for v in _walked(r)}
     strides = {}
     for v, _, _ in group:
         split = affine_split(sympy.expand(ref), v)
         if split is None or not sympy.sympify(split[0]).is_Integer:
             return group  # not affine, or a symbolic stride: keep the logical order
-        strides[v] = abs(int(split[0]))
+        strides[v] = abs(int(split[0])) or (sys.maxsize if v in jumps else 0)
     return sorted(group, key=lambda d: -strides[d[0]])  # stable: equal strides keep their order
+
+
+def _walked(node: KNode) -> set:
+    """The domain variables the loads and positions under `node` depend on."""
+    found: set = set()
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, KLoad):
+            found |= n.index.free_symbols
+        elif isinstance(n, KIndex):
+            found |= n.expr.free_symbols
+        stack.extend(n.args())
+    return found
 
 
 def _bytes_for_ranking(v: Value) -> int:

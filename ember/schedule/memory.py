@@ -296,18 +296,21 @@ class _Placer:
                 self.born[v] = pos
 
     def _place_output(self, kernel: Kernel, v: Value, pos: int, taken: set[Value], others: set[Value]) -> None:
-        inp = self.uses.mutated_input(v, kernel, pos)
+        rows = [s for s in kernel.stores if s.row is not None and s.buffer is v]
+        # A scatter-add's buffer is zeroed before the kernel runs (codegen/host.py): never memory it reads.
+        added = bool(rows) and all(s.accumulate for s in rows)
+        inp = None if added else self.uses.mutated_input(v, kernel, pos)
         if inp is not None and inp not in others:
             self.plan.reuse[v] = inp
             self.plan.inplace.add(v)
             self.plan.mutations_in_place.add(inp)
             self.holder[v] = inp  # the caller's memory: not counted in the peak
             return
-        if any(s.row is not None and s.buffer is v for s in kernel.stores):
+        if rows and not added:
             # It writes only the rows an index names: anywhere but in its input, the rest would be unset.
             # indexed_store.py takes a scatter only where this cannot happen.
             raise RuntimeError(f"the rows of %{v.name} must be stored into their input, and cannot be")
-        donor = self._in_place_donor(kernel, v, pos, taken | others)
+        donor = None if added else self._in_place_donor(kernel, v, pos, taken | others)
         if donor is not None:
             self.plan.inplace.add(v)
             taken.add(donor)

@@ -36,23 +36,23 @@ def view_chain(value: Value) -> tuple[Value, list[Node]]:
 def realize_stored(state: ScheduleState) -> None:
     """Values that are stored whatever fuses (outputs, extern inputs, alias bases), and reductions."""
     graph = state.graph
-    needed = [o for o in graph.outputs if isinstance(o, Value)]
+    # A scatter's rows are written by its own kernel, which no reader of the result can join; a
+    # scatter-add's initial value is copied into its buffer by the host.
+    needed = [o for o in graph.outputs if isinstance(o, Value)] + list(state.indexed_stores)
+    needed += [s.initial for s in state.indexed_stores.values() if s.initial is not None]
     for node in graph.nodes:
         if state.is_extern(node):
             needed += node.value_inputs()
     realized: list[Value] = []
     for v in needed:
-        if v in state.indexed_stores:
-            realized.append(v)  # a kernel stores it (indexed_store.py)
-            continue
-        if v.node.op in ("input", "extern"):
+        if not state.computed_by_kernel(v):
             continue
         if v.node.op == "view":
             root, _ = view_chain(v)
             layout = _alias_layout(v, root, layout_of(root))
             if layout is not None:
                 state.aliases[v] = AliasStep(v, root, *layout)
-                if root.node.op not in ("input", "extern"):
+                if state.computed_by_kernel(root):
                     realized.append(root)
                 continue
         realized.append(v)

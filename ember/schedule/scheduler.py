@@ -2,7 +2,8 @@
 
 Each pass reads and fills in one record, state.ScheduleState; each module holds one pass:
 
-0. indexed_store.py: scatters into graph inputs that kernels store (a KV cache's update);
+0. indexed_store.py: scatters that kernels store (a KV cache's update) or add atomically (a scatter-add);
+   gathers.py: gathers that kernels compute where they read them (index_select, embedding);
 1. realize.py: which values live in memory (outputs, extern inputs, reductions, aliases of views);
 2. gemm_plan.py: which matrix products ember's GEMM template runs, each realized in a group of its own;
 3. realize.py: pointwise values cheaper computed once (read by several kernels, or broadcast transcendental work);
@@ -21,6 +22,7 @@ from __future__ import annotations
 from ember import config
 from ember.ir.graph import Graph
 from ember.schedule.fusion import FusionPolicy, fuse
+from ember.schedule.gathers import plan_gathers
 from ember.schedule.gemm import GemmChooser
 from ember.schedule.gemm_plan import plan_gemm_templates
 from ember.schedule.groups import make_groups
@@ -69,6 +71,7 @@ def schedule(
 def run_passes(state: ScheduleState, eager_peak: int | None, policy: FusionPolicy) -> None:
     """The scheduling passes, once, in order, over a state that holds only the graph and its target."""
     plan_indexed_stores(state)
+    plan_gathers(state)
     realize_stored(state)
     plan_gemm_templates(state)
     realize_shared(state)

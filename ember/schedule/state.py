@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ember.ir.graph import Graph, Node, Value
 from ember.schedule.gemm import GemmChooser, GemmGroups, GemmOp
-from ember.schedule.kernel import Domain, IndexedStore, Kernel
+from ember.schedule.kernel import Domain, Gather, IndexedStore, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.schedule.steps import AliasStep, FusionDecision, Schedule, Step
 from ember.target import Heuristics, HorizontalHeuristics, Target
@@ -53,6 +53,8 @@ class ScheduleState:
     read_outside: set[Value] = field(default_factory=set)
     # A scatter into a graph input that a kernel stores (indexed_store.py): the input's new value -> how.
     indexed_stores: dict[Value, IndexedStore] = field(default_factory=dict)
+    # A gather that kernels compute where they read it (gathers.py): its value -> how.
+    gathers: dict[Value, Gather] = field(default_factory=dict)
     gemm_plans: dict[int, GemmOp] = field(default_factory=dict)  # id(extern node) -> product run as the template
     gemms: GemmGroups = field(default_factory=GemmGroups)  # template groups and their merge rule
     groups: dict[int, Group] = field(default_factory=dict)
@@ -70,10 +72,18 @@ class ScheduleState:
         return f"{self.kernel_prefix}{gid}"
 
     def is_extern(self, node: Node) -> bool:
-        """An extern step: an ATen call neither the GEMM template nor an indexed store takes over."""
+        """An extern step: an ATen call that neither the GEMM template, an indexed store nor a gather
+        takes over."""
         if node.op != "extern" or id(node) in self.gemm_plans:
             return False
-        return not (node.outputs and node.outputs[0] in self.indexed_stores)
+        return not (node.outputs and (node.outputs[0] in self.indexed_stores or node.outputs[0] in self.gathers))
+
+    def computed_by_kernel(self, v: Value) -> bool:
+        """Whether a kernel computes v: not a graph input, nor an ATen call's result (unless an indexed
+        store or a gather takes the call over)."""
+        if v.node.op == "input":
+            return False
+        return v.node.op != "extern" or v in self.indexed_stores or v in self.gathers
 
     def needed_outside(self, v: Value, members: set[int]) -> bool:
         """Whether a kernel made of the groups `members` must store v: someone outside reads it."""

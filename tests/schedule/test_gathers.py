@@ -1,0 +1,174 @@
+"""Gathers computed by the kernels that read them, and scatter-adds added atomically by the kernels computing
+the added values (schedule/gathers.py, schedule/indexed_store.py): checked against eager through Triton's
+interpreter, with each graph's report (the op among a kernel's, no ATen call), and the cases that must stay
+ATen calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.report import collecting
+from tests.helpers import assert_close, ember_compile, repro, tensors
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def messages(x, w, src, weight):
+    """A graph convolution's messages: each edge's source row of x @ w, scaled by the edge's weight."""
+    return (x @ w).index_select(0, src) * weight.view(-1, 1)
+
+
+def embed(table, ids, positions):
+    return torch.nn.functional.embedding(ids, table) * 2 + positions
+
+
+def columns(x, idx):
+    return (x[:, idx] + 1).relu()  # indexing wraps -1 to the last column
+
+
+def gather_per_element(x, idx):
+    return x.exp().gather(1, idx) * 3  # the source computed where the kernel reads it
+
+
+def gathered_row_sums(x, idx):
+    return x[idx].sum(-1)
+
+
+def graph_convolution(x, w, b, edges, weight):
+    """torch_geometric's GCN layer as it reaches ATen: gather, scale, scatter-add, bias; and the degrees."""
+    h = x @ w
+    src, dst = edges[0], edges[1]
+    msg = h.index_select(0, src) * weight.view(-1, 1)
+    out = torch.zeros_like(h).scatter_add_(0, dst.view(-1, 1).expand_as(msg), msg)
+    degree = torch.zeros(x.shape[0]).scatter_add_(0, dst, torch.ones_like(weight))
+    return out + b, degree
+
+
+def combine_experts(x, idx, weights):
+    return torch.zeros(6, 4).index_add_(0, idx, x * weights[:, None])
+
+
+def accumulate_rows(ids, g):
+    out = torch.zeros(10, 4)
+    out.index_put_((ids,), g * 2, accumulate=True)  # -1 is the last row
+    return out
+
+
+def add_into_computed(x, idx, src):
+    return (x * 2).scatter_add(0, idx, src.sigmoid())  # the initial value is not zeros: copied first
+
+
+def _run(fn, args, **options):
+    torch._dynamo.reset()
+    with collecting() as report:
+        got = ember_compile(fn, "triton", **options)(*args)
+    want = fn(*args)
+    line = repro(backend="triton", device="cpu", fn=fn.__name__)
+    for g, w in zip(tensors(got), tensors(want)):
+        assert_close(g, w, **TOL, what="result", line=line)
+    return report.graphs, line
+
+
+def _kernels_and_calls(graphs, op):
+    kernels = [k for g in graphs for k in g.kernels if any(op in o for o in k.ops)]
+    return kernels, [e for g in graphs for e in g.externs if op in e]
+
+
+GATHERS = [
+    (messages, (torch.randn(8, 4), torch.randn(4, 4), torch.randint(0, 8, (16,)), torch.rand(16)), "index_select"),
+    (embed, (torch.randn(10, 6), torch.randint(0, 10, (2, 3)), torch.randn(3, 6)), "embedding"),
+    (columns, (torch.randn(3, 7, 2), torch.tensor([-1, 2, 0, 6])), "index"),
+    (gather_per_element, (torch.randn(4, 7), torch.randint(0, 7, (4, 3))), "gather"),
+    (gathered_row_sums, (torch.randn(9, 33), torch.randint(0, 9, (5,))), "index"),
+]
+
+
+@pytest.mark.parametrize("fn,args,op", GATHERS, ids=[f.__name__ for f, _, _ in GATHERS])
+def test_gather_is_computed_by_the_kernel_reading_it(fn, args, op):
+    graphs, line = _run(fn, args)
+    kernels, calls = _kernels_and_calls(graphs, op)
+    assert kernels and not calls, f"{[g.externs for g in graphs]}\n{line}"
+    assert all("index out of bounds" in k.source and "debug=True" in k.source for k in kernels), line
+
+
+SCATTER_ADDS = [
+    (
+        graph_convolution,
+        (torch.randn(8, 4), torch.randn(4, 4), torch.randn(4), torch.randint(0, 8, (2, 20)), torch.rand(20)),
+        "scatter_add",
+    ),
+    (combine_experts, (torch.randn(9, 4), torch.randint(0, 6, (9,)), torch.rand(9)), "index_add"),
+    (accumulate_rows, (torch.tensor([1, -1, 3, 3, 9]), torch.randn(5, 4)), "index_put"),
+    (add_into_computed, (torch.randn(5, 3), torch.randint(0, 5, (7, 3)), torch.randn(7, 3)), "scatter_add"),
+]
+
+
+@pytest.mark.parametrize("fn,args,op", SCATTER_ADDS, ids=[f.__name__ for f, _, _ in SCATTER_ADDS])
+def test_scatter_add_is_added_atomically_by_the_kernel_computing_the_values(fn, args, op):
+    graphs, line = _run(fn, args)
+    kernels, calls = _kernels_and_calls(graphs, op)
+    assert kernels and not calls, f"{[g.externs for g in graphs]}\n{line}"
+    assert all("tl.atomic_add" in k.source for k in kernels), line
+
+
+def test_graph_convolution_is_one_kernel_from_gather_to_scatter():
+    args = (torch.randn(8, 4), torch.randn(4, 4), torch.randn(4), torch.randint(0, 8, (2, 20)), torch.rand(20))
+    graphs, line = _run(graph_convolution, args)
+    fused = [k for k in _kernels_and_calls(graphs, "scatter_add")[0] if "index_select" in k.ops]
+    assert fused, f"{[(k.name, k.ops) for g in graphs for k in g.kernels]}\n{line}"
+
+
+def test_graph_convolution_gradients_match_eager():
+    torch.manual_seed(0)
+    x, edges, weight = torch.randn(8, 4), torch.randint(0, 8, (2, 20)), torch.rand(20)
+    w, b = torch.randn(4, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    w2, b2 = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch._dynamo.reset()
+    with collecting() as report:
+        out, _ = ember_compile(graph_convolution, "triton")(x, w, b, edges, weight)
+        out.square().sum().backward()
+    graph_convolution(x, w2, b2, edges, weight)[0].square().sum().backward()
+    line = repro(backend="triton", device="cpu", fn="graph_convolution backward")
+    assert_close(w.grad, w2.grad, **TOL, what="w.grad", line=line)
+    assert_close(b.grad, b2.grad, **TOL, what="b.grad", line=line)
+    # The backward's gather (scatter_add's gradient) and index_add (index_select's) run in kernels.
+    calls = [e for g in report.graphs for e in g.externs if e in ("gather", "index_add", "scatter_add")]
+    assert not calls, f"{[g.externs for g in report.graphs]}\n{line}"
+
+
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (messages, (torch.randn(8, 4), torch.randn(4, 4), torch.tensor([0, 8]), torch.rand(2))),
+        (accumulate_rows, (torch.tensor([1, 10]), torch.randn(2, 4))),
+    ],
+    ids=["gather", "scatter_add"],
+)
+def test_position_out_of_range_raises(fn, args):
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="index out of bounds"):
+        ember_compile(fn, "triton")(*args)
+
+
+def test_settings_off_and_deterministic_mode_keep_the_aten_calls():
+    args = (torch.randn(8, 4), torch.randn(4, 4), torch.randn(4), torch.randint(0, 8, (2, 20)), torch.rand(20))
+    graphs, line = _run(graph_convolution, args, gathers=False, scatter_adds=False)
+    assert _kernels_and_calls(graphs, "index_select")[1] and _kernels_and_calls(graphs, "scatter_add")[1], line
+    torch.use_deterministic_algorithms(True)
+    try:
+        graphs, line = _run(combine_experts, (torch.randn(9, 4), torch.randint(0, 6, (9,)), torch.rand(9)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    kernels, calls = _kernels_and_calls(graphs, "index_add")
+    assert calls and not kernels, line  # repeated rows are added in ATen's defined order
+
+
+def test_gathered_rows_are_read_along_their_features():
+    """The innermost loop walks a gathered row's features (contiguous), not the edges (rows scattered
+    over the source): the source, the largest buffer, is the reference for the loop order."""
+    args = (torch.randn(64, 32), torch.randn(32, 32), torch.randn(32), torch.randint(0, 64, (2, 16)), torch.rand(16))
+    graphs, line = _run(graph_convolution, args)
+    (scatter,) = [k for k in _kernels_and_calls(graphs, "scatter_add")[0] if "index_select" in k.ops]
+    assert "(xindex) % 32" in scatter.source, f"{scatter.source}\n{line}"
