@@ -364,6 +364,9 @@ class Target:
     # (kernel.KRow): gathers computed where they are read (schedule/gathers.py), a KV cache's update
     # stored by the kernel computing it, and scatter-adds accumulated atomically (schedule/indexed_store.py).
     indexed_rows: bool = False
+    # The dtypes whose stores the code generator adds atomically (kernel.KStore.accumulate): a
+    # scatter-add of another dtype stays ATen's call (schedule/indexed_store.py).
+    atomic_adds: tuple = ()
     heuristics: Heuristics = Heuristics()
 
     @property
@@ -385,6 +388,7 @@ class Target:
             self.online_softmax,
             self.row_programs,
             self.indexed_rows,
+            self.atomic_adds,
             astuple(self.heuristics),
         )
 

@@ -30,11 +30,23 @@ from ember.codegen.cpp_combo import render_cpp_combo
 from ember.codegen.render import print_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
-from ember.schedule.kernel import ComboKernel, Kernel
+from ember.schedule.kernel import ComboKernel, Kernel, KRow, walk
 from ember.schedule.memory import MemoryPlan
 from ember.target import Heuristics, RealizeHeuristics, Target
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def _raising_on_bad_rows(fn, kernel: Kernel):
+    """A kernel that reads or writes rows an index tensor names (kernel.KRow) returns whether one was out of
+    range (codegen/cpp.py): raise as eager's indexing does, naming the ops."""
+    ops = ", ".join(dict.fromkeys(kernel.origins))
+
+    def launch(*args):
+        if fn(*args):
+            raise IndexError(f"index out of bounds in {kernel.name} ({ops})")
+
+    return launch
 
 
 class ToolchainError(RuntimeError):
@@ -147,6 +159,11 @@ class CppBackend:
             bandwidth=limits.bandwidth,
             flop_rate=limits.flop_rate,
             launch_seconds=limits.launch_seconds,
+            indexed_rows=True,
+            # No scatter-add in kernels: on 2 cores, torch_geometric's GCN (10k nodes, 50k edges, 64 features)
+            # took 30.1 ms with `omp atomic` adds and 14.0 ms with one thread's plain adds, against 12.7 ms
+            # with ATen's scatter_add after the fused gather.
+            atomic_adds=(),
             heuristics=Heuristics(realize=RealizeHeuristics(shared_readers=4)),
         ).tuned(config.get("heuristics"))
 
@@ -176,9 +193,10 @@ class CppBackend:
         namespace = {}
         for k in kernels:
             fn = getattr(self.lib, k.name)
-            fn.restype = None
+            checked = isinstance(k, Kernel) and any(isinstance(n, KRow) for n in walk(k))
+            fn.restype = ctypes.c_int64 if checked else None
             fn.argtypes = [ctypes.c_void_p if p.kind == "buffer" else ctypes.c_int64 for p in self.params[k.name]]
-            namespace[k.name] = fn
+            namespace[k.name] = _raising_on_bad_rows(fn, k) if checked else fn
         return namespace
 
     def _compile(self, source: str) -> ctypes.CDLL:

@@ -477,6 +477,14 @@ _GPU_SPLIT = SplitHeuristics(partials=131072)
 _GPU_HORIZONTAL = HorizontalHeuristics(table_min_parts=2)
 
 
+def _atomic_adds(arch: tuple) -> tuple:
+    """The float dtypes Triton adds atomically on `arch`: bf16 from sm_90, where the GPU has a bf16 atomic
+    add (the interpreter, arch (), adds any)."""
+    wide = (torch.float32, torch.float64, torch.float16)
+    bf16 = not arch or (arch[0] == "cuda" and isinstance(arch[1], int) and arch[1] >= 90)
+    return (*wide, torch.bfloat16) if bf16 else wide
+
+
 def _make_target(device) -> Target:
     """The Target of `device` (None: the CPU, through the interpreter)."""
     device = device if device is not None else torch.device("cpu")
@@ -487,18 +495,20 @@ def _make_target(device) -> Target:
     # count; -1 none): on the H100 a LayerNorm's forward and backward ran fastest so, against
     # half and twice as many.
     programs = config.get("column_partial_programs")
+    arch = _gpu_arch() if gpu else ()
     target = Target(
         "triton",
         device.type,
         limits.name,
         interpreting(),
         sm_count,
-        _gpu_arch() if gpu else (),
+        arch,
         limits.bandwidth,
         limits.flop_rate,
         limits.launch_seconds,
         online_softmax=True,
         indexed_rows=True,
+        atomic_adds=_atomic_adds(arch),
         row_programs=max(0, programs) if programs else sm_count,
         heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu), horizontal=_GPU_HORIZONTAL),
     )

@@ -19,7 +19,7 @@ from ember.codegen.render import Renderer, print_index, unclamped
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
 from ember.schedule.cost import row_passes
-from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KStore
+from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KRow, KStore
 from ember.target import CppHeuristics, Target
 
 CPP_DTYPE = {
@@ -171,6 +171,9 @@ class CppRenderer(ColumnTiles, Renderer):
         super().__init__(kernel)
         self.shared = shared  # buffers that share memory with another parameter: not __restrict__
         self.h = heuristics or CppHeuristics()  # the target's loop shapes (target.heuristics.cpp)
+        # Rows read from an index tensor (kernel.KRow) are checked: the kernel returns whether one was out
+        # of range (backends/cpp.py raises), and its loops carry no `omp simd` (a checked row stores a flag).
+        self.checks_rows = any(isinstance(n, KRow) for n in self.nodes)
 
     @staticmethod
     def ctype(dtype: torch.dtype) -> str:
@@ -206,6 +209,8 @@ class CppRenderer(ColumnTiles, Renderer):
             if inside:  # a replicate_pad read: loaded where in range only, its reader selects the rest away
                 load = f"({' && '.join(inside)}) ? {load} : static_cast<{t}>(0)"
             self.emit(f"{t} {name} = {load};")
+        elif isinstance(node, KRow):
+            self._define_row(node)
         elif isinstance(node, KIndex):
             self.emit(f"{t} {name} = {self.index_of(node.expr)};")
         elif isinstance(node, KConvert):
@@ -228,10 +233,25 @@ class CppRenderer(ColumnTiles, Renderer):
             return f"({x} != 0)"
         return f"static_cast<{CPP_DTYPE[dst]}>({x})"
 
+    def _define_row(self, row: KRow) -> None:
+        """Define the row a load or store reaches (kernel.KRow). One outside the buffer is recorded for the
+        kernel's result, as eager's check raises, and replaced by row 0, so that no other memory is touched."""
+        name, position, size = row.symbol.name, self.ref(row.position), print_index(row.size, "/")
+        self.emit(f"int64_t {name} = static_cast<int64_t>({position});")
+        if row.wrap:
+            self.emit(f"if ({name} < 0) {name} += {size};")
+        self.emit(f"if ({name} < 0 || {name} >= {size}) {{")
+        self.emit("    __atomic_store_n(&ember_bad_row, int64_t(1), __ATOMIC_RELAXED);")
+        self.emit(f"    {name} = 0;")
+        self.emit("}")
+
     def emit_store(self, store: KStore) -> None:
-        if store.row is not None:  # the C++ target does not set Target.indexed_rows
-            raise NotImplementedError("the C++ target renders no indexed stores")
-        self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
+        if store.row is not None:
+            self.emit_node(store.row)
+        target = f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}]"
+        if store.accumulate:
+            raise NotImplementedError("the C++ target adds nothing atomically (its Target.atomic_adds is empty)")
+        self.emit(f"{target} = {self.ref(store.value)};")
 
     # -- loops -------------------------------------------------------------------------------
     def _dims(self, reduce: bool):
@@ -330,7 +350,7 @@ class CppRenderer(ColumnTiles, Renderer):
     def _open_loops(self, phase: int) -> None:
         dims = self._dims(reduce=True)
         reduces = self._phase_reduces(phase)
-        self._reduce_simd = len(dims) == 1 and all(r.kind in _SIMD_REDUCTION for r in reduces)
+        self._reduce_simd = len(dims) == 1 and all(r.kind in _SIMD_REDUCTION for r in reduces) and not self.checks_rows
         self._blocked = [r for r in reduces if self._cascaded(r)]
         if self._blocked and len(dims) > 1:
             # Several reduce loops: the innermost is cut into blocks, and a block's sum is added to
@@ -457,9 +477,12 @@ class CppRenderer(ColumnTiles, Renderer):
                 args.append(f"{const}{CPP_DTYPE[p.value.dtype]}*{restrict} {p.name}")
             else:
                 args.append(f"int64_t {p.name}")
-        self.emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
+        result = "int64_t" if self.checks_rows else "void"
+        self.emit(f'extern "C" {result} {k.name}({", ".join(args)}) {{')
         self.indent += 1
-        if self.column_tiled():
+        if self.checks_rows:
+            self.emit("int64_t ember_bad_row = 0;  // set where a row read from an index is out of range")
+        elif self.column_tiled():
             self.render_column_tiles()
             self.indent -= 1
             self.emit("}")
@@ -470,7 +493,7 @@ class CppRenderer(ColumnTiles, Renderer):
         is_pointwise = not any(k.loop_reduce)
         if outer:
             collapse = len(outer) - 1 if is_pointwise and len(outer) > 1 else len(outer)
-            simd = " simd" if is_pointwise and len(outer) == 1 else ""
+            simd = " simd" if is_pointwise and len(outer) == 1 and not self.checks_rows else ""
             collapse_clause = f" collapse({collapse})" if collapse > 1 else ""
             if total.is_Integer and int(total) <= self.h.parallel_threshold:
                 # Known to run on one thread: no parallel region at all. Entered with if(0), it still
@@ -485,7 +508,7 @@ class CppRenderer(ColumnTiles, Renderer):
                     f"#pragma omp parallel for{simd}{collapse_clause} if(parallel: {work} > {self.h.parallel_threshold})"
                 )
             for pos, (v, s) in enumerate(outer):
-                if is_pointwise and pos == len(outer) - 1 and len(outer) > 1:
+                if is_pointwise and pos == len(outer) - 1 and len(outer) > 1 and not self.checks_rows:
                     self.emit("#pragma omp simd")
                 self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
                 self.indent += 1
@@ -493,6 +516,8 @@ class CppRenderer(ColumnTiles, Renderer):
         for _ in outer:
             self.indent -= 1
             self.emit("}")
+        if self.checks_rows:
+            self.emit("return ember_bad_row;")
         self.indent -= 1
         self.emit("}")
         return "\n".join(self.lines)

@@ -25,8 +25,8 @@ summed into their target nodes (`zeros.scatter_add_(0, dst, msg)`), a mixture of
 into the tokens' rows (`index_add_`), an embedding's gradient (`index_put_(..., accumulate=True)`). The kernel
 computing the values adds them with atomic adds (`KStore.accumulate`) into a buffer the host program zeroes,
 or fills with the initial value where that is not zeros, just before the launch: the values never reach
-memory of their own. Programs add in any order, as eager's CUDA kernels do; float dtypes only (bf16 from
-sm_90, where the GPU adds bf16 atomically).
+memory of their own. Programs add in any order, as eager's CUDA kernels do; only the dtypes the target adds
+atomically (`Target.atomic_adds`).
 """
 
 from __future__ import annotations
@@ -143,12 +143,10 @@ def _scatter_add(node: Node, target) -> IndexedStore | None:
         return None
     if not all(isinstance(x, Value) for x in (dst, index, src)) or not isinstance(dim, int):
         return None
-    if new.dtype not in _ATOMIC_DTYPES or src.dtype != new.dtype or dst.dtype != new.dtype:
+    if new.dtype not in target.atomic_adds or src.dtype != new.dtype or dst.dtype != new.dtype:
         return None
     if not _zeros(dst) and dst.node.op == "view":
         return None  # the host copies the initial value from a buffer of its own
-    if new.dtype == torch.bfloat16 and not _adds_bf16(target):
-        return None
     rank = len(dst.shape)
     dim = dim + rank if dim < 0 else dim
     if not 0 <= dim < rank or index.dtype not in (torch.int64, torch.int32) or tuple(new.shape) != tuple(dst.shape):
@@ -172,15 +170,6 @@ def _scatter_add(node: Node, target) -> IndexedStore | None:
     return IndexedStore(
         new, dst, index, src, dim, wrap, rows, accumulate=True, per_element=per_element, initial=initial
     )
-
-
-# Dtypes Triton adds atomically (bf16 on sm_90 and later: _adds_bf16).
-_ATOMIC_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _adds_bf16(target) -> bool:
-    arch = tuple(target.arch)
-    return target.interpreted or (len(arch) >= 2 and arch[0] == "cuda" and int(arch[1]) >= 90)
 
 
 def _zeros(v: Value) -> bool:

@@ -1,7 +1,7 @@
 """Gathers computed by the kernels that read them, and scatter-adds added atomically by the kernels computing
 the added values (schedule/gathers.py, schedule/indexed_store.py): checked against eager through Triton's
-interpreter, with each graph's report (the op among a kernel's, no ATen call), and the cases that must stay
-ATen calls.
+interpreter and the C++ backend, with each graph's report (the op among a kernel's, no ATen call), and the
+cases that must stay ATen calls.
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def add_into_computed(x, idx, src):
     return (x * 2).scatter_add(0, idx, src.sigmoid())  # the initial value is not zeros: copied first
 
 
-def _run(fn, args, **options):
+def _run(fn, args, backend="triton", **options):
     torch._dynamo.reset()
     with collecting() as report:
-        got = ember_compile(fn, "triton", **options)(*args)
+        got = ember_compile(fn, backend, **options)(*args)
     want = fn(*args)
-    line = repro(backend="triton", device="cpu", fn=fn.__name__)
+    line = repro(backend=backend, device="cpu", fn=fn.__name__)
     for g, w in zip(tensors(got), tensors(want)):
         assert_close(g, w, **TOL, what="result", line=line)
     return report.graphs, line
@@ -85,12 +85,14 @@ GATHERS = [
 ]
 
 
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
 @pytest.mark.parametrize("fn,args,op", GATHERS, ids=[f.__name__ for f, _, _ in GATHERS])
-def test_gather_is_computed_by_the_kernel_reading_it(fn, args, op):
-    graphs, line = _run(fn, args)
+def test_gather_is_computed_by_the_kernel_reading_it(fn, args, op, backend):
+    graphs, line = _run(fn, args, backend)
     kernels, calls = _kernels_and_calls(graphs, op)
     assert kernels and not calls, f"{[g.externs for g in graphs]}\n{line}"
-    assert all("index out of bounds" in k.source and "debug=True" in k.source for k in kernels), line
+    check = ("index out of bounds", "debug=True") if backend == "triton" else ("&ember_bad_row", "return ember_bad_row")
+    assert all(all(c in k.source for c in check) for k in kernels), line
 
 
 SCATTER_ADDS = [
@@ -103,6 +105,13 @@ SCATTER_ADDS = [
     (accumulate_rows, (torch.tensor([1, -1, 3, 3, 9]), torch.randn(5, 4)), "index_put"),
     (add_into_computed, (torch.randn(5, 3), torch.randint(0, 5, (7, 3)), torch.randn(7, 3)), "scatter_add"),
 ]
+
+
+@pytest.mark.parametrize("fn,args,op", SCATTER_ADDS, ids=[f.__name__ for f, _, _ in SCATTER_ADDS])
+def test_scatter_add_stays_an_aten_call_on_the_cpp_target(fn, args, op):
+    graphs, line = _run(fn, args, "cpp")  # its Target adds nothing atomically (backends/cpp.py says why)
+    kernels, calls = _kernels_and_calls(graphs, op)
+    assert calls and not kernels, f"{[g.externs for g in graphs]}\n{line}"
 
 
 @pytest.mark.parametrize("fn,args,op", SCATTER_ADDS, ids=[f.__name__ for f, _, _ in SCATTER_ADDS])
@@ -139,17 +148,19 @@ def test_graph_convolution_gradients_match_eager():
 
 
 @pytest.mark.parametrize(
-    "fn,args",
+    "fn,args,backend",
     [
-        (messages, (torch.randn(8, 4), torch.randn(4, 4), torch.tensor([0, 8]), torch.rand(2))),
-        (accumulate_rows, (torch.tensor([1, 10]), torch.randn(2, 4))),
+        (messages, (torch.randn(8, 4), torch.randn(4, 4), torch.tensor([0, 8]), torch.rand(2)), "triton"),
+        (accumulate_rows, (torch.tensor([1, 10]), torch.randn(2, 4)), "triton"),
+        (messages, (torch.randn(8, 4), torch.randn(4, 4), torch.tensor([0, 8]), torch.rand(2)), "cpp"),
+        (columns, (torch.randn(3, 7, 2), torch.tensor([-8, 2])), "cpp"),  # -8 wraps to -1: out of range
     ],
-    ids=["gather", "scatter_add"],
+    ids=["gather", "scatter_add", "gather_cpp", "negative_cpp"],
 )
-def test_position_out_of_range_raises(fn, args):
+def test_position_out_of_range_raises(fn, args, backend):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="index out of bounds"):
-        ember_compile(fn, "triton")(*args)
+        ember_compile(fn, backend)(*args)
 
 
 def test_settings_off_and_deterministic_mode_keep_the_aten_calls():
