@@ -261,7 +261,7 @@ SETTINGS: dict[str, Setting] = {
             "gathers",
             bool,
             True,
-            "on the GPU, index_select, embedding and indexing by one integer tensor are computed by the kernels "
+            "index_select, embedding, indexing by one integer tensor and torch.gather are computed by the kernels "
             "that read them, at the rows the index holds (off: ATen's call)",
             codegen=True,
         ),
@@ -269,8 +269,8 @@ SETTINGS: dict[str, Setting] = {
             "scatter_adds",
             bool,
             True,
-            "on the GPU, scatter_add, index_add and index_put(accumulate=True) into zeros are added atomically by "
-            "the kernel computing the added values (off: ATen's call)",
+            "on the GPU, scatter_add, index_add and index_put(accumulate=True) are added atomically by the kernel "
+            "computing the added values, into a buffer holding the initial value (off: ATen's call)",
             codegen=True,
         ),
         Setting(

@@ -364,6 +364,11 @@ class Target:
     # (kernel.KRow): gathers computed where they are read (schedule/gathers.py), a KV cache's update
     # stored by the kernel computing it, and scatter-adds accumulated atomically (schedule/indexed_store.py).
     indexed_rows: bool = False
+    # Stores at such rows (a KV cache's update into its input, a scatter-add): a kernel that finds a bad
+    # row must stop before any row is written (Triton's device assert), or the caller's tensor changes.
+    row_stores: bool = False
+    # Combo kernels (schedule/horizontal.py) whose parts read or write at such rows.
+    combo_rows: bool = False
     # The dtypes whose stores the code generator adds atomically (kernel.KStore.accumulate): a
     # scatter-add of another dtype stays ATen's call (schedule/indexed_store.py).
     atomic_adds: tuple = ()
@@ -388,6 +393,8 @@ class Target:
             self.online_softmax,
             self.row_programs,
             self.indexed_rows,
+            self.row_stores,
+            self.combo_rows,
             self.atomic_adds,
             astuple(self.heuristics),
         )

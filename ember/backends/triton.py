@@ -479,9 +479,9 @@ _GPU_HORIZONTAL = HorizontalHeuristics(table_min_parts=2)
 
 def _atomic_adds(arch: tuple) -> tuple:
     """The float dtypes Triton adds atomically on `arch`: bf16 from sm_90, where the GPU has a bf16 atomic
-    add (the interpreter, arch (), adds any)."""
+    add (the interpreter, arch (), has none)."""
     wide = (torch.float32, torch.float64, torch.float16)
-    bf16 = not arch or (arch[0] == "cuda" and isinstance(arch[1], int) and arch[1] >= 90)
+    bf16 = bool(arch) and arch[0] == "cuda" and isinstance(arch[1], int) and arch[1] >= 90
     return (*wide, torch.bfloat16) if bf16 else wide
 
 
@@ -508,6 +508,8 @@ def _make_target(device) -> Target:
         limits.launch_seconds,
         online_softmax=True,
         indexed_rows=True,
+        row_stores=True,
+        combo_rows=True,
         atomic_adds=_atomic_adds(arch),
         row_programs=max(0, programs) if programs else sm_count,
         heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu), horizontal=_GPU_HORIZONTAL),

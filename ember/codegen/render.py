@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 
 from ember.ir.sizes import IndexDiv, IndexMod
-from ember.schedule.kernel import KConst, Kernel, KIndex, KNode, KReduce, KRow, KStore, walk
+from ember.schedule.kernel import KConst, Kernel, KIndex, KLoad, KNode, KReduce, KRow, KStore, walk
 
 
 @dataclass
@@ -225,9 +225,10 @@ def is_scalar(node: KNode) -> bool:
     if isinstance(node, KConst):
         return True
     if isinstance(node, KIndex):  # size arithmetic, not a position (loop and domain vars: l*, d*)
-        return not any(s.name[0] in "ld" for s in node.expr.free_symbols)
+        return not any(s.name[0] in "ld" for s in node.expr.free_symbols) and all(is_scalar(r) for r in node.rows)
     args = node.args()
-    return bool(args) and all(is_scalar(a) for a in args) and not isinstance(node, KReduce)
+    # A load's operands are the rows it reads at (a gather): never a value for the whole kernel.
+    return bool(args) and all(is_scalar(a) for a in args) and not isinstance(node, (KReduce, KLoad))
 
 
 def unclamped(index, loop_vars: set, floordiv: str) -> tuple[object, list[str]]:

@@ -466,7 +466,7 @@ def jit_decorator(kernels: list[Kernel]) -> str:
     """`@triton.jit`, compiled in debug mode where a kernel checks the rows it gathers or stores at
     (TritonRenderer._define_row): Triton drops device asserts otherwise. Functions a kernel calls are
     compiled with its options. The launch turns off debug mode's checks of 32-bit index arithmetic for
-    overflow (backends/triton.py: LAUNCH_OPTIONS), which eager's indexing does not make either."""
+    overflow (backends/compile_workers.py: KERNEL_OPTIONS), which eager's indexing does not make either."""
     checks = any(isinstance(n, KRow) for k in kernels for n in walk(k))
     return "@triton.jit(debug=True)" if checks else "@triton.jit"
 

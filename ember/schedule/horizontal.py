@@ -54,7 +54,7 @@ def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     steps = state.steps
     deps = dependencies(state, steps)
     barriers = collectives.fusion_barriers(state.graph) if config.get("overlap_collectives") else None
-    packed = pack(steps, levels(deps), rules, barriers)
+    packed = pack(steps, levels(deps), rules, barriers, state.target.combo_rows)
     if not packed:
         return
     groups = [g for g, _ in packed]
@@ -113,29 +113,34 @@ def levels(deps: list[set[int]]) -> list[int]:
     return level
 
 
-def eligible(kernel: object, rules: HorizontalHeuristics) -> bool:
-    """Whether a kernel may be a part of a combo kernel."""
+def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True) -> bool:
+    """Whether a kernel may be a part of a combo kernel (`rows`: one that reads or writes at rows an index
+    names, Target.combo_rows)."""
     if not isinstance(kernel, Kernel) or is_gemm_kernel(kernel) or kernel.writes_nothing or not kernel.stores:
         return False
     if any(kernel.loop_reduce) or kernel.reduces or kernel.column_partials or kernel.size_symbols():
         return False
-    if any(isinstance(n, KRow) for n in walk(kernel)):
-        return False  # it checks the rows it reads or writes: the C++ target returns the check from the kernel
+    if not rows and any(isinstance(n, KRow) for n in walk(kernel)):
+        return False
     numel = product(kernel.loop_sizes)
     return numel.is_Integer and 0 < int(numel) <= rules.max_elements
 
 
 def pack(
-    steps: list[Step], level: list[int], rules: HorizontalHeuristics, barriers: FusionBarriers | None = None
+    steps: list[Step],
+    level: list[int],
+    rules: HorizontalHeuristics,
+    barriers: FusionBarriers | None = None,
+    rows: bool = True,
 ) -> list[tuple[list[int], bool]]:
     """Groups of at least two step positions, each of eligible kernels of one level, in step
     order, and whether the group is a table combo kernel (its kernels share one body). Other
     groups keep within the caps on parts and buffers. With `barriers` (a graph's functional
     collectives), a kernel computing a collective's input keeps its own launch, and kernels
-    after a wait share launches only with kernels after a wait."""
+    after a wait share launches only with kernels after a wait. `rows`: Target.combo_rows."""
     by_level: dict[tuple, list[int]] = {}
     for k, step in enumerate(steps):
-        if isinstance(step, KernelStep) and eligible(step.kernel, rules):
+        if isinstance(step, KernelStep) and eligible(step.kernel, rules, rows):
             writes = step.kernel.writes
             if barriers is not None and barriers.feeds_start(writes):
                 continue

@@ -52,12 +52,12 @@ def plan_indexed_stores(state: ScheduleState) -> None:
     state.indexed_stores = {}
     if not state.target.indexed_rows or torch.are_deterministic_algorithms_enabled():
         return
-    if config.get("scatter_adds"):
+    if config.get("scatter_adds") and state.target.row_stores:
         for node in state.graph.nodes:
             store = _scatter_add(node, state.target)
             if store is not None:
                 state.indexed_stores[store.new] = store
-    if config.get("indexed_stores"):
+    if config.get("indexed_stores") and state.target.row_stores:
         _plan_input_stores(state)
 
 

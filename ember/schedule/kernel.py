@@ -151,6 +151,10 @@ class KIndex(KNode):
     domain position (then it is rewritten with the loop dims like any load index)."""
 
     expr: Expr
+    rows: tuple = ()  # the gathered rows (KRow) whose symbols `expr` uses: a position past a cat at them
+
+    def args(self):
+        return self.rows
 
 
 @dataclass(eq=False)

@@ -137,8 +137,14 @@ class KernelBuilder:
     def position(self, expr: Expr) -> KNode:
         """An integer computed from the loop position (an iota), full if it varies along reduce dims."""
         expr = sympy.expand(sympy.sympify(expr))
-        full = bool(expr.free_symbols & self.reduce_vars)
-        return self._intern(("index", expr), lambda: KIndex(torch.int64, full, 0, expr))
+        rows = self._rows_in(expr)
+        full = bool(expr.free_symbols & self.reduce_vars) or any(r.full for r in rows)
+        ready = max((r.ready for r in rows), default=0)
+        return self._intern(("index", expr), lambda: KIndex(torch.int64, full, ready, expr, rows))
+
+    def _rows_in(self, expr: Expr) -> tuple[KRow, ...]:
+        """The gathered rows whose symbols an index expression uses (defined before it is computed)."""
+        return tuple(r for r in self.rows_by_symbol.values() if r.symbol in expr.free_symbols)
 
     def convert(self, node: KNode, dtype: torch.dtype) -> KNode:
         if node.dtype == dtype:
@@ -170,7 +176,7 @@ class KernelBuilder:
 
     def load(self, value: Value, index: list[Expr]) -> KNode:
         offset = sum((i * s for i, s in zip(index, layout_of(value))), sympy.Integer(0))
-        rows = tuple(r for r in self.rows_by_symbol.values() if r.symbol in offset.free_symbols)
+        rows = self._rows_in(offset)
         # A loop of extent 1 is at 0: a load indexed by it does not vary along it (a split's
         # [S, N/S] chunks with S = N read each chunk's first row once, not once per step).
         ones = {v: 0 for v in offset.free_symbols if self.ranges.get(v) == 1}
@@ -203,8 +209,16 @@ class KernelBuilder:
         row = self.row(position, src.shape[dim], gather.wrap, gather.value.node.origin)
         self.record_origin(gather.value.node)  # its result is the source's load: expr() does not note it
         if gather.per_element:
-            return self.expr(src, [row.symbol if d == dim else i for d, i in enumerate(index)])
-        return self.expr(src, [*index[:dim], row.symbol, *index[dim + depth :]])
+            at = [row.symbol if d == dim else i for d, i in enumerate(index)]
+        else:
+            at = [*index[:dim], row.symbol, *index[dim + depth :]]
+        result = self.expr(src, at)
+        if row.symbol not in _walked(result):
+            # The source does not vary along the gathered dim (a broadcast, a constant): the row is still
+            # checked, as eager checks it, through a select that keeps the value either way.
+            inside = self.op("ge", [row, self.const(0, torch.int64)], torch.bool)
+            result = self.op("where", [inside, result, result], result.dtype)
+        return result
 
     # The core: the expression for `value` at `index` (a list of index expressions).
     def expr(self, value: Value, index: list[Expr]) -> KNode:
@@ -343,6 +357,9 @@ class KernelBuilder:
         full = value.full or row.full or bool(offset.free_symbols & self.reduce_vars)
         self.record_origin(store.new.node)
         if store.initial is not None:
+            if self.owner.get(store.initial) == self.group_id:
+                # The host copies it into the buffer before the launch: it must be computed before.
+                raise NotFusable(f"the initial value of %{store.new.name} in the kernel adding into it")
             self.reads.setdefault(store.initial, None)  # copied into the buffer before the kernel runs
         ready = max(value.ready, row.ready)
         return KStore(store.new, offset, value, ready, full, row, store.accumulate, store.initial)
