@@ -16,7 +16,7 @@ import sympy
 
 from ember.codegen.render import print_index
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, KIndex, KLoad, KNode, KReduce
+from ember.schedule.kernel import KConst, KConvert, KIndex, KLoad, KNode, KReduce, subtree
 
 
 class ColumnTiles:
@@ -121,13 +121,4 @@ class ColumnTiles:
 def _costly_per_column(node: KNode) -> bool:
     """Whether a sum's argument holds a value that varies with the column only and is more than a
     load or a conversion of one (column tiles compute such values again for every row)."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if not n.full and not isinstance(n, (KLoad, KConst, KConvert, KIndex)):
-            return True
-        stack.extend(n.args())
-    return False
+    return any(not n.full and not isinstance(n, (KLoad, KConst, KConvert, KIndex)) for n in subtree(node))

@@ -309,6 +309,18 @@ class Kernel:
         return sorted(syms - defined, key=lambda s: s.name)
 
 
+def subtree(node: KNode) -> list[KNode]:
+    """`node` and every node under it, each once."""
+    seen: dict[int, KNode] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if id(n) not in seen:
+            seen[id(n)] = n
+            stack.extend(n.args())
+    return list(seen.values())
+
+
 def walk(kernel: Kernel) -> list[KNode]:
     """Every KNode reachable from the kernel's stores, each once, operands before users."""
     seen: dict[int, KNode] = {}

@@ -39,6 +39,7 @@ from ember.schedule.kernel import (
     KRow,
     KStore,
     NotFusable,
+    subtree,
     walk,
 )
 
@@ -547,17 +548,11 @@ def _memory_order(kernel: Kernel, group: list[tuple]) -> list[tuple]:
 def _walked(node: KNode) -> set:
     """The domain variables the loads and positions under `node` depend on."""
     found: set = set()
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
+    for n in subtree(node):
         if isinstance(n, KLoad):
             found |= n.index.free_symbols
         elif isinstance(n, KIndex):
             found |= n.expr.free_symbols
-        stack.extend(n.args())
     return found
 
 

@@ -37,7 +37,7 @@ from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, product
 from ember.schedule import collectives
 from ember.schedule.cost import size_hint
-from ember.schedule.kernel import Kernel, KLoad, KNode, kernel_parts, walk
+from ember.schedule.kernel import Kernel, KLoad, kernel_parts, subtree, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
 
 
@@ -126,10 +126,10 @@ def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
     # A column sum's terms are computed after the row's stores (codegen/triton.py): a load feeding
     # only them would read what the store just wrote over it. One the row's own values share is
     # loaded before the stores, and the terms reuse it.
-    summed = {id(n) for c in kernel.column_partials for n in _subtree(c.arg)}
+    summed = {id(n) for c in kernel.column_partials for n in subtree(c.arg)}
     if summed:
         row_roots = [s.value for s in kernel.stores] + [r.arg for r in kernel.reduces]
-        summed -= {id(n) for root in row_roots for n in _subtree(root)}
+        summed -= {id(n) for root in row_roots for n in subtree(root)}
         if any(id(n) in summed for n in loads):
             return False
     if not loads or not all(n.index == store.index and n.full == store.full for n in loads):
@@ -138,19 +138,8 @@ def _elementwise_reader(kernel: Kernel, buf: Value, out: Value) -> bool:
         return True
     if store.full:
         return False
-    elsewhere = {id(n) for other in kernel.stores if other is not store for n in _subtree(other.value)}
+    elsewhere = {id(n) for other in kernel.stores if other is not store for n in subtree(other.value)}
     return not any(id(n) in elsewhere for n in loads)
-
-
-def _subtree(node: KNode) -> list[KNode]:
-    seen: dict[int, KNode] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if id(n) not in seen:
-            seen[id(n)] = n
-            stack.extend(n.args())
-    return list(seen.values())
 
 
 # Externs whose every result is a fresh allocation ATen made for it (no storage shared with an
