@@ -273,3 +273,16 @@ def test_cpp_target_keeps_aten_for_stores_at_rows():
     graphs, line = _run(write, (cache, pos, k), "cpp")  # the eager call it compares with writes the same rows
     assert_close(cache, want, **TOL, what="cache", line=line)
     assert _kernels_and_calls(graphs, "index_copy")[1], f"{[g.externs for g in graphs]}\n{line}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_dynamic_sizes(backend):
+    """One compile serves graphs of other node and edge counts: the rows' bounds are size symbols."""
+    torch._dynamo.reset()
+    compiled = ember_compile(graph_convolution, backend, dynamic=True)
+    for nodes, edges in [(8, 16), (13, 40), (30, 7)]:
+        args = (torch.randn(nodes, 4), torch.randn(4, 4), torch.randn(4), torch.randint(0, nodes, (2, edges)))
+        args = (*args, torch.rand(edges))
+        line = repro(backend=backend, device="cpu", fn="graph_convolution", nodes=nodes, edges=edges)
+        for got, want in zip(compiled(*args), graph_convolution(*args)):
+            assert_close(got, want, **TOL, what="result", line=line)
