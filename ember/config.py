@@ -261,8 +261,8 @@ SETTINGS: dict[str, Setting] = {
             "gathers",
             bool,
             True,
-            "index_select, embedding, indexing by one integer tensor and torch.gather are computed by the kernels "
-            "that read them, at the rows the index holds (off: ATen's call)",
+            "index_select, embedding, indexing by integer tensors (at adjacent dims) and torch.gather are computed "
+            "by the kernels that read them, at the rows the indices hold (off: ATen's call)",
             codegen=True,
         ),
         Setting(

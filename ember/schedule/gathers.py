@@ -1,7 +1,7 @@
 """Gathers: rows of a tensor read at the positions an index tensor holds, by the kernels that read them.
 
-`x.index_select(0, idx)`, `embedding(weight, ids)`, `x[:, idx]` and `x.gather(d, idx)` (the gradient of a
-scatter-add) reach the scheduler as ATen externs.
+`x.index_select(0, idx)`, `embedding(weight, ids)`, `x[:, idx]`, `x[i, j]` and `x.gather(d, idx)` (the gradient
+of a scatter-add) reach the scheduler as ATen externs.
 Run as ATen calls, each gathered tensor is written to memory and read back by the next kernel: a graph
 network's messages `x[src] * w` over a million edges are stored as a [edges, features] tensor before they
 are scaled and summed. Where the target renders indexed rows (`Target.indexed_rows`), this pass makes such
@@ -45,7 +45,7 @@ def plan_gathers(state: ScheduleState) -> None:
 
 
 def _gather(node: Node) -> Gather | None:
-    """The gather an extern is, if it reads one source at the positions one integer tensor holds along one dim."""
+    """The gather an extern is, if it reads one source at the positions integer tensors hold along adjacent dims."""
     if node.op != "extern" or len(node.outputs) != 1 or "writes_input" in node.attrs:
         return None
     target, args, kwargs = node.attrs["target"], node.attrs["args"], node.attrs["kwargs"] or {}
@@ -60,13 +60,7 @@ def _gather(node: Node) -> Gather | None:
     elif target is aten.gather.default and len(args) == 3 and not kwargs.get("sparse_grad"):
         return _gather_per_element(node.outputs[0], *args)
     elif target is aten.index.Tensor and len(args) == 2 and not kwargs:
-        src, indices = args
-        if not isinstance(indices, (list, tuple)):
-            return None
-        given = [k for k, i in enumerate(indices) if i is not None]
-        if len(given) != 1:
-            return None  # several index tensors broadcast together: not one gather
-        dim, index, wrap = given[0], indices[given[0]], True
+        return _indexing(node.outputs[0], *args)
     else:
         return None
     value = node.outputs[0]
@@ -82,6 +76,46 @@ def _gather(node: Node) -> Gather | None:
     if tuple(value.shape) != tuple(expected):
         return None
     return Gather(value, src, index, dim, wrap)
+
+
+def _indexing(value: Value, src, indices) -> Gather | None:
+    """`src[..., i, j, ...]`: integer index tensors at adjacent dims, broadcast together (negative positions
+    wrap). Index tensors apart from each other move their dims to the front in eager: not taken."""
+    if not isinstance(src, Value) or not isinstance(indices, (list, tuple)):
+        return None
+    given = [k for k, i in enumerate(indices) if i is not None]
+    if not given or given != list(range(given[0], given[-1] + 1)):
+        return None
+    tensors = [indices[k] for k in given]
+    if not all(isinstance(t, Value) and t.dtype in _INDEX_DTYPES and t.device == src.device for t in tensors):
+        return None
+    if value.dtype != src.dtype or src.dtype == torch.bool or src.dtype.is_complex:
+        return None
+    dim = given[0]
+    if len(tensors) == 1:
+        rows = tuple(tensors[0].shape)
+    else:
+        rows = _broadcast_shape([tuple(t.shape) for t in tensors])
+        if rows is None:
+            return None
+    expected = (*src.shape[:dim], *rows, *src.shape[dim + len(tensors) :])
+    if tuple(value.shape) != tuple(expected):
+        return None
+    if len(tensors) == 1:
+        return Gather(value, src, tensors[0], dim, True)
+    return Gather(value, src, tensors[0], dim, True, more=tuple(tensors[1:]), rows=rows)
+
+
+def _broadcast_shape(shapes: list[tuple]) -> tuple | None:
+    """The shape the index tensors broadcast to, where each size is 1 or the result's (statically)."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for d in range(rank):
+        sizes = {s[len(s) - rank + d] for s in shapes if len(s) - rank + d >= 0} - {1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
 
 
 def _gather_per_element(value: Value, src, dim, index) -> Gather | None:

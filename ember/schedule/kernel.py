@@ -216,7 +216,8 @@ class Gather:
     """A gather that kernels compute where they read it (schedule/gathers.py): `value` is `src` with
     dim `dim` replaced by the dims of `index`, read at the positions `index` holds (index_select,
     embedding, `x[:, idx]`), or, where `per_element`, shaped as `index`, each element read at the
-    position `index` holds there along `dim` (torch.gather)."""
+    position `index` holds there along `dim` (torch.gather). `more` indexes the dims after `dim`, one
+    tensor each (`x[i, j]`), all broadcast with `index` to the shape `rows`, which replaces those dims."""
 
     value: Value
     src: Value
@@ -224,6 +225,8 @@ class Gather:
     dim: int
     wrap: bool  # negative positions count from the end (indexing), else they are out of range
     per_element: bool = False
+    more: tuple = ()
+    rows: tuple = ()  # the indices' broadcast shape, where `more` has any
 
 
 @dataclass(eq=False)

@@ -202,23 +202,29 @@ class KernelBuilder:
         return self._intern(("row", id(position), sympy.sympify(size), wrap), make)
 
     def gather(self, gather: Gather, index: list[Expr]) -> KNode:
-        """`gather.value` at `index`: its source read at the row the index tensor holds there."""
-        dim, depth = gather.dim, len(gather.index.shape)
-        at = index if gather.per_element else index[dim : dim + depth]
-        position = self.convert(self.expr(gather.index, at), torch.int64)
-        src = gather.src
-        row = self.row(position, src.shape[dim], gather.wrap, gather.value.node.origin)
+        """`gather.value` at `index`: its source read at the rows the index tensors hold there."""
+        dim, src = gather.dim, gather.src
+        indices = (gather.index, *gather.more)
+        shape = gather.rows if gather.more else tuple(gather.index.shape)
+        at = index if gather.per_element else index[dim : dim + len(shape)]
+        rows = []
+        for k, idx in enumerate(indices):
+            where = broadcast_index(at, idx.shape, shape) if gather.more else at
+            position = self.convert(self.expr(idx, where), torch.int64)
+            rows.append(self.row(position, src.shape[dim + k], gather.wrap, gather.value.node.origin))
         self.record_origin(gather.value.node)  # its result is the source's load: expr() does not note it
         if gather.per_element:
-            at = [row.symbol if d == dim else i for d, i in enumerate(index)]
+            at = [rows[0].symbol if d == dim else i for d, i in enumerate(index)]
         else:
-            at = [*index[:dim], row.symbol, *index[dim + depth :]]
+            at = [*index[:dim], *(r.symbol for r in rows), *index[dim + len(shape) :]]
         result = self.expr(src, at)
-        if row.symbol not in _walked(result):
-            # The source does not vary along the gathered dim (a broadcast, a constant): the row is still
-            # checked, as eager checks it, through a select that keeps the value either way.
-            inside = self.op("ge", [row, self.const(0, torch.int64)], torch.bool)
-            result = self.op("where", [inside, result, result], result.dtype)
+        walked = _walked(result)
+        for row in rows:
+            if row.symbol not in walked:
+                # The source does not vary along the gathered dim (a broadcast, a constant): the row is
+                # still checked, as eager checks it, through a select that keeps the value either way.
+                inside = self.op("ge", [row, self.const(0, torch.int64)], torch.bool)
+                result = self.op("where", [inside, result, result], result.dtype)
         return result
 
     # The core: the expression for `value` at `index` (a list of index expressions).

@@ -286,3 +286,33 @@ def test_dynamic_sizes(backend):
         line = repro(backend=backend, device="cpu", fn="graph_convolution", nodes=nodes, edges=edges)
         for got, want in zip(compiled(*args), graph_convolution(*args)):
             assert_close(got, want, **TOL, what="result", line=line)
+
+
+def pick_targets(logits, labels):
+    return -logits.log_softmax(-1)[torch.arange(logits.shape[0]), labels]  # a hand-written cross-entropy
+
+
+def broadcast_pairs(x, i, j):
+    return x[:, i, j] * 2  # [3, 1] and [1, 2] positions broadcast to [3, 2]; -1 is the last row
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+@pytest.mark.parametrize(
+    "fn,args",
+    [
+        (pick_targets, (torch.randn(5, 9), torch.randint(0, 9, (5,)))),
+        (broadcast_pairs, (torch.randn(2, 4, 6), torch.tensor([[0], [-1], [2]]), torch.tensor([[5, -6]]))),
+    ],
+    ids=["pick_targets", "broadcast_pairs"],
+)
+def test_indexing_by_several_adjacent_tensors_is_one_gather(fn, args, backend):
+    graphs, line = _run(fn, args, backend)
+    kernels, calls = _kernels_and_calls(graphs, "index")
+    assert kernels and not calls, f"{[g.externs for g in graphs]}\n{line}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_each_of_several_index_tensors_is_checked(backend):
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="index out of bounds"):
+        ember_compile(broadcast_pairs, backend)(torch.randn(2, 4, 6), torch.tensor([[0], [1]]), torch.tensor([[1, 6]]))
