@@ -172,7 +172,8 @@ class CppRenderer(ColumnTiles, Renderer):
         self.shared = shared  # buffers that share memory with another parameter: not __restrict__
         self.h = heuristics or CppHeuristics()  # the target's loop shapes (target.heuristics.cpp)
         # Rows read from an index tensor (kernel.KRow) are checked: the kernel returns whether one was out
-        # of range (backends/cpp.py raises), and its loops carry no `omp simd` (a checked row stores a flag).
+        # of range (backends/cpp.py raises); a loop in which a row is checked carries no `omp simd` (the check
+        # stores a flag).
         self.checks_rows = any(isinstance(n, KRow) for n in self.nodes)
 
     @staticmethod
@@ -350,7 +351,9 @@ class CppRenderer(ColumnTiles, Renderer):
     def _open_loops(self, phase: int) -> None:
         dims = self._dims(reduce=True)
         reduces = self._phase_reduces(phase)
-        self._reduce_simd = len(dims) == 1 and all(r.kind in _SIMD_REDUCTION for r in reduces) and not self.checks_rows
+        # A row checked inside the loop stores a flag there: no `omp simd` (one checked per row is outside it).
+        checked_inside = any(isinstance(n, KRow) and n.full for n in self.nodes)
+        self._reduce_simd = len(dims) == 1 and all(r.kind in _SIMD_REDUCTION for r in reduces) and not checked_inside
         self._blocked = [r for r in reduces if self._cascaded(r)]
         if self._blocked and len(dims) > 1:
             # Several reduce loops: the innermost is cut into blocks, and a block's sum is added to
