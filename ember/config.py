@@ -261,16 +261,14 @@ SETTINGS: dict[str, Setting] = {
             "gathers",
             bool,
             True,
-            "index_select, embedding, indexing by integer tensors (at adjacent dims) and torch.gather are computed "
-            "by the kernels that read them, at the rows the indices hold (off: ATen's call)",
+            "index_select, embedding, x[i, j] and torch.gather are computed in the kernels reading them (off: ATen's)",
             codegen=True,
         ),
         Setting(
             "scatter_adds",
             bool,
             True,
-            "on the GPU, scatter_add, index_add and index_put(accumulate=True) are added atomically by the kernel "
-            "computing the added values, into a buffer holding the initial value (off: ATen's call)",
+            "on the GPU, scatter_add, index_add and index_put(accumulate) add atomically in a kernel (off: ATen's)",
             codegen=True,
         ),
         Setting(

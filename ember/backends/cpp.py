@@ -30,7 +30,7 @@ from ember.codegen.cpp_combo import render_cpp_combo
 from ember.codegen.render import print_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
-from ember.schedule.kernel import ComboKernel, Kernel, KRow, walk
+from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.target import Heuristics, RealizeHeuristics, Target
 
@@ -193,7 +193,7 @@ class CppBackend:
         namespace = {}
         for k in kernels:
             fn = getattr(self.lib, k.name)
-            checked = isinstance(k, Kernel) and any(isinstance(n, KRow) for n in walk(k))
+            checked = isinstance(k, Kernel) and k.checks_rows
             fn.restype = ctypes.c_int64 if checked else None
             fn.argtypes = [ctypes.c_void_p if p.kind == "buffer" else ctypes.c_int64 for p in self.params[k.name]]
             namespace[k.name] = _raising_on_bad_rows(fn, k) if checked else fn

@@ -174,7 +174,7 @@ class CppRenderer(ColumnTiles, Renderer):
         # Rows read from an index tensor (kernel.KRow) are checked: the kernel returns whether one was out
         # of range (backends/cpp.py raises); a loop in which a row is checked carries no `omp simd` (the check
         # stores a flag).
-        self.checks_rows = any(isinstance(n, KRow) for n in self.nodes)
+        self.checks_rows = kernel.checks_rows
 
     @staticmethod
     def ctype(dtype: torch.dtype) -> str:
@@ -249,10 +249,9 @@ class CppRenderer(ColumnTiles, Renderer):
     def emit_store(self, store: KStore) -> None:
         if store.row is not None:
             self.emit_node(store.row)
-        target = f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}]"
         if store.accumulate:
             raise NotImplementedError("the C++ target adds nothing atomically (its Target.atomic_adds is empty)")
-        self.emit(f"{target} = {self.ref(store.value)};")
+        self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
 
     # -- loops -------------------------------------------------------------------------------
     def _dims(self, reduce: bool):

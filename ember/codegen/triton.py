@@ -20,7 +20,7 @@ from ember.codegen.triton_launch import LaunchConfig, launch_config
 from ember.ir import dtypes, ops
 from ember.ir.graph import layout_of
 from ember.ir.sizes import product
-from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KRow, KStore, walk
+from ember.schedule.kernel import KConst, KConvert, Kernel, KIndex, KLoad, KNode, KOp, KReduce, KRow, KStore
 from ember.target import Target
 
 TRITON_DTYPE = {
@@ -467,7 +467,7 @@ def jit_decorator(kernels: list[Kernel]) -> str:
     (TritonRenderer._define_row): Triton drops device asserts otherwise. Functions a kernel calls are
     compiled with its options. The launch turns off debug mode's checks of 32-bit index arithmetic for
     overflow (backends/compile_workers.py: KERNEL_OPTIONS), which eager's indexing does not make either."""
-    checks = any(isinstance(n, KRow) for k in kernels for n in walk(k))
+    checks = any(k.checks_rows for k in kernels)
     return "@triton.jit(debug=True)" if checks else "@triton.jit"
 
 

@@ -75,7 +75,7 @@ def _gather(node: Node) -> Gather | None:
     expected = (*src.shape[:dim], *index.shape, *src.shape[dim + 1 :])
     if tuple(value.shape) != tuple(expected):
         return None
-    return Gather(value, src, index, dim, wrap)
+    return Gather(value, src, index, dim, wrap, tuple(index.shape))
 
 
 def _indexing(value: Value, src, indices) -> Gather | None:
@@ -101,9 +101,7 @@ def _indexing(value: Value, src, indices) -> Gather | None:
     expected = (*src.shape[:dim], *rows, *src.shape[dim + len(tensors) :])
     if tuple(value.shape) != tuple(expected):
         return None
-    if len(tensors) == 1:
-        return Gather(value, src, tensors[0], dim, True)
-    return Gather(value, src, tensors[0], dim, True, more=tuple(tensors[1:]), rows=rows)
+    return Gather(value, src, tensors[0], dim, True, rows, more=tuple(tensors[1:]))
 
 
 def _broadcast_shape(shapes: list[tuple]) -> tuple | None:
@@ -131,4 +129,4 @@ def _gather_per_element(value: Value, src, dim, index) -> Gather | None:
         return None
     if value.dtype != src.dtype or src.dtype == torch.bool or src.dtype.is_complex:
         return None
-    return Gather(value, src, index, dim, False, per_element=True)
+    return Gather(value, src, index, dim, False, tuple(index.shape), per_element=True)

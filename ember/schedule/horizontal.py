@@ -38,7 +38,7 @@ from ember.ir.sizes import product
 from ember.schedule import collectives
 from ember.schedule.collectives import FusionBarriers
 from ember.schedule.gemm import is_gemm_kernel
-from ember.schedule.kernel import ComboKernel, KConst, KConvert, Kernel, KLoad, KOp, KRow, walk
+from ember.schedule.kernel import ComboKernel, KConst, KConvert, Kernel, KLoad, KOp, walk
 from ember.schedule.memory import plan_memory
 from ember.schedule.state import ScheduleState
 from ember.schedule.steps import ExternStep, FusionDecision, KernelStep, Step, step_inputs, step_outputs
@@ -120,7 +120,7 @@ def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True) -> 
         return False
     if any(kernel.loop_reduce) or kernel.reduces or kernel.column_partials or kernel.size_symbols():
         return False
-    if not rows and any(isinstance(n, KRow) for n in walk(kernel)):
+    if not rows and kernel.checks_rows:
         return False
     numel = product(kernel.loop_sizes)
     return numel.is_Integer and 0 < int(numel) <= rules.max_elements

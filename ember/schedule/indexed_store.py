@@ -97,12 +97,9 @@ def _indexed_store(node: Node) -> IndexedStore | None:
         wrap = False
     elif target is aten.index_put.default and 3 <= len(args) <= 4 and not kwargs:
         _, indices, src = args[:3]
-        if (len(args) == 4 and args[3]) or not isinstance(indices, (list, tuple)):
+        if (len(args) == 4 and args[3]) or _one_index(indices) is None:
             return None  # accumulate=True adds: not a store
-        given = [k for k, i in enumerate(indices) if i is not None]
-        if len(given) != 1:
-            return None
-        dim, index, wrap = given[0], indices[given[0]], True
+        (dim, index), wrap = _one_index(indices), True
     else:
         return None
     if not isinstance(dim, int) or not isinstance(index, Value) or not isinstance(src, Value):
@@ -135,10 +132,9 @@ def _scatter_add(node: Node, target) -> IndexedStore | None:
         dst, dim, index, src = args
     elif fn is aten.index_put.default and len(args) == 4 and args[3] is True and not kwargs:
         dst, indices, src = args[:3]
-        given = [k for k, i in enumerate(indices or ()) if i is not None]
-        if not isinstance(indices, (list, tuple)) or len(given) != 1:
+        if _one_index(indices) is None:
             return None
-        dim, index = given[0], indices[given[0]]
+        dim, index = _one_index(indices)
     else:
         return None
     if not all(isinstance(x, Value) for x in (dst, index, src)) or not isinstance(dim, int):
@@ -170,6 +166,14 @@ def _scatter_add(node: Node, target) -> IndexedStore | None:
     return IndexedStore(
         new, dst, index, src, dim, wrap, rows, accumulate=True, per_element=per_element, initial=initial
     )
+
+
+def _one_index(indices) -> tuple[int, object] | None:
+    """(dim, index) where index_put's indices name one dim by one tensor, else None."""
+    if not isinstance(indices, (list, tuple)):
+        return None
+    given = [k for k, i in enumerate(indices) if i is not None]
+    return (given[0], indices[given[0]]) if len(given) == 1 else None
 
 
 def _zeros(v: Value) -> bool:

@@ -224,9 +224,9 @@ class Gather:
     index: Value
     dim: int
     wrap: bool  # negative positions count from the end (indexing), else they are out of range
+    rows: tuple  # the indices' broadcast shape (the index's own, for one)
     per_element: bool = False
     more: tuple = ()
-    rows: tuple = ()  # the indices' broadcast shape, where `more` has any
 
 
 @dataclass(eq=False)
@@ -289,6 +289,11 @@ class Kernel:
     @property
     def writes(self) -> list[Value]:
         return [s.buffer for s in self.stores] + [c.buffer for c in self.column_partials]
+
+    @functools.cached_property
+    def checks_rows(self) -> bool:
+        """Whether it reads or writes at rows an index tensor names (KRow), each checked in the kernel."""
+        return any(isinstance(n, KRow) for n in walk(self))
 
     @property
     def writes_nothing(self) -> bool:

@@ -204,12 +204,11 @@ class KernelBuilder:
     def gather(self, gather: Gather, index: list[Expr]) -> KNode:
         """`gather.value` at `index`: its source read at the rows the index tensors hold there."""
         dim, src = gather.dim, gather.src
-        indices = (gather.index, *gather.more)
-        shape = gather.rows if gather.more else tuple(gather.index.shape)
+        shape = gather.rows
         at = index if gather.per_element else index[dim : dim + len(shape)]
         rows = []
-        for k, idx in enumerate(indices):
-            where = broadcast_index(at, idx.shape, shape) if gather.more else at
+        for k, idx in enumerate((gather.index, *gather.more)):
+            where = broadcast_index(at, idx.shape, shape)
             position = self.convert(self.expr(idx, where), torch.int64)
             rows.append(self.row(position, src.shape[dim + k], gather.wrap, gather.value.node.origin))
         self.record_origin(gather.value.node)  # its result is the source's load: expr() does not note it
