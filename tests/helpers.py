@@ -176,3 +176,33 @@ def assert_no_fallback(report: ExplainReport, line: str) -> None:
 def explain_strict(fn: Callable, *args, backend: str = "cpp", **options) -> ExplainReport:
     with ember.config.override(strict=True, backend=backend, **options):
         return ember.explain(fn, *args)
+
+
+def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
+    """Whether GCC vectorizes the innermost loop of a C++ kernel, compiled as ember's C++ backend compiles
+    it: `-fopt-info-vec-optimized` names a line inside each loop it vectorized."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from ember.backends.cpp import FLAGS, vector_math
+    from ember.codegen.cpp import PRELUDE
+
+    head = PRELUDE + "\n" + vector_math()[0] + "\n"
+    first = head.count("\n") + 1  # the kernel's first line, numbered from 1
+    with tempfile.TemporaryDirectory(prefix="ember-vec-") as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(head + kernel_source + "\n")
+        flags = [f for f in FLAGS if f != "-shared"]
+        cmd = ["g++", *flags, "-fopt-info-vec-optimized", "-c", str(src), "-o", str(Path(tmp) / "kernel.o")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    hits = {int(m) - first for m in re.findall(r"kernel\.cpp:(\d+):\d+: optimized: loop vectorized", proc.stderr)}
+    lines = kernel_source.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.strip().startswith("for ("))
+    depth, end = 0, start
+    for end in range(start, len(lines)):
+        depth += lines[end].count("{") - lines[end].count("}")
+        if depth == 0:
+            break
+    return any(start <= h <= end for h in hits)

@@ -40,6 +40,7 @@ PRELUDE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 static inline float ember_bf16_to_f32(uint16_t h) {
     uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -77,6 +78,23 @@ template <class T> struct ember_cascade {
     }
 };
 template <class T> static inline T ember_maximum(T a, T b) { return (a > b || a != a) ? a : b; }
+static inline int64_t ember_min_index(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t ember_max_index(int64_t a, int64_t b) { return a > b ? a : b; }
+// `where` over a condition that a vector loop does not change (a window position inside the image or
+// not), as bit masks: GCC 12 turns a select on such a condition into control flow, and leaves the loop
+// scalar once a few are in it (a max pool's nine window positions: 27x slower).
+template <class T> static inline T ember_pick(bool c, T a, T b) {
+    using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t,
+              std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
+    U x, y;
+    std::memcpy(&x, &a, sizeof(T));
+    std::memcpy(&y, &b, sizeof(T));
+    const U m = static_cast<U>(-static_cast<U>(c));
+    x = (x & m) | (y & static_cast<U>(~m));
+    T r;
+    std::memcpy(&r, &x, sizeof(T));
+    return r;
+}
 template <class T> static inline T ember_minimum(T a, T b) { return (a < b || a != a) ? a : b; }
 // Integer and bool max/min as OpenMP reductions, so `omp simd` vectorizes them as it does sums.
 // (Floating ones use OpenMP's own max/min and a NaN flag: _FLOAT_MINMAX.) Private copies start
@@ -205,7 +223,11 @@ class CppRenderer(ColumnTiles, Renderer):
     def define(self, name: str, node: KNode) -> None:
         t = CPP_DTYPE[node.dtype]
         if isinstance(node, KLoad):
-            index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "/")
+            # Only the clamps along a vector loop's variable are stripped: a clamp on the coordinates the
+            # vector loop does not walk is computed once per vector loop, and the load stays plain (GCC 12
+            # leaves a loop scalar where a load is conditional on a value the loop does not change: a max
+            # pool's nine window loads over channels-last channels ran 27x slower that way).
+            index, inside = unclamped(self.kernel.index(node.index), self._vector_vars(), "/")
             load = f"{self.buffer_name(node.buffer)}[{print_index(index, '/')}]"
             if inside:  # a replicate_pad read: loaded where in range only, its reader selects the rest away
                 load = f"({' && '.join(inside)}) ? {load} : static_cast<{t}>(0)"
@@ -216,6 +238,9 @@ class CppRenderer(ColumnTiles, Renderer):
             self.emit(f"{t} {name} = {self.index_of(node.expr)};")
         elif isinstance(node, KConvert):
             self.emit(f"{t} {name} = {self._convert(self.ref(node.arg), node.arg.dtype, node.dtype)};")
+        elif isinstance(node, KOp) and node.fn == "where" and not self._varies(node.operands[0]):
+            cond, a, b = (self.ref(x) for x in node.operands)
+            self.emit(f"{t} {name} = ember_pick<{t}>({cond}, static_cast<{t}>({a}), static_cast<{t}>({b}));")
         elif isinstance(node, KOp):
             expr = ops.POINTWISE[node.fn].cpp.format(*[self.ref(a) for a in node.operands])
             self.emit(f"{t} {name} = static_cast<{t}>({expr});")
@@ -254,6 +279,25 @@ class CppRenderer(ColumnTiles, Renderer):
         self.emit(f"{self.buffer_name(store.buffer)}[{self.index_of(store.index)}] = {self.ref(store.value)};")
 
     # -- loops -------------------------------------------------------------------------------
+    def _vector_vars(self) -> set:
+        """The variables of the loops that may carry `omp simd`: the innermost outer loop and the innermost
+        reduce loop."""
+        return {dims[-1][0] for dims in (self._dims(reduce=False), self._dims(reduce=True)) if dims}
+
+    def _varies(self, node: KNode) -> bool:
+        """Whether node's value changes along a vector loop (`_vector_vars`)."""
+        memo = self.__dict__.setdefault("_varies_memo", {})
+        if id(node) not in memo:
+            if isinstance(node, (KLoad, KIndex)):
+                expr = self.kernel.index(node.index if isinstance(node, KLoad) else node.expr)
+                own = bool(expr.free_symbols & self._vector_vars())
+                memo[id(node)] = own or any(self._varies(r) for r in node.rows)
+            elif isinstance(node, KReduce):
+                memo[id(node)] = False  # one value a row
+            else:
+                memo[id(node)] = any(self._varies(a) for a in node.args())
+        return memo[id(node)]
+
     def _dims(self, reduce: bool):
         k = self.kernel
         return [(v, s) for v, s, r in zip(k.index_vars, k.loop_sizes, k.loop_reduce) if r == reduce]
@@ -480,7 +524,12 @@ class CppRenderer(ColumnTiles, Renderer):
             else:
                 args.append(f"int64_t {p.name}")
         result = "int64_t" if self.checks_rows else "void"
-        self.emit(f'extern "C" {result} {k.name}({", ".join(args)}) {{')
+        # Where a `where` picks on a condition its vector loop does not change (`ember_pick`), GCC's partial
+        # redundancy elimination rewrites a NaN test after a ReLU (`ember_maximum`) as a select of booleans,
+        # which its vectorizer does not take: the loop stays scalar (ResNet's stem max pool, 27x slower).
+        picks = any(isinstance(n, KOp) and n.fn == "where" and not self._varies(n.operands[0]) for n in self.nodes)
+        attributes = '__attribute__((optimize("no-tree-pre"))) ' if picks else ""
+        self.emit(f'extern "C" {attributes}{result} {k.name}({", ".join(args)}) {{')
         self.indent += 1
         if self.checks_rows:
             self.emit("int64_t ember_bad_row = 0;  // set where a row read from an index is out of range")

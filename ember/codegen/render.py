@@ -70,7 +70,9 @@ def print_index(expr, floordiv: str) -> str:
         return "(" + " * ".join(print_index(f, floordiv) for f in expr.args) + ")"
     if isinstance(expr, (sympy.Min, sympy.Max)):  # replicate_pad's clamps, nested pairwise
         fn = {("//", sympy.Min): "tl.minimum", ("//", sympy.Max): "tl.maximum"}.get((floordiv, type(expr)))
-        fn = fn or ("std::min<int64_t>" if isinstance(expr, sympy.Min) else "std::max<int64_t>")
+        # C++: by-value ternaries (codegen/cpp.py's prelude). std::min returns a reference, which GCC 12
+        # keeps as a branch inside a loop, and a branch leaves that loop unvectorized.
+        fn = fn or ("ember_min_index" if isinstance(expr, sympy.Min) else "ember_max_index")
         first, *rest = expr.args
         out = print_index(first, floordiv)
         for a in rest:

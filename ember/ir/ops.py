@@ -84,6 +84,8 @@ _op("gt", 2, torch.gt, "({0} > {1})", "({0} > {1})", kind="compare")
 _op("ge", 2, torch.ge, "({0} >= {1})", "({0} >= {1})", kind="compare")
 _op("isnan", 1, torch.isnan, "({0} != {0})", "({0} != {0})", kind="compare")
 _op("logical_not", 1, torch.logical_not, "({0} == 0)", "(!{0})", kind="compare")
+# C++ as Triton: `&` and `|`, not `&&` and `||`, whose short circuit GCC 12 keeps as a branch where the
+# operands do not change along a vector loop (a window position inside the image), leaving it scalar.
 # (Triton's interpreter cannot `&` a block of booleans with a scalar one, as a 0-dim tensor's load gives:
 # it combines them as bytes.)
 _op(
@@ -91,7 +93,7 @@ _op(
     2,
     torch.logical_and,
     "(({0} != 0) & ({1} != 0))",
-    "({0} && {1})",
+    "(({0} != 0) & ({1} != 0))",
     kind="compare",
     interpreted="((({0} != 0).to(tl.int8) & ({1} != 0).to(tl.int8)) != 0)",
 )
@@ -100,7 +102,7 @@ _op(
     2,
     torch.logical_or,
     "(({0} != 0) | ({1} != 0))",
-    "({0} || {1})",
+    "(({0} != 0) | ({1} != 0))",
     kind="compare",
     interpreted="((({0} != 0).to(tl.int8) | ({1} != 0).to(tl.int8)) != 0)",
 )

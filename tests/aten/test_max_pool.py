@@ -9,7 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import BACKENDS, ON_DEVICES, assert_no_fallback, ember_compile, explain_strict, reports, repro
+from tests.helpers import (
+    BACKENDS,
+    ON_DEVICES,
+    assert_no_fallback,
+    cpp_innermost_loop_vectorized,
+    ember_compile,
+    explain_strict,
+    reports,
+    repro,
+)
 
 # (input shape, kernel, stride, padding, ceil_mode, channels_last)
 CASES = {
@@ -101,6 +110,23 @@ def test_inference_pools_a_stored_activation_in_cpp():
     assert pool.bytes <= conv_out + pooled, graph  # the stored activation and the pooled values, no indices
     with torch.no_grad():
         torch.testing.assert_close(ember_compile(model, "cpp")(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_channels_last_pool_vectorizes_over_channels_in_cpp():
+    """ResNet's stem pool over a channels-last activation: the kernel's vector loop walks channels, and
+    each window position's "inside the image" test is a value that loop does not change. GCC 12 turned
+    such selects (and `std::min` clamps) into branches and left the loop scalar: 4.3 ms of ResNet-18's
+    call on 2 cores, 0.16 ms for Inductor's."""
+
+    def stem_pool(x):
+        return F.max_pool2d(torch.relu(x), 3, 2, 1)
+
+    x = torch.randn(1, 64, 16, 16).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        (graph,) = explain_strict(stem_pool, x).graphs
+        pool = next(k for k in graph.kernels if "max_pool2d_with_indices" in k.ops)
+        assert cpp_innermost_loop_vectorized(pool.source), pool.source
+        torch.testing.assert_close(ember_compile(stem_pool, "cpp")(x), stem_pool(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
