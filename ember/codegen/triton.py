@@ -184,7 +184,12 @@ class TritonRenderer(Renderer):
             else:
                 index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "//")
                 mask = " & ".join([self.mask(node.full)] + inside)
-                self.emit(f"{name} = tl.load({ptr} + {print_index(index, '//')}, {mask}, other=0)")
+                offset = print_index(index, "//")
+                if not index.free_symbols & set(self.kernel.index_vars):
+                    # Only rows read from an index tensor, each one value (a 0-d index): a block of pointers,
+                    # so that the mask applies.
+                    offset += " + tl.zeros_like(xindex)"
+                self.emit(f"{name} = tl.load({ptr} + {offset}, {mask}, other=0)")
         elif isinstance(node, KRow):
             self._define_row(node)
         elif isinstance(node, KIndex):

@@ -226,6 +226,12 @@ def gather_last_row(x):
     return x[torch.full((3,), -1)] * 2
 
 
+def select_by_scalar_index(x, i):
+    """A 0-d index: the gathered load's pointer is one value for the whole kernel (Triton needs it as a block
+    for the mask: compiled Triton and its interpreter refused the kernel)."""
+    return torch.index_select(x, 0, i) * 2
+
+
 @pytest.mark.parametrize("backend", ["triton", "cpp"])
 @pytest.mark.parametrize(
     "fn,args",
@@ -234,8 +240,9 @@ def gather_last_row(x):
         (gather_past_pad, (torch.randn(3, 4), torch.tensor([0, 1, 5, 3]))),
         (gather_same_row, (torch.randn(4, 3),)),
         (gather_last_row, (torch.randn(4, 3),)),
+        (select_by_scalar_index, (torch.randn(5), torch.tensor(2))),
     ],
-    ids=["cat", "pad", "same_row", "last_row"],
+    ids=["cat", "pad", "same_row", "last_row", "scalar_index"],
 )
 def test_gathers_at_positions_and_constant_rows(fn, args, backend):
     _run(fn, args, backend)
