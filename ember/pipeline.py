@@ -189,7 +189,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.schedule.split import split_reductions
 
     faults.at("schedule")
-    graph = import_graph(gm, device, compile_subgraph=_subgraph_compiler(kind))
+    graph = import_graph(gm, device, compile_subgraph=_subgraph_compiler(kind), lower=target.heuristics.lower)
     _check(graph, "import")
     stage("import")
     eager_peak = eager_peak_bytes(graph)  # before any pass changes what eager would allocate

@@ -285,6 +285,20 @@ class RealizeHeuristics:
     # norm's multiply-add and a ReLU.
     shared_readers: int = 0
     shared_min_flops: int = 3
+    # Two readers suffice for a value of at least `costly_min_flops` per element (a depthwise convolution
+    # read by a squeeze-and-excite's mean and by its scale); 0: never (the GPU's; the C++ target sets 8: one
+    # transcendental op).
+    costly_min_flops: int = 0
+
+
+@dataclass(frozen=True)
+class LowerHeuristics:
+    """Which ATen ops become ember's own computation rather than a library call (aten/lowerings/)."""
+
+    # Depthwise convolutions (one filter per channel, aten/lowerings/convolution.py) as sums over their
+    # window's views, which fuse with their padding, batch norm and activation. The C++ target takes them:
+    # on 2 cores, oneDNN spent 50-75 us a call on MobileNetV2's small ones. Triton leaves them to cuDNN.
+    depthwise_convolutions: bool = False
 
 
 @dataclass(frozen=True)
@@ -299,6 +313,7 @@ class Heuristics:
     tune: TuneHeuristics = TuneHeuristics()
     flex: FlexHeuristics = FlexHeuristics()
     realize: RealizeHeuristics = RealizeHeuristics()
+    lower: LowerHeuristics = LowerHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`

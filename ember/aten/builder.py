@@ -20,6 +20,7 @@ from ember.ir import dtypes, ops
 from ember.ir.graph import Graph, Value
 from ember.ir.sizes import Expr, as_expr, product
 from ember.ir.views import VIEW_KINDS
+from ember.target import LowerHeuristics
 
 
 class ShapeDtype:
@@ -33,8 +34,10 @@ class ShapeDtype:
 class GraphBuilder:
     """Adds ember nodes to one Graph on behalf of the FX node being lowered (`current`)."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, lower: LowerHeuristics | None = None):
         self.graph = graph
+        # Which ops the target computes itself rather than calling a library (a lowering declines otherwise).
+        self.lower = lower or LowerHeuristics()
         # Each FX node's result: a Value, a size expression, a Python scalar, or a tuple of them.
         self.env: dict[torch.fx.Node, Any] = {}
         self._current: torch.fx.Node | None = None

@@ -23,14 +23,15 @@ from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
 from ember.ir.sizes import Expr, as_expr, from_torch_sympy, may_be_negative
+from ember.target import LowerHeuristics
 
 
 class Importer:
     """One FX graph's import: binds each FX node to its ember value, through the lowerings."""
 
-    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None):
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None, lower=None):
         self.gm = gm
-        self.builder = GraphBuilder(Graph(device))
+        self.builder = GraphBuilder(Graph(device), lower)
         self.builder.compile_subgraph = compile_subgraph
         # The nodes lowered to ember IR, in order. `ember bisect` sets bisect_ops=N: the first N
         # are lowered and every later op runs as an ATen extern.
@@ -334,7 +335,10 @@ def _is_dense(shape, stride) -> bool:
     return True
 
 
-def import_graph(gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None) -> Graph:
+def import_graph(
+    gm: torch.fx.GraphModule, device: torch.device, compile_subgraph=None, lower: LowerHeuristics | None = None
+) -> Graph:
     """`compile_subgraph(gm, what)`: compiles a cond branch or loop body into a callable of a list of
-    inputs (builder.GraphBuilder.compile_subgraph); without it, those ops run as ATen calls."""
-    return Importer(gm, device, compile_subgraph).run()
+    inputs (builder.GraphBuilder.compile_subgraph); without it, those ops run as ATen calls. `lower`: the
+    target's choices of ops computed by ember rather than a library (Target.heuristics.lower)."""
+    return Importer(gm, device, compile_subgraph, lower).run()

@@ -32,7 +32,7 @@ from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import Heuristics, RealizeHeuristics, Target
+from ember.target import Heuristics, LowerHeuristics, RealizeHeuristics, Target
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -164,7 +164,10 @@ class CppBackend:
             # took 30.1 ms with `omp atomic` adds and 14.0 ms with one thread's plain adds, against 12.7 ms
             # with ATen's scatter_add after the fused gather.
             atomic_adds=(),
-            heuristics=Heuristics(realize=RealizeHeuristics(shared_readers=4)),
+            heuristics=Heuristics(
+                realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8),
+                lower=LowerHeuristics(depthwise_convolutions=True),
+            ),
         ).tuned(config.get("heuristics"))
 
     def target(self) -> Target:

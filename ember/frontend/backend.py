@@ -123,7 +123,7 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     buffers split off into a prologue, the rest compiled. Under CUDA graphs, whose recordings keep
     the addresses of the prologue's results, the graph is compiled whole."""
     from ember.frontend.freezing import FrozenGraph, freeze
-    from ember.pipeline import compile_graph, graph_device
+    from ember.pipeline import compile_graph, graph_device, select_backend
 
     context = torch._guards.TracingContext.try_get()
     static = list(getattr(getattr(context, "fw_metadata", None), "static_input_indices", None) or ())
@@ -133,7 +133,14 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     split = None
     if not graphed and static:
         try:
-            split = freeze(gm, example_inputs, static, pack_convolutions=config.get("prepack"))
+            lower = select_backend(graph_device(gm, example_inputs)).target().heuristics.lower
+            split = freeze(
+                gm,
+                example_inputs,
+                static,
+                pack_convolutions=config.get("prepack"),
+                depthwise_in_kernels=lower.depthwise_convolutions,
+            )
         except Exception as e:
             if config.get("strict"):
                 raise

@@ -56,11 +56,16 @@ class FrozenSplit:
 
 
 def freeze(
-    gm: fx.GraphModule, example_inputs: Sequence, static_indices: Sequence[int], pack_convolutions: bool = False
+    gm: fx.GraphModule,
+    example_inputs: Sequence,
+    static_indices: Sequence[int],
+    pack_convolutions: bool = False,
+    depthwise_in_kernels: bool = False,
 ) -> FrozenSplit | None:
     """Split `gm` (changed in place) into a prologue over the static inputs and a main graph; None
     where nothing over them can be computed ahead. `pack_convolutions`: CPU convolutions run on weights
-    packed once, with batch norm folded into them (frontend/prepack.py)."""
+    packed once, with batch norm folded into them (frontend/prepack.py), but for depthwise ones where
+    `depthwise_in_kernels` (the target computes them: Target.heuristics.lower)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = _frozen_placeholders(gm, placeholders, static_indices)
     if not frozen:
@@ -69,9 +74,16 @@ def freeze(
     memo: dict = {}
     is_constant = functools.partial(_is_constant, frozen=frozen, memo=memo)
     pack = pack_convolutions and prepack.available()
-    into_weight = functools.partial(prepack.packable, is_constant=is_constant) if pack else None
+    into_weight = (
+        functools.partial(prepack.packable, is_constant=is_constant, depthwise_in_kernels=depthwise_in_kernels)
+        if pack
+        else None
+    )
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    packed = prepack.prepack(gm, is_constant, fake_mode) if pack else {"packed": 0, "fused": 0, "linear": 0}
+    none = {"packed": 0, "fused": 0, "linear": 0}
+    packed = prepack.prepack(gm, is_constant, fake_mode, depthwise_in_kernels) if pack else none
+    if depthwise_in_kernels:
+        packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
     split = split_constants(gm, placeholders, frozen)
     if split is None:
         return None
@@ -83,7 +95,8 @@ def freeze(
         lambda: (
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
             f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
-            f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']}; prologue:\n{prologue.code.strip()}"
+            f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']}; depthwise weights with "
+            f"channels innermost: {packed.get('depthwise', 0)}; prologue:\n{prologue.code.strip()}"
         ),
     )
     return FrozenSplit(gm, main_inputs, prologue, kept, frozen_idx, folded)

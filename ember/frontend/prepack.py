@@ -46,6 +46,8 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from ember.aten.lowerings.convolution import is_depthwise
+
 aten = torch.ops.aten
 
 
@@ -66,12 +68,16 @@ def _static_cpu_float32(operands, dim: int) -> bool:
     )
 
 
-def packable(node: fx.Node, is_constant: Callable[[object], bool]) -> bool:
+def packable(node: fx.Node, is_constant: Callable[[object], bool], depthwise_in_kernels: bool = False) -> bool:
     """A float32 2-d convolution (not transposed) of static sizes on the CPU whose weight and bias are
-    computed from frozen tensors (`is_constant`)."""
+    computed from frozen tensors (`is_constant`). `depthwise_in_kernels`: the target computes depthwise
+    convolutions itself (aten/lowerings/convolution.py), so they are not packed."""
     if node.op != "call_function" or node.target is not aten.convolution.default or node.args[6]:
         return False
     if not _static_cpu_float32(node.args[:2], dim=4):
+        return False
+    x, w = (a.meta["val"] for a in node.args[:2])
+    if depthwise_in_kernels and is_depthwise(tuple(x.shape), tuple(w.shape), False, node.args[8]):
         return False
     if any(p != 0 for p in node.args[7]):  # output padding (transposed convolutions only)
         return False
@@ -95,7 +101,43 @@ def packable_linear(node: fx.Node, is_constant: Callable[[object], bool]) -> boo
     return is_constant(w)
 
 
-def prepack(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode) -> dict[str, int]:
+def relayout_depthwise_weights(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode) -> int:
+    """Give each depthwise convolution over a frozen weight ([C, 1, KH, KW]) that weight with its channels
+    innermost in memory, `w.permute(2, 3, 1, 0).contiguous().permute(3, 2, 0, 1)`, which the freezing
+    prologue computes once: ember's kernel (aten/lowerings/convolution.py, which takes only such weights)
+    reads each window position's weights along its vector loop over channels, where a row-major weight
+    would be read 9 elements apart. Returns how many weights were laid out so."""
+    count = 0
+    graph = gm.graph
+    for conv in [n for n in graph.nodes if _depthwise_over_constant(n, is_constant)]:
+        w = conv.args[1]
+        with graph.inserting_before(conv):
+            inner = graph.call_function(aten.permute.default, (w, [2, 3, 1, 0]))
+            copy = graph.call_function(aten.clone.default, (inner,), {"memory_format": torch.contiguous_format})
+            outer = graph.call_function(aten.permute.default, (copy, [3, 2, 0, 1]))
+            with fake_mode:
+                inner.meta["val"] = w.meta["val"].permute(2, 3, 1, 0)
+                copy.meta["val"] = inner.meta["val"].clone(memory_format=torch.contiguous_format)
+                outer.meta["val"] = copy.meta["val"].permute(3, 2, 0, 1)
+        conv.replace_input_with(w, outer)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _depthwise_over_constant(node: fx.Node, is_constant: Callable[[object], bool]) -> bool:
+    if node.op != "call_function" or node.target is not aten.convolution.default:
+        return False
+    if not _static_cpu_float32(node.args[:2], dim=4) or not is_constant(node.args[1]):
+        return False
+    x, w = (a.meta["val"] for a in node.args[:2])
+    return is_depthwise(tuple(x.shape), tuple(w.shape), bool(node.args[6]), node.args[8]) and w.stride(0) != 1
+
+
+def prepack(
+    gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode, depthwise_in_kernels: bool = False
+) -> dict[str, int]:
     """Rewrite the graph's packable convolutions and matrix products (in place) as oneDNN's over packed
     weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
     activations, "linear": matrix products}."""
@@ -104,7 +146,7 @@ def prepack(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode
     for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
         _pack_linear(graph, mm, fake_mode)
         counts["linear"] += 1
-    for conv in [n for n in graph.nodes if packable(n, is_constant)]:
+    for conv in [n for n in graph.nodes if packable(n, is_constant, depthwise_in_kernels)]:
         x, w, bias, stride, padding, dilation, _, _, groups = conv.args
         x, padding = _absorb_zero_pad(x, list(padding))
         xval, wval = x.meta["val"], w.meta["val"]

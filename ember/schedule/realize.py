@@ -107,6 +107,10 @@ def realize_shared(state: ScheduleState) -> None:
         # from cache by each consumer: only buffers of about v's size make inlining costly.
         large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
         flops = POINTWISE[node.attrs["fn"]].flops if node.op == "pointwise" else 0
+        if not touched and not any(x.dtype.is_floating_point for x in (v, *node.value_inputs())):
+            # Integer arithmetic on loop positions alone (a padding's inside-the-image test): a C++ vector
+            # loop over channels computes it once per loop, not per element (codegen/cpp.py).
+            flops = 0
         # Summed per read path (a shared subexpression counts once per path), so capped.
         work[v] = min(MAX_WORK, flops + sum(work.get(view_chain(x)[0], 0) for x in node.value_inputs()))
         if (
@@ -147,6 +151,8 @@ def recomputed_in_many_readers(readers: int, work: int, target: Target) -> bool:
     took 8.8 ms against 2.6 ms reading the stored activation on 2 cores. On a GPU the recomputation
     hides under the loads, so there bytes decide (`worth_storing`)."""
     h = target.heuristics.realize
+    if 0 < h.costly_min_flops <= work and readers >= 2:
+        return True
     return 0 < h.shared_readers <= readers and work >= h.shared_min_flops
 
 

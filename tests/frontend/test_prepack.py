@@ -2,7 +2,9 @@
 folded into the packed weight and the activation fused (frontend/prepack.py).
 
 Each case runs against eager; the compiled graph has oneDNN's convolution with the expected post-op in place
-of ATen's, the prologue packs each weight once, and a weight written in place or replaced is packed again."""
+of ATen's, the prologue packs each weight once, and a weight written in place or replaced is packed again.
+Depthwise convolutions are the C++ target's own (tests/aten/test_depthwise_convolution.py): here they are
+left to oneDNN (`lower.depthwise_convolutions=0`), to be packed like the others."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ pytestmark = pytest.mark.skipif(not prepack.available(), reason="this torch has 
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 PACKED = "torch.ops.mkldnn._convolution_pointwise.default"
+LIBRARY_DEPTHWISE = "lower.depthwise_convolutions=0"  # depthwise convolutions packed for oneDNN too
 
 
 class ConvAct(nn.Module):
@@ -113,7 +116,7 @@ def test_packed_convolutions_match_eager(name):
     line = repro(case=name)
     with torch.no_grad(), reports() as report:
         expected = model(x)
-        actual = ember_compile(model, "cpp", freezing=True)(x)
+        actual = ember_compile(model, "cpp", freezing=True, heuristics=LIBRARY_DEPTHWISE)(x)
     assert_no_fallback(report, line)
     assert_close(actual, expected, **TOL, what=name, line=line)
     assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"

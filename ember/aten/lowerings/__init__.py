@@ -8,6 +8,7 @@ a rounding mode ember does not generate); that call then runs as an extern too.
 from ember.aten.lowerings import (  # noqa: F401
     cat_pad,
     control_flow,
+    convolution,
     elementwise,
     flex,
     gather_scatter,

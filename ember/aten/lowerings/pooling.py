@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ember.aten.builder import GraphBuilder, ShapeDtype
-from ember.aten.lowerings.positions import broadcast_shapes, logical_and, padded_view, position_along
+from ember.aten.lowerings.positions import broadcast_shapes, logical_and, position_along, window_view
 from ember.aten.registry import Unsupported, lowering
 from ember.ir import dtypes
 from ember.ir.graph import Value
@@ -68,7 +68,7 @@ def _max_pool2d_with_indices(ctx: GraphBuilder, node):
         for kw in range(kernel[1]):
             h = ctx.pointwise("add", [start_h, kh], int_h)
             w = ctx.pointwise("add", [start_w, kw], int_w)
-            window = _window(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape, ceil_mode)
+            window = window_view(ctx, x, (h_dim, w_dim), (kh, kw), stride, padding, out_shape, ceil_mode)
             inside = None
             for at, p, d, k, st in (
                 (h, padding[0], h_dim, kernel[0], stride[0]),
@@ -169,25 +169,6 @@ def _max_pool2d_with_indices_backward(ctx: GraphBuilder, node):
             term = ctx.pointwise("where", [take, g, 0.0], full)
             total = term if total is None else ctx.pointwise("add", [total, term], full)
     return ctx.cast(total, out.dtype)
-
-
-def _window(ctx: GraphBuilder, x: Value, dims, offsets, stride, padding, out_shape, ceil_mode: bool) -> Value:
-    """x's elements at window offset `offsets` of every output position, as a view: padded by
-    `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
-    stride. With ceil_mode the last window may reach past x and its padding: the padded view then
-    ends at the last position read, which a kernel reads where it lies in x only (codegen/render.py:
-    unclamped), never past its end (read unguarded, C++ read 6 elements past a [1, 2, 8, 7] input)."""
-    padded_shape = list(x.shape)
-    widths = {}
-    for d, k, s, p in zip(dims, offsets, stride, padding):
-        after = as_expr(k) + (out_shape[d] - 1) * s + 1 - x.shape[d] - p if ceil_mode else as_expr(p)
-        widths[d] = (as_expr(p), after)
-        padded_shape[d] = x.shape[d] + p + after
-    view, _ = padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
-    for d, k, s in zip(dims, offsets, stride):
-        end = as_expr(k) + (out_shape[d] - 1) * s + 1
-        view = ctx.view("slice", view, dim=d, start=as_expr(k), end=end, step=as_expr(s))
-    return view
 
 
 def _pair(v) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import torch
 
 from ember.aten.builder import GraphBuilder, ShapeDtype
 from ember.ir.graph import Value
+from ember.ir.sizes import as_expr
 
 
 def position_along(ctx: GraphBuilder, x: Value, dim: int) -> Value:
@@ -53,3 +54,23 @@ def logical_and(ctx: GraphBuilder, a: Value, b: Value) -> Value:
 def broadcast_shapes(a, b) -> tuple:
     """Two shapes of one rank where each dim is 1 in at least one of them (positions along dims)."""
     return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
+def window_view(ctx: GraphBuilder, x: Value, dims, offsets, stride, padding, out_shape, ceil_mode: bool) -> Value:
+    """x's elements at window offset `offsets` (along `dims`) of every output position of a pooling or
+    convolution window, as a view: padded by
+    `padding` (replicate_pad: the caller masks the padding), then sliced from the offset with the
+    stride. With ceil_mode the last window may reach past x and its padding: the padded view then
+    ends at the last position read, which a kernel reads where it lies in x only (codegen/render.py:
+    unclamped), never past its end (read unguarded, C++ read 6 elements past a [1, 2, 8, 7] input)."""
+    padded_shape = list(x.shape)
+    widths = {}
+    for d, k, s, p in zip(dims, offsets, stride, padding):
+        after = as_expr(k) + (out_shape[d] - 1) * s + 1 - x.shape[d] - p if ceil_mode else as_expr(p)
+        widths[d] = (as_expr(p), after)
+        padded_shape[d] = x.shape[d] + p + after
+    view, _ = padded_view(ctx, x, widths, tuple(padded_shape), masked=False)
+    for d, k, s in zip(dims, offsets, stride):
+        end = as_expr(k) + (out_shape[d] - 1) * s + 1
+        view = ctx.view("slice", view, dim=d, start=as_expr(k), end=end, step=as_expr(s))
+    return view
