@@ -218,9 +218,22 @@ class TritonRenderer(Renderer):
 
     def _tensor(self, node: KNode, full: bool) -> str:
         """A reference usable where a block-shaped tensor is required."""
-        if is_scalar(node):
+        if is_scalar(node) or not self._value_varies(node):
             return f"tl.full({self.shape(full)}, {self.ref(node)}, {TRITON_DTYPE[node.dtype]})"
         return self.ref(node)
+
+    def _value_varies(self, node: KNode) -> bool:
+        """Whether node's value is a block: it depends on a loop variable or on a row read at one (a value
+        loaded at a 0-d index's row is one value, which `tl.atomic_add` does not broadcast to its mask)."""
+        if isinstance(node, KConst):
+            return False
+        if isinstance(node, KLoad):
+            return self._varies(node.index)
+        if isinstance(node, KIndex):
+            return self._varies(node.expr)
+        if isinstance(node, KReduce):
+            return True
+        return any(self._value_varies(a) for a in node.args())
 
     def _varies(self, index) -> bool:
         """Whether an index expression depends on a loop variable, directly or through a row the kernel
@@ -238,8 +251,9 @@ class TritonRenderer(Renderer):
         if store.row is not None:
             self.emit_node(store.row)  # a store in a reduce phase is emitted there, with its operands
         offset = self.index_of(store.index)
-        if not self._varies(store.index):
-            offset += " + tl.zeros_like(xindex)"  # a block of pointers, so the mask applies
+        if not self.kernel.index(store.index).free_symbols & set(self.kernel.index_vars):
+            # One element, or rows each one value (a 0-d index): a block of pointers, so the mask applies.
+            offset += " + tl.zeros_like(xindex)"
         if store.accumulate:
             # Programs add into the same elements in any order (eager's CUDA scatter_add does too).
             self.emit(f'tl.atomic_add({ptr} + {offset}, {value}, {self.mask(store.full)}, sem="relaxed")')

@@ -323,3 +323,13 @@ def test_each_of_several_index_tensors_is_checked(backend):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="index out of bounds"):
         ember_compile(broadcast_pairs, backend)(torch.randn(2, 4, 6), torch.tensor([[0], [1]]), torch.tensor([[1, 6]]))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_one_row_selected_and_its_gradient_added_back(backend):
+    """A one-element index over a one-element source (an OpInfo sample): the gathered load and the gradient's
+    scatter-add reach one row each, whose pointer is one value for the whole Triton kernel."""
+    x, i = torch.randn(1, requires_grad=True), torch.tensor([0])
+    (got,) = torch.autograd.grad(ember_compile(torch.index_select, backend)(x, 0, i).sum() * 3, x)
+    (want,) = torch.autograd.grad(torch.index_select(x, 0, i).sum() * 3, x)
+    assert_close(got, want, **TOL, what="gradient", line=repro(backend=backend))
