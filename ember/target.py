@@ -286,9 +286,13 @@ class RealizeHeuristics:
     shared_readers: int = 0
     shared_min_flops: int = 3
     # Two readers suffice for a value of at least `costly_min_flops` per element (a depthwise convolution
-    # read by a squeeze-and-excite's mean and by its scale); 0: never (the GPU's; the C++ target sets 8: one
-    # transcendental op).
+    # read by a squeeze-and-excite's mean and by its scale), and such work does not fuse into a reduction
+    # whose loop reads memory across strides (merge.py); 0: never (the GPU's; the C++ target sets 8, a sigmoid;
+    # EMBER_HEURISTICS takes positive integers, so a count no value reaches turns it off).
     costly_min_flops: int = 0
+    # Integer arithmetic on loop positions alone (a padding's inside-the-image test) counts no work: the C++
+    # target's vector loop over channels computes it once per loop (its default; the GPU's counts it).
+    free_positions: bool = False
 
 
 @dataclass(frozen=True)
@@ -297,7 +301,9 @@ class LowerHeuristics:
 
     # Depthwise convolutions (one filter per channel, aten/lowerings/convolution.py) as sums over their
     # window's views, which fuse with their padding, batch norm and activation. The C++ target takes them:
-    # on 2 cores, oneDNN spent 50-75 us a call on MobileNetV2's small ones. Triton leaves them to cuDNN.
+    # on 2 cores, oneDNN spent 50-75 us a call on MobileNetV2's small ones. Only weights laid out with their
+    # channels innermost are taken, which freezing does on the CPU alone (frontend/prepack.py): Triton leaves
+    # them to cuDNN, and a GPU graph would find no such weight if this were set.
     depthwise_convolutions: bool = False
 
 

@@ -165,7 +165,7 @@ class CppBackend:
             # with ATen's scatter_add after the fused gather.
             atomic_adds=(),
             heuristics=Heuristics(
-                realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8),
+                realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8, free_positions=True),
                 lower=LowerHeuristics(depthwise_convolutions=True),
             ),
         ).tuned(config.get("heuristics"))

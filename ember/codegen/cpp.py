@@ -83,6 +83,11 @@ static inline int64_t ember_max_index(int64_t a, int64_t b) { return a > b ? a :
 // `where` over a condition that a vector loop does not change (a window position inside the image or
 // not), as bit masks: GCC 12 turns a select on such a condition into control flow, and leaves the loop
 // scalar once a few are in it (a max pool's nine window positions: 27x slower).
+#if defined(__GNUC__) && !defined(__clang__)
+#define EMBER_NO_PRE __attribute__((optimize("no-tree-pre")))
+#else
+#define EMBER_NO_PRE
+#endif
 template <class T> static inline T ember_pick(bool c, T a, T b) {
     using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t,
               std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
@@ -193,6 +198,7 @@ class CppRenderer(ColumnTiles, Renderer):
         # of range (backends/cpp.py raises); a loop in which a row is checked carries no `omp simd` (the check
         # stores a flag).
         self.checks_rows = kernel.checks_rows
+        self._varies_memo: dict[int, bool] = {}  # id(node) -> whether it changes along a vector loop
 
     @staticmethod
     def ctype(dtype: torch.dtype) -> str:
@@ -286,7 +292,7 @@ class CppRenderer(ColumnTiles, Renderer):
 
     def _varies(self, node: KNode) -> bool:
         """Whether node's value changes along a vector loop (`_vector_vars`)."""
-        memo = self.__dict__.setdefault("_varies_memo", {})
+        memo = self._varies_memo
         if id(node) not in memo:
             if isinstance(node, (KLoad, KIndex)):
                 expr = self.kernel.index(node.index if isinstance(node, KLoad) else node.expr)
@@ -528,7 +534,7 @@ class CppRenderer(ColumnTiles, Renderer):
         # redundancy elimination rewrites a NaN test after a ReLU (`ember_maximum`) as a select of booleans,
         # which its vectorizer does not take: the loop stays scalar (ResNet's stem max pool, 27x slower).
         picks = any(isinstance(n, KOp) and n.fn == "where" and not self._varies(n.operands[0]) for n in self.nodes)
-        attributes = '__attribute__((optimize("no-tree-pre"))) ' if picks else ""
+        attributes = "EMBER_NO_PRE " if picks else ""  # GCC's no-tree-pre (the prelude's macro)
         self.emit(f'extern "C" {attributes}{result} {k.name}({", ".join(args)}) {{')
         self.indent += 1
         if self.checks_rows:

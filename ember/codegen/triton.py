@@ -231,9 +231,9 @@ class TritonRenderer(Renderer):
             return self._varies(node.index)
         if isinstance(node, KIndex):
             return self._varies(node.expr)
-        if isinstance(node, KReduce):
-            return True
-        return any(self._value_varies(a) for a in node.args())
+        if isinstance(node, (KOp, KConvert, KRow)):
+            return any(self._value_varies(a) for a in node.args())
+        return True  # a reduction's result, a GEMM's accumulator, ...: a block
 
     def _varies(self, index) -> bool:
         """Whether an index expression depends on a loop variable, directly or through a row the kernel

@@ -133,13 +133,15 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     split = None
     if not graphed and static:
         try:
-            lower = select_backend(graph_device(gm, example_inputs)).target().heuristics.lower
+            # The CPU target's choice (only CPU convolutions are packed or laid out for ember's kernels).
+            device = graph_device(gm, example_inputs)
+            lower = select_backend(device).target().heuristics.lower if device.type == "cpu" else None
             split = freeze(
                 gm,
                 example_inputs,
                 static,
                 pack_convolutions=config.get("prepack"),
-                depthwise_in_kernels=lower.depthwise_convolutions,
+                depthwise_in_kernels=bool(lower and lower.depthwise_convolutions),
             )
         except Exception as e:
             if config.get("strict"):

@@ -20,10 +20,11 @@ import sympy
 
 from ember import config
 from ember.ir.graph import Value
+from ember.ir.ops import POINTWISE
 from ember.ir.sizes import product
 from ember.schedule.cost import KernelCost, is_persistent, kernel_cost, size_hint
 from ember.schedule.groups import group_kernel
-from ember.schedule.kernel import Domain, Kernel, KLoad, NotFusable, walk
+from ember.schedule.kernel import Domain, Kernel, KLoad, KOp, NotFusable, walk
 from ember.schedule.kernel_builder import column_partial_input
 from ember.schedule.realize import view_chain
 from ember.schedule.state import Group, ScheduleState
@@ -150,17 +151,28 @@ def _costly_work_into_strided_reduction(state: ScheduleState, a: Group, b: Group
     reduce_vars = [v for v, r in zip(kernel.index_vars, kernel.loop_reduce) if r]
     if not least or not reduce_vars:
         return False
-    pointwise = [g for g in (a, b) if not any(g.kernel.loop_reduce)]
-    if not any(
-        size_hint(kernel_cost(g.kernel).flops) >= least * size_hint(product(g.kernel.loop_sizes)) for g in pointwise
-    ):
+    if not any(_float_flops(g.kernel) >= least for g in (a, b) if not any(g.kernel.loop_reduce)):
         return False
     inner = reduce_vars[-1]
     for load in (n for n in walk(kernel) if isinstance(n, KLoad)):
-        step = sympy.expand(kernel.index(load.index)).coeff(inner)
-        if inner in kernel.index(load.index).free_symbols and step != 1:
+        index = _unclamped_along(kernel.index(load.index), inner)
+        if inner in index.free_symbols and sympy.simplify(index.subs(inner, inner + 1) - index) != 1:
             return True
     return False
+
+
+def _unclamped_along(index, var):
+    """index without a padded view's clamps (Min/Max) of a position along `var`, which only keep the read
+    inside the buffer: they leave its step along `var` as it is."""
+    return index.replace(
+        lambda e: isinstance(e, (sympy.Min, sympy.Max)) and var in e.free_symbols,
+        lambda e: next(arg for arg in e.args if var in arg.free_symbols),
+    )
+
+
+def _float_flops(kernel: Kernel) -> int:
+    """Floating-point work per element of a pointwise kernel (integer position arithmetic left out)."""
+    return sum(POINTWISE[n.fn].flops for n in walk(kernel) if isinstance(n, KOp) and n.dtype.is_floating_point)
 
 
 def _merged_kernel(state: ScheduleState, domain: Domain, gid: int, roots: list[Value]) -> Kernel:

@@ -107,10 +107,12 @@ def realize_shared(state: ScheduleState) -> None:
         # from cache by each consumer: only buffers of about v's size make inlining costly.
         large = [b for b in touched if 8 * size_hint(product(b.shape)) >= size_hint(product(v.shape))]
         flops = POINTWISE[node.attrs["fn"]].flops if node.op == "pointwise" else 0
-        if not touched and not any(x.dtype.is_floating_point for x in (v, *node.value_inputs())):
-            # Integer arithmetic on loop positions alone (a padding's inside-the-image test): a C++ vector
-            # loop over channels computes it once per loop, not per element (codegen/cpp.py).
-            flops = 0
+        if (
+            state.target.heuristics.realize.free_positions
+            and not touched
+            and not any(x.dtype.is_floating_point for x in (v, *node.value_inputs()))
+        ):
+            flops = 0  # integer arithmetic on loop positions alone (a padding's inside-the-image test)
         # Summed per read path (a shared subexpression counts once per path), so capped.
         work[v] = min(MAX_WORK, flops + sum(work.get(view_chain(x)[0], 0) for x in node.value_inputs()))
         if (

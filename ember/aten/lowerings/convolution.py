@@ -42,21 +42,21 @@ def is_depthwise(x_shape, w_shape, transposed: bool, groups: int) -> bool:
 
 @lowering(aten.convolution)
 def _convolution(ctx: GraphBuilder, node):
-    x, w, bias = (ctx.arg(a) for a in node.args[:3])
     stride, padding, dilation, transposed, _, groups = node.args[3:9]
     if not ctx.lower.depthwise_convolutions:
         raise Unsupported("convolution (the target's library computes it)")
+    x, w, bias = (ctx.arg(a) for a in node.args[:3])
     if not isinstance(x, Value) or not isinstance(w, Value) or not (bias is None or isinstance(bias, Value)):
         raise Unsupported("convolution operands")
+    if not is_depthwise(_static(x.shape), _static(w.shape), bool(transposed), groups):
+        raise Unsupported("convolution (not depthwise, or a window over MAX_TAPS)")
+    if not x.dtype.is_floating_point or w.dtype != x.dtype:
+        raise Unsupported("convolution dtypes")
     weight = node.args[1].meta.get("val")
     if not isinstance(weight, torch.Tensor) or weight.stride(0) != 1:
         # A row-major weight would be read KH * KW elements apart along the kernel's vector loop over
         # channels; freezing lays frozen weights out with channels innermost (frontend/prepack.py).
         raise Unsupported("depthwise convolution over a weight without its channels innermost")
-    if not x.dtype.is_floating_point or w.dtype != x.dtype:
-        raise Unsupported("convolution dtypes")
-    if not is_depthwise(_static(x.shape), _static(w.shape), bool(transposed), groups):
-        raise Unsupported("convolution (not depthwise, or a window over MAX_TAPS)")
     if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
         raise Unsupported("convolution sizes")
     out = ctx.out_meta()
