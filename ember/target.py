@@ -305,6 +305,10 @@ class LowerHeuristics:
     # channels innermost are taken, which freezing does on the CPU alone (frontend/prepack.py): Triton leaves
     # them to cuDNN, and a GPU graph would find no such weight if this were set.
     depthwise_convolutions: bool = False
+    # Under freezing, a 1x1 convolution over a channels-last input of at least this many channels is a BLAS
+    # product over its [pixels, channels] view (frontend/prepack.py: _as_product), its activation fused by
+    # ember; 0: never (the GPU's; the C++ target sets 32, below which MKL's products were the slower).
+    product_convolutions_min_channels: int = 0
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,7 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
                 static,
                 pack_convolutions=config.get("prepack"),
                 depthwise_in_kernels=bool(lower and lower.depthwise_convolutions),
+                product_min_channels=lower.product_convolutions_min_channels if lower else 0,
             )
         except Exception as e:
             if config.get("strict"):

@@ -61,11 +61,13 @@ def freeze(
     static_indices: Sequence[int],
     pack_convolutions: bool = False,
     depthwise_in_kernels: bool = False,
+    product_min_channels: int = 0,
 ) -> FrozenSplit | None:
     """Split `gm` (changed in place) into a prologue over the static inputs and a main graph; None
     where nothing over them can be computed ahead. `pack_convolutions`: CPU convolutions run on weights
     packed once, with batch norm folded into them (frontend/prepack.py), but for depthwise ones where
-    `depthwise_in_kernels` (the target computes them: Target.heuristics.lower)."""
+    `depthwise_in_kernels` (the target computes them: Target.heuristics.lower), and 1x1 ones over at least
+    `product_min_channels` channels, which become BLAS products (prepack.prepack)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = _frozen_placeholders(gm, placeholders, static_indices)
     if not frozen:
@@ -80,8 +82,8 @@ def freeze(
         else None
     )
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    none = {"packed": 0, "fused": 0, "linear": 0}
-    packed = prepack.prepack(gm, is_constant, fake_mode, depthwise_in_kernels) if pack else none
+    none = {"packed": 0, "fused": 0, "linear": 0, "products": 0}
+    packed = prepack.prepack(gm, is_constant, fake_mode, depthwise_in_kernels, product_min_channels) if pack else none
     if depthwise_in_kernels:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
     split = split_constants(gm, placeholders, frozen)
@@ -95,7 +97,8 @@ def freeze(
         lambda: (
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
             f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
-            f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']}; depthwise weights with "
+            f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']}; 1x1 convolutions as "
+            f"BLAS products: {packed['products']}; depthwise weights with "
             f"channels innermost: {packed.get('depthwise', 0)}; prologue:\n{prologue.code.strip()}"
         ),
     )

@@ -203,3 +203,28 @@ def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight(
     prologue = _frozen_graph().prologue.code
     assert prologue.count("mkldnn._reorder_linear_weight.default(") == 3, prologue
     assert _frozen_graph().freezes == 2
+
+
+@pytest.mark.parametrize(
+    "act,channels,product",
+    [(nn.ReLU6, 32, True), (nn.SiLU, 32, False), (nn.ReLU, 16, False)],
+    ids=["relu6-32-product", "silu-stays-onednn", "16-channels-stay-onednn"],
+)
+def test_pointwise_convolutions_as_blas_products(act, channels, product):
+    """A 1x1 convolution over a channels-last input of at least `lower.product_convolutions_min_channels`
+    channels (the C++ target's 32) is `addmm` over its [pixels, channels] view, batch norm folded into the
+    weight and the activation left to ember's kernels; a SiLU or sigmoid keeps oneDNN's post-op."""
+    torch._dynamo.reset()
+    model = randomize_bn(ConvAct(channels, 24, act, k=1)).to(memory_format=torch.channels_last)
+    x = torch.randn(1, channels, 6, 5).to(memory_format=torch.channels_last)
+    line = repro(act=act.__name__, channels=channels)
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_no_fallback(report, line)
+    assert_close(actual, expected, **TOL, what="1x1 convolution", line=line)
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert ("aten.addmm" in graph.aten_graph) == product, f"{graph.aten_graph}\n{line}"
+    assert (PACKED in graph.aten_graph) != product, f"{graph.aten_graph}\n{line}"
+    assert "sqrt" not in graph.aten_graph, f"batch norm is left in the compiled graph\n{graph.aten_graph}\n{line}"
