@@ -179,8 +179,9 @@ def explain_strict(fn: Callable, *args, backend: str = "cpp", **options) -> Expl
 
 
 def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
-    """Whether GCC vectorizes the innermost loop of a C++ kernel, compiled as ember's C++ backend compiles
-    it: `-fopt-info-vec-optimized` names a line inside each loop it vectorized."""
+    """Whether GCC vectorizes the innermost loop of a C++ kernel (the last loop nest's: a kernel's main one),
+    compiled as ember's C++ backend compiles it: `-fopt-info-vec-optimized` names a line inside each loop it
+    vectorized."""
     import re
     import subprocess
     import tempfile
@@ -188,6 +189,7 @@ def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
 
     from ember.backends.cpp import FLAGS, vector_math
     from ember.codegen.cpp import PRELUDE
+    from ember.config import get as setting
 
     head = PRELUDE + "\n" + vector_math()[0] + "\n"
     first = head.count("\n") + 1  # the kernel's first line, numbered from 1
@@ -195,7 +197,7 @@ def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
         src = Path(tmp) / "kernel.cpp"
         src.write_text(head + kernel_source + "\n")
         flags = [f for f in FLAGS if f != "-shared"]
-        cmd = ["g++", *flags, "-fopt-info-vec-optimized", "-c", str(src), "-o", str(Path(tmp) / "kernel.o")]
+        cmd = [setting("cxx"), *flags, "-fopt-info-vec-optimized", "-c", str(src), "-o", str(Path(tmp) / "kernel.o")]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     hits = {int(m) - first for m in re.findall(r"kernel\.cpp:(\d+):\d+: optimized: loop vectorized", proc.stderr)}
     lines = kernel_source.splitlines()
