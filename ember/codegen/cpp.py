@@ -244,7 +244,7 @@ class CppRenderer(ColumnTiles, Renderer):
             self.emit(f"{t} {name} = {self.index_of(node.expr)};")
         elif isinstance(node, KConvert):
             self.emit(f"{t} {name} = {self._convert(self.ref(node.arg), node.arg.dtype, node.dtype)};")
-        elif isinstance(node, KOp) and node.fn == "where" and not self._varies(node.operands[0]):
+        elif self._picks(node):
             cond, a, b = (self.ref(x) for x in node.operands)
             self.emit(f"{t} {name} = ember_pick<{t}>({cond}, static_cast<{t}>({a}), static_cast<{t}>({b}));")
         elif isinstance(node, KOp):
@@ -289,6 +289,10 @@ class CppRenderer(ColumnTiles, Renderer):
         """The variables of the loops that may carry `omp simd`: the innermost outer loop and the innermost
         reduce loop."""
         return {dims[-1][0] for dims in (self._dims(reduce=False), self._dims(reduce=True)) if dims}
+
+    def _picks(self, node: KNode) -> bool:
+        """Whether node is a `where` whose condition its vector loop does not change (rendered `ember_pick`)."""
+        return isinstance(node, KOp) and node.fn == "where" and not self._varies(node.operands[0])
 
     def _varies(self, node: KNode) -> bool:
         """Whether node's value changes along a vector loop (`_vector_vars`)."""
@@ -533,8 +537,7 @@ class CppRenderer(ColumnTiles, Renderer):
         # Where a `where` picks on a condition its vector loop does not change (`ember_pick`), GCC's partial
         # redundancy elimination rewrites a NaN test after a ReLU (`ember_maximum`) as a select of booleans,
         # which its vectorizer does not take: the loop stays scalar (ResNet's stem max pool, 27x slower).
-        picks = any(isinstance(n, KOp) and n.fn == "where" and not self._varies(n.operands[0]) for n in self.nodes)
-        attributes = "EMBER_NO_PRE " if picks else ""  # GCC's no-tree-pre (the prelude's macro)
+        attributes = "EMBER_NO_PRE " if any(map(self._picks, self.nodes)) else ""  # the prelude's macro
         self.emit(f'extern "C" {attributes}{result} {k.name}({", ".join(args)}) {{')
         self.indent += 1
         if self.checks_rows:

@@ -184,12 +184,7 @@ class TritonRenderer(Renderer):
             else:
                 index, inside = unclamped(self.kernel.index(node.index), set(self.kernel.index_vars), "//")
                 mask = " & ".join([self.mask(node.full)] + inside)
-                offset = print_index(index, "//")
-                if not index.free_symbols & set(self.kernel.index_vars):
-                    # Only rows read from an index tensor, each one value (a 0-d index): a block of pointers,
-                    # so that the mask applies.
-                    offset += " + tl.zeros_like(xindex)"
-                self.emit(f"{name} = tl.load({ptr} + {offset}, {mask}, other=0)")
+                self.emit(f"{name} = tl.load({ptr} + {self._block_offset(index)}, {mask}, other=0)")
         elif isinstance(node, KRow):
             self._define_row(node)
         elif isinstance(node, KIndex):
@@ -222,6 +217,12 @@ class TritonRenderer(Renderer):
             return f"tl.full({self.shape(full)}, {self.ref(node)}, {TRITON_DTYPE[node.dtype]})"
         return self.ref(node)
 
+    def _block_offset(self, index) -> str:
+        """A masked load's or store's offset, printed as a block: one that no loop variable moves (one element,
+        or rows each one value, read at a 0-d index) gets `+ tl.zeros_like(xindex)`, so that the mask applies."""
+        offset = print_index(index, "//")
+        return offset if index.free_symbols & set(self.kernel.index_vars) else offset + " + tl.zeros_like(xindex)"
+
     def _value_varies(self, node: KNode) -> bool:
         """Whether node's value is a block: it depends on a loop variable or on a row read at one (a value
         loaded at a 0-d index's row is one value, which `tl.atomic_add` does not broadcast to its mask)."""
@@ -250,10 +251,7 @@ class TritonRenderer(Renderer):
         value = self._tensor(store.value, store.full)
         if store.row is not None:
             self.emit_node(store.row)  # a store in a reduce phase is emitted there, with its operands
-        offset = self.index_of(store.index)
-        if not self.kernel.index(store.index).free_symbols & set(self.kernel.index_vars):
-            # One element, or rows each one value (a 0-d index): a block of pointers, so the mask applies.
-            offset += " + tl.zeros_like(xindex)"
+        offset = self._block_offset(self.kernel.index(store.index))
         if store.accumulate:
             # Programs add into the same elements in any order (eager's CUDA scatter_add does too).
             self.emit(f'tl.atomic_add({ptr} + {offset}, {value}, {self.mask(store.full)}, sem="relaxed")')

@@ -38,6 +38,7 @@ from torch import fx
 
 from ember import log
 from ember.frontend import prepack
+from ember.target import LowerHeuristics
 
 aten = torch.ops.aten
 
@@ -60,14 +61,12 @@ def freeze(
     example_inputs: Sequence,
     static_indices: Sequence[int],
     pack_convolutions: bool = False,
-    depthwise_in_kernels: bool = False,
-    product_min_channels: int = 0,
+    lower: LowerHeuristics | None = None,
 ) -> FrozenSplit | None:
     """Split `gm` (changed in place) into a prologue over the static inputs and a main graph; None
     where nothing over them can be computed ahead. `pack_convolutions`: CPU convolutions run on weights
-    packed once, with batch norm folded into them (frontend/prepack.py), but for depthwise ones where
-    `depthwise_in_kernels` (the target computes them: Target.heuristics.lower), and 1x1 ones over at least
-    `product_min_channels` channels, which become BLAS products (prepack.prepack)."""
+    packed once, with batch norm folded into them (frontend/prepack.py), but for those the CPU target's
+    `lower` (Target.heuristics.lower) gives ember's kernels or BLAS (depthwise ones, 1x1 ones)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = _frozen_placeholders(gm, placeholders, static_indices)
     if not frozen:
@@ -75,16 +74,13 @@ def freeze(
     fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
     memo: dict = {}
     is_constant = functools.partial(_is_constant, frozen=frozen, memo=memo)
+    lower = lower or LowerHeuristics()
     pack = pack_convolutions and prepack.available()
-    into_weight = (
-        functools.partial(prepack.packable, is_constant=is_constant, depthwise_in_kernels=depthwise_in_kernels)
-        if pack
-        else None
-    )
+    into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
     none = {"packed": 0, "fused": 0, "linear": 0, "products": 0}
-    packed = prepack.prepack(gm, is_constant, fake_mode, depthwise_in_kernels, product_min_channels) if pack else none
-    if depthwise_in_kernels:
+    packed = prepack.prepack(gm, is_constant, fake_mode, lower) if pack else none
+    if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
     split = split_constants(gm, placeholders, frozen)
     if split is None:

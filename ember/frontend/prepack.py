@@ -47,6 +47,7 @@ import torch
 from torch import fx
 
 from ember.aten.lowerings.convolution import is_depthwise
+from ember.target import LowerHeuristics
 
 aten = torch.ops.aten
 
@@ -68,16 +69,20 @@ def _static_cpu_float32(operands, dim: int) -> bool:
     )
 
 
-def packable(node: fx.Node, is_constant: Callable[[object], bool], depthwise_in_kernels: bool = False) -> bool:
+def packable(node: fx.Node, is_constant: Callable[[object], bool], lower: LowerHeuristics | None = None) -> bool:
     """A float32 2-d convolution (not transposed) of static sizes on the CPU whose weight and bias are
-    computed from frozen tensors (`is_constant`). `depthwise_in_kernels`: the target computes depthwise
-    convolutions itself (aten/lowerings/convolution.py), so they are not packed."""
+    computed from frozen tensors (`is_constant`), but for a depthwise one where the target computes those
+    itself (`lower.depthwise_convolutions`: aten/lowerings/convolution.py)."""
     if node.op != "call_function" or node.target is not aten.convolution.default or node.args[6]:
         return False
     if not _static_cpu_float32(node.args[:2], dim=4):
         return False
     x, w = (a.meta["val"] for a in node.args[:2])
-    if depthwise_in_kernels and is_depthwise(tuple(x.shape), tuple(w.shape), False, node.args[8]):
+    if (
+        lower is not None
+        and lower.depthwise_convolutions
+        and is_depthwise(tuple(x.shape), tuple(w.shape), False, node.args[8])
+    ):
         return False
     if any(p != 0 for p in node.args[7]):  # output padding (transposed convolutions only)
         return False
@@ -139,26 +144,27 @@ def prepack(
     gm: fx.GraphModule,
     is_constant: Callable[[object], bool],
     fake_mode,
-    depthwise_in_kernels: bool = False,
-    product_min_channels: int = 0,
+    lower: LowerHeuristics | None = None,
 ) -> dict[str, int]:
     """Rewrite the graph's packable convolutions and matrix products (in place) as oneDNN's over packed
     weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
     activations, "linear": matrix products, "products": 1x1 convolutions made BLAS products}.
-    `product_min_channels`: a 1x1 convolution over a channels-last input of at least that many channels
-    is `addmm` over the input's [pixels, channels] view instead (`_as_product`; 0: never)."""
+    `lower`: the target's choices (depthwise convolutions left to its kernels; 1x1 convolutions over at
+    least `product_convolutions_min_channels` channels as `addmm` over the input's [pixels, channels] view,
+    `_as_product`)."""
+    lower = lower or LowerHeuristics()
     counts = {"packed": 0, "fused": 0, "linear": 0, "products": 0}
     graph = gm.graph
     for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
         _pack_linear(graph, mm, fake_mode)
         counts["linear"] += 1
-    for conv in [n for n in graph.nodes if packable(n, is_constant, depthwise_in_kernels)]:
+    for conv in [n for n in graph.nodes if packable(n, is_constant, lower)]:
         x, w, bias, stride, padding, dilation, _, _, groups = conv.args
         x, padding = _absorb_zero_pad(x, list(padding))
-        xval, wval = x.meta["val"], w.meta["val"]
-        if _as_product(graph, conv, x, padding, product_min_channels, fake_mode):
+        if _as_product(graph, conv, x, padding, lower.product_convolutions_min_channels, fake_mode):
             counts["products"] += 1
             continue
+        xval, wval = x.meta["val"], w.meta["val"]
         attr, scalars, last = _activation(conv)
         with graph.inserting_before(conv):
             packed = graph.call_function(

@@ -156,7 +156,7 @@ def _costly_work_into_strided_reduction(state: ScheduleState, a: Group, b: Group
     inner = reduce_vars[-1]
     for load in (n for n in walk(kernel) if isinstance(n, KLoad)):
         index = _unclamped_along(kernel.index(load.index), inner)
-        if inner in index.free_symbols and sympy.simplify(index.subs(inner, inner + 1) - index) != 1:
+        if inner in index.free_symbols and sympy.expand(index.subs(inner, inner + 1) - index) != 1:
             return True
     return False
 

@@ -73,7 +73,7 @@ def _convolution(ctx: GraphBuilder, node):
         for kw in range(int(w.shape[3])):
             offsets = (kh * dilation[0], kw * dilation[1])
             window = window_view(ctx, x, dims, offsets, stride, padding, out_shape, False)
-            window = ctx.cast(window, acc) if window.dtype != acc else window
+            window = ctx.cast(window, acc)
             inside = None
             for d, at, st, p, off in zip(dims, starts, stride, padding, offsets):
                 if not p:
@@ -87,12 +87,12 @@ def _convolution(ctx: GraphBuilder, node):
                 window = ctx.pointwise("where", [inside, window, 0.0], full)
             tap = ctx.view("select", taps, dim=1, index=as_expr(kh * int(w.shape[3]) + kw))
             tap = ctx.reshape(tap, (channels, 1, 1))
-            tap = ctx.cast(tap, acc) if tap.dtype != acc else tap
+            tap = ctx.cast(tap, acc)
             term = ctx.pointwise("mul", [window, tap], full)
             total = term if total is None else ctx.pointwise("add", [total, term], full)
     if bias is not None:
         b = ctx.reshape(bias, (channels, 1, 1))
-        total = ctx.pointwise("add", [total, ctx.cast(b, acc) if b.dtype != acc else b], full)
+        total = ctx.pointwise("add", [total, ctx.cast(b, acc)], full)
     return ctx.cast(total, out.dtype)
 
 
