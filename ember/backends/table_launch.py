@@ -10,22 +10,18 @@ AdamW step passes some 450 tensors to each of two table kernels). The parts' hea
 count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
-waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses),
-so a table a capture needs and does not have is written by kernels (`fill`, which take the
-addresses as arguments) that the capture records: each replay writes it again before the table
-kernel reads it. Such a table is a temporary of the graph, like any intermediate buffer: it comes
-from the capture's memory pool and is let go as soon as the launch is recorded. Keeping it would
-hold a block of a graph's private pool past the graph's life, and torch refuses to capture into a
-pool that no live graph uses but whose blocks are still held ("use_count > 0" in
-CUDACachingAllocator), which is how one graph's release broke the next capture. A table a capture
-finds (copied before, outside any pool) lives as long as the recording that reads it at every
-replay (runtime/cudagraph_pool.py: keep_while_recorded), and is found again by its addresses while
-it lives; under a capture of the caller's own it is kept for good (its graph's life is the caller's).
+waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses).
+Under a capture ember's pool records (runtime/cudagraph_pool.py), each launch gets a table of the
+capture's own (`CapturedTable`, from the graph's memory pool, held by the recording): the pool
+writes it from the host before the first replay, and again before a replay whose inputs read only
+through tables (an optimizer step's gradients) come at new addresses, so those are never copied.
+Under a capture of the caller's own, a table found by its addresses is kept for good (its graph's
+life is the caller's), and a missing one is written by kernels the capture records (`fill`, which
+take the addresses as arguments): each replay writes it again before the table kernel reads it.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -33,7 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
-from ember.runtime.cudagraph_pool import keep_while_recorded
+from ember.runtime.cudagraph_pool import CaptureScope, capture_scope
 
 # Tables kept outside CUDA graphs: the address sets a loop cycles through (gradients set to None
 # and allocated again each step get the same few addresses from the caching allocator).
@@ -43,7 +39,7 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Table:
-    __slots__ = ("__weakref__", "aligned", "device", "host")
+    __slots__ = ("aligned", "device", "host")
 
     def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
         self.device = device
@@ -51,6 +47,31 @@ class _Table:
         # once the copy is done); None for a table written on the device.
         self.host = host
         self.aligned = aligned
+
+
+class CapturedTable:
+    """A table a capture of ember's pool recorded a launch with: rows that point into the inputs of
+    `sources` follow those inputs (cudagraph_pool.Rewritten)."""
+
+    __slots__ = ("aligned", "device", "host", "launch", "positions", "slots", "sources")
+
+    def __init__(self, launch: TableLaunch, slots: tuple, sources: tuple, rows: int, aligned: bool):
+        self.launch, self.slots, self.aligned = launch, slots, aligned
+        # Per distinct tensor: (input position, bytes past its address), or (None, a fixed address).
+        self.sources = sources
+        self.positions = frozenset(k for k, _ in sources if k is not None)
+        self.device = torch.empty(rows, dtype=torch.int64, device=launch._device)  # from the capture's pool
+        self.host: torch.Tensor | None = None
+
+    def write(self, args: list) -> bool:
+        addresses = [off if k is None else _data_ptr(args[k]) + off for k, off in self.sources]
+        rows, aligned = self.launch._rows(self.slots, addresses)
+        if self.aligned and not aligned:
+            return False
+        # Copied after the replays before it in stream order; the pinned memory is held until the next write.
+        self.host = torch.tensor(rows, dtype=torch.int64, pin_memory=self.launch._cuda)
+        self.device.copy_(self.host, non_blocking=True)
+        return True
 
 
 class TableLaunch:
@@ -71,44 +92,57 @@ class TableLaunch:
             self._part_of_block = torch.tensor(source.part_of_block, dtype=torch.int32, device=device)
         self._fast, self._slow, self._fill = fast, slow, fill
         self._recent: OrderedDict[tuple, _Table] = OrderedDict()
-        # Tables a capture found, read by a graph: held by its recording (or below, for good).
-        self._kept: weakref.WeakValueDictionary[tuple, _Table] = weakref.WeakValueDictionary()
-        self._kept_for_good: list[_Table] = []
+        self._kept: dict[tuple, _Table] = {}  # tables a capture of the caller's own found: read by its graph
         self._last: tuple = ((), (), None)  # (slots, addresses, table) of the last call outside a capture
 
     def __call__(self, stream, slots: tuple, *tensors: torch.Tensor) -> None:
         addresses = tuple(map(_data_ptr, tensors))
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         last_slots, last_addresses, table = self._last
-        if capturing or slots is not last_slots or addresses != last_addresses:
-            table = self._table(slots, addresses, capturing)
-            if not capturing:
-                self._last = (slots, addresses, table)
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            table = self._for_capture(slots, tensors, addresses)
+        elif slots is not last_slots or addresses != last_addresses:
+            table = self._table(slots, addresses)
+            self._last = (slots, addresses, table)
         if table.aligned:
             self._fast(stream, table.device, self._heads, self._part_of_block)
         else:
             self._slow(table.device, self._heads, self._part_of_block)
 
-    def _table(self, slots: tuple, addresses: tuple, capturing: bool) -> _Table:
+    def _table(self, slots: tuple, addresses: tuple) -> _Table:
         key = (slots, addresses)
         table = self._kept.get(key) or self._recent.get(key)
         if table is not None:
             if key in self._recent:
                 self._recent.move_to_end(key)  # least recently used goes first
-            if capturing:
-                self._recent.pop(key, None)
-                self._kept[key] = table
-                if not keep_while_recorded(table) and table not in self._kept_for_good:
-                    self._kept_for_good.append(table)
             return table
         rows, aligned = self._rows(slots, addresses)
-        if capturing:
-            return _Table(self._write_on_device(rows), None, aligned)  # the capture's temporary
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
         table = _Table(host.to(self._device, non_blocking=True), host, aligned)
         self._recent[key] = table
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
+        return table
+
+    def _for_capture(self, slots: tuple, tensors: tuple, addresses: tuple) -> _Table | CapturedTable:
+        scope = capture_scope()
+        if scope is not None:
+            return self._captured(scope, slots, tensors, addresses)
+        key = (slots, addresses)
+        table = self._kept.get(key) or self._recent.pop(key, None)
+        if table is not None:
+            self._kept[key] = table
+            return table
+        rows, aligned = self._rows(slots, addresses)
+        return _Table(self._write_on_device(rows), None, aligned)  # the capture's temporary
+
+    def _captured(self, scope: CaptureScope, slots: tuple, tensors: tuple, addresses: tuple) -> CapturedTable:
+        sources = []
+        for t, address in zip(tensors, addresses, strict=True):
+            found = scope.table_inputs.get(t.untyped_storage().data_ptr())
+            sources.append((None, address) if found is None else (found[0], address - found[1]))
+        rows, aligned = self._rows(slots, addresses)
+        table = CapturedTable(self, slots, tuple(sources), len(rows), aligned)
+        scope.tables.append(table)
         return table
 
     def _rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:

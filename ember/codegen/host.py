@@ -76,12 +76,20 @@ def _constant_name(obj: Any, number: int) -> str:
 
 
 class HostProgram:
-    def __init__(self, source: str, namespace: dict[str, Any]):
+    def __init__(self, source: str, namespace: dict[str, Any], table_inputs: frozenset[int] = frozenset()):
         self.source = source
         self.namespace = namespace
         code = compile(source, "<ember host program>", "exec")
         exec(code, namespace)  # noqa: S102  (our own generated source; printed by EMBER_DEBUG=2)
         self.call: Callable = namespace["call"]
+        # Input positions that only table combo kernels read or write, through an address table
+        # (backends/table_launch.py): a CUDA graph replay may take them at new addresses by
+        # rewriting the tables, without copying them (runtime/cudagraph_pool.py).
+        self.table_inputs = table_inputs
+
+
+_IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
+_BINDING = re.compile(r"\w+ = \w+  # (in place|reuse)")  # HostWriter._allocate: a second name, no access
 
 
 def _alias_fallback(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
@@ -301,7 +309,23 @@ class HostWriter:
                 self.lines.append(f"    {self.names[inp.id]}.copy_({self._output(g.outputs[pos])})  # input mutation")
         outs = ", ".join(self._output(o) for o in g.user_outputs())
         self.lines.append(f"    return [{outs}]")
-        return HostProgram("\n".join(self.lines) + "\n", self.ns)
+        return HostProgram("\n".join(self.lines) + "\n", self.ns, self._table_inputs(len(params)))
+
+    def _table_inputs(self, count: int) -> frozenset[int]:
+        """The inputs (a0, a1, ...) this program names, under their own name or one bound to the same
+        tensor (`buf7 = a3  # in place`), only in table launches (and in its unpacking, `del` and
+        binding lines): any other mention, a kernel's argument, an extern's, an alias's base, a size
+        read, a copy, an output, may take the tensor's address or contents directly."""
+        tabled: set[str] = set()
+        direct: set[str] = set()
+        for line in self.lines[2:]:  # past `def call(args):` and the unpacking
+            text = line.strip()
+            if text.startswith("del ") or text == "args.clear()" or _BINDING.fullmatch(text):
+                continue
+            names = {self.tensor_of.get(n, n) for n in _IDENTIFIER.findall(text)}
+            (tabled if text.startswith("_tables_") else direct).update(names)
+        inputs = {f"a{k}": k for k in range(count)}
+        return frozenset(inputs[n] for n in tabled - direct if n in inputs)
 
     def _output(self, o: Any) -> str:
         if isinstance(o, Value):

@@ -56,6 +56,7 @@ class GraphedCall(Protocol):
     program: Callable[[list], list]
     kind: str  # inference, forward or backward
     static: frozenset[int]
+    table_inputs: frozenset[int]  # inputs read only through address tables (codegen/host.py)
     mutated: tuple[int, ...]
     max_graphs: int
     copy_outputs: bool
@@ -68,6 +69,8 @@ class GraphedCall(Protocol):
     def disable(self, reason: str) -> None: ...
 
     def note_held(self) -> None: ...
+
+    def note_unsuited(self) -> None: ...
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -90,20 +93,38 @@ def _generation() -> tuple[int, bool]:
 _tracker: list = []  # Dynamo's GenerationTracker, imported on first use
 
 
-# -- what a recording keeps alive -----------------------------------------------------------------
+# -- what a capture lets launches register ----------------------------------------------------------
+
+
+class Rewritten(Protocol):
+    """An address table a kernel of a recording reads (backends/table_launch.py: CapturedTable):
+    written from the host before the first replay, and again whenever an input it points into
+    comes at a new address."""
+
+    positions: frozenset[int]  # the inputs it points into
+
+    def write(self, args: list) -> bool:
+        """Write the table for this call's inputs; False where the addresses do not suit the kernel
+        form the capture recorded (an unaligned buffer for the aligned form): nothing to replay."""
+
+
+@dataclass
+class CaptureScope:
+    """What a capture this pool records offers the launches it runs."""
+
+    # The storage (data pointer) of each input the program reaches only through address tables, with
+    # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
+    table_inputs: dict[int, tuple[int, int]]
+    tables: list[Rewritten] = field(default_factory=list)  # tables the recorded kernels read
+
 
 _capture = threading.local()
 
 
-def keep_while_recorded(obj: Any) -> bool:
-    """During a capture this pool records: hold `obj` for as long as the recording lives (a table
-    that a kernel of the graph reads at every replay, made before the capture); False elsewhere (a
-    capture of the caller's own, whose graph's life the caller decides)."""
-    kept = getattr(_capture, "kept", None)
-    if kept is None:
-        return False
-    kept.append(obj)
-    return True
+def capture_scope() -> CaptureScope | None:
+    """The scope of the capture this pool records on this thread now; None elsewhere (no capture,
+    or a capture of the caller's own, whose replays nothing here sees)."""
+    return getattr(_capture, "scope", None)
 
 
 # -- recordings ----------------------------------------------------------------------------------
@@ -130,7 +151,11 @@ class Recording:
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
     released: bool = False
-    kept: list = field(default_factory=list)  # what the graph reads that no buffer of it holds (keep_while_recorded)
+    # Address tables the graph reads (CaptureScope.tables), and the inputs it reads through them only,
+    # taken where they are: `bound`, their addresses the tables were last written for (0 elsewhere).
+    tables: list = field(default_factory=list)
+    rebound: list[int] = field(default_factory=list)
+    bound: list[int] = field(default_factory=list)
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
     # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
     copy_whole: list[int] = field(init=False)
@@ -148,7 +173,7 @@ class Recording:
     def release(self) -> None:
         """Drop the graph, its copy buffers and its outputs' memory (back to the pool): it never replays again."""
         self.graph, self.inputs, self.outputs, self.copy_in, self.copy_whole = None, [], [], [], []
-        self.kept = []
+        self.tables = []
         self.live, self.given, self.released = [], [], True
 
     def hand_out(self, device: torch.device) -> list:
@@ -217,6 +242,19 @@ def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
             parts.append(f"input {k}'s strides or value")
     shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
     return f"this call differs from the nearest recorded one in {shown}"
+
+
+def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
+    """The tensors among `positions` that share their storage with no other input: a table row found
+    by its storage at capture then points into that input, whatever address it comes at later."""
+    counts: dict[int, int] = {}
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            ptr = a.untyped_storage().data_ptr()
+            counts[ptr] = counts.get(ptr, 0) + 1
+    return {
+        k for k in positions if isinstance(args[k], torch.Tensor) and counts[args[k].untyped_storage().data_ptr()] == 1
+    }
 
 
 def _copy_index(t: torch.Tensor) -> Any:
@@ -338,14 +376,18 @@ class Pool:
         return rec
 
     def _record(self, fn: GraphedCall, args: list) -> Recording:
-        inputs, copy_in = [], []
+        inputs, copy_in, rebound = [], [], []
+        tabled = _alone_in_storage(args, fn.table_inputs) if self.recorder.device_type == "cuda" else set()
         for k, a in enumerate(args):
-            if isinstance(a, torch.Tensor) and k not in fn.static:
+            if not isinstance(a, torch.Tensor) or k in fn.static:
+                inputs.append(a)
+            elif k in tabled:
+                inputs.append(a)  # read where it is: each replay points the tables at the call's own
+                rebound.append(k)
+            else:
                 inputs.append(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device))
                 copy_in.append((k, _copy_index(a)))
                 _copy(inputs[-1], a, copy_in[-1][1])  # the capture sees real values (a fake recorder runs it)
-            else:
-                inputs.append(a)
         if self.recordings and all(r.released for r in self.recordings):
             # No live graph captured into this pool. torch drops a private pool when its last graph
             # goes, unless a block of it is still allocated; a capture into a pool kept that way trips
@@ -356,11 +398,19 @@ class Pool:
             log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
-        _capture.kept = kept = []
+        _capture.scope = scope = CaptureScope(
+            {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound}
+        )
         try:
             graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
         finally:
-            _capture.kept = None
+            _capture.scope = None
+        pointed = {k for table in scope.tables for k in table.positions}
+        if set(rebound) - pointed:  # read some other way than through a table the pool can rewrite
+            raise RuntimeError(f"inputs {sorted(set(rebound) - pointed)} were to be read only through address tables")
+        for table in scope.tables:  # the capture is over: a copy from the host may be issued now
+            if not table.write(args):
+                raise RuntimeError("an address table's recorded kernel form does not suit its own capture's inputs")
         # Static inputs are the caller's own memory: an output viewing one is the caller's (AOTAutograd remakes
         # it from the caller's tensor). A copy buffer is the recording's, which every replay writes: an output
         # viewing it (a forward's saved input, a backward's incoming gradient) is handed out like a pool output.
@@ -408,13 +458,24 @@ class Pool:
             addresses=[
                 a.data_ptr() if k in fn.static and isinstance(a, torch.Tensor) else 0 for k, a in enumerate(args)
             ],
-            strides=[(k, args[k].stride()) for k in copied],
-            kept=kept,
+            strides=[(k, args[k].stride()) for k in (*copied, *rebound)],
+            tables=scope.tables,
+            rebound=rebound,
+            bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],
         )
+        for k in rebound:
+            rec.inputs[k] = None  # the caller's tensor: not the recording's to keep
         self.recordings.append(rec)
         return rec
 
     def _replay(self, fn: GraphedCall, rec: Recording, args: list) -> list:
+        if rec.rebound and not same_addresses(args, rec.bound, rec.rebound):
+            if not all(table.write(args) for table in rec.tables):
+                rec.bound = [0] * len(rec.bound)  # written in part: written again at the next replay
+                fn.note_unsuited()
+                return self._plain(fn, args)
+            for k in rec.rebound:
+                rec.bound[k] = args[k].data_ptr()
         if rec.copy_whole:
             torch._foreach_copy_([rec.inputs[k] for k in rec.copy_whole], [args[k] for k in rec.copy_whole])
         for k, index in rec.copy_in:

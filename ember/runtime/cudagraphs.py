@@ -10,7 +10,10 @@ graph trees (docs/cudagraphs.md says them for users):
   At most `cudagraphs_max_graphs` keys per compiled graph; past that it runs without CUDA graphs
   and warns once.
 - Static inputs (parameters, buffers, a backward's saved tensors: what AOTAutograd marks static)
-  are read where they are; the others are copied into buffers the recording owns.
+  are read where they are; so are inputs the program reaches only through address tables (an
+  optimizer step's gradients and step counters, read by its table combo kernels), whose tables are
+  rewritten before a replay when they come at new addresses. The others are copied into buffers
+  the recording owns.
 - One memory pool per device (and recorder) is shared by every recorded graph, the forward and
   backward of a training step among them. A recording's outputs stay allocated, so no later
   recording places anything over them; its temporaries may be reused by later recordings. Once
@@ -264,6 +267,7 @@ class Graphed:
         self.kept, program.kept = getattr(program, "kept", None), None
         self.kind = kind
         self.static = frozenset(static)
+        self.table_inputs = frozenset(getattr(program, "table_inputs", ()))
         self.symbolic = symbolic
         # The default mode's graphs (setting cudagraphs_default) return copies, and log rather than warn.
         self.copy_outputs = copy_outputs
@@ -275,6 +279,7 @@ class Graphed:
         self.seen: set[tuple] = set()
         self.disabled: str | None = None
         self._held_noted = False
+        self._unsuited_noted = False
         # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
         # and memory go back to the pool; the callback holds the recordings, not this object.
         weakref.finalize(self, _release, pool, self.recordings)
@@ -335,6 +340,16 @@ class Graphed:
                 "between steps, or drop the outputs before calling again)",
             )
 
+    def note_unsuited(self) -> None:
+        if not self._unsuited_noted:
+            self._unsuited_noted = True
+            log.artifact(
+                "cudagraphs",
+                f"{self.kind} graph",
+                "an input read through an address table came at an address its recorded kernel form does "
+                "not allow (not 16-byte aligned): that call ran without its CUDA graph",
+            )
+
 
 def _release(pool: Pool, recordings: dict) -> None:
     pool.release(list(recordings.values()))
@@ -359,7 +374,9 @@ def graphed(
             report.cudagraphs = f"off: {why}"
         return program
     if report is not None:
-        report.cudagraphs = f"on ({len(static)} static inputs)"
+        tabled = set(getattr(program, "table_inputs", ())) - set(static)
+        through = f", {len(tabled)} read through address tables" if tabled and recorder.device_type == "cuda" else ""
+        report.cudagraphs = f"on ({len(static)} static inputs{through})"
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

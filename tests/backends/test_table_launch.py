@@ -166,8 +166,9 @@ def test_a_capture_writes_a_missing_table_with_kernels_and_keeps_what_it_finds(m
     launch(None, ALL, *bufs)  # the capture finds the copied table: kept for good
     assert read[2]() is read[1]()
     capturing[0] = False
-    for _ in range(RECENT + 2):
-        launch(None, ALL, *_buffers())
+    others = [_buffers() for _ in range(RECENT + 2)]  # held: each set at addresses of its own
+    for bufs_k in others:
+        launch(None, ALL, *bufs_k)
     assert launch.tables == 1 + RECENT  # the kept one, the recent ones
     launch(None, ALL, *bufs)
     assert rec.fills == 1 and launch.tables == 1 + RECENT and read[-1]() is read[1]()
@@ -180,30 +181,101 @@ def _unpinned(tensor):
     return make
 
 
-def test_a_table_a_pool_capture_finds_lives_as_long_as_its_recording(monkeypatch):
-    """Under a capture the pool records (runtime/cudagraph_pool.py), a table found is held by the
-    recording, not by the launch: once the recording is released, the table goes, and the next
-    call outside a capture makes its own again."""
+def test_a_pool_capture_records_a_table_whose_rows_follow_its_table_inputs(monkeypatch):
+    """Under a capture ember's pool records, the launch reads a table of the capture's own and
+    registers it; the pool writes it before a replay. Rows of an input the program reaches only
+    through tables follow that input's address in the call; the others keep the capture's addresses.
+    Addresses that would break the aligned form the capture recorded are refused."""
     from ember.runtime import cudagraph_pool
 
     rec = _Recorder()
     launch = rec.launch(cuda=True)
-    capturing = [False]
-    monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
     bufs = _buffers()
-    launch(None, ALL, *bufs)  # outside: a copied table
-    recording_keeps: list = []
-    capturing[0] = True
-    cudagraph_pool._capture.kept = recording_keeps  # what Pool._record sets around its capture
+    args = [bufs[1], "not a tensor"]  # the graph's inputs: bufs[1] (p1) is read through tables only
+    scope = cudagraph_pool.CaptureScope({bufs[1].untyped_storage().data_ptr(): (0, bufs[1].data_ptr())})
+    cudagraph_pool._capture.scope = scope  # what Pool._record sets around its capture
     try:
-        launch(None, ALL, *bufs)  # the capture finds it
+        launch(None, ALL, *bufs)
     finally:
-        cudagraph_pool._capture.kept = None
-    capturing[0] = False
-    assert len(recording_keeps) == 1 and launch.tables == 1 and not launch._kept_for_good
-    for _ in range(RECENT + 2):  # the recent tables turn over; the found one stays, held by the recording
-        launch(None, ALL, *_buffers())
-    assert launch.tables == 1 + RECENT
-    recording_keeps.clear()  # the recording is released
-    assert launch.tables == RECENT
+        cudagraph_pool._capture.scope = None
+    (table,) = scope.tables
+    assert rec.fills == 0 and launch.tables == 0  # nothing found, nothing kept, no fill kernel
+    a = [b.data_ptr() for b in bufs]
+    assert table.write(args) and table.device.tolist() == [a[0], a[2], a[3], a[1], a[2], a[4]]
+    moved = torch.zeros(64)
+    assert table.write([moved, None]) and table.device.tolist()[3] == moved.data_ptr()
+    assert table.device.tolist()[:3] == [a[0], a[2], a[3]]
+    unaligned = torch.zeros(65)[1:]  # 4 bytes past a 16-byte boundary: the aligned form cannot read it
+    assert not table.write([unaligned, None])
+
+
+class _TableGraphRecorder:
+    """A CUDA-typed recorder on the CPU: recording runs the program as a capture would (the launch
+    sees a capturing stream), and a replay reads the tables the recorded launches took, as the
+    table kernel would, into `replayed`."""
+
+    device_type = "cuda"
+
+    def __init__(self, monkeypatch, reads: list):
+        self.capturing = False
+        self.reads = reads
+        self.replayed: list[list[int]] = []
+        monkeypatch.setattr(table_launch.torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+
+    def new_pool(self):
+        return "pool"
+
+    def record(self, run, inputs, pool):
+        self.capturing, start = True, len(self.reads)
+        try:
+            outputs = run()
+        finally:
+            self.capturing = False
+        return list(self.reads[start:]), outputs
+
+    def replay(self, graph):
+        self.replayed.append([t.tolist()[3] for t in graph])  # the row of p1, the input that moves
+
+    def invalidate(self, storage, message):
+        pass
+
+
+def test_a_replay_points_the_tables_at_the_calls_inputs_and_copies_none(monkeypatch):
+    """The pool records an input reached only through tables where it is (no buffer, no copy in or
+    back), rewrites the table when the input comes at a new address, and runs the program without
+    its graph for a call whose address the recorded form cannot take."""
+    from ember.runtime import cudagraph_pool, cudagraphs
+
+    monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
+    reads: list[torch.Tensor] = []
+    rec = _Recorder()
+    launch = rec.launch(cuda=True)
+    fast = launch._fast
+    launch._fast = lambda stream, table, *rest: (reads.append(table), fast(stream, table, *rest))
+    fixed = _buffers(4)
+    plain_runs = []
+
+    def program(args):
+        (p1,) = args
+        args.clear()
+        plain_runs.append(not recorder.capturing)
+        launch(None, ALL, fixed[0], p1, fixed[1], fixed[2], fixed[3])
+        return []
+
+    program.table_inputs = frozenset({0})
+    recorder = _TableGraphRecorder(monkeypatch, reads)
+    pool = cudagraph_pool.Pool(recorder, torch.device("cpu"))
+    graph = cudagraphs.Graphed(program, "inference", static=[], mutated=[0], pool=pool, symbolic=False)
+    inputs = [torch.zeros(64) for _ in range(3)]
+    for x in [inputs[0], inputs[0], inputs[0], inputs[1], inputs[2], inputs[1]]:
+        graph([x])  # warm-up, record and replay, then replays
+    (recording,) = pool.recordings
+    assert recording.copy_in == [] and recording.copy_out == [] and recording.rebound == [0]
+    assert recording.inputs == [None]  # the caller's tensor is not held
+    assert recorder.replayed == [[x.data_ptr()] for x in [inputs[0], inputs[0], inputs[1], inputs[2], inputs[1]]]
+    graph([torch.zeros(65)[1:]])  # unaligned: the recorded (aligned) form cannot read it
+    assert plain_runs[-1] and len(recorder.replayed) == 5
+    graph([inputs[2]])
+    assert recorder.replayed[-1] == [inputs[2].data_ptr()] and len(pool.recordings) == 1

@@ -149,3 +149,63 @@ def test_the_table_writing_kernel_stores_each_address_at_its_place():
     out = torch.zeros(TABLE_FILL_ARGS + 3, dtype=torch.int64)
     module.ember_table_fill[(1,)](out, *[v + TABLE_FILL_BIAS for v in want])
     assert out.tolist() == want + [0, 0, 0]
+
+
+def test_inputs_only_table_kernels_reach_are_the_programs_table_inputs(monkeypatch):
+    """The host program's table inputs (codegen/host.py), which a CUDA graph replay takes where they
+    are (runtime/cudagraph_pool.py): every tensor of a momentum step, read and written only by its
+    table kernels; not a gradient that a kernel of its own also reads (the returned norm)."""
+    from ember import pipeline
+
+    made: list = []
+    real = pipeline.CompiledGraph
+
+    class Kept(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(pipeline, "CompiledGraph", Kept)
+    params, grads, states = _tensors("cpu")
+    _two_steps(params, grads, states, "triton", "repro: momentum step, triton on cpu")
+
+    def step_and_norm(params, grads, states):
+        momentum_step(params, grads, states)
+        return grads[0].square().sum()
+
+    ember_compile(step_and_norm, "triton")(params, grads, states)
+    step, with_norm = (m.table_inputs for m in made)
+    assert step == frozenset(range(3 * len(SIZES))), sorted(step)
+    assert with_norm < step and len(step - with_norm) <= 3, sorted(step - with_norm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture and replay need a GPU")
+def test_adamw_under_cuda_graphs_reads_gradients_where_they_are_each_step():
+    """A compiled AdamW step (foreach) in reduce-overhead mode, its gradients made anew at other
+    addresses every step: the recording reads them through its rewritten address tables, copies
+    none in, records once, and every parameter matches an eager twin's."""
+    torch.manual_seed(0)
+    shapes = [(64, 48), (48,), (300,), (7, 5), (1024,), (33, 3)] * 2
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = torch.optim.AdamW(params, lr=0.01, foreach=True)
+    eager = torch.optim.AdamW(twins, lr=0.01, foreach=True)
+    step = torch.compile(opt.step, backend="ember", mode="reduce-overhead")
+    line = f"repro: AdamW foreach over {len(shapes)} cuda params, reduce-overhead, new gradient addresses per step"
+    spacers = []
+    with reports() as report:
+        for k in range(6):
+            spacers.append(torch.empty(4096 * (k + 1), device="cuda"))  # moves the next allocations
+            for p, t in zip(params, twins):
+                g = torch.randn(p.shape, device="cuda")
+                p.grad, t.grad = g, g.clone()
+            step()
+            eager.step()
+    assert_no_fallback(report, line)
+    assert len({p.grad.data_ptr() for p in params}) == len(params)
+    graphs = [g for g in report.graphs if g.cudagraphs.startswith("on")]
+    assert graphs and all("read through address tables" in g.cudagraphs for g in graphs), [
+        g.cudagraphs for g in report.graphs
+    ]
+    for k, (p, t) in enumerate(zip(params, twins)):
+        assert_close(p, t, rtol=1e-5, atol=1e-6, what=f"param {k} {tuple(p.shape)}", line=line)
