@@ -156,6 +156,8 @@ class Recording:
     tables: list = field(default_factory=list)
     rebound: list[int] = field(default_factory=list)
     bound: list[int] = field(default_factory=list)
+    in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
+    checked: int = -1  # the pool's `changes` when a call's key last named this recording
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
     # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
     copy_whole: list[int] = field(init=False)
@@ -212,6 +214,15 @@ def _on_storage(storage, meta: dict) -> torch.Tensor:
     return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
 
 
+def _unowned_view(t: torch.Tensor) -> torch.Tensor:
+    """`t`, on a storage that points at its memory without owning it."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    meta = {"dtype": t.dtype, "device": t.device, "size": t.shape, "stride": t.stride()}
+    meta.update(nbytes=storage.nbytes(), data_ptr=storage.data_ptr(), storage_offset=t.storage_offset())
+    return _on_storage(unowned, meta)
+
+
 def _same_addresses_in_python(tensors: list, addresses: list[int], positions: list[int]) -> bool:
     return all(tensors[k].data_ptr() == addresses[k] for k in positions)
 
@@ -239,7 +250,7 @@ def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
         elif k in fn.static:
             parts.append(f"static input {k}'s address")
         else:
-            parts.append(f"input {k}'s strides or value")
+            parts.append(f"input {k}'s strides, value or address in the pool")
     shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
     return f"this call differs from the nearest recorded one in {shown}"
 
@@ -282,6 +293,9 @@ class Pool:
         self.hands_out = hands_out
         self.handle = recorder.new_pool()
         self.recordings: list[Recording] = []  # in the order they were recorded
+        # Recordings made or released so far: a change to the pool's memory, which may move an input into
+        # it (an output of a new recording), so that a call's key no longer names the recording it found.
+        self.changes = 0
         self.generation: int | None = None
         self.pending_backward = False  # a forward ran whose backward has not
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
@@ -304,6 +318,7 @@ class Pool:
                 alive.append(rec)
             else:
                 rec.release()
+                self.changes += 1
         self.dying = alive
 
     def run(self, fn: GraphedCall, args: list) -> list:
@@ -317,6 +332,8 @@ class Pool:
         if self.dying:
             self._reap()
         key, rec = fn.find(args)
+        if key is not None and rec is not None:
+            rec.checked = self.changes  # found by its key: the last-call check may take it until the pool changes
         if rec is None:
             rec = self._recording_for(fn, key, args)
             if rec is None:
@@ -375,15 +392,26 @@ class Pool:
         log.artifact("cudagraphs", f"{fn.kind} graph", f"recorded CUDA graph {rec.index} ({len(fn.recordings)} for it)")
         return rec
 
+    def resident(self) -> set[int]:
+        """The storages (data pointers) of the outputs of this pool's live recordings: an input that
+        lives in one is read where it is (its address is in the recording's key), not copied."""
+        return {ptr for rec in self.recordings if not rec.released for ptr, _ in rec.storages}
+
     def _record(self, fn: GraphedCall, args: list) -> Recording:
-        inputs, copy_in, rebound = [], [], []
+        inputs, copy_in, rebound, in_pool = [], [], [], []
         tabled = _alone_in_storage(args, fn.table_inputs) if self.recorder.device_type == "cuda" else set()
+        resident = self.resident()
         for k, a in enumerate(args):
             if not isinstance(a, torch.Tensor) or k in fn.static:
                 inputs.append(a)
             elif k in tabled:
                 inputs.append(a)  # read where it is: each replay points the tables at the call's own
                 rebound.append(k)
+            elif a.untyped_storage().data_ptr() in resident:
+                # Read where it is; the recording holds a view that does not own the memory (holding the
+                # handed-out tensor would keep its recording's output held, and that graph from replaying).
+                inputs.append(_unowned_view(a))
+                in_pool.append(k)
             else:
                 inputs.append(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device))
                 copy_in.append((k, _copy_index(a)))
@@ -411,13 +439,14 @@ class Pool:
         for table in scope.tables:  # the capture is over: a copy from the host may be issued now
             if not table.write(args):
                 raise RuntimeError("an address table's recorded kernel form does not suit its own capture's inputs")
-        # Static inputs are the caller's own memory: an output viewing one is the caller's (AOTAutograd remakes
-        # it from the caller's tensor). A copy buffer is the recording's, which every replay writes: an output
-        # viewing it (a forward's saved input, a backward's incoming gradient) is handed out like a pool output.
+        # Static inputs are the caller's own memory, and inputs in the pool an earlier recording's: an output
+        # viewing one is the caller's (AOTAutograd remakes it from the caller's tensor). A copy buffer is the
+        # recording's, which every replay writes: an output viewing it (a forward's saved input, a backward's
+        # incoming gradient) is handed out like a pool output.
         caller_storages = {
             a.untyped_storage().data_ptr()
             for k, a in enumerate(inputs)
-            if k in fn.static and isinstance(a, torch.Tensor)
+            if (k in fn.static or k in in_pool) and isinstance(a, torch.Tensor)
         }
         storages: dict[int, int] = {}  # data pointer -> number
         sizes: list[tuple[int, int]] = []
@@ -443,7 +472,8 @@ class Pool:
             }
             handed.append((pos, storages[ptr], meta))
         copied = {k for k, _ in copy_in}
-        static_tensors = [k for k in sorted(fn.static) if isinstance(args[k], torch.Tensor)]
+        static_tensors = sorted([k for k in fn.static if isinstance(args[k], torch.Tensor)] + in_pool)
+        at_address = set(static_tensors)
         rec = Recording(
             index=len(self.recordings),
             kind=fn.kind,
@@ -455,17 +485,18 @@ class Pool:
             storages=sizes,
             handed=handed,
             static_tensors=static_tensors,
-            addresses=[
-                a.data_ptr() if k in fn.static and isinstance(a, torch.Tensor) else 0 for k, a in enumerate(args)
-            ],
-            strides=[(k, args[k].stride()) for k in (*copied, *rebound)],
+            addresses=[a.data_ptr() if k in at_address else 0 for k, a in enumerate(args)],
+            strides=[(k, args[k].stride()) for k in (*copied, *rebound, *in_pool)],
             tables=scope.tables,
             rebound=rebound,
+            in_pool=in_pool,
             bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],
         )
         for k in rebound:
             rec.inputs[k] = None  # the caller's tensor: not the recording's to keep
         self.recordings.append(rec)
+        self.changes += 1
+        rec.checked = self.changes
         return rec
 
     def _replay(self, fn: GraphedCall, rec: Recording, args: list) -> list:

@@ -10,10 +10,11 @@ graph trees (docs/cudagraphs.md says them for users):
   At most `cudagraphs_max_graphs` keys per compiled graph; past that it runs without CUDA graphs
   and warns once.
 - Static inputs (parameters, buffers, a backward's saved tensors: what AOTAutograd marks static)
-  are read where they are; so are inputs the program reaches only through address tables (an
-  optimizer step's gradients and step counters, read by its table combo kernels), whose tables are
-  rewritten before a replay when they come at new addresses. The others are copied into buffers
-  the recording owns.
+  are read where they are; so are inputs that live in the pool's memory (outputs of an earlier
+  recording: the gradients a recorded backward hands an optimizer step), with their addresses in the
+  key, and inputs the program reaches only through address tables (an optimizer step's gradients and
+  step counters, read by its table combo kernels), whose tables are rewritten before a replay when
+  they come at new addresses. The others are copied into buffers the recording owns.
 - One memory pool per device (and recorder) is shared by every recorded graph, the forward and
   backward of a training step among them. A recording's outputs stay allocated, so no later
   recording places anything over them; its temporaries may be reused by later recordings. Once
@@ -290,11 +291,13 @@ class Graphed:
         return self.pool.run(self, args)
 
     def find(self, args: list) -> tuple[tuple | None, Recording | None]:
-        """(the key of this call, or None where the last recording replayed matches; its recording)."""
+        """(the key of this call, or None where the last recording replayed matches and the pool's memory
+        is as it was when a key last named it; its recording)."""
         last = self.last
         if (
             last is not None
             and not self.symbolic
+            and last.checked == self.pool.changes
             and same_addresses(args, last.addresses, last.static_tensors)
             and all(args[k].stride() == stride for k, stride in last.strides)
         ):
@@ -304,11 +307,21 @@ class Graphed:
 
     def key(self, args: list) -> tuple:
         """What a recording is for: the addresses of static inputs, the strides of the others (a
-        backward's gradients may come in any layout), and where sizes vary, every input's shape
-        and the integer inputs."""
+        backward's gradients may come in any layout), with the address of those that live in the
+        pool's memory (an earlier recording's outputs, read where they are), and where sizes vary,
+        every input's shape and the integer inputs."""
         static = self.static
+        resident = self.pool.resident()
         parts: list[Any] = [
-            (a.data_ptr() if k in static else a.stride()) if isinstance(a, torch.Tensor) else a
+            (
+                a.data_ptr()
+                if k in static
+                else (a.stride(), a.data_ptr())
+                if a.untyped_storage().data_ptr() in resident
+                else a.stride()
+            )
+            if isinstance(a, torch.Tensor)
+            else a
             for k, a in enumerate(args)
         ]
         if self.symbolic:

@@ -127,6 +127,43 @@ def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
     assert len(recorder.pools) == 1 and {g.pool for g in recorder.recorded} == {recorder.pools[0]}, line
 
 
+def test_an_update_reads_the_gradients_a_recorded_backward_handed_out_where_they_are(recorder):
+    """A compiled SGD update after a compiled training step, both under CUDA graphs: the gradients
+    it reads are the backward recording's outputs, in the pool's memory. The update's recording
+    reads them where they are (their addresses in its key), copies none in, and matches eager.
+    A call finds the last recording without its key only while the pool is as it was."""
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs=True)
+
+    def update(params):
+        with torch.no_grad():
+            for p in params:
+                p.sub_(0.1 * p.grad)
+
+    step = ember_compile(update, "cpp", cudagraphs=True)
+    line = repro(program="mlp training step, then a compiled SGD update", x="f32[4, 8]", steps=6)
+    for i in range(6):
+        x = torch.randn(4, 8)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+        step(list(model.parameters()))
+        update(list(reference.parameters()))
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p, r, rtol=1e-4, atol=1e-5, what=f"step {i} {name}", line=line)
+    # Recorded once over copies of the plain backward's gradients, then, once the backward's recording
+    # hands them out, again over the pool's memory: the one that replays from there on.
+    first, rec = [r for r in cg.pool_for(recorder, CPU).recordings if r.kind == "inference"]
+    assert not first.in_pool and rec is cg.pool_for(recorder, CPU).recordings[-1], line
+    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(rec.in_pool) == 4 and {rec.addresses[k] for k in rec.in_pool} == {
+        p.grad.data_ptr() for p in model.parameters()
+    }, line
+    assert not {k for k, _ in rec.copy_in} & set(rec.in_pool) and grads <= cg.pool_for(recorder, CPU).resident(), line
+
+
 def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
     model = _mlp()
     compiled = ember_compile(model, "cpp", cudagraphs_default=True)
