@@ -2,7 +2,7 @@
 
 The bandwidth is *measured* (a large copy: 0.24 s of a warm start on an H200, 0.1-0.2 s on a
 2-core CPU), once per device and machine: the disk cache keeps the figure (kind `device`) under
-what identifies the device where it was measured (`_identity`: the GPU's UUID, name, memory and
+what identifies the device where it was measured (`device_identity`: the GPU's UUID, name, memory and
 driver, or the host, its CPU and thread count; the torch version; the way of measuring), so a
 later process reads it instead. A missing, damaged or unreadable entry is measured anew, as is every
 figure after `ember cache clear`; with the setting `cache` off every process measures. The compute rate is the specification's vector (not
@@ -86,15 +86,15 @@ def device_limits(device: torch.device) -> DeviceLimits:
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             rate = next((r for key, r in _GPU_FLOPS.items() if key in props.name), _UNKNOWN_GPU_FLOPS)
-            bandwidth = stored_bandwidth(_identity(device), functools.partial(_cuda_copy_bandwidth, device))
+            bandwidth = stored_bandwidth(device_identity(device), functools.partial(_cuda_copy_bandwidth, device))
             return DeviceLimits(props.name, props.multi_processor_count, bandwidth, rate, 4e-6)
         threads = torch.get_num_threads()
-        bandwidth = stored_bandwidth(_identity(device), _cpu_copy_bandwidth)
+        bandwidth = stored_bandwidth(device_identity(device), _cpu_copy_bandwidth)
         # AVX2: two 8-wide fp32 FMA units per core at ~2.5 GHz, counted as 32 FLOP/cycle.
         return DeviceLimits(f"CPU x{threads}", 0, bandwidth, threads * 2.5e9 * 32, 2e-6)
 
 
-def _identity(device: torch.device) -> tuple:
+def device_identity(device: torch.device) -> tuple:
     """What the measured bandwidth of `device` depends on: the physical device (a GPU by its UUID,
     with its name, memory and the driver; the CPU by the host's name, its model and the threads a
     copy uses) and the torch that copies."""

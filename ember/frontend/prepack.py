@@ -20,9 +20,9 @@ has no other reader, becomes oneDNN's post-op (`attr`), applied as each output b
 
 Matrix products whose right operand is frozen (a linear layer's transposed weight) are packed the same
 way: `addmm(bias, x, w)` becomes `mkldnn._linear_pointwise(x, packed, bias)` over
-`mkldnn._reorder_linear_weight(w.t(), x's rows)`. oneDNN's kernel on the packed weight ran 1.1-1.9x
-ATen's `addmm` (MKL's sgemm) at the shapes of the CPU model rows (a 4096-wide head over 128 tokens:
-2.6 ms against 1.4), and never slower.
+`mkldnn._reorder_linear_weight(w.t(), x's rows)`, where oneDNN's kernel on the packed weight measured
+faster than ATen's `mm`/`addmm` (MKL's sgemm) on this CPU at the product's shape (measured once per
+machine and shape, backends/cpu_products.py): which one wins depends on the CPU and the shape.
 
 Batch norm before the activation is folded into the packed weight (freezing.fold_affine, told so by
 `packable`), so that conv, batch norm and activation are one oneDNN call.
@@ -153,9 +153,12 @@ def prepack(
     least `product_convolutions_min_channels` channels as `addmm` over the input's [pixels, channels] view,
     `_as_product`)."""
     lower = lower or LowerHeuristics()
-    counts = {"packed": 0, "fused": 0, "linear": 0, "products": 0}
+    counts = {"packed": 0, "fused": 0, "linear": 0, "linear_aten": 0, "products": 0}
     graph = gm.graph
     for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
+        if not _packing_pays(mm):
+            counts["linear_aten"] += 1
+            continue
         _pack_linear(graph, mm, fake_mode)
         counts["linear"] += 1
     for conv in [n for n in graph.nodes if packable(n, is_constant, lower)]:
@@ -234,6 +237,16 @@ def _as_product(graph: fx.Graph, conv: fx.Node, x: fx.Node, padding: list, min_c
     y.meta["stack_trace"] = conv.meta.get("stack_trace")
     conv.replace_all_uses_with(y)
     return True
+
+
+def _packing_pays(mm: fx.Node) -> bool:
+    """Whether oneDNN's product over the packed weight measured faster than ATen's on this CPU, at this
+    product's shape (backends/cpu_products.py)."""
+    from ember.backends.cpu_products import packed_is_faster
+
+    bias, x, w = mm.args if mm.target is aten.addmm.default else (None, *mm.args)
+    rows, k = x.meta["val"].shape
+    return packed_is_faster(int(rows), int(k), int(w.meta["val"].shape[1]), bias is not None)
 
 
 def _pack_linear(graph: fx.Graph, mm: fx.Node, fake_mode) -> None:

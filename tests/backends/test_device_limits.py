@@ -61,7 +61,7 @@ def test_a_fresh_process_reads_the_stored_figure(tmp_path):
     """The child's copy would fail: the figure it reports is the one this process stored."""
     threads = torch.get_num_threads()
     with config.override(cache_dir=str(tmp_path)):
-        device.stored_bandwidth(device._identity(torch.device("cpu")), Measure(7.25e9))
+        device.stored_bandwidth(device.device_identity(torch.device("cpu")), Measure(7.25e9))
     child = (
         "import torch\n"
         f"torch.set_num_threads({threads})\n"

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from ember.backends import cpu_products
 from ember.frontend import prepack
 from tests.helpers import assert_close, assert_no_fallback, ember_compile, randomize_bn, reports, repro
 
@@ -185,7 +186,9 @@ class MLP(nn.Module):
         return h, h @ self.down.weight
 
 
-def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight():
+def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight(monkeypatch):
+    """Where oneDNN's packed product measures faster (here: said to, whatever this machine measures)."""
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda rows, k, n, bias: True)
     torch._dynamo.reset()
     model = MLP().eval()
     x = torch.randn(2, 5, 16)
@@ -203,6 +206,24 @@ def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight(
     prologue = _frozen_graph().prologue.code
     assert prologue.count("mkldnn._reorder_linear_weight.default(") == 3, prologue
     assert _frozen_graph().freezes == 2
+
+
+def test_matrix_products_where_aten_measured_faster_stay_aten(monkeypatch):
+    """A product whose packed form did not measure faster keeps ATen's addmm or mm, on the model's own weight."""
+    asked = []
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: asked.append(shape) or shape[2] == 64)
+    torch._dynamo.reset()
+    model = MLP().eval()
+    x = torch.randn(2, 5, 16)
+    compiled = ember_compile(model, "cpp", freezing=True)
+    with torch.no_grad(), reports() as report:
+        for a, e in zip(compiled(x), model(x)):
+            assert_close(a, e, **TOL, what="outputs", line=repro(packed="up only"))
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    code = graph.aten_graph
+    # up ([10, 16] x [16, 64] + bias) and the tied head ([10, 16] x [16, 64]) are packed; down stays ATen's mm
+    assert sorted(asked) == [(10, 16, 64, False), (10, 16, 64, True), (10, 64, 16, False)], asked
+    assert code.count(f"{LINEAR}(") == 2 and code.count("aten.mm") == 1, code
 
 
 @pytest.mark.parametrize(
