@@ -3,9 +3,9 @@
 measured once, both on the same random operands taking turns, and kept in the disk cache under the
 CPU's identity (kind "device": a fact of this machine, which an exported cache file leaves out).
 
-Neither wins everywhere. On the Intel Xeon CI machine, oneDNN took 0.52x MKL's time for a [32, 256] x
-[256, 4096] head and 1.34x for a [32, 256] x [256, 256] projection, and packing every product made T5
-13% slower; on the AMD EPYC machine before it, oneDNN was never slower at the CPU model rows' shapes.
+Neither wins everywhere: which one does depends on the CPU and the shape (docs/decisions.md, "CPU linear
+layers under freezing"). Each takes its fastest of a few rounds, so that a busy moment of the machine
+does not decide for good.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ember import log
 from ember.backends.device import device_identity
 from ember.runtime.cache import DiskCache, content_key
 
-MEASUREMENT = "linear product v1"
+MEASUREMENT = "linear product v2"  # the fastest round
 RESULT_FILE = "linear.json"
 # Packed only where oneDNN takes at most this share of ATen's time: a tie keeps the model's own weight
 # (a packed weight is a second copy of it) and ATen's product, which ember's kernels may read around.
@@ -78,7 +78,7 @@ def _measure(rows: int, k: int, n: int, bias: bool) -> dict[str, float]:
                 for _ in range(calls[name]):
                     fn()
                 rounds[name].append((time.perf_counter() - start) / calls[name] * 1e6)
-    return {name: sorted(r)[len(r) // 2] for name, r in rounds.items()}
+    return {name: min(r) for name, r in rounds.items()}
 
 
 def _calls_per_round(fn: Callable) -> int:

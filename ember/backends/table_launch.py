@@ -51,7 +51,7 @@ class _Table:
 
 class CapturedTable:
     """A table a capture of ember's pool recorded a launch with: rows that point into the inputs of
-    `sources` follow those inputs (cudagraph_pool.Rewritten)."""
+    `sources` follow those inputs (cudagraph_pool.RewritableTable)."""
 
     __slots__ = ("aligned", "device", "host", "launch", "positions", "slots", "sources")
 
@@ -60,16 +60,16 @@ class CapturedTable:
         # Per distinct tensor: (input position, bytes past its address), or (None, a fixed address).
         self.sources = sources
         self.positions = frozenset(k for k, _ in sources if k is not None)
-        self.device = torch.empty(rows, dtype=torch.int64, device=launch._device)  # from the capture's pool
+        self.device = torch.empty(rows, dtype=torch.int64, device=launch.device)  # from the capture's pool
         self.host: torch.Tensor | None = None
 
     def write(self, args: list) -> bool:
         addresses = [off if k is None else _data_ptr(args[k]) + off for k, off in self.sources]
-        rows, aligned = self.launch._rows(self.slots, addresses)
+        rows, aligned = self.launch.rows(self.slots, addresses)
         if self.aligned and not aligned:
             return False
         # Copied after the replays before it in stream order; the pinned memory is held until the next write.
-        self.host = torch.tensor(rows, dtype=torch.int64, pin_memory=self.launch._cuda)
+        self.host = torch.tensor(rows, dtype=torch.int64, pin_memory=self.launch.device.type == "cuda")
         self.device.copy_(self.host, non_blocking=True)
         return True
 
@@ -85,7 +85,7 @@ class TableLaunch:
     def __init__(self, source: TritonTableSource, device: torch.device, fast: Callable, slow: Callable, fill: Callable):
         self._parts = [tuple(b) for b in source.part_buffers]
         self._vector = [k for k, along in enumerate(source.vector) if along]
-        self._device = device
+        self.device = device
         self._cuda = device.type == "cuda"
         with unset_fake_temporarily():
             self._heads = torch.tensor(source.heads, dtype=torch.int32, device=device)
@@ -115,9 +115,9 @@ class TableLaunch:
             if key in self._recent:
                 self._recent.move_to_end(key)  # least recently used goes first
             return table
-        rows, aligned = self._rows(slots, addresses)
+        rows, aligned = self.rows(slots, addresses)
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
-        table = _Table(host.to(self._device, non_blocking=True), host, aligned)
+        table = _Table(host.to(self.device, non_blocking=True), host, aligned)
         self._recent[key] = table
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
@@ -132,7 +132,7 @@ class TableLaunch:
         if table is not None:
             self._kept[key] = table
             return table
-        rows, aligned = self._rows(slots, addresses)
+        rows, aligned = self.rows(slots, addresses)
         return _Table(self._write_on_device(rows), None, aligned)  # the capture's temporary
 
     def _captured(self, scope: CaptureScope, slots: tuple, tensors: tuple, addresses: tuple) -> CapturedTable:
@@ -140,12 +140,12 @@ class TableLaunch:
         for t, address in zip(tensors, addresses, strict=True):
             found = scope.table_inputs.get(t.untyped_storage().data_ptr())
             sources.append((None, address) if found is None else (found[0], address - found[1]))
-        rows, aligned = self._rows(slots, addresses)
+        rows, aligned = self.rows(slots, addresses)
         table = CapturedTable(self, slots, tuple(sources), len(rows), aligned)
         scope.tables.append(table)
         return table
 
-    def _rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:
+    def rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:
         rows: list[int] = []
         aligned = True
         for part in self._parts:
@@ -156,7 +156,7 @@ class TableLaunch:
 
     def _write_on_device(self, rows: list[int]) -> torch.Tensor:
         launches = -(-len(rows) // TABLE_FILL_ARGS)
-        out = torch.empty(launches * TABLE_FILL_ARGS, dtype=torch.int64, device=self._device)
+        out = torch.empty(launches * TABLE_FILL_ARGS, dtype=torch.int64, device=self.device)
         values = [v + TABLE_FILL_BIAS for v in rows] + [TABLE_FILL_BIAS] * (len(out) - len(rows))
         for k in range(launches):
             self._fill(out[k * TABLE_FILL_ARGS :], values[k * TABLE_FILL_ARGS : (k + 1) * TABLE_FILL_ARGS])

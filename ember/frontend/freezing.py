@@ -78,7 +78,7 @@ def freeze(
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    none = {"packed": 0, "fused": 0, "linear": 0, "products": 0}
+    none = {"packed": 0, "fused": 0, "linear": 0, "linear_aten": 0, "products": 0}
     packed = prepack.prepack(gm, is_constant, fake_mode, lower) if pack else none
     if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
@@ -94,7 +94,7 @@ def freeze(
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
             f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
             f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']} (left to ATen, which "
-            f"measured faster at their shape: {packed.get('linear_aten', 0)}); 1x1 convolutions as "
+            f"measured faster at their shape: {packed['linear_aten']}); 1x1 convolutions as "
             f"BLAS products: {packed['products']}; depthwise weights with "
             f"channels innermost: {packed.get('depthwise', 0)}; prologue:\n{prologue.code.strip()}"
         ),

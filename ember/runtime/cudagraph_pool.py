@@ -96,7 +96,7 @@ _tracker: list = []  # Dynamo's GenerationTracker, imported on first use
 # -- what a capture lets launches register ----------------------------------------------------------
 
 
-class Rewritten(Protocol):
+class RewritableTable(Protocol):
     """An address table a kernel of a recording reads (backends/table_launch.py: CapturedTable):
     written from the host before the first replay, and again whenever an input it points into
     comes at a new address."""
@@ -115,7 +115,7 @@ class CaptureScope:
     # The storage (data pointer) of each input the program reaches only through address tables, with
     # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
     table_inputs: dict[int, tuple[int, int]]
-    tables: list[Rewritten] = field(default_factory=list)  # tables the recorded kernels read
+    tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
 
 
 _capture = threading.local()
@@ -214,12 +214,24 @@ def _on_storage(storage, meta: dict) -> torch.Tensor:
     return t.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
 
 
+def _meta(t: torch.Tensor) -> dict:
+    """What `_on_storage` makes `t` again from."""
+    storage = t.untyped_storage()
+    return {
+        "nbytes": storage.nbytes(),
+        "data_ptr": storage.data_ptr(),
+        "size": t.shape,
+        "stride": t.stride(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "storage_offset": t.storage_offset(),
+    }
+
+
 def _unowned_view(t: torch.Tensor) -> torch.Tensor:
     """`t`, on a storage that points at its memory without owning it."""
-    storage = t.untyped_storage()
-    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
-    meta = {"dtype": t.dtype, "device": t.device, "size": t.shape, "stride": t.stride()}
-    meta.update(nbytes=storage.nbytes(), data_ptr=storage.data_ptr(), storage_offset=t.storage_offset())
+    meta = _meta(t)
+    unowned = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
     return _on_storage(unowned, meta)
 
 
@@ -296,6 +308,7 @@ class Pool:
         # Recordings made or released so far: a change to the pool's memory, which may move an input into
         # it (an output of a new recording), so that a call's key no longer names the recording it found.
         self.changes = 0
+        self._resident: tuple[int, frozenset[int]] = (-1, frozenset())  # (changes, resident()) when last found
         self.generation: int | None = None
         self.pending_backward = False  # a forward ran whose backward has not
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
@@ -392,10 +405,14 @@ class Pool:
         log.artifact("cudagraphs", f"{fn.kind} graph", f"recorded CUDA graph {rec.index} ({len(fn.recordings)} for it)")
         return rec
 
-    def resident(self) -> set[int]:
+    def resident(self) -> frozenset[int]:
         """The storages (data pointers) of the outputs of this pool's live recordings: an input that
         lives in one is read where it is (its address is in the recording's key), not copied."""
-        return {ptr for rec in self.recordings if not rec.released for ptr, _ in rec.storages}
+        changes, found = self._resident
+        if changes != self.changes:
+            found = frozenset(ptr for rec in self.recordings if not rec.released for ptr, _ in rec.storages)
+            self._resident = (self.changes, found)
+        return found
 
     def _record(self, fn: GraphedCall, args: list) -> Recording:
         inputs, copy_in, rebound, in_pool = [], [], [], []
@@ -423,6 +440,7 @@ class Pool:
             # costs nothing; the log says so, since a block held past its graphs is a leak to find.
             self.handle = self.recorder.new_pool()
             self.recordings = []
+            self.changes += 1
             log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
@@ -461,16 +479,7 @@ class Pool:
             if ptr not in storages:
                 storages[ptr] = len(sizes)
                 sizes.append((ptr, storage.nbytes()))
-            meta = {
-                "nbytes": storage.nbytes(),
-                "data_ptr": ptr,
-                "size": o.shape,
-                "stride": o.stride(),
-                "dtype": o.dtype,
-                "device": o.device,
-                "storage_offset": o.storage_offset(),
-            }
-            handed.append((pos, storages[ptr], meta))
+            handed.append((pos, storages[ptr], _meta(o)))
         copied = {k for k, _ in copy_in}
         static_tensors = sorted([k for k in fn.static if isinstance(args[k], torch.Tensor)] + in_pool)
         at_address = set(static_tensors)
@@ -487,7 +496,7 @@ class Pool:
             static_tensors=static_tensors,
             addresses=[a.data_ptr() if k in at_address else 0 for k, a in enumerate(args)],
             strides=[(k, args[k].stride()) for k in (*copied, *rebound, *in_pool)],
-            tables=scope.tables,
+            tables=[table for table in scope.tables if table.positions],  # the others never change
             rebound=rebound,
             in_pool=in_pool,
             bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],

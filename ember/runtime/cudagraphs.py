@@ -299,6 +299,9 @@ class Graphed:
             and not self.symbolic
             and last.checked == self.pool.changes
             and same_addresses(args, last.addresses, last.static_tensors)
+            # Table inputs that moved take the key: one in the pool's memory may now lie in the memory this
+            # recording's temporaries take, which only a capture that saw it live keeps apart.
+            and (not last.rebound or same_addresses(args, last.bound, last.rebound))
             and all(args[k].stride() == stride for k, stride in last.strides)
         ):
             return None, last
@@ -388,7 +391,9 @@ def graphed(
         return program
     if report is not None:
         tabled = set(getattr(program, "table_inputs", ())) - set(static)
-        through = f", {len(tabled)} read through address tables" if tabled and recorder.device_type == "cuda" else ""
+        through = (
+            f", up to {len(tabled)} read through address tables" if tabled and recorder.device_type == "cuda" else ""
+        )
         report.cudagraphs = f"on ({len(static)} static inputs{through})"
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:

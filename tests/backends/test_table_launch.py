@@ -275,6 +275,9 @@ def test_a_replay_points_the_tables_at_the_calls_inputs_and_copies_none(monkeypa
     assert recording.copy_in == [] and recording.copy_out == [] and recording.rebound == [0]
     assert recording.inputs == [None]  # the caller's tensor is not held
     assert recorder.replayed == [[x.data_ptr()] for x in [inputs[0], inputs[0], inputs[1], inputs[2], inputs[1]]]
+    # A call whose table input moved is found by its key, not by the last recording's check: an input that
+    # moved into the pool's memory (a later recording's output) keys a recording of its own.
+    assert graph.find([inputs[1]])[0] is None and graph.find([inputs[2]])[0] is not None
     graph([torch.zeros(65)[1:]])  # unaligned: the recorded (aligned) form cannot read it
     assert plain_runs[-1] and len(recorder.replayed) == 5
     graph([inputs[2]])

@@ -202,7 +202,14 @@ def test_adamw_under_cuda_graphs_reads_gradients_where_they_are_each_step():
             step()
             eager.step()
     assert_no_fallback(report, line)
-    assert len({p.grad.data_ptr() for p in params}) == len(params)
+    from ember.runtime import cudagraphs as cg
+
+    pool = cg.pool_for(cg.current_recorder(), torch.device("cuda", torch.cuda.current_device()))
+    (recording,) = [r for r in pool.recordings if not r.released and r.rebound]  # recorded once
+    grads = {p.grad.untyped_storage().data_ptr() for p in params}
+    assert len(recording.rebound) >= len(params) and recording.tables, line
+    assert len(recording.copy_in) < len(params), line  # the gradients are not among the inputs copied in
+    assert all(recording.inputs[k] is None for k in recording.rebound) and len(grads) == len(params), line
     graphs = [g for g in report.graphs if g.cudagraphs.startswith("on")]
     assert graphs and all("read through address tables" in g.cudagraphs for g in graphs), [
         g.cudagraphs for g in report.graphs
