@@ -316,9 +316,12 @@ class HostWriter:
         tensor (`buf7 = a3  # in place`), only in table launches (and in its unpacking, `del` and
         binding lines): any other mention, a kernel's argument, an extern's, an alias's base, a size
         read, a copy, an output, may take the tensor's address or contents directly."""
+        if not count:
+            return frozenset()
+        assert self.lines[1].strip().endswith("= args"), self.lines[1]  # the unpacking, skipped below
         tabled: set[str] = set()
         direct: set[str] = set()
-        for line in self.lines[2:]:  # past `def call(args):` and the unpacking
+        for line in self.lines[2:]:
             text = line.strip()
             if text.startswith("del ") or text == "args.clear()" or _BINDING.fullmatch(text):
                 continue
