@@ -205,8 +205,7 @@ class HorizontalHeuristics:
     # Kernels of one body (equal but for their buffers and element counts: an optimizer's update of
     # each parameter) run as one launch that reads each part's buffer addresses from a table in
     # memory (codegen/triton_combo.py: render_triton_table), with no cap on parts or buffers, where at
-    # least table_min_parts share the body; 0: never (the C++ target; EMBER_HEURISTICS takes positive
-    # integers, so a count no graph reaches, such as 100000, turns it off). Each program computes
+    # least table_min_parts share the body; 0: never (the C++ target). Each program computes
     # table_xblock elements of one part (a power of two: a value between two is taken down).
     table_min_parts: int = 0
     table_xblock: int = 512
@@ -287,8 +286,7 @@ class RealizeHeuristics:
     shared_min_flops: int = 3
     # Two readers suffice for a value of at least `costly_min_flops` per element (a depthwise convolution
     # read by a squeeze-and-excite's mean and by its scale), and such work does not fuse into a reduction
-    # whose loop reads memory across strides (merge.py); 0: never (the GPU's; the C++ target sets 8, a sigmoid;
-    # EMBER_HEURISTICS takes positive integers, so a count no value reaches turns it off).
+    # whose loop reads memory across strides (merge.py); 0: never (the GPU's; the C++ target sets 8, a sigmoid).
     costly_min_flops: int = 0
     # Integer arithmetic on loop positions alone (a padding's inside-the-image test) counts no work: the C++
     # target's vector loop over channels computes it once per loop (its default; the GPU's counts it).
@@ -341,9 +339,11 @@ class Heuristics:
             valid = [f.name for f in fields(record)]
             if attr not in valid:
                 raise ValueError(f"{group} has no heuristic {attr!r} (valid: {', '.join(valid)})")
-            value = _parse(type(getattr(record, attr)), raw.strip())
+            default = next(f.default for f in fields(record) if f.name == attr)
+            value = _parse(type(getattr(record, attr)), raw.strip(), zero=default == 0)
             if value is None:
                 kind = _KINDS[type(getattr(record, attr))]
+                kind = "0 or a positive integer" if kind == _KINDS[int] and default == 0 else kind
                 raise ValueError(f"{name.strip()}={raw.strip()!r} is not {kind}")
             groups[group] = replace(record, **{attr: value})
         return replace(self, **groups)
@@ -352,8 +352,10 @@ class Heuristics:
 _KINDS = {Tile: "a tile XBLOCKxRBLOCKxWARPS of powers of two", bool: "0 or 1", int: "a positive integer"}
 
 
-def _parse(kind: type, text: str) -> Tile | bool | int | None:
-    """`text` as a heuristic of type `kind`, or None where it is not one."""
+def _parse(kind: type, text: str, zero: bool = False) -> Tile | bool | int | None:
+    """`text` as a heuristic of type `kind`, or None where it is not one. `zero`: 0 is an integer
+    heuristic's value too (a field whose default is 0, its "off": `horizontal.table_min_parts=0`);
+    elsewhere an integer is a size or a count, at least 1."""
     if kind is bool:
         return {"0": False, "1": True}.get(text)
     if kind is Tile:
@@ -361,7 +363,7 @@ def _parse(kind: type, text: str) -> Tile | bool | int | None:
             return Tile.parse(text)
         except ValueError:
             return None
-    return int(text) if text.isdigit() and int(text) >= 1 else None
+    return int(text) if text.isdigit() and int(text) >= (0 if zero else 1) else None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import ember
 from ember import config
 from ember.backends.cpp import CppBackend
 from ember.backends.triton import TritonBackend
-from ember.target import Heuristics, Target, Tile
+from ember.target import Heuristics, LowerHeuristics, Target, Tile
 from tests.helpers import assert_close, explain_strict
 
 
@@ -21,6 +21,9 @@ def test_heuristics_change_by_name():
     assert h.split.max_second_split == 8 and h.launch.column_one_sum == Tile(32, 16, 8) and h.pad.products
     assert h.split.min_chunk == Heuristics().split.min_chunk  # the rest as they were
     assert Heuristics().tuned("") == Heuristics()
+    # 0 where a field's default is 0 (its "off"), whatever a target sets: the C++ target's 32 channels
+    cpp = Heuristics(lower=LowerHeuristics(product_convolutions_min_channels=32))
+    assert cpp.tuned("lower.product_convolutions_min_channels=0").lower.product_convolutions_min_channels == 0
 
 
 @pytest.mark.parametrize(
@@ -32,6 +35,7 @@ def test_heuristics_change_by_name():
         ("split.min_chunk", "is not group.field=value"),
         ("split.min_chunk=eight", "is not a positive integer"),
         ("split.min_chunk=0", "is not a positive integer"),
+        ("horizontal.table_min_parts=-1", "is not 0 or a positive integer"),
         ("launch.looped_row=1x2048", "is not a tile XBLOCKxRBLOCKxWARPS"),
         ("launch.looped_row=1x2000x8", "of powers of two"),
         ("pad.products=yes", "is not 0 or 1"),
