@@ -19,8 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember import log
-from ember.backends.device import device_identity
-from ember.runtime.cache import DiskCache, content_key
+from ember.backends.device import device_identity, stored_measurement
 
 MEASUREMENT = "linear product v2"  # the fastest round
 RESULT_FILE = "linear.json"
@@ -39,24 +38,23 @@ def packed_is_faster(rows: int, k: int, n: int, bias: bool) -> bool:
 
 def measured_times(rows: int, k: int, n: int, bias: bool, measure: Callable | None = None) -> dict[str, float]:
     """{"packed_us", "aten_us"}: the disk cache's for this CPU and shape, else measured and stored."""
-    cache = DiskCache()
-    key = content_key("device", MEASUREMENT, device_identity(torch.device("cpu")), rows, k, n, bias)
-    entry = cache.get("device", key)
-    if entry is not None:
-        found = _parse(entry.files.get(RESULT_FILE, b""))
-        if found is not None:
-            return found
-        log.artifact("cache", "reject", f"{entry.path}: not a measured product time; measuring again")
-    times = (measure or _measure)(rows, k, n, bias)
-    if _parse(json.dumps(times).encode()) is not None:
-        cache.put("device", key, {RESULT_FILE: json.dumps(times).encode()})
-    log.artifact(
-        "cache",
-        "measured",
-        f"linear [{rows}, {k}] x [{k}, {n}]{' + bias' if bias else ''}: oneDNN packed "
-        f"{times['packed_us']:.1f} us, ATen {times['aten_us']:.1f} us",
-    )
-    return times
+
+    def timed() -> dict[str, float]:
+        times = (measure or _measure)(rows, k, n, bias)
+        log.artifact(
+            "cache",
+            "measured",
+            f"linear [{rows}, {k}] x [{k}, {n}]{' + bias' if bias else ''}: oneDNN packed "
+            f"{times['packed_us']:.1f} us, ATen {times['aten_us']:.1f} us",
+        )
+        return times
+
+    def encode(times: dict[str, float]) -> bytes | None:
+        data = json.dumps(times).encode()
+        return data if _parse(data) is not None else None
+
+    content = (MEASUREMENT, device_identity(torch.device("cpu")), rows, k, n, bias)
+    return stored_measurement(content, RESULT_FILE, timed, encode, _parse, "a measured product time")
 
 
 def _measure(rows: int, k: int, n: int, bias: bool) -> dict[str, float]:

@@ -21,6 +21,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -40,6 +41,9 @@ class DeviceLimits:
 # fp32 vector (non-tensor-core) FLOP/s from NVIDIA's datasheets; matched by device name.
 _GPU_FLOPS = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "L40": 90e12, "4090": 82e12}
 _UNKNOWN_GPU_FLOPS = 20e12
+
+
+T = TypeVar("T")
 
 
 def _cuda_copy_bandwidth(device: torch.device) -> float:
@@ -128,18 +132,37 @@ def _cpu_model() -> str:
 def stored_bandwidth(identity: tuple, measure: Callable[[], float]) -> float:
     """The bandwidth the disk cache keeps for `identity`, else `measure()`'s, stored there for the
     processes after this one. An entry that is not one finite positive figure is a miss."""
+
+    def encode(bandwidth: float) -> bytes | None:
+        return json.dumps({"bandwidth": bandwidth}).encode() if math.isfinite(bandwidth) and bandwidth > 0 else None
+
+    return stored_measurement((MEASUREMENT, identity), BANDWIDTH_FILE, measure, encode, _parse, "a measured bandwidth")
+
+
+def stored_measurement(
+    content: tuple,
+    file: str,
+    measure: Callable[[], T],
+    encode: Callable[[T], bytes | None],
+    decode: Callable[[bytes], T | None],
+    what: str,
+) -> T:
+    """The disk cache's figure for `content` (a fact of this machine: kind "device", which an exported
+    cache file leaves out), else `measure()`'s, stored for the processes after this one where `encode`
+    gives its bytes (None: not a usable figure, not stored). An entry `decode` refuses is measured anew."""
     cache = DiskCache()
-    key = content_key("device", MEASUREMENT, identity)
+    key = content_key("device", *content)
     entry = cache.get("device", key)
     if entry is not None:
-        found = _parse(entry.files.get(BANDWIDTH_FILE, b""))
+        found = decode(entry.files.get(file, b""))
         if found is not None:
             return found
-        log.artifact("cache", "reject", f"{entry.path}: not a measured bandwidth; measuring again")
-    bandwidth = measure()
-    if math.isfinite(bandwidth) and bandwidth > 0:
-        cache.put("device", key, {BANDWIDTH_FILE: json.dumps({"bandwidth": bandwidth}).encode()})
-    return bandwidth
+        log.artifact("cache", "reject", f"{entry.path}: not {what}; measuring again")
+    value = measure()
+    data = encode(value)
+    if data is not None:
+        cache.put("device", key, {file: data})
+    return value
 
 
 def _parse(data: bytes) -> float | None:
