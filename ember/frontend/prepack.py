@@ -197,11 +197,13 @@ def prepack(
 # post-op, which applies them in the convolution's own output pass. EfficientNet-B0's SiLUs after 1x1
 # convolutions made BLAS products cost a pass of their own: 21.0 against 16.5 ms a call.
 _TRANSCENDENTAL_POST_OPS = ("swish", "sigmoid")
+_FEW_PIXELS = 16
 
 
 def _as_product(graph: fx.Graph, conv: fx.Node, x: fx.Node, padding: list, min_channels: int, fake_mode) -> bool:
     """A 1x1 convolution (stride 1, no padding, one group) over a channels-last input of at least
-    `min_channels` channels, rewritten as BLAS's product over the input's [pixels, channels] view:
+    `min_channels` channels, or of at most _FEW_PIXELS pixels whatever its channels and activation (a
+    squeeze-and-excite block's), rewritten as BLAS's product over the input's [pixels, channels] view:
 
         y = addmm(bias, x.permute(0, 2, 3, 1).view(pixels, cin), w.view(cout, cin).t()).view(n, h, w, cout)
                 .permute(0, 3, 1, 2)                                   (channels-last, as the convolution's)
@@ -212,13 +214,18 @@ def _as_product(graph: fx.Graph, conv: fx.Node, x: fx.Node, padding: list, min_c
     work); below 32 input channels `addmm` was the slower (16 -> 96 at 112x112: 444 against 334 us)."""
     _, w, bias, stride, _, dilation, _, _, groups = conv.args
     xval, wval = x.meta["val"], w.meta["val"]
-    if not min_channels or groups != 1 or tuple(wval.shape[2:]) != (1, 1) or xval.shape[1] < min_channels:
+    if not min_channels or groups != 1 or tuple(wval.shape[2:]) != (1, 1):
         return False
     if list(stride) != [1, 1] or list(padding) != [0, 0] or list(dilation) != [1, 1]:
         return False
     if not xval.is_contiguous(memory_format=torch.channels_last):
         return False
-    if _activation(conv)[0] in _TRANSCENDENTAL_POST_OPS:
+    # Over a few pixels (a squeeze-and-excite block's pooled [n, c, 1, 1]) the product is a matrix-vector one:
+    # oneDNN's call would cost more than the work, and an activation's pass over c values costs nothing.
+    few_pixels = xval.shape[0] * xval.shape[2] * xval.shape[3] <= _FEW_PIXELS
+    if xval.shape[1] < min_channels and not few_pixels:
+        return False
+    if _activation(conv)[0] in _TRANSCENDENTAL_POST_OPS and not few_pixels:
         return False  # oneDNN applies it as it writes; ember would store it again (its readers recompute it)
     n, cin, h, width = xval.shape
     cout = wval.shape[0]

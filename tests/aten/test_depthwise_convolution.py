@@ -39,6 +39,8 @@ CASES = {
     "dilated": ({"channels": 4, "padding": 2, "dilation": 2}, (1, 4, 9, 9), False),
     "tf-padded-stride2": ({"channels": 8, "stride": 2, "padding": 0, "pad": (0, 1, 0, 1)}, (1, 8, 10, 10), True),
     "no-padding": ({"channels": 6, "padding": 0}, (1, 6, 7, 7), True),
+    # padding="valid" reaches ATen as one value for both dims (HF EfficientNet's stride-2 depthwise convolutions)
+    "valid-stride2": ({"channels": 8, "stride": 2, "padding": "valid", "pad": (1, 2, 1, 2)}, (1, 8, 11, 11), True),
     "per-dim-3x1": ({"channels": 8, "k": (3, 1), "stride": (1, 2), "padding": (1, 0)}, (1, 8, 9, 8), True),
     "1x1-one-channel": ({"channels": 1, "k": 1, "padding": 0, "bias": True}, (2, 1, 5, 5), False),
 }

@@ -87,7 +87,7 @@ CASES = {
     ),
     "conv-bn-gelu": (lambda: ConvAct(4, 8, nn.GELU), (2, 4, 8, 8), torch.contiguous_format, ["none"]),
     "basic-block": (Basic, (1, 4, 8, 8), torch.contiguous_format, ["relu", "none", "none"]),
-    "tf-padded": (TFPadded, (1, 4, 9, 9), torch.channels_last, ["hardtanh", "hardtanh", "none"]),
+    "tf-padded": (TFPadded, (1, 4, 11, 11), torch.channels_last, ["hardtanh", "hardtanh", "none"]),
 }
 
 
@@ -249,3 +249,34 @@ def test_pointwise_convolutions_as_blas_products(act, channels, product):
     assert ("aten.addmm" in graph.aten_graph) == product, f"{graph.aten_graph}\n{line}"
     assert (PACKED in graph.aten_graph) != product, f"{graph.aten_graph}\n{line}"
     assert "sqrt" not in graph.aten_graph, f"batch norm is left in the compiled graph\n{graph.aten_graph}\n{line}"
+
+
+class SqueezeExcite(nn.Module):
+    """EfficientNet's squeeze-and-excite: the spatial mean through a 1x1 reduce (SiLU) and expand (sigmoid)
+    convolution, scaling the input's channels."""
+
+    def __init__(self, channels: int, squeezed: int):
+        super().__init__()
+        self.reduce = nn.Conv2d(channels, squeezed, 1)
+        self.expand = nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x):
+        s = x.mean((2, 3), keepdim=True)
+        return x * torch.sigmoid(self.expand(nn.functional.silu(self.reduce(s))))
+
+
+def test_squeeze_and_excite_convolutions_over_one_pixel_are_products():
+    """Over a pooled [n, c, 1, 1] the 1x1 convolutions are `addmm` whatever their channels (4 here) and
+    activation (SiLU, sigmoid): a oneDNN call would cost more than the work, and the activation over c values
+    costs nothing."""
+    torch._dynamo.reset()
+    model = SqueezeExcite(48, 4).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 48, 7, 7).to(memory_format=torch.channels_last)
+    line = repro(program="squeeze-and-excite 48 -> 4 -> 48", x="f32[1, 48, 7, 7] channels-last")
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_no_fallback(report, line)
+    assert_close(actual, expected, **TOL, what="squeeze-and-excite", line=line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert graph.aten_graph.count("aten.addmm") == 2 and PACKED not in graph.aten_graph, f"{graph.aten_graph}\n{line}"

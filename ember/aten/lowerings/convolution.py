@@ -57,6 +57,8 @@ def _convolution(ctx: GraphBuilder, node):
         # A row-major weight would be read KH * KW elements apart along the kernel's vector loop over
         # channels; freezing lays frozen weights out with channels innermost (frontend/prepack.py).
         raise Unsupported("depthwise convolution over a weight without its channels innermost")
+    # One value stands for both dims, as ATen reads it (a TF-style padded model's `padding=[0]`).
+    stride, padding, dilation = (list(p) * 2 if len(p) == 1 else list(p) for p in (stride, padding, dilation))
     if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
         raise Unsupported("convolution sizes")
     out = ctx.out_meta()
