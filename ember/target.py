@@ -307,6 +307,10 @@ class LowerHeuristics:
     # product over its [pixels, channels] view (frontend/prepack.py: _as_product), its activation fused by
     # ember; 0: never (the GPU's; the C++ target sets 32, below which MKL's products were the slower).
     product_convolutions_min_channels: int = 0
+    # ... and so is one over at most this many pixels (batch times height times width), whatever its channels
+    # and activation: a squeeze-and-excite block's, over a pooled [n, c, 1, 1]; 0: never (the GPU's; the C++
+    # target sets 16: a oneDNN call there costs more than the work).
+    product_convolutions_max_pixels: int = 0
 
 
 @dataclass(frozen=True)

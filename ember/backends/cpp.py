@@ -166,7 +166,11 @@ class CppBackend:
             atomic_adds=(),
             heuristics=Heuristics(
                 realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8, free_positions=True),
-                lower=LowerHeuristics(depthwise_convolutions=True, product_convolutions_min_channels=32),
+                lower=LowerHeuristics(
+                    depthwise_convolutions=True,
+                    product_convolutions_min_channels=32,
+                    product_convolutions_max_pixels=16,
+                ),
             ),
         ).tuned(config.get("heuristics"))
 

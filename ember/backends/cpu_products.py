@@ -49,12 +49,10 @@ def measured_times(rows: int, k: int, n: int, bias: bool, measure: Callable | No
         )
         return times
 
-    def encode(times: dict[str, float]) -> bytes | None:
-        data = json.dumps(times).encode()
-        return data if _parse(data) is not None else None
-
     content = (MEASUREMENT, device_identity(torch.device("cpu")), rows, k, n, bias)
-    return stored_measurement(content, RESULT_FILE, timed, encode, _parse, "a measured product time")
+    return stored_measurement(
+        content, RESULT_FILE, timed, lambda times: json.dumps(times).encode(), _parse, "a measured product time"
+    )
 
 
 def _measure(rows: int, k: int, n: int, bias: bool) -> dict[str, float]:

@@ -5,7 +5,9 @@ The bandwidth is *measured* (a large copy: 0.24 s of a warm start on an H200, 0.
 what identifies the device where it was measured (`device_identity`: the GPU's UUID, name, memory and
 driver, or the host, its CPU and thread count; the torch version; the way of measuring), so a
 later process reads it instead. A missing, damaged or unreadable entry is measured anew, as is every
-figure after `ember cache clear`; with the setting `cache` off every process measures. The compute rate is the specification's vector (not
+figure after `ember cache clear`; with the setting `cache` off every process measures
+(`stored_measurement` keeps any such fact of this machine: backends/cpu_products.py's product times
+too). The compute rate is the specification's vector (not
 tensor-core) fp32 rate, matched by device name; the launch cost is a typical figure.
 schedule/cost.py's roofline estimate, the GEMM choice (gemm_tuning.py) and realize.py's rule for
 broadcast transcendental work read them from the Target; the rate and launch cost (not the
@@ -133,8 +135,8 @@ def stored_bandwidth(identity: tuple, measure: Callable[[], float]) -> float:
     """The bandwidth the disk cache keeps for `identity`, else `measure()`'s, stored there for the
     processes after this one. An entry that is not one finite positive figure is a miss."""
 
-    def encode(bandwidth: float) -> bytes | None:
-        return json.dumps({"bandwidth": bandwidth}).encode() if math.isfinite(bandwidth) and bandwidth > 0 else None
+    def encode(bandwidth: float) -> bytes:
+        return json.dumps({"bandwidth": bandwidth}).encode()
 
     return stored_measurement((MEASUREMENT, identity), BANDWIDTH_FILE, measure, encode, _parse, "a measured bandwidth")
 
@@ -143,13 +145,13 @@ def stored_measurement(
     content: tuple,
     file: str,
     measure: Callable[[], T],
-    encode: Callable[[T], bytes | None],
+    encode: Callable[[T], bytes],
     decode: Callable[[bytes], T | None],
     what: str,
 ) -> T:
     """The disk cache's figure for `content` (a fact of this machine: kind "device", which an exported
-    cache file leaves out), else `measure()`'s, stored for the processes after this one where `encode`
-    gives its bytes (None: not a usable figure, not stored). An entry `decode` refuses is measured anew."""
+    cache file leaves out), else `measure()`'s, stored for the processes after this one where `decode`
+    takes its bytes back (an unusable figure is not stored). An entry `decode` refuses is measured anew."""
     cache = DiskCache()
     key = content_key("device", *content)
     entry = cache.get("device", key)
@@ -160,7 +162,7 @@ def stored_measurement(
         log.artifact("cache", "reject", f"{entry.path}: not {what}; measuring again")
     value = measure()
     data = encode(value)
-    if data is not None:
+    if decode(data) is not None:
         cache.put("device", key, {file: data})
     return value
 

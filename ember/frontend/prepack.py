@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from ember.aten.lowerings.convolution import is_depthwise
+from ember.aten.lowerings.convolution import is_depthwise, spatial_pair
 from ember.target import LowerHeuristics
 
 aten = torch.ops.aten
@@ -150,8 +150,8 @@ def prepack(
     weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
     activations, "linear": matrix products, "products": 1x1 convolutions made BLAS products}.
     `lower`: the target's choices (depthwise convolutions left to its kernels; 1x1 convolutions over at
-    least `product_convolutions_min_channels` channels as `addmm` over the input's [pixels, channels] view,
-    `_as_product`)."""
+    least `product_convolutions_min_channels` channels, or over at most `product_convolutions_max_pixels`
+    pixels, as `addmm` over the input's [pixels, channels] view, `_as_product`)."""
     lower = lower or LowerHeuristics()
     counts = {"packed": 0, "fused": 0, "linear": 0, "linear_aten": 0, "products": 0}
     graph = gm.graph
@@ -163,8 +163,9 @@ def prepack(
         counts["linear"] += 1
     for conv in [n for n in graph.nodes if packable(n, is_constant, lower)]:
         x, w, bias, stride, padding, dilation, _, _, groups = conv.args
-        x, padding = _absorb_zero_pad(x, list(padding))
-        if _as_product(graph, conv, x, padding, lower.product_convolutions_min_channels, fake_mode):
+        stride, padding, dilation = (spatial_pair(p) for p in (stride, padding, dilation))
+        x, padding = _absorb_zero_pad(x, padding)
+        if _as_product(graph, conv, x, stride, padding, dilation, lower, fake_mode):
             counts["products"] += 1
             continue
         xval, wval = x.meta["val"], w.meta["val"]
@@ -172,12 +173,12 @@ def prepack(
         with graph.inserting_before(conv):
             packed = graph.call_function(
                 torch.ops.mkldnn._reorder_convolution_weight.default,
-                (w, list(padding), list(stride), list(dilation), groups, list(xval.shape)),
+                (w, padding, stride, dilation, groups, list(xval.shape)),
             )
             with fake_mode:
                 packed.meta["val"] = torch.empty(wval.shape, dtype=wval.dtype, device=wval.device)  # stand-in
         with graph.inserting_before(last):
-            args = (x, packed, bias, list(padding), list(stride), list(dilation), groups, attr, scalars, None)
+            args = (x, packed, bias, padding, stride, dilation, groups, attr, scalars, None)
             new = graph.call_function(torch.ops.mkldnn._convolution_pointwise.default, args)
             with fake_mode:
                 new.meta["val"] = torch.ops.mkldnn._convolution_pointwise.default(
@@ -197,13 +198,22 @@ def prepack(
 # post-op, which applies them in the convolution's own output pass. EfficientNet-B0's SiLUs after 1x1
 # convolutions made BLAS products cost a pass of their own: 21.0 against 16.5 ms a call.
 _TRANSCENDENTAL_POST_OPS = ("swish", "sigmoid")
-_FEW_PIXELS = 16
 
 
-def _as_product(graph: fx.Graph, conv: fx.Node, x: fx.Node, padding: list, min_channels: int, fake_mode) -> bool:
+def _as_product(
+    graph: fx.Graph,
+    conv: fx.Node,
+    x: fx.Node,
+    stride: list,
+    padding: list,
+    dilation: list,
+    lower: LowerHeuristics,
+    fake_mode,
+) -> bool:
     """A 1x1 convolution (stride 1, no padding, one group) over a channels-last input of at least
-    `min_channels` channels, or of at most _FEW_PIXELS pixels whatever its channels and activation (a
-    squeeze-and-excite block's), rewritten as BLAS's product over the input's [pixels, channels] view:
+    `lower.product_convolutions_min_channels` channels, or of at most `lower.product_convolutions_max_pixels`
+    pixels whatever its channels and activation (a squeeze-and-excite block's pooled [n, c, 1, 1]), rewritten
+    as BLAS's product over the input's [pixels, channels] view:
 
         y = addmm(bias, x.permute(0, 2, 3, 1).view(pixels, cin), w.view(cout, cin).t()).view(n, h, w, cout)
                 .permute(0, 3, 1, 2)                                   (channels-last, as the convolution's)
@@ -212,18 +222,19 @@ def _as_product(graph: fx.Graph, conv: fx.Node, x: fx.Node, padding: list, min_c
     the 19 1x1 shapes of MobileNetV2 and EfficientNet-B0 at batch 1, MKL's `addmm` took 2.1 ms against 2.8 ms
     for oneDNN's packed convolutions with their activation (oneDNN's calls cost some 35 us each beyond the
     work); below 32 input channels `addmm` was the slower (16 -> 96 at 112x112: 444 against 334 us)."""
-    _, w, bias, stride, _, dilation, _, _, groups = conv.args
+    w, bias, groups = conv.args[1], conv.args[2], conv.args[8]
     xval, wval = x.meta["val"], w.meta["val"]
-    if not min_channels or groups != 1 or tuple(wval.shape[2:]) != (1, 1):
+    if groups != 1 or tuple(wval.shape[2:]) != (1, 1):
         return False
-    if list(stride) != [1, 1] or list(padding) != [0, 0] or list(dilation) != [1, 1]:
+    if stride != [1, 1] or padding != [0, 0] or dilation != [1, 1]:
         return False
     if not xval.is_contiguous(memory_format=torch.channels_last):
         return False
-    # Over a few pixels (a squeeze-and-excite block's pooled [n, c, 1, 1]) the product is a matrix-vector one:
-    # oneDNN's call would cost more than the work, and an activation's pass over c values costs nothing.
-    few_pixels = xval.shape[0] * xval.shape[2] * xval.shape[3] <= _FEW_PIXELS
-    if xval.shape[1] < min_channels and not few_pixels:
+    # Over a few pixels the product is a matrix-vector one: oneDNN's call would cost more than the work,
+    # and an activation's pass over that few values costs nothing.
+    few_pixels = xval.shape[0] * xval.shape[2] * xval.shape[3] <= lower.product_convolutions_max_pixels
+    min_channels = lower.product_convolutions_min_channels
+    if not few_pixels and (not min_channels or xval.shape[1] < min_channels):
         return False
     if _activation(conv)[0] in _TRANSCENDENTAL_POST_OPS and not few_pixels:
         return False  # oneDNN applies it as it writes; ember would store it again (its readers recompute it)
@@ -289,7 +300,7 @@ def _absorb_zero_pad(x: fx.Node, padding: list) -> tuple[fx.Node, list]:
     widths = [pads[2], pads[0]] if len(pads) == 4 else [0, pads[0]]  # (height, width)
     if pads[0] != pads[1] or (len(pads) == 4 and pads[2] != pads[3]):
         return x, padding
-    return x.args[0], [p + w for p, w in zip(padding, widths)]
+    return x.args[0], [p + w for p, w in zip(padding, widths, strict=True)]
 
 
 def _activation(conv: fx.Node) -> tuple[str, list, fx.Node]:

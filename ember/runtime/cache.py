@@ -8,7 +8,8 @@ keys; ember's source; the Python, torch and sympy versions). Its users: a graph'
 (runtime/schedule_cache.py), a Triton kernel module, its cubins and launch records
 (backends/triton.py, backends/static_launch.py), a distinct kernel's launch record
 (backends/kernel_dedup.py), a C++ library (backends/cpp.py), GEMM timings
-(backends/gemm_tuning.py), a device's measured bandwidth (backends/device.py), and ember's part of
+(backends/gemm_tuning.py), what was measured of this machine (backends/device.py: its bandwidth;
+backends/cpu_products.py: the CPU's product times by shape), and ember's part of
 AOTAutograd's key (frontend/aot_cache.py).
 
 Layout, under the root (setting `cache_dir`):
@@ -82,7 +83,8 @@ MARKER_TEXT = (
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
 KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device"})
-# Kinds that describe this machine (a device's measured bandwidth): a cache file does not carry them.
+# Kinds that describe this machine (a device's measured bandwidth, the CPU's product times): a cache file
+# does not carry them.
 MACHINE_KINDS = frozenset({"device"})
 SECRETS = frozenset({"aot-key", "aot-id"})
 TMP = ".tmp-"

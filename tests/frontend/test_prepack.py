@@ -87,6 +87,7 @@ CASES = {
     ),
     "conv-bn-gelu": (lambda: ConvAct(4, 8, nn.GELU), (2, 4, 8, 8), torch.contiguous_format, ["none"]),
     "basic-block": (Basic, (1, 4, 8, 8), torch.contiguous_format, ["relu", "none", "none"]),
+    # 11x11: c's 1x1 reads 5x5 = 25 pixels, over lower.product_convolutions_max_pixels (a product below it)
     "tf-padded": (TFPadded, (1, 4, 11, 11), torch.channels_last, ["hardtanh", "hardtanh", "none"]),
 }
 
@@ -255,28 +256,82 @@ class SqueezeExcite(nn.Module):
     """EfficientNet's squeeze-and-excite: the spatial mean through a 1x1 reduce (SiLU) and expand (sigmoid)
     convolution, scaling the input's channels."""
 
-    def __init__(self, channels: int, squeezed: int):
+    def __init__(self, channels: int, squeezed: int, bias: bool = True):
         super().__init__()
-        self.reduce = nn.Conv2d(channels, squeezed, 1)
-        self.expand = nn.Conv2d(squeezed, channels, 1)
+        self.reduce = nn.Conv2d(channels, squeezed, 1, bias=bias)
+        self.expand = nn.Conv2d(squeezed, channels, 1, bias=bias)
 
     def forward(self, x):
         s = x.mean((2, 3), keepdim=True)
         return x * torch.sigmoid(self.expand(nn.functional.silu(self.reduce(s))))
 
 
-def test_squeeze_and_excite_convolutions_over_one_pixel_are_products():
-    """Over a pooled [n, c, 1, 1] the 1x1 convolutions are `addmm` whatever their channels (4 here) and
+@pytest.mark.parametrize(
+    "shape,squeezed,bias,product",
+    [
+        ((1, 48, 7, 7), 4, True, True),  # pooled to [1, 48, 1, 1]
+        ((2, 48, 5, 5), 4, False, True),  # a batch of two, no bias: mm
+    ],
+    ids=["one-image", "two-images-no-bias"],
+)
+def test_squeeze_and_excite_convolutions_over_one_pixel_are_products(shape, squeezed, bias, product):
+    """Over a pooled [n, c, 1, 1] the 1x1 convolutions are BLAS products whatever their channels (4 here) and
     activation (SiLU, sigmoid): a oneDNN call would cost more than the work, and the activation over c values
     costs nothing."""
     torch._dynamo.reset()
-    model = SqueezeExcite(48, 4).to(memory_format=torch.channels_last)
-    x = torch.randn(1, 48, 7, 7).to(memory_format=torch.channels_last)
-    line = repro(program="squeeze-and-excite 48 -> 4 -> 48", x="f32[1, 48, 7, 7] channels-last")
+    model = SqueezeExcite(shape[1], squeezed, bias).to(memory_format=torch.channels_last)
+    x = torch.randn(shape).to(memory_format=torch.channels_last)
+    line = repro(
+        program=f"squeeze-and-excite {shape[1]} -> {squeezed}, bias {bias}", x=f"f32{list(shape)} channels-last"
+    )
     with torch.no_grad(), reports() as report:
         expected = model(x)
         actual = ember_compile(model, "cpp", freezing=True)(x)
     assert_no_fallback(report, line)
     assert_close(actual, expected, **TOL, what="squeeze-and-excite", line=line)
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
     (graph,) = [g for g in report.graphs if g.kind == "inference"]
-    assert graph.aten_graph.count("aten.addmm") == 2 and PACKED not in graph.aten_graph, f"{graph.aten_graph}\n{line}"
+    products = graph.aten_graph.count("aten.addmm") + graph.aten_graph.count("aten.mm")
+    assert products == 2 and PACKED not in graph.aten_graph, f"{graph.aten_graph}\n{line}"
+
+
+@pytest.mark.parametrize("pixels,product", [(16, True), (17, False)])
+def test_a_1x1_convolution_over_more_than_the_few_pixels_keeps_onednn_for_its_silu(pixels, product):
+    """The bound: a SiLU-activated 1x1 convolution of 8 channels is a product over 16 pixels, oneDNN's over 17."""
+    torch._dynamo.reset()
+    model = randomize_bn(ConvAct(8, 8, nn.SiLU, k=1)).to(memory_format=torch.channels_last)
+    x = torch.randn(1, 8, pixels, 1).to(memory_format=torch.channels_last)
+    line = repro(program="1x1 conv 8 -> 8, batch norm, SiLU", x=f"f32[1, 8, {pixels}, 1] channels-last")
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_close(actual, expected, **TOL, what="1x1 convolution", line=line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert (PACKED in graph.aten_graph) != product, f"{graph.aten_graph}\n{line}"
+
+
+def test_a_valid_padded_convolution_after_an_explicit_pad_keeps_both_dims_padding():
+    """`padding="valid"` reaches the graph as [0], one value for both dims: the explicit pad's widths (here
+    the width's alone) join the convolution's padding in both dims, not in the first alone."""
+    torch._dynamo.reset()
+
+    class Padded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 8, 3, padding="valid")
+
+        def forward(self, x):
+            return torch.relu(self.conv(nn.functional.pad(x, (1, 1, 0, 0))))
+
+    # Channels-last throughout: the pad feeds the convolution directly (no layout copy between them).
+    model = Padded().eval().to(memory_format=torch.channels_last)
+    x = torch.randn(1, 4, 6, 7).to(memory_format=torch.channels_last)
+    line = repro(program="pad (1, 1, 0, 0) then conv 3x3 padding='valid'", x="f32[1, 4, 6, 7] channels-last")
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_no_fallback(report, line)
+    assert actual.shape == expected.shape, f"{tuple(actual.shape)} vs eager's {tuple(expected.shape)}\n{line}"
+    assert_close(actual, expected, **TOL, what="padded convolution", line=line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert "constant_pad_nd" not in graph.aten_graph, f"the pad was not absorbed\n{graph.aten_graph}\n{line}"

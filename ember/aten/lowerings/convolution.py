@@ -40,6 +40,12 @@ def is_depthwise(x_shape, w_shape, transposed: bool, groups: int) -> bool:
     return groups == channels == w_shape[0] and w_shape[1] == 1 and w_shape[2] * w_shape[3] <= MAX_TAPS
 
 
+def spatial_pair(values) -> list:
+    """A 2-d convolution's stride, padding or dilation for (height, width): one value stands for both, as
+    ATen reads it (`padding="valid"` reaches the graph as [0])."""
+    return list(values) * 2 if len(values) == 1 else list(values)
+
+
 @lowering(aten.convolution)
 def _convolution(ctx: GraphBuilder, node):
     stride, padding, dilation, transposed, _, groups = node.args[3:9]
@@ -57,8 +63,7 @@ def _convolution(ctx: GraphBuilder, node):
         # A row-major weight would be read KH * KW elements apart along the kernel's vector loop over
         # channels; freezing lays frozen weights out with channels innermost (frontend/prepack.py).
         raise Unsupported("depthwise convolution over a weight without its channels innermost")
-    # One value stands for both dims, as ATen reads it (a TF-style padded model's `padding=[0]`).
-    stride, padding, dilation = (list(p) * 2 if len(p) == 1 else list(p) for p in (stride, padding, dilation))
+    stride, padding, dilation = (spatial_pair(p) for p in (stride, padding, dilation))
     if len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
         raise Unsupported("convolution sizes")
     out = ctx.out_meta()
