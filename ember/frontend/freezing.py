@@ -78,8 +78,7 @@ def freeze(
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    none = {"packed": 0, "fused": 0, "linear": 0, "linear_aten": 0, "products": 0}
-    packed = prepack.prepack(gm, is_constant, fake_mode, lower) if pack else none
+    packed = prepack.prepack(gm, is_constant, fake_mode, lower) if pack else dict.fromkeys(prepack.COUNTS, 0)
     if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
     split = split_constants(gm, placeholders, frozen)

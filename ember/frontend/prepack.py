@@ -46,7 +46,8 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from ember.aten.lowerings.convolution import is_depthwise, spatial_pair
+from ember.aten.lowerings.convolution import is_depthwise
+from ember.aten.lowerings.positions import spatial_pair
 from ember.target import LowerHeuristics
 
 aten = torch.ops.aten
@@ -140,6 +141,11 @@ def _depthwise_over_constant(node: fx.Node, is_constant: Callable[[object], bool
     return is_depthwise(tuple(x.shape), tuple(w.shape), bool(node.args[6]), node.args[8]) and w.stride(0) != 1
 
 
+# What `prepack` counts: convolutions packed, activations fused, products packed, products left to ATen
+# (measured faster), 1x1 convolutions made BLAS products.
+COUNTS = ("packed", "fused", "linear", "linear_aten", "products")
+
+
 def prepack(
     gm: fx.GraphModule,
     is_constant: Callable[[object], bool],
@@ -153,7 +159,7 @@ def prepack(
     least `product_convolutions_min_channels` channels, or over at most `product_convolutions_max_pixels`
     pixels, as `addmm` over the input's [pixels, channels] view, `_as_product`)."""
     lower = lower or LowerHeuristics()
-    counts = {"packed": 0, "fused": 0, "linear": 0, "linear_aten": 0, "products": 0}
+    counts = dict.fromkeys(COUNTS, 0)
     graph = gm.graph
     for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
         if not _packing_pays(mm):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ember.aten.builder import GraphBuilder, ShapeDtype
-from ember.aten.lowerings.positions import logical_and, position_along, window_view
+from ember.aten.lowerings.positions import logical_and, position_along, spatial_pair, window_view
 from ember.aten.registry import Unsupported, lowering
 from ember.ir import dtypes
 from ember.ir.graph import Value
@@ -38,12 +38,6 @@ def is_depthwise(x_shape, w_shape, transposed: bool, groups: int) -> bool:
         return False
     channels = x_shape[1]
     return groups == channels == w_shape[0] and w_shape[1] == 1 and w_shape[2] * w_shape[3] <= MAX_TAPS
-
-
-def spatial_pair(values) -> list:
-    """A 2-d convolution's stride, padding or dilation for (height, width): one value stands for both, as
-    ATen reads it (`padding="valid"` reaches the graph as [0])."""
-    return list(values) * 2 if len(values) == 1 else list(values)
 
 
 @lowering(aten.convolution)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ember.aten.builder import GraphBuilder, ShapeDtype
-from ember.aten.lowerings.positions import broadcast_shapes, logical_and, position_along, window_view
+from ember.aten.lowerings.positions import broadcast_shapes, logical_and, position_along, spatial_pair, window_view
 from ember.aten.registry import Unsupported, lowering
 from ember.ir import dtypes
 from ember.ir.graph import Value
@@ -172,9 +172,7 @@ def _max_pool2d_with_indices_backward(ctx: GraphBuilder, node):
 
 
 def _pair(v) -> tuple[int, int]:
-    v = list(v) if isinstance(v, (list, tuple)) else [v]
-    if len(v) == 1:
-        v = v * 2
+    v = spatial_pair(v)
     if len(v) != 2 or not all(isinstance(a, int) for a in v):
         raise Unsupported("max_pool2d sizes")
     return v[0], v[1]

@@ -74,3 +74,10 @@ def window_view(ctx: GraphBuilder, x: Value, dims, offsets, stride, padding, out
         end = as_expr(k) + (out_shape[d] - 1) * s + 1
         view = ctx.view("slice", view, dim=d, start=as_expr(k), end=end, step=as_expr(s))
     return view
+
+
+def spatial_pair(values) -> list:
+    """A 2-d window's size, stride, padding or dilation for (height, width): one value (an int, or a list of
+    one) stands for both, as ATen reads it (`padding="valid"` reaches the graph as [0])."""
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    return values * 2 if len(values) == 1 else values
