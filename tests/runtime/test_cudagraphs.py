@@ -8,9 +8,6 @@ without a GPU. Programs are compiled by the C++ backend and compared with eager 
 from __future__ import annotations
 
 import gc
-import io
-import logging
-import types
 import warnings
 import weakref
 
@@ -79,6 +76,15 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def _backward_both(compiled, model: torch.nn.Module, reference: torch.nn.Module) -> None:
+    """One training step's gradients, fresh (set to None first), through the compiled model and its eager twin."""
+    x = torch.randn(4, 8)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    compiled(x).square().sum().backward()
+    reference(x).square().sum().backward()
+
+
 def test_modes_turn_cudagraphs_on():
     assert _checked_options("reduce-overhead", None)["cudagraphs"] is True
     assert _checked_options("max-autotune", None)["cudagraphs"] is True
@@ -112,11 +118,7 @@ def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
     compiled = ember_compile(model, "cpp", cudagraphs=True)
     line = repro(program="mlp training step", x="f32[4, 8]", steps=3)
     for step in range(3):
-        x = torch.randn(4, 8)
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        compiled(x).square().sum().backward()
-        reference(x).square().sum().backward()
+        _backward_both(compiled, model, reference)
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
             assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, what=f"step {step} grad {name}", line=line)
     assert len(recorder.recorded) == 2, line  # the forward and the backward, recorded in step 2
@@ -144,11 +146,7 @@ def test_an_update_reads_the_gradients_a_recorded_backward_handed_out_where_they
     step = ember_compile(update, "cpp", cudagraphs=True)
     line = repro(program="mlp training step, then a compiled SGD update", x="f32[4, 8]", steps=6)
     for i in range(6):
-        x = torch.randn(4, 8)
-        model.zero_grad(set_to_none=True)
-        reference.zero_grad(set_to_none=True)
-        compiled(x).square().sum().backward()
-        reference(x).square().sum().backward()
+        _backward_both(compiled, model, reference)
         step(list(model.parameters()))
         update(list(reference.parameters()))
         for (name, p), r in zip(model.named_parameters(), reference.parameters()):
@@ -505,115 +503,3 @@ def test_static_input_at_a_new_address_records_again(recorder):
     assert [r.inputs[0] is x for r, x in zip(pool.recordings, (a, b))] == [True, True] and not any(
         r.copy_in for r in pool.recordings
     ), line
-
-
-def _fake(shape, dtype, device):
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    return FakeTensor(FakeTensorMode(), torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
-
-
-def _host_scalar_graph():
-    """A CUDA graph that computes a CPU scalar (DeBERTa's `torch.tensor(d).sqrt()`) and divides by it."""
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = _fake((4,), torch.float32, "cuda")
-    scale = graph.call_function(torch.ops.aten.sqrt.default, (torch.tensor(64.0),))
-    scale.meta["val"] = torch.empty(())
-    out = graph.call_function(torch.ops.aten.div.Tensor, (x, scale))
-    out.meta["val"] = _fake((4,), torch.float32, "cuda")
-    graph.output([out])
-    return types.SimpleNamespace(graph=graph)
-
-
-def _aten_graph(target=None, args=(), kwargs=None, cpu_input: bool = False):
-    """An ATen graph on a CUDA device: `target(x, *args, **kwargs)`, optionally beside a CPU input."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = FakeTensor(FakeTensorMode(), torch.empty(4, device="meta"), torch.device("cuda"))
-    out = [x]
-    if cpu_input:
-        y = graph.placeholder("y")
-        y.meta["val"] = torch.empty(())
-    if target is not None:
-        out = [graph.call_function(target, (x, *args), kwargs or {})]
-    graph.output(out)
-    return types.SimpleNamespace(graph=graph)  # what capture_facts reads (a Generator has no source form)
-
-
-@pytest.mark.parametrize(
-    "gm, device, reason",
-    [
-        pytest.param(lambda: _aten_graph(torch.ops.aten.nonzero.default), "cuda", "data-dependent sizes", id="sizes"),
-        pytest.param(
-            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(4, dtype=torch.bool)],)),
-            "cuda",
-            "data-dependent sizes",
-            id="boolean-index",
-        ),
-        pytest.param(
-            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([_fake((3,), torch.long, "cuda")],)),
-            "cuda",
-            None,
-            id="integer-index",
-        ),
-        pytest.param(
-            lambda: _aten_graph(torch.ops.aten.index.Tensor, ([torch.zeros(3, dtype=torch.long)],)),
-            "cuda",
-            "data-dependent sizes",
-            id="host-integer-index",
-        ),
-        pytest.param(_host_scalar_graph, "cuda", "a CPU tensor computed in the graph (sqrt.default)", id="host-result"),
-        pytest.param(lambda: _aten_graph(torch.ops.aten._local_scalar_dense.default), "cuda", "a sync", id="sync"),
-        pytest.param(
-            lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,), {"generator": torch.Generator()}),
-            "cuda",
-            "RNG with an explicit generator",
-            id="rng",
-        ),
-        pytest.param(lambda: _aten_graph(torch.ops.aten.bernoulli.p, (0.5,)), "cuda", None, id="rng-default-generator"),
-        pytest.param(lambda: _aten_graph(torch.ops.aten.relu.default), "cpu", "runs on cpu", id="cpu-graph"),
-        pytest.param(
-            lambda: _aten_graph(cpu_input=True), "cuda", "a CPU tensor in the graph (input 1)", id="cpu-input"
-        ),
-    ],
-)
-def test_refusal_reasons(gm, device, reason):
-    found = cg.refusals(cg.capture_facts(gm(), torch.device(device)), "cuda")
-    line = repro(reason=reason, device=device)
-    if reason is None:
-        assert found == [], line
-    else:
-        assert len(found) == 1 and reason in found[0], f"{found}\n{line}"
-
-
-def test_unsafe_op_is_refused():
-    lib = torch.library.Library("ember_cudagraphs_test", "DEF")  # noqa: TOR901
-    lib.define("unsafe(Tensor x) -> Tensor", tags=[torch.Tag.cudagraph_unsafe])
-    found = cg.refusals(
-        cg.capture_facts(_aten_graph(torch.ops.ember_cudagraphs_test.unsafe.default), torch.device("cuda")), "cuda"
-    )
-    assert found == ["ember_cudagraphs_test.unsafe.default is marked cudagraph_unsafe"], repro(op="unsafe")
-
-
-def test_refusals_are_reported_and_logged():
-    """A CPU graph under the real CUDA recorder runs as compiled, and its report and log say why."""
-    from ember import explain
-
-    f = lambda x: torch.relu(x) + 1
-    x = torch.randn(8)
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logging.getLogger("ember").addHandler(handler)
-    try:
-        with config.override(cudagraphs=True, backend="cpp", logs="cudagraphs"):
-            report = explain(f, x)
-    finally:
-        logging.getLogger("ember").removeHandler(handler)
-    line = repro(program="relu(x) + 1", device="cpu")
-    assert "off: the graph runs on cpu" in report.graphs[0].cudagraphs, f"{report}\n{line}"
-    assert "cudagraphs: off" in str(report), line
-    assert "runs without CUDA graphs: the graph runs on cpu" in stream.getvalue(), line
-    assert cg.refusals(None, "cuda", "NotImplementedError: x") == ["the graph runs eagerly (NotImplementedError: x)"]
