@@ -227,6 +227,20 @@ def test_matrix_products_where_aten_measured_faster_stay_aten(monkeypatch):
     assert code.count(f"{LINEAR}(") == 2 and code.count("aten.mm") == 1, code
 
 
+def _frozen_against_eager(model: nn.Module, x: torch.Tensor, what: str, line: str):
+    """`model(x)` compiled by the C++ backend under freezing: its result (values and strides) against eager's;
+    returns the inference graph's report."""
+    torch._dynamo.reset()
+    with torch.no_grad(), reports() as report:
+        expected = model(x)
+        actual = ember_compile(model, "cpp", freezing=True)(x)
+    assert_no_fallback(report, line)
+    assert_close(actual, expected, **TOL, what=what, line=line)
+    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    return graph
+
+
 @pytest.mark.parametrize(
     "act,channels,product",
     [(nn.ReLU6, 32, True), (nn.SiLU, 32, False), (nn.ReLU, 16, False)],
@@ -236,17 +250,10 @@ def test_pointwise_convolutions_as_blas_products(act, channels, product):
     """A 1x1 convolution over a channels-last input of at least `lower.product_convolutions_min_channels`
     channels (the C++ target's 32) is `addmm` over its [pixels, channels] view, batch norm folded into the
     weight and the activation left to ember's kernels; a SiLU or sigmoid keeps oneDNN's post-op."""
-    torch._dynamo.reset()
     model = randomize_bn(ConvAct(channels, 24, act, k=1)).to(memory_format=torch.channels_last)
     x = torch.randn(1, channels, 6, 5).to(memory_format=torch.channels_last)
     line = repro(act=act.__name__, channels=channels)
-    with torch.no_grad(), reports() as report:
-        expected = model(x)
-        actual = ember_compile(model, "cpp", freezing=True)(x)
-    assert_no_fallback(report, line)
-    assert_close(actual, expected, **TOL, what="1x1 convolution", line=line)
-    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
-    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    graph = _frozen_against_eager(model, x, "1x1 convolution", line)
     assert ("aten.addmm" in graph.aten_graph) == product, f"{graph.aten_graph}\n{line}"
     assert (PACKED in graph.aten_graph) != product, f"{graph.aten_graph}\n{line}"
     assert "sqrt" not in graph.aten_graph, f"batch norm is left in the compiled graph\n{graph.aten_graph}\n{line}"
@@ -267,30 +274,23 @@ class SqueezeExcite(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "shape,squeezed,bias,product",
+    "shape,squeezed,bias",
     [
-        ((1, 48, 7, 7), 4, True, True),  # pooled to [1, 48, 1, 1]
-        ((2, 48, 5, 5), 4, False, True),  # a batch of two, no bias: mm
+        ((1, 48, 7, 7), 4, True),  # pooled to [1, 48, 1, 1]
+        ((2, 48, 5, 5), 4, False),  # a batch of two, no bias: mm
     ],
     ids=["one-image", "two-images-no-bias"],
 )
-def test_squeeze_and_excite_convolutions_over_one_pixel_are_products(shape, squeezed, bias, product):
+def test_squeeze_and_excite_convolutions_over_one_pixel_are_products(shape, squeezed, bias):
     """Over a pooled [n, c, 1, 1] the 1x1 convolutions are BLAS products whatever their channels (4 here) and
     activation (SiLU, sigmoid): a oneDNN call would cost more than the work, and the activation over c values
     costs nothing."""
-    torch._dynamo.reset()
     model = SqueezeExcite(shape[1], squeezed, bias).to(memory_format=torch.channels_last)
     x = torch.randn(shape).to(memory_format=torch.channels_last)
     line = repro(
         program=f"squeeze-and-excite {shape[1]} -> {squeezed}, bias {bias}", x=f"f32{list(shape)} channels-last"
     )
-    with torch.no_grad(), reports() as report:
-        expected = model(x)
-        actual = ember_compile(model, "cpp", freezing=True)(x)
-    assert_no_fallback(report, line)
-    assert_close(actual, expected, **TOL, what="squeeze-and-excite", line=line)
-    assert actual.stride() == expected.stride(), f"strides {actual.stride()} vs eager's {expected.stride()}\n{line}"
-    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    graph = _frozen_against_eager(model, x, "squeeze-and-excite", line)
     products = graph.aten_graph.count("aten.addmm") + graph.aten_graph.count("aten.mm")
     assert products == 2 and PACKED not in graph.aten_graph, f"{graph.aten_graph}\n{line}"
 
@@ -298,15 +298,10 @@ def test_squeeze_and_excite_convolutions_over_one_pixel_are_products(shape, sque
 @pytest.mark.parametrize("pixels,product", [(16, True), (17, False)])
 def test_a_1x1_convolution_over_more_than_the_few_pixels_keeps_onednn_for_its_silu(pixels, product):
     """The bound: a SiLU-activated 1x1 convolution of 8 channels is a product over 16 pixels, oneDNN's over 17."""
-    torch._dynamo.reset()
     model = randomize_bn(ConvAct(8, 8, nn.SiLU, k=1)).to(memory_format=torch.channels_last)
     x = torch.randn(1, 8, pixels, 1).to(memory_format=torch.channels_last)
     line = repro(program="1x1 conv 8 -> 8, batch norm, SiLU", x=f"f32[1, 8, {pixels}, 1] channels-last")
-    with torch.no_grad(), reports() as report:
-        expected = model(x)
-        actual = ember_compile(model, "cpp", freezing=True)(x)
-    assert_close(actual, expected, **TOL, what="1x1 convolution", line=line)
-    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    graph = _frozen_against_eager(model, x, "1x1 convolution", line)
     assert (PACKED in graph.aten_graph) != product, f"{graph.aten_graph}\n{line}"
 
 
