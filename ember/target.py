@@ -206,9 +206,12 @@ class HorizontalHeuristics:
     # each parameter) run as one launch that reads each part's buffer addresses from a table in
     # memory (codegen/triton_combo.py: render_triton_table), with no cap on parts or buffers, where at
     # least table_min_parts share the body; 0: never (the C++ target). Each program computes
-    # table_xblock elements of one part (a power of two: a value between two is taken down).
+    # table_xblock elements of one part (a power of two: a value between two is taken down), each
+    # thread table_thread_bytes of the narrowest buffer its body walks (16: one vector access, 8 bf16
+    # elements; 0: launch.pointwise_thread_elements).
     table_min_parts: int = 0
     table_xblock: int = 512
+    table_thread_bytes: int = 16
 
 
 @dataclass(frozen=True)

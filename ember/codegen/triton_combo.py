@@ -18,6 +18,7 @@ passes three pointers, not every buffer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy
@@ -27,7 +28,7 @@ from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config, pointwise_config
 from ember.ir.sizes import product
 from ember.schedule.kernel import ComboKernel, Kernel, KLoad
-from ember.target import Target
+from ember.target import LaunchHeuristics, Target
 
 
 @dataclass
@@ -135,8 +136,12 @@ class TritonTableSource:
 class _TableBody(TritonRenderer):
     """The body every part of a table combo kernel shares, rendered from its first part."""
 
+    def vector(self) -> tuple[bool, ...]:
+        """Per parameter, whether the body reads or writes it along the flat position."""
+        return tuple(self._along_position(p.value) for p in self.params)
+
     def render_table(self, name: str, aligned: bool, hint_numel: bool) -> tuple[str, tuple[bool, ...]]:
-        vector = tuple(self._along_position(p.value) for p in self.params)
+        vector = self.vector()
         self.emit(jit_decorator([self.kernel]))
         self.emit(f"def {name}(table, heads, part_of_block, XBLOCK: tl.constexpr):")
         self.indent += 1
@@ -147,10 +152,10 @@ class _TableBody(TritonRenderer):
         self.emit(f"xnumel = {f'tl.multiple_of({numel}, 16)' if hint_numel else numel}")
         self.emit(f"row = table + part.to(tl.int64) * {len(self.params)}")
         for k, (p, along) in enumerate(zip(self.params, vector)):
-            address = f"tl.load(row + {k})"
-            if aligned and along:
-                address = f"tl.multiple_of({address}, 16)"
-            self.emit(f"{p.name} = {address}.to(tl.pointer_type({TRITON_DTYPE[p.value.dtype]}))")
+            address = f"tl.load(row + {k}).to(tl.pointer_type({TRITON_DTYPE[p.value.dtype]}))"
+            # The hint goes on the pointer: Triton does not carry an integer's divisibility through its
+            # cast to a pointer, and without it every load and store is one element wide.
+            self.emit(f"{p.name} = {f'tl.multiple_of({address}, 16)' if aligned and along else address}")
         self.emit("xindex = xoffset + tl.arange(0, XBLOCK)")
         self.emit("xmask = xindex < xnumel")
         self._emit_loop_vars(reduce=False)
@@ -164,6 +169,15 @@ class _TableBody(TritonRenderer):
         return any(self._varies(i) for i in indices)
 
 
+def _thread_elements(walked: list[int], thread_bytes: int, rules: LaunchHeuristics) -> LaunchHeuristics:
+    """The launch rules with each thread's elements set so that its access to the narrowest buffer
+    the body walks (`walked`: their element sizes) spans `thread_bytes` (16: one vector access, 8 bf16
+    elements or 4 fp32); 0, or no buffer walked, keeps the rules' own."""
+    if not thread_bytes or not walked:
+        return rules
+    return dataclasses.replace(rules, pointwise_thread_elements=max(1, thread_bytes // min(walked)))
+
+
 def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSource:
     """One body for every part of a table combo kernel (schedule/horizontal.py: table_signature),
     two forms: `name` assumes 16-byte aligned addresses for its vector buffers, `name`_any none."""
@@ -171,9 +185,11 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
     numels = [int(product(p.loop_sizes)) for p in kernel.parts]
     # Powers of two (Triton's blocks): the setting's, taken down, no larger than the largest part needs.
     xblock = min(1 << (max(1, rules.table_xblock).bit_length() - 1), 1 << (max(numels) - 1).bit_length())
-    launch = pointwise_config(xblock, target.heuristics.launch)
     hint_numel = all(n % 16 == 0 for n in numels)
     first = kernel.parts[0]
+    body = _TableBody(first, pointwise_config(xblock, target.heuristics.launch), target.interpreted)
+    walked = [p.value.dtype.itemsize for p, along in zip(body.params, body.vector()) if along]
+    launch = pointwise_config(xblock, _thread_elements(walked, rules.table_thread_bytes, target.heuristics.launch))
     fast, vector = _TableBody(first, launch, target.interpreted).render_table(kernel.name, True, hint_numel)
     any_, _ = _TableBody(first, launch, target.interpreted).render_table(f"{kernel.name}_any", False, hint_numel)
     params = combo_params(kernel.reads, kernel.writes)

@@ -254,3 +254,30 @@ def test_step_counters_of_one_element_take_one_table_launch():
     (table,) = sched.kernels
     assert table.table and len(table.parts) == 40
     assert table_signature(table.parts[0]) is not None and not table.parts[0].loop_sizes
+
+
+def test_table_kernel_threads_take_16_bytes_of_the_narrowest_buffer_through_aligned_pointers():
+    """A table kernel's launch gives each thread one 16-byte access of the narrowest buffer its body
+    walks (8 bf16 elements beside an fp32 state; 4 where all are fp32), and its aligned form puts the
+    16-byte hint on each walked pointer, where Triton reads it (on the integer before the cast, its
+    loads and stores were one element wide); the form for any address has none."""
+    b = G()
+    ps = [b.input(4096, dtype=BF16) for _ in range(4)]
+    ms = [b.input(4096) for _ in range(4)]
+    xs = [b.input(4096) for _ in range(4)]
+    bf16_updates = [b.pw("add", b.pw("mul", m, 0.9), p, dtype=F32) for p, m in zip(ps, ms)]
+    fp32_updates = [b.axpb(x) for x in xs]
+    sched = b.schedule(*bf16_updates, *fp32_updates, tgt=target(table_min_parts=2))
+    tables = {BF16 if BF16 in {v.dtype for v in k.parts[0].reads} else F32: k for k in combos(sched) if k.table}
+    assert set(tables) == {BF16, F32}, [(k.name, len(k.parts)) for k in combos(sched)]
+    for dtype, elements in ((BF16, 8), (F32, 4)):
+        r = render_triton_table(tables[dtype], TRITON)
+        assert r.launch.xblock == 32 * r.launch.num_warps * elements, (dtype, r.launch)
+        fast, any_ = r.source.split("\n\n\n")
+        hinted = [ln for ln in fast.splitlines() if "tl.multiple_of(tl.load(row + " in ln]
+        assert len(hinted) == sum(r.vector) and all(ln.endswith(", 16)") for ln in hinted), fast
+        assert "multiple_of(tl.load(row" not in any_, any_
+    plain = dataclasses.replace(TRITON.heuristics.horizontal, table_thread_bytes=0)
+    tgt = dataclasses.replace(TRITON, heuristics=dataclasses.replace(TRITON.heuristics, horizontal=plain))
+    r = render_triton_table(tables[BF16], tgt)
+    assert r.launch.xblock == 32 * r.launch.num_warps * tgt.heuristics.launch.pointwise_thread_elements
