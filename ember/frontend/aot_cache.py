@@ -36,7 +36,8 @@ unpickled by torch before ember sees it.)
 
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
-with the forward, so the entry is saved while these settings are in force), `cache_key_tag`. A
+with the forward, so the entry is saved while these settings are in force), `cache_key_tag`, and
+Inductor's `codecache.init_backend_registration`, which keying ember's graphs skips (`_without_inductor_backends`). A
 failure to save only logs a warning in torch; a failure to load makes AOTAutograd compile anew.
 AOTAutograd calls `prepare_for_serialization` and `post_compile` with nothing of ember's, so what
 they need of the compile in progress (its options, signing key, and the graphs it loaded) is a
@@ -335,6 +336,31 @@ def _state_tag() -> tuple:
 
 
 @contextlib.contextmanager
+def _without_inductor_backends() -> Iterator[None]:
+    """While ember's graphs are keyed, Inductor's code generators are not registered. The key AOTAutograd
+    computes (Inductor's `FxGraphHashDetails`) registers every device backend of Inductor first, to hash the
+    custom passes they bring; that imports Inductor's schedulers and lowerings, 1.4 s of a warm start on
+    the 2-core CPU machine, for code ember's graphs never run. Without them the key holds no such pass, in
+    every process of ember's: the same key each start. (A process that has run Inductor has them registered
+    already, and keys ember's graphs with them: a clean miss, never another graph's entry.)"""
+    from torch._inductor import codecache
+
+    register = getattr(codecache, "init_backend_registration", None)
+    if register is None:
+        yield
+        return
+    codecache.init_backend_registration = _registered_elsewhere
+    try:
+        yield
+    finally:
+        codecache.init_backend_registration = register
+
+
+def _registered_elsewhere() -> None:
+    """Stands in for Inductor's `init_backend_registration` while ember's graphs are keyed."""
+
+
+@contextlib.contextmanager
 def in_force(options: dict) -> Iterator[None]:
     """AOTAutograd's settings for a bundled cache of ember's graphs, and ember's part of the key.
     The settings are process-wide: a compile on another thread meanwhile sees them too."""
@@ -354,6 +380,7 @@ def in_force(options: dict) -> Iterator[None]:
     with (
         functorch_config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
         torch.compiler.config.patch(cache_key_tag=f"{old}|ember:{tag}"),
+        _without_inductor_backends(),
     ):
         token = _current.set(current)
         try:

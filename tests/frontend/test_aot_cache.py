@@ -50,6 +50,26 @@ def test_a_second_compile_loads_both_graphs_and_trains_as_eager(tmp_path):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
+def test_keying_ember_s_graphs_registers_none_of_inductor_s_backends(tmp_path, monkeypatch):
+    """AOTAutograd's key (Inductor's FxGraphHashDetails) would first register every code generator of
+    Inductor, importing its schedulers and lowerings (over a second of a warm start): while ember's graphs
+    are keyed, it does not, in the compile that stores them and in the one that loads them."""
+    from torch._inductor import codecache
+
+    calls = []
+    monkeypatch.setattr(codecache, "init_backend_registration", lambda: calls.append(1))
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        _train_step(model, x)
+        before = _hits()
+        _train_step(model, x)
+    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+    assert not calls, f"Inductor's backends were registered {len(calls)} times"
+    codecache.init_backend_registration()  # Inductor's own entry point is back once ember's compile ends
+    assert calls == [1]
+
+
 def test_other_settings_or_the_setting_off_compile_anew(tmp_path):
     model = ConvBlocks().to(memory_format=torch.channels_last)
     x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
