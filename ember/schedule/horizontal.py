@@ -8,7 +8,7 @@ one launch (codegen/triton_combo.py, codegen/cpp_combo.py).
 
 The rules (the target's `heuristics.horizontal`):
 - a part is a pointwise kernel (no reduce dims, reductions or column sums), not a GEMM template,
-  of static sizes, of at most `max_elements` elements;
+  of static sizes, of at most `max_elements` elements (a table combo kernel's, below, of any size);
 - parts are independent. Each step has a level: one more than the highest level of the steps it
   reads from. Extern calls also follow the previous extern call (their order stays, random
   number generators' included), and the kernel computing a mutated input's new value follows
@@ -113,9 +113,12 @@ def levels(deps: list[set[int]]) -> list[int]:
     return level
 
 
-def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True) -> bool:
+def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True, table: bool = False) -> bool:
     """Whether a kernel may be a part of a combo kernel (`rows`: one that reads or writes at rows an index
-    names, Target.combo_rows)."""
+    names, Target.combo_rows); `table`: of a table combo kernel, which takes parts of any size: the
+    program a block of a large part runs is the one every block runs, so it costs the large part nothing
+    (an optimizer's embedding update, at the copy bandwidth the other parameters get), and the part's
+    buffers are then read through the table (under CUDA graphs: in place, not copied for each replay)."""
     if not isinstance(kernel, Kernel) or is_gemm_kernel(kernel) or kernel.writes_nothing or not kernel.stores:
         return False
     if any(kernel.loop_reduce) or kernel.reduces or kernel.column_partials or kernel.size_symbols():
@@ -123,7 +126,7 @@ def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True) -> 
     if not rows and kernel.checks_rows:
         return False
     numel = product(kernel.loop_sizes)
-    return numel.is_Integer and 0 < int(numel) <= rules.max_elements
+    return numel.is_Integer and 0 < int(numel) and (table or int(numel) <= rules.max_elements)
 
 
 def pack(
@@ -140,7 +143,7 @@ def pack(
     after a wait share launches only with kernels after a wait. `rows`: Target.combo_rows."""
     by_level: dict[tuple, list[int]] = {}
     for k, step in enumerate(steps):
-        if isinstance(step, KernelStep) and eligible(step.kernel, rules, rows):
+        if isinstance(step, KernelStep) and eligible(step.kernel, rules, rows, table=rules.table_min_parts > 0):
             writes = step.kernel.writes
             if barriers is not None and barriers.feeds_start(writes):
                 continue
@@ -151,7 +154,8 @@ def pack(
         tables = _table_groups(steps, members, rules)
         groups += [(g, True) for g in tables]
         tabled = {k for g in tables for k in g}
-        groups += [(g, False) for g in _capped_groups(steps, [k for k in members if k not in tabled], rules)]
+        capped = [k for k in members if k not in tabled and eligible(steps[k].kernel, rules, rows)]
+        groups += [(g, False) for g in _capped_groups(steps, capped, rules)]
     return sorted((g for g in groups if len(g[0]) >= 2), key=lambda g: g[0][0])
 
 

@@ -233,6 +233,20 @@ def test_kernels_of_one_body_take_one_table_launch_past_the_caps():
     assert not b.schedule(*ys, tgt=target(table_min_parts=0, max_parts=64, max_buffers=256)).kernels[0].table
 
 
+def test_a_part_past_max_elements_joins_its_body_s_table_but_no_capped_launch():
+    """An update of more than `max_elements` elements (an optimizer's embedding) runs in its body's table
+    launch, whose blocks all run one program; with no table of its body it keeps its own launch."""
+    b = G()
+    small = [b.axpb(b.input(64)) for _ in range(3)]
+    large = b.axpb(b.input(4096))
+    sched = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=2))
+    (table,) = sched.kernels
+    assert table.table and any(large in p.writes for p in table.parts), [k.name for k in sched.kernels]
+    capped = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=0))
+    (alone,) = [k for k in capped.kernels if large in k.writes]
+    assert not isinstance(alone, ComboKernel) and len(capped.kernels) == 2, [k.name for k in capped.kernels]
+
+
 def test_parts_of_other_constants_or_ops_are_other_bodies():
     b = G()
     xs = [b.input(32) for _ in range(4)]
