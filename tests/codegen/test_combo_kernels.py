@@ -174,9 +174,13 @@ def test_inputs_only_table_kernels_reach_are_the_programs_table_inputs(monkeypat
         return grads[0].square().sum()
 
     ember_compile(step_and_norm, "triton")(params, grads, states)
-    step, with_norm = (m.table_inputs for m in made)
+    # Parts past `horizontal.max_elements` (the 128- and 300-element ones here) join their body's table too.
+    torch._dynamo.reset()
+    ember_compile(momentum_step, "triton", heuristics="horizontal.max_elements=100")(params, grads, states)
+    step, with_norm, with_large = (m.table_inputs for m in made)
     assert step == frozenset(range(3 * len(SIZES))), sorted(step)
     assert with_norm < step and len(step - with_norm) <= 3, sorted(step - with_norm)
+    assert with_large == step, sorted(step - with_large)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture and replay need a GPU")
