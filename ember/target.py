@@ -282,6 +282,11 @@ class RealizeHeuristics:
 
     broadcast_min_flops: int = 8
     broadcast_factor: int = 4
+    # Whether a kernel evaluates a 0-d value's expression for each element it computes (the C++ target's
+    # loops: then broadcasting it is recomputation); Triton kernels compute 0-d values as scalars, once a
+    # thread, so there they stay inlined: an optimizer's per-parameter bias corrections then keep every
+    # update one body, a large parameter's too (one table kernel; schedule/horizontal.py).
+    scalars_per_element: bool = True
     # A value of at least `shared_min_flops` per element that at least `shared_readers` readers inline
     # (a pool's window terms count one each) is computed once; 0 readers: never (the default, and the
     # GPU's, where recomputation hides under the loads; the C++ target sets 4). 3 flops: a frozen batch

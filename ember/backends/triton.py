@@ -58,7 +58,15 @@ from ember.runtime.cache import DiskCache, content_key, triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import INTERPRETER_SM_COUNT, Heuristics, HorizontalHeuristics, PadHeuristics, SplitHeuristics, Target
+from ember.target import (
+    INTERPRETER_SM_COUNT,
+    Heuristics,
+    HorizontalHeuristics,
+    PadHeuristics,
+    RealizeHeuristics,
+    SplitHeuristics,
+    Target,
+)
 
 # Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
 # fewer compile in this process's threads in about the time workers would take to start. The
@@ -512,7 +520,12 @@ def _make_target(device) -> Target:
         combo_rows=True,
         atomic_adds=_atomic_adds(arch),
         row_programs=max(0, programs) if programs else sm_count,
-        heuristics=Heuristics(split=_GPU_SPLIT, pad=PadHeuristics(products=gpu), horizontal=_GPU_HORIZONTAL),
+        heuristics=Heuristics(
+            split=_GPU_SPLIT,
+            pad=PadHeuristics(products=gpu),
+            horizontal=_GPU_HORIZONTAL,
+            realize=RealizeHeuristics(scalars_per_element=False),
+        ),
     )
     return target.tuned(config.get("heuristics"))
 

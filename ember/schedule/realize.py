@@ -140,6 +140,8 @@ def costly_to_broadcast(work: int, elements: int, widest_reader: int, target: Ta
     h = target.heuristics.realize
     if work < h.broadcast_min_flops or elements <= 0 or widest_reader < h.broadcast_factor * elements:
         return False
+    if elements == 1 and not h.scalars_per_element:
+        return False  # a scalar in each thread of the reader, not a value an element
     if not target.flop_rate or not target.launch_seconds:
         return True
     return (widest_reader - elements) * work / target.flop_rate >= target.launch_seconds

@@ -183,6 +183,35 @@ def test_inputs_only_table_kernels_reach_are_the_programs_table_inputs(monkeypat
     assert with_large == step, sorted(step - with_large)
 
 
+def test_adamw_over_a_parameter_past_max_elements_runs_every_update_in_one_table():
+    """A parameter past `horizontal.max_elements` (an embedding) takes its update's place in the one table
+    launch of AdamW's updates (through Triton's interpreter), results equal to eager's: under CUDA graphs its
+    gradient is then read through the table, not copied in each replay. (At GPT-2's sizes this also needs
+    its bias correction inlined as a scalar like the others': tests/schedule/test_fusion.py.)"""
+    torch.manual_seed(0)
+    shapes = [(64, 48), (48,), (32, 16), (4096,)]  # the last one past max_elements=1024
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, t in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        t.grad = p.grad.clone()
+    opt, eager = (torch.optim.AdamW(ps, lr=0.01, foreach=True) for ps in (params, twins))
+    step = ember_compile(opt.step, "triton", heuristics="horizontal.max_elements=1024")
+    line = f"repro: AdamW foreach over {shapes}, triton on cpu, horizontal.max_elements=1024"
+    with reports() as report:
+        for _ in range(2):
+            step()
+            eager.step()
+    assert_no_fallback(report, line)
+    (graph,) = [g for g in report.graphs if g.mutations]
+    updates = [k for k in graph.kernels if "part_of_block" in k.source and "sqrt" in k.source]
+    assert len(updates) == 1 and all("sqrt" not in k.source for k in graph.kernels if k not in updates), (
+        f"{[k.name for k in graph.kernels]}\n{line}"
+    )
+    for k, (got, ref) in enumerate(zip(params, twins)):
+        assert_close(got.detach(), ref.detach(), rtol=1e-5, atol=1e-5, what=f"param {k} {shapes[k]}", line=line)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph's capture and replay need a GPU")
 def test_adamw_under_cuda_graphs_reads_gradients_where_they_are_each_step():
     """A compiled AdamW step (foreach) in reduce-overhead mode, its gradients made anew at other

@@ -3,6 +3,8 @@ what each stores, and which merges it refuses."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import sympy
 import torch
@@ -16,7 +18,7 @@ from ember.ir.sizes import contiguous_strides
 from ember.ir.views import VIEW_KINDS
 from ember.schedule.scheduler import schedule
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep
-from ember.target import Target
+from ember.target import RealizeHeuristics, Target
 
 I = sympy.Integer
 F32 = torch.float32
@@ -332,6 +334,34 @@ def test_broadcast_rule_weighs_the_work_saved_against_a_launch():
         y = b.pw("mul", y, y)
     out = b.pw("add", q, b.view("expand", b.view("unsqueeze", b.pw("sin", y), dim=0), shape=(I(4096), I(16))))
     assert b.schedule(out).kernels  # scheduled, no OverflowError
+
+
+def test_a_scalar_s_transcendental_work_stays_in_triton_kernels_and_is_computed_apart_in_cpp():
+    """An optimizer's bias correction, 1 - 0.9 ** step over a 0-d step, broadcast over a large parameter:
+    Triton kernels compute a 0-d value as a scalar, once a thread, so it stays inlined there (every
+    parameter's update keeps one body); the C++ target's loop would evaluate it in each iteration, so there
+    it is computed apart, once."""
+    from ember.schedule.realize import costly_to_broadcast
+
+    gpu = Target("triton", "cuda", flop_rate=67e12, launch_seconds=4e-6)
+    assert costly_to_broadcast(48, 1, 50_000_000, gpu)  # a 0-d value, where scalars cost one an element
+    scalar_once = dataclasses.replace(
+        gpu, heuristics=dataclasses.replace(gpu.heuristics, realize=RealizeHeuristics(scalars_per_element=False))
+    )
+    assert not costly_to_broadcast(48, 1, 50_000_000, scalar_once)
+    assert costly_to_broadcast(48, 16 * 1024, 50_000_000, scalar_once)  # rotary tables are not scalars
+
+    from ember.backends.cpp import CppBackend
+
+    b = G()
+    step, p = b.input(), b.input(1 << 20)
+    correction = b.pw("sub", 1.0, b.pw("pow", 0.9, step), shape=())
+    b.g.outputs = [b.pw("truediv", p, b.view("expand", correction, shape=(I(1 << 20),)))]
+    verify(b.g)
+    (triton,) = [k for k in schedule(b.g, target=TRITON).kernels if b.g.outputs[0] in k.writes]
+    assert step in triton.reads and correction not in triton.reads, triton.reads
+    (loop,) = [k for k in schedule(b.g, target=CppBackend().target()).kernels if b.g.outputs[0] in k.writes]
+    assert correction in loop.reads, loop.reads
 
 
 def test_cpp_computes_once_a_value_that_many_window_terms_read():
