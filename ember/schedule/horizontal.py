@@ -44,6 +44,10 @@ from ember.schedule.state import ScheduleState
 from ember.schedule.steps import ExternStep, FusionDecision, KernelStep, Step, step_inputs, step_outputs
 from ember.target import HorizontalHeuristics
 
+# A table combo kernel's element counts and block numbers are int32s (codegen/triton_combo.py): a larger
+# part keeps its own launch.
+TABLE_MAX_ELEMENTS = 2**31 - 1
+
 
 def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     """Pack independent pointwise kernels of `state.steps` into combo kernels; replaces the steps
@@ -126,7 +130,9 @@ def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True, tab
     if not rows and kernel.checks_rows:
         return False
     numel = product(kernel.loop_sizes)
-    return numel.is_Integer and 0 < int(numel) and (table or int(numel) <= rules.max_elements)
+    if not numel.is_Integer or int(numel) <= 0:
+        return False
+    return int(numel) <= rules.max_elements or (table and int(numel) <= TABLE_MAX_ELEMENTS)
 
 
 def pack(

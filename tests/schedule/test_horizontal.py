@@ -18,6 +18,7 @@ from ember.codegen.cpp_combo import render_cpp_combo
 from ember.codegen.triton_combo import render_triton_combo, render_triton_table
 from ember.ir.graph import Graph, verify
 from ember.ir.sizes import contiguous_strides
+from ember.schedule import horizontal
 from ember.schedule.horizontal import table_signature
 from ember.schedule.kernel import ComboKernel, kernel_parts
 from ember.schedule.memory import plan_memory
@@ -233,6 +234,11 @@ def test_kernels_of_one_body_take_one_table_launch_past_the_caps():
     assert not b.schedule(*ys, tgt=target(table_min_parts=0, max_parts=64, max_buffers=256)).kernels[0].table
 
 
+def kernel_of(sched, value):
+    (kernel,) = [k for k in sched.kernels if value in k.writes]
+    return kernel
+
+
 def test_a_part_past_max_elements_joins_its_body_s_table_but_no_capped_launch():
     """An update of more than `max_elements` elements (an optimizer's embedding) runs in its body's table
     launch, whose blocks all run one program; with no table of its body it keeps its own launch."""
@@ -245,6 +251,11 @@ def test_a_part_past_max_elements_joins_its_body_s_table_but_no_capped_launch():
     capped = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=0))
     (alone,) = [k for k in capped.kernels if large in k.writes]
     assert not isinstance(alone, ComboKernel) and len(capped.kernels) == 2, [k.name for k in capped.kernels]
+    # Past int32 counts (the table's block numbers and element counts), a part keeps its own launch.
+    huge = b.axpb(b.input(2**31))
+    assert horizontal.eligible(kernel_of(b.schedule(huge), huge), HorizontalHeuristics(), table=False) is False
+    assert horizontal.eligible(kernel_of(b.schedule(huge), huge), HorizontalHeuristics(), table=True) is False
+    assert horizontal.eligible(kernel_of(b.schedule(large), large), HorizontalHeuristics(max_elements=1024), table=True)
 
 
 def test_parts_of_other_constants_or_ops_are_other_bodies():
