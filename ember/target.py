@@ -194,8 +194,8 @@ class HorizontalHeuristics:
     # parameters are limited (CUDA: 4 KB of them), and compile time grows with the branches.
     max_parts: int = 32
     max_buffers: int = 192
-    # A kernel over more elements stays alone, but in a table combo kernel: its launch costs little next to
-    # its memory traffic.
+    # A kernel over more elements keeps its own launch (its launch costs little next to its memory traffic),
+    # but for an update of a mutated input, which may join a table combo kernel (schedule/horizontal.py).
     max_elements: int = 1 << 22
     # Bytes the combined schedule's planned peak may exceed the plain one's; beyond that the
     # kernels keep their own launches (grouping moves kernels, and what they read lives longer).

@@ -27,6 +27,7 @@ from ember.codegen.render import Param, combo_params
 from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config, pointwise_config
 from ember.ir.sizes import product
+from ember.schedule.horizontal import TABLE_MAX_ELEMENTS
 from ember.schedule.kernel import ComboKernel, Kernel, KLoad
 from ember.target import LaunchHeuristics, Target
 
@@ -202,7 +203,7 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
         part_buffers.append([place[p.value.id] for p in body])
     starts, _ = _block_starts(kernel.parts, xblock)
     part_of_block = [k for k, n in enumerate(numels) for _ in range(-(-n // xblock))]
-    if len(part_of_block) >= 2**31 or max(numels) >= 2**31:
+    if len(part_of_block) > TABLE_MAX_ELEMENTS or max(numels) > TABLE_MAX_ELEMENTS:
         raise NotImplementedError("a table combo kernel's blocks and counts are int32s")
     return TritonTableSource(
         kernel, fast + "\n\n\n" + any_, params, launch, part_buffers, vector, starts, numels, part_of_block

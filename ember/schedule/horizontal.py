@@ -8,7 +8,8 @@ one launch (codegen/triton_combo.py, codegen/cpp_combo.py).
 
 The rules (the target's `heuristics.horizontal`):
 - a part is a pointwise kernel (no reduce dims, reductions or column sums), not a GEMM template,
-  of static sizes, of at most `max_elements` elements (a table combo kernel's, below, of any size);
+  of static sizes, of at most `max_elements` elements (a table combo kernel's, below, also one that
+  writes only mutated inputs' new values, an optimizer's update of a large parameter, below 2^31);
 - parts are independent. Each step has a level: one more than the highest level of the steps it
   reads from. Extern calls also follow the previous extern call (their order stays, random
   number generators' included), and the kernel computing a mutated input's new value follows
@@ -58,7 +59,8 @@ def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:
     steps = state.steps
     deps = dependencies(state, steps)
     barriers = collectives.fusion_barriers(state.graph) if config.get("overlap_collectives") else None
-    packed = pack(steps, levels(deps), rules, barriers, state.target.combo_rows)
+    updates = frozenset(state.graph.outputs[pos] for _, pos in state.graph.mutations)
+    packed = pack(steps, levels(deps), rules, barriers, state.target.combo_rows, updates)
     if not packed:
         return
     groups = [g for g, _ in packed]
@@ -119,10 +121,11 @@ def levels(deps: list[set[int]]) -> list[int]:
 
 def eligible(kernel: object, rules: HorizontalHeuristics, rows: bool = True, table: bool = False) -> bool:
     """Whether a kernel may be a part of a combo kernel (`rows`: one that reads or writes at rows an index
-    names, Target.combo_rows); `table`: of a table combo kernel, which takes parts of any size: the
-    program a block of a large part runs is the one every block runs, so it costs the large part nothing
-    (an optimizer's embedding update, at the copy bandwidth the other parameters get), and the part's
-    buffers are then read through the table (under CUDA graphs: in place, not copied for each replay)."""
+    names, Target.combo_rows); `table`: of a table combo kernel, which takes parts past `max_elements`
+    (below TABLE_MAX_ELEMENTS): the program a block of a large part runs is the one every block runs, so
+    it costs the large part nothing (an optimizer's embedding update, at the copy bandwidth the other
+    parameters get), and the part's buffers are then read through the table (under CUDA graphs: in place,
+    not copied for each replay)."""
     if not isinstance(kernel, Kernel) or is_gemm_kernel(kernel) or kernel.writes_nothing or not kernel.stores:
         return False
     if any(kernel.loop_reduce) or kernel.reduces or kernel.column_partials or kernel.size_symbols():
@@ -141,15 +144,27 @@ def pack(
     rules: HorizontalHeuristics,
     barriers: FusionBarriers | None = None,
     rows: bool = True,
+    updates: frozenset = frozenset(),
 ) -> list[tuple[list[int], bool]]:
     """Groups of at least two step positions, each of eligible kernels of one level, in step
     order, and whether the group is a table combo kernel (its kernels share one body). Other
     groups keep within the caps on parts and buffers. With `barriers` (a graph's functional
     collectives), a kernel computing a collective's input keeps its own launch, and kernels
-    after a wait share launches only with kernels after a wait. `rows`: Target.combo_rows."""
+    after a wait share launches only with kernels after a wait. `rows`: Target.combo_rows.
+    `updates`: the new values of the graph's mutated inputs; a kernel past `max_elements` joins a table
+    only where it writes nothing else (an optimizer's update of a large parameter, in place): a large
+    fresh result (autocast's bf16 copy of each weight) keeps its own launch, which frees what it reads
+    and holds what it writes no earlier and no later than the schedule had it."""
     by_level: dict[tuple, list[int]] = {}
     for k, step in enumerate(steps):
-        if isinstance(step, KernelStep) and eligible(step.kernel, rules, rows, table=rules.table_min_parts > 0):
+        if isinstance(step, KernelStep) and (
+            eligible(step.kernel, rules, rows)
+            or (
+                rules.table_min_parts > 0
+                and set(step.kernel.writes) <= updates
+                and eligible(step.kernel, rules, rows, table=True)
+            )
+        ):
             writes = step.kernel.writes
             if barriers is not None and barriers.feeds_start(writes):
                 continue

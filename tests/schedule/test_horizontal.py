@@ -240,17 +240,23 @@ def kernel_of(sched, value):
 
 
 def test_a_part_past_max_elements_joins_its_body_s_table_but_no_capped_launch():
-    """An update of more than `max_elements` elements (an optimizer's embedding) runs in its body's table
-    launch, whose blocks all run one program; with no table of its body it keeps its own launch."""
+    """An update of more than `max_elements` elements written into its input (an optimizer's embedding)
+    runs in its body's table launch, whose blocks all run one program; with no table of its body, or as a
+    fresh result (autocast's copy of a weight), it keeps its own launch."""
     b = G()
-    small = [b.axpb(b.input(64)) for _ in range(3)]
-    large = b.axpb(b.input(4096))
-    sched = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=2))
+    xs = [b.input(64) for _ in range(3)] + [b.input(4096)]
+    ys = [b.axpb(x) for x in xs]
+    small, large = ys[:3], ys[3]
+    in_place = [(x, k) for k, x in enumerate(xs)]  # each new value written back into its input
+    sched = b.schedule(*ys, mutations=in_place, tgt=target(max_elements=1024, table_min_parts=2))
     (table,) = sched.kernels
     assert table.table and any(large in p.writes for p in table.parts), [k.name for k in sched.kernels]
-    capped = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=0))
+    capped = b.schedule(*ys, mutations=in_place, tgt=target(max_elements=1024, table_min_parts=0))
     (alone,) = [k for k in capped.kernels if large in k.writes]
     assert not isinstance(alone, ComboKernel) and len(capped.kernels) == 2, [k.name for k in capped.kernels]
+    fresh = b.schedule(*small, large, tgt=target(max_elements=1024, table_min_parts=2))
+    (alone,) = [k for k in fresh.kernels if large in k.writes]
+    assert not isinstance(alone, ComboKernel) and len(fresh.kernels) == 2, [k.name for k in fresh.kernels]
     # Past int32 counts (the table's block numbers and element counts), a part keeps its own launch.
     huge = b.axpb(b.input(2**31))
     assert horizontal.eligible(kernel_of(b.schedule(huge), huge), HorizontalHeuristics(), table=False) is False
