@@ -37,7 +37,7 @@ unpickled by torch before ember sees it.)
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
 with the forward, so the entry is saved while these settings are in force), `cache_key_tag`, and
-Inductor's `codecache.init_backend_registration`, which keying ember's graphs skips (`_without_inductor_backends`). A
+Inductor's `codecache.init_backend_registration`, which ember's graphs are keyed without (`_without_inductor_backends`). A
 failure to save only logs a warning in torch; a failure to load makes AOTAutograd compile anew.
 AOTAutograd calls `prepare_for_serialization` and `post_compile` with nothing of ember's, so what
 they need of the compile in progress (its options, signing key, and the graphs it loaded) is a
@@ -335,6 +335,9 @@ def _state_tag() -> tuple:
     )
 
 
+_keying = contextvars.ContextVar("ember_aot_keying", default=False)
+
+
 @contextlib.contextmanager
 def _without_inductor_backends() -> Iterator[None]:
     """While ember's graphs are keyed, Inductor's code generators are not registered. The key AOTAutograd
@@ -342,22 +345,33 @@ def _without_inductor_backends() -> Iterator[None]:
     custom passes they bring; that imports Inductor's schedulers and lowerings, 1.4 s of a warm start on
     the 2-core CPU machine, for code ember's graphs never run. Without them the key holds no such pass, in
     every process of ember's: the same key each start. (A process that has run Inductor has them registered
-    already, and keys ember's graphs with them: a clean miss, never another graph's entry.)"""
+    already, and keys ember's graphs with them: a clean miss, never another graph's entry.) The registration
+    is gated, not replaced for the duration: a thread's compile skips it only while its own flag is set."""
     from torch._inductor import codecache
 
     register = getattr(codecache, "init_backend_registration", None)
     if register is None:
         yield
         return
-    codecache.init_backend_registration = _registered_elsewhere
+    if not getattr(register, "gated_by_ember", False):
+        codecache.init_backend_registration = _gated(register)
+    token = _keying.set(True)
     try:
         yield
     finally:
-        codecache.init_backend_registration = register
+        _keying.reset(token)
 
 
-def _registered_elsewhere() -> None:
-    """Stands in for Inductor's `init_backend_registration` while ember's graphs are keyed."""
+def _gated(register):
+    """Inductor's `init_backend_registration`, skipped while ember's graphs are keyed on this thread."""
+
+    @functools.wraps(register)
+    def gated() -> None:
+        if not _keying.get():
+            register()
+
+    gated.gated_by_ember = True
+    return gated
 
 
 @contextlib.contextmanager
