@@ -46,6 +46,7 @@ they need of the compile in progress (its options, signing key, and the graphs i
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import contextvars
 import dataclasses
@@ -340,13 +341,13 @@ _keying = contextvars.ContextVar("ember_aot_keying", default=False)
 
 @contextlib.contextmanager
 def _without_inductor_backends() -> Iterator[None]:
-    """While ember's graphs are keyed, Inductor's code generators are not registered. The key AOTAutograd
-    computes (Inductor's `FxGraphHashDetails`) registers every device backend of Inductor first, to hash the
-    custom passes they bring; that imports Inductor's schedulers and lowerings, 1.4 s of a warm start on
-    the 2-core CPU machine, for code ember's graphs never run. Without them the key holds no such pass, in
-    every process of ember's: the same key each start. (A process that has run Inductor has them registered
-    already, and keys ember's graphs with them: a clean miss, never another graph's entry.) The registration
-    is gated, not replaced for the duration: a thread's compile skips it only while its own flag is set."""
+    """While ember's graphs are keyed, the key holds nothing of Inductor's code generators. The key AOTAutograd
+    computes (Inductor's `FxGraphHashDetails`) registers every device backend of Inductor first and hashes
+    the custom passes and settings they bring: that imports Inductor's schedulers and lowerings, 1.4 s of a
+    warm start on the 2-core CPU machine, for code ember's graphs never run. On this thread, while the flag
+    is set, the registration is skipped and the registries read empty, so a graph's key is the same in a
+    process that has run Inductor (whose backends are registered) and in one that has not: a cache file
+    exported from the one is found by the other."""
     from torch._inductor import codecache
 
     register = getattr(codecache, "init_backend_registration", None)
@@ -355,6 +356,10 @@ def _without_inductor_backends() -> Iterator[None]:
         return
     if not getattr(register, "gated_by_ember", False):
         codecache.init_backend_registration = _gated(register)
+        for name in ("custom_backend_passes", "custom_backend_codegen_configs"):
+            registry = getattr(codecache, name, None)
+            if isinstance(registry, dict):
+                setattr(codecache, name, _HiddenWhileKeying(registry))
     token = _keying.set(True)
     try:
         yield
@@ -372,6 +377,25 @@ def _gated(register):
 
     gated.gated_by_ember = True
     return gated
+
+
+class _HiddenWhileKeying(collections.abc.Mapping):
+    """One of Inductor's backend registries as the cache key reads it: empty while ember's graphs are keyed on
+    this thread, the registry itself otherwise (registration writes to the registry, not through this)."""
+
+    def __init__(self, registry: dict):
+        self.registry = registry
+
+    def __getitem__(self, key):
+        if _keying.get():
+            raise KeyError(key)
+        return self.registry[key]
+
+    def __iter__(self):
+        return iter(()) if _keying.get() else iter(self.registry)
+
+    def __len__(self) -> int:
+        return 0 if _keying.get() else len(self.registry)
 
 
 @contextlib.contextmanager

@@ -71,6 +71,11 @@ def exported(tmp_path_factory) -> Path:
     """A cache file of the step's compile, made in this process with empty caches of its own
     (ember's, and torch's, where AOTAutograd keeps ember's graphs)."""
     root = tmp_path_factory.mktemp("exporter")
+    # A process that has run Inductor (its code generators registered), as a test before this one may have:
+    # ember's keys hold nothing of them, so the fresh process that imports the file finds its entries.
+    from torch._inductor.codegen.common import init_backend_registration
+
+    init_backend_registration()
     torch_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "torch")
     torch._dynamo.reset()
