@@ -89,7 +89,7 @@ class TableLaunch:
         self._cuda = device.type == "cuda"
         with unset_fake_temporarily():
             self._heads = torch.tensor(source.heads, dtype=torch.int32, device=device)
-            self._part_of_block = torch.tensor(source.part_of_block, dtype=torch.int32, device=device)
+            self._part_of_block = source.part_of_block().to(device)
         self._fast, self._slow, self._fill = fast, slow, fill
         self._recent: OrderedDict[tuple, _Table] = OrderedDict()
         self._kept: dict[tuple, _Table] = {}  # tables a capture of the caller's own found: read by its graph

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import sympy
+import torch
 
 from ember.codegen.render import Param, combo_params
 from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
@@ -111,9 +112,9 @@ class TritonTableSource:
     buffers' places in `params`, in the body's parameter order (one row of the address table);
     `vector`: per body parameter, whether the body reads or writes it along the flat position (its
     address must be 16-byte aligned for `source`'s kernel, which tells Triton so; `name`_any assumes
-    nothing); `first_blocks`, `numels` and `part_of_block`: the parts' blocks, in launch order (the
-    kernel reads them from two tables of int32s, made once: heads, a first block and a count per
-    part, and each block's part)."""
+    nothing); `first_blocks`, `numels` and `blocks`: the parts' first blocks and element counts, and the
+    launch's blocks (the kernel reads them from two tables of int32s, made once: heads, a first block and a
+    count per part, and each block's part)."""
 
     kernel: ComboKernel
     source: str
@@ -123,15 +124,18 @@ class TritonTableSource:
     vector: tuple[bool, ...]
     first_blocks: list[int]
     numels: list[int]
-    part_of_block: list[int]
-
-    @property
-    def blocks(self) -> int:
-        return len(self.part_of_block)
+    blocks: int
 
     @property
     def heads(self) -> list[int]:
         return [v for first, numel in zip(self.first_blocks, self.numels) for v in (first, numel)]
+
+    def part_of_block(self) -> torch.Tensor:
+        """Each block's part, as int32s: made by torch, since a large part (an embedding) has a block for
+        each `table_xblock` of its elements (a 262M-element one: half a million)."""
+        ends = self.first_blocks[1:] + [self.blocks]
+        counts = torch.tensor([end - first for first, end in zip(self.first_blocks, ends)], dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), counts)
 
 
 class _TableBody(TritonRenderer):
@@ -201,12 +205,11 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
         if part.size_symbols() or len(body) != len(vector):
             raise NotImplementedError("a table combo kernel's parts have one body, of static sizes")
         part_buffers.append([place[p.value.id] for p in body])
-    starts, _ = _block_starts(kernel.parts, xblock)
-    part_of_block = [k for k, n in enumerate(numels) for _ in range(-(-n // xblock))]
-    if len(part_of_block) > TABLE_MAX_ELEMENTS or max(numels) > TABLE_MAX_ELEMENTS:
+    starts, blocks = _block_starts(kernel.parts, xblock)
+    if blocks > TABLE_MAX_ELEMENTS or max(numels) > TABLE_MAX_ELEMENTS:
         raise NotImplementedError("a table combo kernel's blocks and counts are int32s")
     return TritonTableSource(
-        kernel, fast + "\n\n\n" + any_, params, launch, part_buffers, vector, starts, numels, part_of_block
+        kernel, fast + "\n\n\n" + any_, params, launch, part_buffers, vector, starts, numels, blocks
     )
 
 

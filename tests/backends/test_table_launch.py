@@ -5,6 +5,7 @@ checked in tests/codegen/test_combo_kernels.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -27,7 +28,7 @@ def _source() -> TritonTableSource:
         vector=(True, False, True),
         first_blocks=[0, 3],
         numels=[40, 8],
-        part_of_block=[0, 0, 0, 1],
+        blocks=4,
     )
 
 
@@ -69,6 +70,13 @@ def test_each_part_row_holds_its_first_block_count_and_addresses_in_body_order()
     a = [b.data_ptr() for b in bufs]
     assert rec.fast == [[a[0], a[2], a[3], a[1], a[2], a[4]]]
     assert not rec.slow
+
+
+def test_each_block_s_part_comes_from_the_parts_first_blocks():
+    assert _source().part_of_block().tolist() == [0, 0, 0, 1]
+    three = dataclasses.replace(_source(), first_blocks=[0, 2, 3], numels=[32, 16, 64], blocks=7)
+    assert three.part_of_block().tolist() == [0, 0, 1, 2, 2, 2, 2]
+    assert three.part_of_block().dtype == torch.int32
 
 
 def test_a_tensor_passed_once_fills_every_buffer_slot_it_stands_for():
