@@ -20,7 +20,8 @@ This module is a leaf: it imports nothing of ember's.
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, field, fields, replace
 
 # The CPU interpreter has no SMs. It is given an H100's count, the GPU the heuristics were tuned
 # on, so that the tests on the CPU split, schedule and tile kernels as that GPU would.
@@ -413,6 +414,12 @@ class Target:
     # scatter-add of another dtype stays ATen's call (schedule/indexed_store.py).
     atomic_adds: tuple = ()
     heuristics: Heuristics = Heuristics()
+    # A measured fact of the device per product shape: whether a frozen linear layer's product runs faster
+    # as oneDNN's over a weight packed for it than as ATen's, for [rows, k] x [k, n] (+ bias); the C++
+    # target's measures once per machine and shape (backends/cpu_products.py). None: never packed. Not
+    # in the key: the answer changes only which library computes a product, which the graph's ATen code
+    # (in every key) then names.
+    packed_product_faster: Callable[[int, int, int, bool], bool] | None = field(default=None, compare=False, repr=False)
 
     @property
     def column_partials(self) -> bool:

@@ -136,6 +136,13 @@ def load_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _packed_product_faster(rows: int, k: int, n: int, bias: bool) -> bool:
+    """The C++ target's answer (Target.packed_product_faster): measured on this CPU, once per shape."""
+    from ember.backends import cpu_products
+
+    return cpu_products.packed_is_faster(rows, k, n, bias)
+
+
 class CppBackend:
     """The Backend (backends/base.py) of the host CPU: C++ with OpenMP loops."""
 
@@ -172,6 +179,7 @@ class CppBackend:
                     product_convolutions_max_pixels=16,
                 ),
             ),
+            packed_product_faster=_packed_product_faster,
         ).tuned(config.get("heuristics"))
 
     def target(self) -> Target:

@@ -124,7 +124,6 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     the addresses of the prologue's results, the graph is compiled whole."""
     from ember.frontend.freezing import FrozenGraph, freeze
     from ember.pipeline import compile_graph, graph_device, select_backend
-    from ember.target import LowerHeuristics
 
     context = torch._guards.TracingContext.try_get()
     static = list(getattr(getattr(context, "fw_metadata", None), "static_input_indices", None) or ())
@@ -134,10 +133,11 @@ def _frozen(gm: torch.fx.GraphModule, example_inputs):
     split = None
     if not graphed and static:
         try:
-            # The CPU target's choices (only CPU convolutions are packed or laid out for ember's kernels).
+            # The CPU target's choices and measured facts (only CPU convolutions and products are packed or
+            # laid out for ember's kernels).
             device = graph_device(gm, example_inputs)
-            lower = select_backend(device).target().heuristics.lower if device.type == "cpu" else LowerHeuristics()
-            split = freeze(gm, example_inputs, static, pack_convolutions=config.get("prepack"), lower=lower)
+            target = select_backend(device).target() if device.type == "cpu" else None
+            split = freeze(gm, example_inputs, static, pack_convolutions=config.get("prepack"), target=target)
         except Exception as e:
             if config.get("strict"):
                 raise

@@ -38,7 +38,7 @@ from torch import fx
 
 from ember import log
 from ember.frontend import prepack
-from ember.target import LowerHeuristics
+from ember.target import LowerHeuristics, Target
 
 aten = torch.ops.aten
 
@@ -61,12 +61,13 @@ def freeze(
     example_inputs: Sequence,
     static_indices: Sequence[int],
     pack_convolutions: bool = False,
-    lower: LowerHeuristics | None = None,
+    target: Target | None = None,
 ) -> FrozenSplit | None:
     """Split `gm` (changed in place) into a prologue over the static inputs and a main graph; None
     where nothing over them can be computed ahead. `pack_convolutions`: CPU convolutions run on weights
-    packed once, with batch norm folded into them (frontend/prepack.py), but for those the CPU target's
-    `lower` (Target.heuristics.lower) gives ember's kernels or BLAS (depthwise ones, 1x1 ones)."""
+    packed once, with batch norm folded into them (frontend/prepack.py), but for those the CPU `target`'s
+    `heuristics.lower` gives ember's kernels or BLAS (depthwise ones, 1x1 ones); its measured
+    `packed_product_faster` decides which linear layers are packed."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frozen = _frozen_placeholders(gm, placeholders, static_indices)
     if not frozen:
@@ -74,11 +75,11 @@ def freeze(
     fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
     memo: dict = {}
     is_constant = functools.partial(_is_constant, frozen=frozen, memo=memo)
-    lower = lower or LowerHeuristics()
+    lower = target.heuristics.lower if target is not None else LowerHeuristics()
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    packed = prepack.prepack(gm, is_constant, fake_mode, lower) if pack else dict.fromkeys(prepack.COUNTS, 0)
+    packed = prepack.prepack(gm, is_constant, fake_mode, target) if pack else dict.fromkeys(prepack.COUNTS, 0)
     if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
     split = split_constants(gm, placeholders, frozen)

@@ -21,8 +21,9 @@ has no other reader, becomes oneDNN's post-op (`attr`), applied as each output b
 Matrix products whose right operand is frozen (a linear layer's transposed weight) are packed the same
 way: `addmm(bias, x, w)` becomes `mkldnn._linear_pointwise(x, packed, bias)` over
 `mkldnn._reorder_linear_weight(w.t(), x's rows)`, where oneDNN's kernel on the packed weight measured
-faster than ATen's `mm`/`addmm` (MKL's sgemm) on this CPU at the product's shape (measured once per
-machine and shape, backends/cpu_products.py): which one wins depends on the CPU and the shape.
+faster than ATen's `mm`/`addmm` (MKL's sgemm) on this CPU at the product's shape (the Target's
+`packed_product_faster`: measured once per machine and shape, backends/cpu_products.py): which one wins
+depends on the CPU and the shape.
 
 Batch norm before the activation is folded into the packed weight (freezing.fold_affine, told so by
 `packable`), so that conv, batch norm and activation are one oneDNN call.
@@ -48,7 +49,7 @@ from torch import fx
 
 from ember.aten.lowerings.convolution import is_depthwise
 from ember.aten.lowerings.positions import spatial_pair
-from ember.target import LowerHeuristics
+from ember.target import LowerHeuristics, Target
 
 aten = torch.ops.aten
 
@@ -150,19 +151,21 @@ def prepack(
     gm: fx.GraphModule,
     is_constant: Callable[[object], bool],
     fake_mode,
-    lower: LowerHeuristics | None = None,
+    target: Target | None = None,
 ) -> dict[str, int]:
     """Rewrite the graph's packable convolutions and matrix products (in place) as oneDNN's over packed
     weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
     activations, "linear": matrix products, "products": 1x1 convolutions made BLAS products}.
-    `lower`: the target's choices (depthwise convolutions left to its kernels; 1x1 convolutions over at
-    least `product_convolutions_min_channels` channels, or over at most `product_convolutions_max_pixels`
-    pixels, as `addmm` over the input's [pixels, channels] view, `_as_product`)."""
-    lower = lower or LowerHeuristics()
+    `target`: its `heuristics.lower` choices (depthwise convolutions left to its kernels; 1x1 convolutions
+    over at least `product_convolutions_min_channels` channels, or over at most
+    `product_convolutions_max_pixels` pixels, as `addmm` over the input's [pixels, channels] view,
+    `_as_product`), and its measured `packed_product_faster` for the matrix products; None: no product
+    packed, no convolution left to ember."""
+    lower = target.heuristics.lower if target is not None else LowerHeuristics()
     counts = dict.fromkeys(COUNTS, 0)
     graph = gm.graph
     for mm in [n for n in graph.nodes if packable_linear(n, is_constant)]:
-        if not _packing_pays(mm):
+        if not _packing_pays(mm, target):
             counts["linear_aten"] += 1
             continue
         _pack_linear(graph, mm, fake_mode)
@@ -263,14 +266,14 @@ def _as_product(
     return True
 
 
-def _packing_pays(mm: fx.Node) -> bool:
-    """Whether oneDNN's product over the packed weight measured faster than ATen's on this CPU, at this
-    product's shape (backends/cpu_products.py)."""
-    from ember.backends.cpu_products import packed_is_faster
-
+def _packing_pays(mm: fx.Node, target: Target | None) -> bool:
+    """Whether oneDNN's product over the packed weight measured faster than ATen's at this product's
+    shape on the target's device (Target.packed_product_faster)."""
+    if target is None or target.packed_product_faster is None:
+        return False
     bias, x, w = mm.args if mm.target is aten.addmm.default else (None, *mm.args)
     rows, k = x.meta["val"].shape
-    return packed_is_faster(int(rows), int(k), int(w.meta["val"].shape[1]), bias is not None)
+    return target.packed_product_faster(int(rows), int(k), int(w.meta["val"].shape[1]), bias is not None)
 
 
 def _pack_linear(graph: fx.Graph, mm: fx.Node, fake_mode) -> None:
