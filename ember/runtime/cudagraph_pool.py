@@ -157,6 +157,7 @@ class Recording:
     rebound: list[int] = field(default_factory=list)
     bound: list[int] = field(default_factory=list)
     in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
+    copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
     # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
@@ -278,6 +279,15 @@ def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
     return {
         k for k in positions if isinstance(args[k], torch.Tensor) and counts[args[k].untyped_storage().data_ptr()] == 1
     }
+
+
+def _recorded(rec: Recording, recordings: int) -> str:
+    """The log's line for a new recording: what each of its replays copies in, and what it reads where it is."""
+    return (
+        f"recorded CUDA graph {rec.index} ({recordings} for it): a replay copies in {len(rec.copy_in)} inputs "
+        f"({rec.copy_in_bytes / 1e6:.3g} MB); {len(rec.rebound)} read through address tables, "
+        f"{len(rec.in_pool)} in the pool's memory"
+    )
 
 
 def _copy_index(t: torch.Tensor) -> Any:
@@ -402,7 +412,7 @@ class Pool:
             fn.disable(f"its capture failed: {type(e).__name__}: {e}"[:300])
             return None
         fn.recordings[key] = rec
-        log.artifact("cudagraphs", f"{fn.kind} graph", f"recorded CUDA graph {rec.index} ({len(fn.recordings)} for it)")
+        log.artifact("cudagraphs", f"{fn.kind} graph", lambda: _recorded(rec, len(fn.recordings)))
         return rec
 
     def resident(self) -> frozenset[int]:
@@ -499,6 +509,7 @@ class Pool:
             tables=[table for table in scope.tables if table.positions],  # the others never change
             rebound=rebound,
             in_pool=in_pool,
+            copy_in_bytes=sum(args[k].numel() * args[k].element_size() for k, _ in copy_in),
             bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],
         )
         for k in rebound:

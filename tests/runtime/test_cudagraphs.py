@@ -16,6 +16,7 @@ import torch
 
 from ember import config
 from ember.frontend.backend import _checked_options
+from ember.runtime import cudagraph_pool as cg_pool
 from ember.runtime import cudagraphs as cg
 from tests.helpers import assert_close, ember_compile, repro
 
@@ -109,6 +110,9 @@ def test_inference_replays_copy_only_inputs_that_are_not_static(recorder):
     static = [k for k, a in enumerate(rec.inputs) if isinstance(a, torch.Tensor) and a.data_ptr() in params]
     copied = [k for k, _ in rec.copy_in]
     assert len(static) == 4 and len(copied) == 1 and copied[0] not in static, line
+    assert rec.copy_in_bytes == 2 * 8 * 4, line  # x, f32[2, 8]
+    said = cg_pool._recorded(rec, 1)
+    assert "a replay copies in 1 inputs (6.4e-05 MB); 0 read through address tables" in said, said
 
 
 def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
