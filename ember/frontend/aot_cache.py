@@ -37,7 +37,8 @@ unpickled by torch before ember sees it.)
 This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `OutputCode`'s four
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
 with the forward, so the entry is saved while these settings are in force), `cache_key_tag`, and
-Inductor's `codecache.init_backend_registration`, which ember's graphs are keyed without (`_without_inductor_backends`). A
+Inductor's `codecache.init_backend_registration` and backend registries, which ember's graphs are keyed
+without (`_without_inductor_backends`). A
 failure to save only logs a warning in torch; a failure to load makes AOTAutograd compile anew.
 AOTAutograd calls `prepare_for_serialization` and `post_compile` with nothing of ember's, so what
 they need of the compile in progress (its options, signing key, and the graphs it loaded) is a
@@ -336,39 +337,63 @@ def _state_tag() -> tuple:
     )
 
 
-_keying = contextvars.ContextVar("ember_aot_keying", default=False)
+_in_force = contextvars.ContextVar("ember_aot_compile", default=False)  # an ember compile under AOTAutograd's cache
+_keying = contextvars.ContextVar("ember_aot_keying", default=False)  # ... computing AOTAutograd's key
 
 
 @contextlib.contextmanager
 def _without_inductor_backends() -> Iterator[None]:
-    """While ember's graphs are keyed, the key holds nothing of Inductor's code generators. The key AOTAutograd
-    computes (Inductor's `FxGraphHashDetails`) registers every device backend of Inductor first and hashes
-    the custom passes and settings they bring: that imports Inductor's schedulers and lowerings, 1.4 s of a
-    warm start on the 2-core CPU machine, for code ember's graphs never run. On this thread, while the flag
-    is set, the registration is skipped and the registries read empty, so a graph's key is the same in a
-    process that has run Inductor (whose backends are registered) and in one that has not: a cache file
-    exported from the one is found by the other."""
+    """While AOTAutograd keys ember's graphs, the key holds nothing of Inductor's code generators. The key
+    (Inductor's `FxGraphHashDetails`) registers every device backend of Inductor first and hashes the custom
+    passes and settings they bring: that imports Inductor's schedulers and lowerings, 1.4 s of a warm start on
+    the 2-core CPU machine, for code ember's graphs never run. On this thread, while AOTAutograd's
+    `autograd_cache_key` runs inside an ember compile, the registration is skipped and the registries read
+    empty, so a graph's key is the same in a process that has run Inductor (its backends registered) and in
+    one that has not: a cache file exported from the one is found by the other. Anything else on the thread
+    (Inductor's own keys) sees the registries as they are."""
+    from torch._functorch._aot_autograd import autograd_cache
     from torch._inductor import codecache
 
     register = getattr(codecache, "init_backend_registration", None)
-    if register is None:
+    key = getattr(autograd_cache, "autograd_cache_key", None)
+    if register is None or key is None:
         yield
         return
+    # Each installed once (and again where something replaced it since).
+    if not getattr(key, "gated_by_ember", False):
+        autograd_cache.autograd_cache_key = _keyed(key)
     if not getattr(register, "gated_by_ember", False):
         codecache.init_backend_registration = _gated(register)
-        for name in ("custom_backend_passes", "custom_backend_codegen_configs"):
-            registry = getattr(codecache, name, None)
-            if isinstance(registry, dict):
-                setattr(codecache, name, _HiddenWhileKeying(registry))
-    token = _keying.set(True)
+    for name in ("custom_backend_passes", "custom_backend_codegen_configs"):
+        registry = getattr(codecache, name, None)
+        if isinstance(registry, dict):
+            setattr(codecache, name, _HiddenWhileKeying(registry))
+    token = _in_force.set(True)
     try:
         yield
     finally:
-        _keying.reset(token)
+        _in_force.reset(token)
+
+
+def _keyed(key):
+    """AOTAutograd's `autograd_cache_key`, flagged on this thread while it keys an ember compile's graph."""
+
+    @functools.wraps(key)
+    def keyed(*args, **kwargs):
+        if not _in_force.get():
+            return key(*args, **kwargs)
+        token = _keying.set(True)
+        try:
+            return key(*args, **kwargs)
+        finally:
+            _keying.reset(token)
+
+    keyed.gated_by_ember = True
+    return keyed
 
 
 def _gated(register):
-    """Inductor's `init_backend_registration`, skipped while ember's graphs are keyed on this thread."""
+    """Inductor's `init_backend_registration`, skipped while an ember compile's graph is keyed on this thread."""
 
     @functools.wraps(register)
     def gated() -> None:
@@ -380,8 +405,8 @@ def _gated(register):
 
 
 class _HiddenWhileKeying(collections.abc.Mapping):
-    """One of Inductor's backend registries as the cache key reads it: empty while ember's graphs are keyed on
-    this thread, the registry itself otherwise (registration writes to the registry, not through this)."""
+    """One of Inductor's backend registries as the cache key reads it: empty while an ember compile's graph is
+    keyed on this thread, the registry itself otherwise (registration writes to the registry, not through this)."""
 
     def __init__(self, registry: dict):
         self.registry = registry

@@ -68,6 +68,10 @@ def test_keying_ember_s_graphs_registers_none_of_inductor_s_backends(tmp_path, m
     assert not calls, f"Inductor's backends were registered {len(calls)} times"
     codecache.init_backend_registration()  # Inductor's own entry point is back once ember's compile ends
     assert calls == [1]
+    # Outside AOTAutograd's key for an ember compile, Inductor's keys read the registries as they are.
+    from torch._inductor.codegen import common
+
+    assert dict(codecache.custom_backend_passes) == common.custom_backend_passes
 
 
 def test_other_settings_or_the_setting_off_compile_anew(tmp_path):
