@@ -284,10 +284,17 @@ def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
 def _recorded(rec: Recording, recordings: int) -> str:
     """The log's line for a new recording: what each of its replays copies in, and what it reads where it is."""
     return (
-        f"recorded CUDA graph {rec.index} ({recordings} for it): a replay copies in {len(rec.copy_in)} inputs "
+        f"recorded CUDA graph {rec.index} ({recordings} for it): a replay copies in {len(rec.copy_in)} "
+        f"input{'' if len(rec.copy_in) == 1 else 's'} "
         f"({rec.copy_in_bytes / 1e6:.3g} MB); {len(rec.rebound)} read through address tables, "
         f"{len(rec.in_pool)} in the pool's memory"
     )
+
+
+def _copied_bytes(t: torch.Tensor, index: Any) -> int:
+    """The bytes a replay copies of input t (`_copy`: a broadcast input's one position along its stride-0 dims)."""
+    part = t if index is None else t[index]
+    return part.numel() * part.element_size()
 
 
 def _copy_index(t: torch.Tensor) -> Any:
@@ -509,7 +516,7 @@ class Pool:
             tables=[table for table in scope.tables if table.positions],  # the others never change
             rebound=rebound,
             in_pool=in_pool,
-            copy_in_bytes=sum(args[k].numel() * args[k].element_size() for k, _ in copy_in),
+            copy_in_bytes=sum(_copied_bytes(args[k], index) for k, index in copy_in),
             bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],
         )
         for k in rebound:

@@ -112,7 +112,9 @@ def test_inference_replays_copy_only_inputs_that_are_not_static(recorder):
     assert len(static) == 4 and len(copied) == 1 and copied[0] not in static, line
     assert rec.copy_in_bytes == 2 * 8 * 4, line  # x, f32[2, 8]
     said = cg_pool._recorded(rec, 1)
-    assert "a replay copies in 1 inputs (6.4e-05 MB); 0 read through address tables" in said, said
+    assert "a replay copies in 1 input (6.4e-05 MB); 0 read through address tables" in said, said
+    wide = torch.randn(2, 1).expand(2, 8)  # a broadcast input: one column copied, not eight
+    assert cg_pool._copied_bytes(wide, cg_pool._copy_index(wide)) == 2 * 4
 
 
 def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
