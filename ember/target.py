@@ -418,7 +418,7 @@ class Target:
     # as oneDNN's over a weight packed for it than as ATen's, for [rows, k] x [k, n] (+ bias); the C++
     # target's measures once per machine and shape (backends/cpu_products.py). None: never packed. Not
     # in the key: the answer changes only which library computes a product, which the graph's ATen code
-    # (in every key) then names.
+    # (in every key) then names. A module-level function: a schedule pickles its Target.
     packed_product_faster: Callable[[int, int, int, bool], bool] | None = field(default=None, compare=False, repr=False)
 
     @property

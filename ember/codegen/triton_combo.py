@@ -28,8 +28,7 @@ from ember.codegen.render import Param, combo_params
 from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config, pointwise_config
 from ember.ir.sizes import product
-from ember.schedule.horizontal import TABLE_MAX_ELEMENTS
-from ember.schedule.kernel import ComboKernel, Kernel, KLoad
+from ember.schedule.kernel import TABLE_MAX_ELEMENTS, ComboKernel, Kernel, KLoad
 from ember.target import LaunchHeuristics, Target
 
 

@@ -39,15 +39,11 @@ from ember.ir.sizes import product
 from ember.schedule import collectives
 from ember.schedule.collectives import FusionBarriers
 from ember.schedule.gemm import is_gemm_kernel
-from ember.schedule.kernel import ComboKernel, KConst, KConvert, Kernel, KLoad, KOp, walk
+from ember.schedule.kernel import TABLE_MAX_ELEMENTS, ComboKernel, KConst, KConvert, Kernel, KLoad, KOp, walk
 from ember.schedule.memory import plan_memory
 from ember.schedule.state import ScheduleState
 from ember.schedule.steps import ExternStep, FusionDecision, KernelStep, Step, step_inputs, step_outputs
 from ember.target import HorizontalHeuristics
-
-# A table combo kernel's element counts and block numbers are int32s (codegen/triton_combo.py): a larger
-# part keeps its own launch.
-TABLE_MAX_ELEMENTS = 2**31 - 1
 
 
 def combine_horizontally(state: ScheduleState, eager_peak: int | None) -> None:

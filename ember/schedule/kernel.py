@@ -361,6 +361,11 @@ class ComboDomain:
         return f"combo of {len(self.parts)}: " + " ".join(str(d) for d in self.parts)
 
 
+# A table combo kernel's element counts and block numbers are int32s (codegen/triton_combo.py): a larger
+# part keeps its own launch (schedule/horizontal.py).
+TABLE_MAX_ELEMENTS = 2**31 - 1
+
+
 @dataclass
 class ComboKernel:
     """Independent pointwise kernels run as one launch (schedule/horizontal.py), as apex's
