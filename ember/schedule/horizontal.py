@@ -152,26 +152,29 @@ def pack(
     fresh result (autocast's bf16 copy of each weight) keeps its own launch, which frees what it reads
     and holds what it writes no earlier and no later than the schedule had it."""
     by_level: dict[tuple, list[int]] = {}
+    capped_ok: set[int] = set()  # members of any combo kernel; the others, of a table only
     for k, step in enumerate(steps):
-        if isinstance(step, KernelStep) and (
-            eligible(step.kernel, rules, rows)
-            or (
-                rules.table_min_parts > 0
-                and set(step.kernel.writes) <= updates
-                and eligible(step.kernel, rules, rows, table=True)
-            )
+        if not isinstance(step, KernelStep):
+            continue
+        if eligible(step.kernel, rules, rows):
+            capped_ok.add(k)
+        elif not (
+            rules.table_min_parts > 0
+            and set(step.kernel.writes) <= updates
+            and eligible(step.kernel, rules, rows, table=True)
         ):
-            writes = step.kernel.writes
-            if barriers is not None and barriers.feeds_start(writes):
-                continue
-            after = barriers is not None and barriers.after_wait_of(writes)
-            by_level.setdefault((level[k], after), []).append(k)
+            continue
+        writes = step.kernel.writes
+        if barriers is not None and barriers.feeds_start(writes):
+            continue
+        after = barriers is not None and barriers.after_wait_of(writes)
+        by_level.setdefault((level[k], after), []).append(k)
     groups: list[tuple[list[int], bool]] = []
     for members in by_level.values():
         tables = _table_groups(steps, members, rules)
         groups += [(g, True) for g in tables]
         tabled = {k for g in tables for k in g}
-        capped = [k for k in members if k not in tabled and eligible(steps[k].kernel, rules, rows)]
+        capped = [k for k in members if k not in tabled and k in capped_ok]
         groups += [(g, False) for g in _capped_groups(steps, capped, rules)]
     return sorted((g for g in groups if len(g[0]) >= 2), key=lambda g: g[0][0])
 
