@@ -154,8 +154,7 @@ def prepack(
     target: Target | None = None,
 ) -> dict[str, int]:
     """Rewrite the graph's packable convolutions and matrix products (in place) as oneDNN's over packed
-    weights, convolutions with their activations fused; returns counts {"packed": convolutions, "fused":
-    activations, "linear": matrix products, "products": 1x1 convolutions made BLAS products}.
+    weights, convolutions with their activations fused; returns the counts COUNTS names.
     `target`: its `heuristics.lower` choices (depthwise convolutions left to its kernels; 1x1 convolutions
     over at least `product_convolutions_min_channels` channels, or over at most
     `product_convolutions_max_pixels` pixels, as `addmm` over the input's [pixels, channels] view,

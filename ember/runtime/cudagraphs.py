@@ -315,18 +315,17 @@ class Graphed:
         every input's shape and the integer inputs."""
         static = self.static
         resident = self.pool.resident()
-        parts: list[Any] = [
-            (
-                a.data_ptr()
-                if k in static
-                else (a.stride(), a.data_ptr())
-                if a.untyped_storage().data_ptr() in resident
-                else a.stride()
-            )
-            if isinstance(a, torch.Tensor)
-            else a
-            for k, a in enumerate(args)
-        ]
+
+        def part(k: int, a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            if k in static:
+                return a.data_ptr()
+            if a.untyped_storage().data_ptr() in resident:
+                return a.stride(), a.data_ptr()
+            return a.stride()
+
+        parts: list[Any] = [part(k, a) for k, a in enumerate(args)]
         if self.symbolic:
             parts += [a.shape if isinstance(a, torch.Tensor) else a for a in args]
         return tuple(parts)
