@@ -150,6 +150,7 @@ class Recording:
     # Every storage ever handed out that is still alive, of this step or an earlier one: the recording's
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
+    prune_given_at: int = 64  # `given`'s length at which hand_out drops the dead: amortized, not per replay
     released: bool = False
     # Address tables the graph reads (CaptureScope.tables), and the inputs it reads through them only,
     # taken where they are: `bound`, their addresses the tables were last written for (0 elsewhere).
@@ -185,6 +186,9 @@ class Recording:
         storages = [torch._C._construct_storage_from_data_pointer(ptr, device, nbytes) for ptr, nbytes in self.storages]
         self.live = [StorageWeakRef(s) for s in storages]
         self.given += self.live
+        if len(self.given) >= self.prune_given_at:  # else a long loop's outputs pile up, one entry each
+            self.any_given_alive()
+            self.prune_given_at = 2 * len(self.given) + 64
         out = list(self.outputs)
         for pos, number, meta in self.handed:
             out[pos] = _on_storage(storages[number], meta)
@@ -371,7 +375,8 @@ class Pool:
         elif self._held_from(rec):
             fn.note_held()
             return self._plain(fn, args)
-        return self._replay(fn, rec, args)
+        # Found as the last one replayed (no key): find() saw its table inputs where its tables point.
+        return self._replay(fn, rec, args, tables_current=key is None)
 
     def _maybe_begin_step(self) -> None:
         generation, marked = _generation()
@@ -526,8 +531,8 @@ class Pool:
         rec.checked = self.changes
         return rec
 
-    def _replay(self, fn: GraphedCall, rec: Recording, args: list) -> list:
-        if rec.rebound and not same_addresses(args, rec.bound, rec.rebound):
+    def _replay(self, fn: GraphedCall, rec: Recording, args: list, tables_current: bool = False) -> list:
+        if rec.rebound and not tables_current and not same_addresses(args, rec.bound, rec.rebound):
             if not all(table.write(args) for table in rec.tables):
                 rec.bound = [0] * len(rec.bound)  # written in part: written again at the next replay
                 fn.note_unsuited()

@@ -327,6 +327,24 @@ def test_held_output_runs_without_the_graph_until_a_new_step(recorder):
     assert recorder.replays == 3, line
 
 
+def test_a_long_loop_keeps_only_the_outputs_still_alive(recorder):
+    """Each replay notes the storages it hands out (the recording's memory outlives any still alive):
+    outputs dropped step after step are forgotten, not kept one entry per replay."""
+    fn = _graphed(recorder)
+    x = torch.ones(3)
+    kept = []
+    for step in range(1000):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = fn([x])[0]
+        if step in (300, 600, 900):
+            kept.append(out)  # a few held on: each stays noted while alive
+    rec = fn.recordings[next(iter(fn.recordings))]
+    line = repro(program="x * 2", rule="1000 steps, 3 outputs held")
+    assert recorder.replays == 999 and out.tolist() == [2.0] * 3, line
+    alive = [ref for ref in rec.given if not ref.expired()]
+    assert len(alive) == len(kept) + 1 and len(rec.given) < 200, (len(rec.given), line)
+
+
 def test_a_dropped_graph_releases_its_recording_once_its_outputs_are_gone(recorder):
     pool = cg.Pool(recorder, CPU)
     fn, other = _graphed(recorder, pool), _graphed(recorder, pool, program=lambda a: [a.pop() + 1])
