@@ -10,7 +10,10 @@ AdamW step passes some 450 tensors to each of two table kernels). The parts' hea
 count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
-waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses).
+waits for the device. A new table takes the device memory of the one it evicts (the copy is ordered
+after the launches that read it, on the same stream): a training loop's gradients come at addresses
+that drift, and a fresh allocation for each table among them would shift the allocator's blocks and
+keep them drifting. A capture cannot record that copy (torch's pinned-memory allocator refuses).
 Under a capture ember's pool records (runtime/cudagraph_pool.py), each launch gets a table of the
 capture's own (`CapturedTable`, from the graph's memory pool, held by the recording): the pool
 writes it from the host before the first replay, and again before a replay whose inputs read only
@@ -39,14 +42,15 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 class _Table:
-    __slots__ = ("aligned", "device", "host")
+    __slots__ = ("aligned", "device", "host", "stream")
 
-    def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool):
+    def __init__(self, device: torch.Tensor, host: torch.Tensor | None, aligned: bool, stream: int | None = None):
         self.device = device
         # The pinned memory copied from, held with the table (torch's pinned allocator reuses it only
         # once the copy is done); None for a table written on the device.
         self.host = host
         self.aligned = aligned
+        self.stream = stream  # the CUDA stream its copy was ordered on (None on a CPU)
 
 
 class CapturedTable:
@@ -117,10 +121,14 @@ class TableLaunch:
             return table
         rows, aligned = self.rows(slots, addresses)
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
-        table = _Table(host.to(self.device, non_blocking=True), host, aligned)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        evicted = self._recent.popitem(last=False)[1] if len(self._recent) >= RECENT else None
+        if evicted is not None and evicted.stream == stream:
+            device = evicted.device.copy_(host, non_blocking=True)
+        else:
+            device = host.to(self.device, non_blocking=True)
+        table = _Table(device, host, aligned, stream)
         self._recent[key] = table
-        while len(self._recent) > RECENT:
-            self._recent.popitem(last=False)
         return table
 
     def _for_capture(self, slots: tuple, tensors: tuple, addresses: tuple) -> _Table | CapturedTable:

@@ -290,3 +290,20 @@ def test_a_replay_points_the_tables_at_the_calls_inputs_and_copies_none(monkeypa
     assert plain_runs[-1] and len(recorder.replayed) == 5
     graph([inputs[2]])
     assert recorder.replayed[-1] == [inputs[2].data_ptr()] and len(pool.recordings) == 1
+
+
+def test_a_new_table_past_the_bound_takes_the_evicted_tables_memory():
+    """A loop's gradients at drifting addresses: each new table is written over the least recently used
+    one's device memory instead of allocating, and reads its own addresses."""
+    rec = _Recorder()
+    launch = rec.launch()
+    bufs = _buffers()
+    held = [_buffers(2) for _ in range(RECENT + 3)]  # held: each pair at addresses of its own
+    for grads in held[:RECENT]:
+        launch(None, ALL, *grads, *bufs[2:])
+    memory = {t.device.data_ptr() for t in launch._recent.values()}
+    assert len(memory) == RECENT
+    for grads in held[RECENT:]:
+        launch(None, ALL, *grads, *bufs[2:])
+        assert rec.fast[-1][0] == grads[0].data_ptr() and rec.fast[-1][3] == grads[1].data_ptr()
+    assert launch.tables == RECENT and {t.device.data_ptr() for t in launch._recent.values()} == memory
