@@ -15,6 +15,8 @@ Names in use:
     kernel_dedup_disk_hits    kernels loaded from the launch record another module left in the
                               disk cache, without compiling
     cpp_builds                C++ libraries built (a library found in the disk cache is not)
+    address_tables_built      table combo kernels' address tables made outside CUDA graphs (one per
+                              new set of addresses: backends/table_launch.py)
     build_*_s                 wall seconds of the Triton backend's build parts (render, module
                               load, kernel keys and GEMM templates, loads from launch records, compile)
     triton_<stage>_s          seconds Triton's stages took (front end, ttir, ttgir, llir, ptx,

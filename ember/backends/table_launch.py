@@ -10,10 +10,10 @@ AdamW step passes some 450 tensors to each of two table kernels). The parts' hea
 count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
-waits for the device. A new table takes the device memory of the one it evicts (the copy is ordered
-after the launches that read it, on the same stream): a training loop's gradients come at addresses
-that drift, and a fresh allocation for each table among them would shift the allocator's blocks and
-keep them drifting. A capture cannot record that copy (torch's pinned-memory allocator refuses).
+waits for the device. A new table takes the device memory of the one it evicts where every launch
+that read that one ran on the new table's stream, so that the copy is ordered after them: a training
+loop's gradients come at addresses that drift, and a fresh allocation for each table among them would
+shift the allocator's blocks and keep them drifting. `ember.stats` counts `address_tables_built`. A capture cannot record that copy (torch's pinned-memory allocator refuses).
 Under a capture ember's pool records (runtime/cudagraph_pool.py), each launch gets a table of the
 capture's own (`CapturedTable`, from the graph's memory pool, held by the recording): the pool
 writes it from the host before the first replay, and again before a replay whose inputs read only
@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ember import stats
 from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
 from ember.runtime.cudagraph_pool import CaptureScope, capture_scope
 
@@ -39,6 +40,9 @@ from ember.runtime.cudagraph_pool import CaptureScope, capture_scope
 RECENT = 8
 
 _data_ptr = torch.Tensor.data_ptr
+
+# A table's `stream` once launches on more than one stream have read it: equal to no stream.
+_READ_ON_SEVERAL = -1
 
 
 class _Table:
@@ -50,7 +54,7 @@ class _Table:
         # once the copy is done); None for a table written on the device.
         self.host = host
         self.aligned = aligned
-        self.stream = stream  # the CUDA stream its copy was ordered on (None on a CPU)
+        self.stream = stream  # the stream of every launch that read it (None: not named; or _READ_ON_SEVERAL)
 
 
 class CapturedTable:
@@ -104,26 +108,32 @@ class TableLaunch:
         last_slots, last_addresses, table = self._last
         if self._cuda and torch.cuda.is_current_stream_capturing():
             table = self._for_capture(slots, tensors, addresses)
-        elif slots is not last_slots or addresses != last_addresses:
-            table = self._table(slots, addresses)
-            self._last = (slots, addresses, table)
+        else:
+            if slots is not last_slots or addresses != last_addresses:
+                table = self._table(slots, addresses, stream)
+                self._last = (slots, addresses, table)
+            if table.stream != stream:
+                table.stream = _READ_ON_SEVERAL  # its memory is never written over (a stream may still read it)
         if table.aligned:
             self._fast(stream, table.device, self._heads, self._part_of_block)
         else:
             self._slow(table.device, self._heads, self._part_of_block)
 
-    def _table(self, slots: tuple, addresses: tuple) -> _Table:
+    def _table(self, slots: tuple, addresses: tuple, stream: int | None) -> _Table:
         key = (slots, addresses)
         table = self._kept.get(key) or self._recent.get(key)
         if table is not None:
             if key in self._recent:
                 self._recent.move_to_end(key)  # least recently used goes first
             return table
+        stats.add("address_tables_built")
         rows, aligned = self.rows(slots, addresses)
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=self._cuda)
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
+        # The evicted table is neither `_last` (the most recently used) nor kept by a capture. Its memory is
+        # written over where every launch that read it ran on this call's stream, which orders the copy after
+        # them; a launch that does not name its stream (None) leaves nothing to compare on a GPU.
         evicted = self._recent.popitem(last=False)[1] if len(self._recent) >= RECENT else None
-        if evicted is not None and evicted.stream == stream:
+        if evicted is not None and evicted.stream == stream and (stream is not None or not self._cuda):
             device = evicted.device.copy_(host, non_blocking=True)
         else:
             device = host.to(self.device, non_blocking=True)

@@ -64,7 +64,10 @@ class GraphedCall(Protocol):
     seen: set
     last: Any
 
-    def find(self, args: list) -> tuple[tuple | None, Any]: ...
+    def find(self, args: list) -> tuple[tuple | None, Any]:
+        """(the call's key, its recording or None); the key is None only where the recording is the last
+        one replayed and the call's table inputs lie where its tables point (`rec.bound`)."""
+        ...
 
     def disable(self, reason: str) -> None: ...
 
@@ -130,6 +133,9 @@ def capture_scope() -> CaptureScope | None:
 # -- recordings ----------------------------------------------------------------------------------
 
 
+_PRUNE_GIVEN_FROM = 64  # handed-out storages a recording notes before it first drops the dead ones
+
+
 @dataclass
 class Recording:
     index: int  # order of recording in the pool
@@ -150,7 +156,7 @@ class Recording:
     # Every storage ever handed out that is still alive, of this step or an earlier one: the recording's
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
-    prune_given_at: int = 64  # `given`'s length at which hand_out drops the dead: amortized, not per replay
+    prune_given_at: int = _PRUNE_GIVEN_FROM  # `given`'s length at which hand_out drops the dead ones
     released: bool = False
     # Address tables the graph reads (CaptureScope.tables), and the inputs it reads through them only,
     # taken where they are: `bound`, their addresses the tables were last written for (0 elsewhere).
@@ -188,7 +194,7 @@ class Recording:
         self.given += self.live
         if len(self.given) >= self.prune_given_at:  # else a long loop's outputs pile up, one entry each
             self.any_given_alive()
-            self.prune_given_at = 2 * len(self.given) + 64
+            self.prune_given_at = 2 * len(self.given) + _PRUNE_GIVEN_FROM  # amortized: not every replay
         out = list(self.outputs)
         for pos, number, meta in self.handed:
             out[pos] = _on_storage(storages[number], meta)

@@ -307,3 +307,36 @@ def test_a_new_table_past_the_bound_takes_the_evicted_tables_memory():
         launch(None, ALL, *grads, *bufs[2:])
         assert rec.fast[-1][0] == grads[0].data_ptr() and rec.fast[-1][3] == grads[1].data_ptr()
     assert launch.tables == RECENT and {t.device.data_ptr() for t in launch._recent.values()} == memory
+
+
+def test_a_table_read_on_another_stream_is_not_written_over():
+    """A table some launch read on another stream may still be read there: the next table past the bound
+    gets fresh memory instead of its memory."""
+    rec = _Recorder()
+    launch = rec.launch()
+    bufs = _buffers()
+    held = [_buffers(2) for _ in range(RECENT + 1)]
+    for grads in held[:RECENT]:
+        launch(None, ALL, *grads, *bufs[2:])
+    launch(7, ALL, *held[0], *bufs[2:])  # read again by a launch on stream 7
+    for grads in held[1:RECENT]:
+        launch(None, ALL, *grads, *bufs[2:])  # held[0]'s table is the least recently used again
+    oldest = next(iter(launch._recent.values()))
+    assert oldest.device[0].item() == held[0][0].data_ptr()  # held[0]'s table, evicted by the next miss
+    memory = oldest.device.data_ptr()
+    launch(None, ALL, *held[RECENT], *bufs[2:])
+    assert launch._recent[list(launch._recent)[-1]].device.data_ptr() != memory
+    assert rec.fast[-1][0] == held[RECENT][0].data_ptr()
+
+
+def test_builds_are_counted():
+    from ember import stats
+
+    rec = _Recorder()
+    launch = rec.launch()
+    before = stats.snapshot()
+    bufs = _buffers()
+    for _ in range(3):
+        launch(None, ALL, *bufs)
+    launch(None, ALL, *_buffers())
+    assert stats.delta(before)["address_tables_built"] == 2
