@@ -136,6 +136,40 @@ def load_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def build_library(source: str, target: Target, link_flags: list[str], cxx: str | None = None) -> ctypes.CDLL:
+    """The library of C++ `source`, loaded: from the disk cache, else built (and cached). Either way it
+    is loaded from a file of this process's private folder holding the bytes that the cache checked or
+    the compiler wrote, so that nothing can swap it between the check and the load. Built with
+    -march=native: the library is made for this CPU, which the target's key holds."""
+    cxx = cxx or config.get("cxx")
+    key = content_key("cpp", source, target=target.key(), toolchain=(toolchain_identity(cxx), FLAGS, link_flags))
+    cache = DiskCache()
+    hit = cache.get("cpp", key)
+    if hit is not None:
+        return load_library(scratch.private_copy(hit["graph.so"], "graph.so"))
+    build = scratch.build_folder("cpp")
+    try:
+        src = build / "graph.cpp"
+        out = build / "graph.so"
+        src.write_text(source)
+        cmd = [cxx, *FLAGS, str(src), "-o", str(out), *link_flags]
+        stats.add("cpp_builds")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ToolchainError(f"{cxx} failed to run: {e}") from None
+        if proc.returncode != 0:
+            raise ToolchainError(f"{cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
+        library = out.read_bytes() if out.exists() else b""
+        if sys.platform.startswith("linux") and not library.startswith(b"\x7fELF"):
+            # Never cache what is not a library: every later compile would load it and fail.
+            raise ToolchainError(f"{cxx} exited 0 but wrote no shared library to {out.name}")
+        cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
+        return load_library(out)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+
+
 def _packed_product_faster(rows: int, k: int, n: int, bias: bool) -> bool:
     """The C++ target's answer (Target.packed_product_faster): measured on this CPU, once per shape."""
     from ember.backends import cpu_products
@@ -215,37 +249,7 @@ class CppBackend:
         return namespace
 
     def _compile(self, source: str) -> ctypes.CDLL:
-        """The graph's library, loaded: from the disk cache, else built (and cached). Either way it
-        is loaded from a file of this process's private folder holding the bytes that the cache
-        checked or the compiler wrote, so that nothing can swap it between the check and the load."""
-        ident = toolchain_identity(self.cxx)
-        # -march=native: the library is made for this CPU, which the target's key holds.
-        key = content_key("cpp", source, target=self._target.key(), toolchain=(ident, FLAGS, self.link_flags))
-        cache = DiskCache()
-        hit = cache.get("cpp", key)
-        if hit is not None:
-            return load_library(scratch.private_copy(hit["graph.so"], "graph.so"))
-        build = scratch.build_folder("cpp")
-        try:
-            src = build / "graph.cpp"
-            out = build / "graph.so"
-            src.write_text(source)
-            cmd = [self.cxx, *FLAGS, str(src), "-o", str(out), *self.link_flags]
-            stats.add("cpp_builds")
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise ToolchainError(f"{self.cxx} failed to run: {e}") from None
-            if proc.returncode != 0:
-                raise ToolchainError(f"{self.cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
-            library = out.read_bytes() if out.exists() else b""
-            if sys.platform.startswith("linux") and not library.startswith(b"\x7fELF"):
-                # Never cache what is not a library: every later compile would load it and fail.
-                raise ToolchainError(f"{self.cxx} exited 0 but wrote no shared library to {out.name}")
-            cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
-            return load_library(out)
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
+        return build_library(source, self._target, self.link_flags, self.cxx)
 
     def prologue(self) -> list[str]:
         return []

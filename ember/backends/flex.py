@@ -11,13 +11,10 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
-import shutil
-import subprocess
-import sys
 
 import torch
 
-from ember import config, log
+from ember import log
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
@@ -352,40 +349,11 @@ def _allocator(device: torch.device):
 
 
 def _compile_cpp(source: str, target: Target):
-    from ember.backends.cpp import FLAGS, ToolchainError, load_library, toolchain_identity, vector_math
+    from ember.backends.cpp import build_library, vector_math
 
-    cxx = config.get("cxx")
     declarations, link = vector_math()  # libmvec's vector exp for the `omp simd` loops
     source = source.replace("#include <cstring>\n", "#include <cstring>\n" + declarations, 1)
-    key = content_key("cpp", source, target=target.key(), toolchain=(toolchain_identity(cxx), FLAGS, link))
-    cache = DiskCache()
-    hit = cache.get("cpp", key)
-    if hit is not None:
-        lib = load_library(scratch.private_copy(hit["graph.so"], "graph.so"))
-    else:
-        build = scratch.build_folder("cpp")
-        try:
-            src, out = build / "flex.cpp", build / "flex.so"
-            src.write_text(source)
-            try:
-                proc = subprocess.run(
-                    [cxx, *FLAGS, str(src), "-o", str(out), *link],
-                    capture_output=True,
-                    text=True,
-                    timeout=600,
-                    check=False,
-                )
-            except (OSError, subprocess.SubprocessError) as e:
-                raise ToolchainError(f"{cxx} failed to run: {e}") from None
-            if proc.returncode != 0:
-                raise ToolchainError(f"{cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
-            library = out.read_bytes()
-            if sys.platform.startswith("linux") and not library.startswith(b"\x7fELF"):
-                raise ToolchainError(f"{cxx} exited 0 but wrote no shared library")
-            cache.put("cpp", key, {"graph.cpp": source.encode(), "graph.so": library})
-            lib = load_library(out)
-        finally:
-            shutil.rmtree(build, ignore_errors=True)
+    lib = build_library(source, target, link)
     fn = lib.flex_fwd
     fn.restype = None
     fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)]
