@@ -10,10 +10,11 @@ AdamW step passes some 450 tensors to each of two table kernels). The parts' hea
 count) and each block's part never change: they are made once, with the launch.
 
 Outside a CUDA graph's capture a table is copied from pinned host memory, stream-ordered: nothing
-waits for the device. A new table takes the device memory of the one it evicts where every launch
-that read that one ran on the new table's stream, so that the copy is ordered after them: a training
+waits for the device. A capture cannot record that copy (torch's pinned-memory allocator refuses).
+Past RECENT tables, a new one takes the device memory of the one it evicts where every launch that
+read that one ran on the new table's stream, so that the copy is ordered after them: a training
 loop's gradients come at addresses that drift, and a fresh allocation for each table among them would
-shift the allocator's blocks and keep them drifting. `ember.stats` counts `address_tables_built`. A capture cannot record that copy (torch's pinned-memory allocator refuses).
+shift the allocator's blocks and keep them drifting. `ember.stats` counts `address_tables_built`.
 Under a capture ember's pool records (runtime/cudagraph_pool.py), each launch gets a table of the
 capture's own (`CapturedTable`, from the graph's memory pool, held by the recording): the pool
 writes it from the host before the first replay, and again before a replay whose inputs read only
