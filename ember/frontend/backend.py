@@ -85,15 +85,21 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
 
 
 def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """An inference graph on the CPU with its convolutions on channels-last inputs (frontend/layout.py),
-    before freezing, whose prologue then converts their weights once. A failure leaves the graph as it was."""
+    """An inference graph with its convolutions on channels-last inputs (frontend/layout.py): on the CPU
+    before freezing, whose prologue then converts their weights once, or packs them; on a GPU with their
+    weights converted in the graph (where autocast casts them, by the cast's own kernel). A failure leaves
+    the graph as it was."""
     from ember.frontend import prepack
     from ember.frontend.layout import to_channels_last
     from ember.pipeline import graph_device
 
-    if graph_device(gm, example_inputs).type != "cpu":
+    device = graph_device(gm, example_inputs).type
+    if device not in ("cpu", "cuda"):
         return
     try:
+        if device == "cuda":
+            to_channels_last(gm, convert_weights=True)
+            return
         packed = config.get("freezing") and config.get("prepack") and prepack.available()
         to_channels_last(gm, convert_weights=config.get("freezing") and not packed, weights_packed=packed)
     except Exception as e:

@@ -1,13 +1,15 @@
-"""Channels-last convolutions on the CPU (setting `channels_last`).
+"""Channels-last convolutions (setting `channels_last`): CPU graphs, and GPU graphs in half precision.
 
 oneDNN, which runs ATen's CPU convolutions, is fastest on channels-last ([N, H, W, C]) tensors: given
-[N, C, H, W] ones it converts them on every call. As Inductor's layout optimization does, an inference
-graph's 2-d convolutions read channels-last inputs:
+[N, C, H, W] ones it converts them on every call. So are cuDNN's tensor-core kernels for bfloat16 and
+float16 on a GPU, around which cuDNN transposes [N, C, H, W] operands on every call. As Inductor's
+layout optimization does, an inference graph's 2-d convolutions read channels-last inputs:
 
     clone(x, memory_format=channels_last)   before each convolution whose input is not in that layout
-                                            already, and before its weight under `freezing` (where the
-                                            prologue converts it once; without it oneDNN converts it
-                                            per call either way)
+                                            already, and before its weight on a GPU (where autocast's
+                                            cast of the weight writes its copy in that layout) and under
+                                            `freezing` (where the prologue converts it once; without it
+                                            oneDNN converts it per call either way)
     re-propagation                          every value downstream takes its new strides (FX meta `val`,
                                             computed by the graph's fake mode as eager would lay it out):
                                             a convolution's result is channels-last, and so are the
@@ -27,8 +29,9 @@ memory order) and views whose strides no longer allow them (`view` of a channels
 returns a view of one (AOTAutograd may rebuild it from its base's strides), or whose old layout is not
 row-major where it must come back, is left as it was.
 
-When: CPU inference graphs with a 2-d convolution of static sizes (not transposed), unless the weights
-to convert outnumber the convolutions' inputs (`_not_worth_it`: ResNet-18, not MobileNetV2). With
+When: inference graphs with a 2-d convolution of static sizes (not transposed), on the CPU or in half
+precision on a GPU, unless the weights to convert per call outnumber the convolutions' inputs
+(`_not_worth_it`: ResNet-18 on the CPU, not MobileNetV2, nor a GPU graph under autocast). With
 symbolic sizes the importer keeps computed values row-major, so each convolution's result would be
 converted back before the kernels that read it; such graphs are left as they are.
 """
@@ -60,6 +63,10 @@ _READS_STRIDES = {
 }
 # Views that raise where the new strides do not allow them: their input gets its old layout back.
 _VIEWS_NEEDING_STRIDES = {aten.view, aten._unsafe_view, aten.view_copy}
+# Half-precision dtypes, whose GPU convolutions run channels-last.
+_HALF = (torch.float16, torch.bfloat16)
+# Dtype conversions as AOTAutograd's graphs spell them.
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 class _Declined(Exception):
@@ -74,7 +81,7 @@ def to_channels_last(gm: fx.GraphModule, convert_weights: bool, weights_packed: 
     convs = [n for n in gm.graph.nodes if _convertible(n)]
     if not convs:
         return 0
-    reason = None if weights_packed else _not_worth_it(convs)
+    reason = None if weights_packed else _not_worth_it(convs, convert_weights)
     if reason is not None:
         log.artifact("graph", "channels-last", lambda: f"not applied: {reason}")
         return 0
@@ -111,33 +118,42 @@ def to_channels_last(gm: fx.GraphModule, convert_weights: bool, weights_packed: 
 
 
 def _convertible(node: fx.Node) -> bool:
-    """A 2-d convolution (not transposed) of static sizes on the CPU, in floating point."""
+    """A 2-d convolution (not transposed) of static sizes in floating point, on the CPU, or on a GPU in
+    half precision (cuDNN's tensor-core kernels read [N, H, W, C]: given [N, C, H, W] tensors they
+    transpose them on every call)."""
     if node.op != "call_function" or node.target is not aten.convolution.default or node.args[6]:
         return False
     x, w = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
     return all(
         isinstance(t, torch.Tensor)
         and t.dim() == 4
-        and t.device.type == "cpu"
+        and (t.device.type == "cpu" or (t.device.type == "cuda" and t.dtype in _HALF))
         and t.is_floating_point()
         and not free_symbols(t)
         for t in (x, w)
     )
 
 
-def _not_worth_it(convs: list[fx.Node]) -> str | None:
+def _not_worth_it(convs: list[fx.Node], convert_weights: bool) -> str | None:
     """Why channels-last would slow the graph down, or None.
 
-    Fed a channels-last input, oneDNN converts a weight that is not channels-last (a k x k kernel over
-    several input channels; 1x1 and depthwise kernels are in both layouts) on every call. Measured on the
-    2-core CPU machine at batch 1, 224², per convolution (channels-last time / row-major time): depthwise
-    0.5-0.8, 1x1 0.6-0.85, k x k 0.9-1.0 with a channels-last weight, but 1.1 with a row-major one, and up
-    to 5x on ResNet-18's 512-channel 3x3 convolutions, whose weights outweigh their 7x7 inputs. So the
-    graph stays as it is where the weights to convert hold more elements than the convolutions' inputs:
-    ResNet-18 (11M against 2M: 35 ms per call became 58; 34 ms either way where freezing converted the
-    weights once, at the cost of a second copy of them), not MobileNetV2 or EfficientNet-B0 (only the
-    3-channel stem's 864)."""
-    converted = sum(n.args[1].meta["val"].numel() for n in convs if not _is_channels_last(n.args[1].meta["val"]))
+    A weight that is not channels-last is converted on every call: by oneDNN, fed a channels-last input
+    (a k x k kernel over several input channels; 1x1 and depthwise kernels are in both layouts), or by
+    the graph's own clone where `convert_weights`. Measured on the 2-core CPU machine at batch 1, 224²,
+    per convolution (channels-last time / row-major time): depthwise 0.5-0.8, 1x1 0.6-0.85, k x k 0.9-1.0
+    with a channels-last weight, but 1.1 with a row-major one, and up to 5x on ResNet-18's 512-channel 3x3
+    convolutions, whose weights outweigh their 7x7 inputs. So the graph stays as it is where the weights
+    to convert hold more elements than the convolutions' inputs: ResNet-18 (11M against 2M: 35 ms per
+    call became 58; 34 ms either way where freezing converted the weights once, at the cost of a second
+    copy of them), not MobileNetV2 or EfficientNet-B0 (only the 3-channel stem's 864).
+
+    A weight the graph casts (autocast's copy of a float32 weight into bfloat16) costs nothing more where
+    the graph converts it: the cast's kernel writes its copy channels-last."""
+    converted = sum(
+        n.args[1].meta["val"].numel()
+        for n in convs
+        if not _is_channels_last(n.args[1].meta["val"]) and not (convert_weights and _cast(n.args[1]))
+    )
     inputs = sum(n.args[0].meta["val"].numel() for n in convs)
     if converted > inputs:
         return (
@@ -145,6 +161,16 @@ def _not_worth_it(convs: list[fx.Node]) -> str | None:
             "elements of the convolutions"
         )
     return None
+
+
+def _cast(value) -> bool:
+    """A dtype conversion that only convolutions read: a kernel ember writes, in whatever layout it is asked."""
+    return (
+        isinstance(value, fx.Node)
+        and value.op == "call_function"
+        and value.target in _CASTS
+        and all(u.op == "call_function" and u.target is aten.convolution.default for u in value.users)
+    )
 
 
 def _is_channels_last(t) -> bool:

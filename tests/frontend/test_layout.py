@@ -219,3 +219,63 @@ def test_symbolic_sizes_leave_the_graph_as_it_was():
     assert_no_fallback(report, repro())
     code = _inference_graph(report).aten_graph
     assert "aten.convolution" in code and TO_CHANNELS_LAST not in code, code
+
+
+def _gpu_graph(dtype: torch.dtype, cast: bool) -> torch.fx.GraphModule:
+    """ResNet-18's last stage at batch 1 (weights of 2.4M elements against inputs of 50K) as a GPU
+    inference graph over fake CUDA tensors: the convolutions in `dtype`, their operands cast to it from
+    float32 inside the graph where `cast` (as autocast's graphs do), else taken in `dtype` as they come."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def conv(x, w):
+        return torch.ops.aten.convolution(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+    def block(x, w1, w2):
+        if cast:
+            x, w1, w2 = (t.to(dtype) for t in (x, w1, w2))
+        y = torch.relu(conv(x, w1))
+        return torch.relu(conv(y, w2) + x).mean((2, 3))
+
+    source = torch.float32 if cast else dtype
+    with FakeTensorMode():
+        args = [torch.empty(s, device="cuda", dtype=source) for s in ((1, 512, 7, 7), (512, 512, 3, 3), (512, 512, 3, 3))]
+    return make_fx(block, tracing_mode="fake")(*args)
+
+
+def _convolution_layouts(gm: torch.fx.GraphModule) -> list[tuple[bool, bool]]:
+    from ember.frontend.layout import _is_channels_last
+
+    convs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    return [tuple(_is_channels_last(a.meta["val"]) for a in n.args[:2]) for n in convs]
+
+
+def test_gpu_half_precision_convolutions_read_channels_last_operands():
+    """cuDNN's bf16 and fp16 convolutions run channels-last: a GPU graph converts their inputs and weights.
+    Weights that the graph casts cost nothing more (the cast's kernel writes its copy channels-last), so
+    ResNet-18's weights, which outnumber its activations, do not decline the rewrite under autocast; the
+    same graph fed bf16 weights as they are would copy them per call, and stays as it was; float32
+    convolutions are left alone. The graph's output keeps eager's strides."""
+    from ember.frontend.layout import to_channels_last
+
+    for dtype in (torch.bfloat16, torch.float16):
+        gm = _gpu_graph(dtype, cast=True)
+        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        old_stride = out.meta["val"].stride()
+        assert to_channels_last(gm, convert_weights=True) == 2, gm.code
+        assert _convolution_layouts(gm) == [(True, True), (True, True)], gm.code
+        # each weight's conversion reads its cast alone, into which ember fuses it; nothing comes back to
+        # row-major: the [N, C] mean has the same strides in either layout
+        for conv in [n for n in gm.graph.nodes if n.target is torch.ops.aten.convolution.default]:
+            weight = conv.args[1]
+            assert weight.target is torch.ops.aten.clone.default, gm.code
+            assert weight.args[0].target is torch.ops.aten._to_copy.default, gm.code
+            assert list(weight.args[0].users) == [weight], gm.code
+        assert TO_ROW_MAJOR not in gm.code, gm.code
+        assert out.meta["val"].stride() == old_stride
+
+    plain = _gpu_graph(torch.bfloat16, cast=False)
+    assert to_channels_last(plain, convert_weights=True) == 0, plain.code
+    assert TO_CHANNELS_LAST not in plain.code
+    full = _gpu_graph(torch.float32, cast=False)
+    assert to_channels_last(full, convert_weights=True) == 0 and TO_CHANNELS_LAST not in full.code
