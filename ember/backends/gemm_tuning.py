@@ -236,8 +236,8 @@ def bare_kernels(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, configs: list
     vb = g.add_input([as_expr(s) for s in b.shape], b.dtype, [as_expr(s) for s in b.stride()])
     batched = a.dim() == 3
     out_shape = (*a.shape[:-1], b.shape[-1])
-    target = torch.ops.aten.bmm.default if batched else torch.ops.aten.mm.default
-    attrs = {"target": target, "args": (va, vb), "kwargs": {}}
+    product = torch.ops.aten.bmm.default if batched else torch.ops.aten.mm.default
+    attrs = {"target": product, "args": (va, vb), "kwargs": {}}
     node = g.add("extern", [va, vb], attrs, [([as_expr(s) for s in out_shape], a.dtype, None)], "mm")
     out = node.out
     zero = sympy.Integer(0)

@@ -52,3 +52,24 @@ def test_without_a_gpu_nothing_is_measured(mode, template):
     # An interpreted target on a CUDA device measures nothing either.
     with config.override(gemm=mode):
         assert GemmTuning(target, torch.device("cuda", 0), _no_loading).choose(BIG, 0).template == template
+
+
+def test_the_tiles_to_time_are_rendered_and_compute_the_product():
+    """The kernels `measure` times on a GPU, built by the graph's own schedule and codegen path, rendered
+    for the backend's target and run here through Triton's interpreter against torch.mm."""
+    from ember.backends.gemm_tuning import bare_kernels
+    from ember.codegen.triton import PRELUDE
+
+    backend = TritonBackend()
+    target = backend.target()
+    p = GemmProblem(1, 16, 24, 20, torch.float32, "row", "row", "cpu")
+    a, b = torch.randn(p.m, p.k), torch.randn(p.k, p.n)
+    sources = bare_kernels(p, a, b, candidates(p, target.sm_count)[:2], target)
+    module = backend._load("\n\n".join([PRELUDE] + [s.source for s in sources]) + "\n")
+    for src in sources:
+        out = torch.full((p.m, p.n), float("nan"))
+        c = src.config
+        grid = (-(-p.m // c.block_m) * -(-p.n // c.block_n), p.batch)
+        sizes = [int(s) for s in src.sizes()]
+        getattr(module, src.kernel.name)[grid](a, b, out, *sizes, **src.constants())
+        torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)

@@ -239,7 +239,9 @@ def _gpu_graph(dtype: torch.dtype, cast: bool) -> torch.fx.GraphModule:
 
     source = torch.float32 if cast else dtype
     with FakeTensorMode():
-        args = [torch.empty(s, device="cuda", dtype=source) for s in ((1, 512, 7, 7), (512, 512, 3, 3), (512, 512, 3, 3))]
+        args = [
+            torch.empty(s, device="cuda", dtype=source) for s in ((1, 512, 7, 7), (512, 512, 3, 3), (512, 512, 3, 3))
+        ]
     return make_fx(block, tracing_mode="fake")(*args)
 
 
