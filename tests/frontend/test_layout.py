@@ -262,7 +262,7 @@ def test_gpu_half_precision_convolutions_read_channels_last_operands():
 
     for dtype in (torch.bfloat16, torch.float16):
         gm = _gpu_graph(dtype, cast=True)
-        out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
         old_stride = out.meta["val"].stride()
         assert to_channels_last(gm, convert_weights=True) == 2, gm.code
         assert _convolution_layouts(gm) == [(True, True), (True, True)], gm.code
