@@ -320,11 +320,11 @@ SETTINGS: dict[str, Setting] = {
             "channels_last",
             bool,
             True,
-            "inference graphs with 2-d convolutions of static sizes, on the CPU or in half precision on a GPU: "
-            "convolutions read channels-last inputs (oneDNN's and cuDNN's fast layout; their weights too on a "
-            "GPU, and under freezing, converted once), and the kernels between them read and write that layout; "
-            "outputs keep eager's strides. Not where the k x k weights to convert per call outnumber the "
-            "convolutions' inputs (ResNet-18 on the CPU), unless freezing packs them (prepack)",
+            "inference graphs' 2-d convolutions of static sizes, on the CPU or in half precision on a GPU, read "
+            "channels-last inputs (weights too: on a GPU per call, by autocast's cast where there is one; under "
+            "freezing once), and the kernels between them that layout; outputs keep eager's strides. Not where "
+            "the k x k weights to convert per call outnumber the convolutions' inputs (ResNet-18 on the CPU), "
+            "unless freezing packs them (prepack)",
             codegen=True,
         ),
         Setting(

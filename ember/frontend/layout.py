@@ -31,7 +31,8 @@ row-major where it must come back, is left as it was.
 
 When: inference graphs with a 2-d convolution of static sizes (not transposed), on the CPU or in half
 precision on a GPU, unless the weights to convert per call outnumber the convolutions' inputs
-(`_not_worth_it`: ResNet-18 on the CPU, not MobileNetV2, nor a GPU graph under autocast). With
+(`_not_worth_it`: ResNet-18 on the CPU, not MobileNetV2, nor a GPU graph whose weights only autocast's casts
+feed). With
 symbolic sizes the importer keeps computed values row-major, so each convolution's result would be
 converted back before the kernels that read it; such graphs are left as they are.
 """
@@ -152,7 +153,7 @@ def _not_worth_it(convs: list[fx.Node], convert_weights: bool) -> str | None:
     converted = sum(
         n.args[1].meta["val"].numel()
         for n in convs
-        if not _is_channels_last(n.args[1].meta["val"]) and not (convert_weights and _cast(n.args[1]))
+        if not _is_channels_last(n.args[1].meta["val"]) and not (convert_weights and _cast(n.args[1], convs))
     )
     inputs = sum(n.args[0].meta["val"].numel() for n in convs)
     if converted > inputs:
@@ -163,13 +164,18 @@ def _not_worth_it(convs: list[fx.Node], convert_weights: bool) -> str | None:
     return None
 
 
-def _cast(value) -> bool:
-    """A dtype conversion that only convolutions read: a kernel ember writes, in whatever layout it is asked."""
+def _cast(value, convs: list[fx.Node]) -> bool:
+    """A dtype conversion on one device that only the convolutions converted read, each as its weight: a
+    kernel ember writes, in the layout those readers take."""
+    if not (isinstance(value, fx.Node) and value.op == "call_function" and value.target in _CASTS):
+        return False
+    source, result = value.args[0], value.meta.get("val")
     return (
-        isinstance(value, fx.Node)
-        and value.op == "call_function"
-        and value.target in _CASTS
-        and all(u.op == "call_function" and u.target is aten.convolution.default for u in value.users)
+        isinstance(source, fx.Node)
+        and isinstance(result, torch.Tensor)
+        and source.meta.get("val") is not None
+        and source.meta["val"].device == result.device
+        and all(u in convs and u.args[1] is value and u.args[0] is not value for u in value.users)
     )
 
 

@@ -178,10 +178,12 @@ def plan_memory(graph: Graph, steps: list[Step], eager_peak_bytes: int | None) -
     A dead buffer that a later value takes stays allocated until then, idle, and a value smaller than
     the buffer it takes holds the rest for nothing; freed instead, the memory would go back to the
     allocator. So the steps are placed twice: first with no dead buffer reused (the live bytes at every
-    step, as the allocator would have them), then taking a dead buffer only where what it holds idle or
-    unused keeps every step within that first placement's peak. (transformers' ResNet-50 at batch 64
-    had four idle 26 MB buffers and a 19 MB one held across its peak: 328 MB planned, 276 MB now.)
-    Symbolic sizes give no peak: there every dead buffer that fits is taken."""
+    step, as the allocator would have them), then taking a dead buffer only where the bytes it holds
+    idle or unused, as counted from that first placement, keep every step within its peak. The count
+    is an estimate (an in-place successor may keep a larger buffer longer), so of the two placements
+    the one with the lower peak is kept. (transformers' ResNet-50 at batch 64 had four idle 26 MB
+    buffers and a 19 MB one held across its peak: 328 MB planned, 231 MB now.) Symbolic sizes give no
+    peak: there every dead buffer that fits is taken."""
     uses = _uses(graph, steps)
     fresh = _place(uses, steps, reuse=False)
     if fresh.profile is None:
@@ -196,11 +198,11 @@ class _Placed:
 
     memory: MemoryPlan
     peak: int | None
-    live: frozenset
+    peak_values: frozenset  # values in memory at the peak
     profile: list[int] | None
 
     def plan(self, eager_peak_bytes: int | None) -> MemoryPlan:
-        self.memory.peak_bytes, self.memory.peak_live = self.peak, self.live
+        self.memory.peak_bytes, self.memory.peak_live = self.peak, self.peak_values
         self.memory.eager_peak_bytes = eager_peak_bytes
         return self.memory
 
@@ -208,14 +210,14 @@ class _Placed:
 def _place(uses: _Uses, steps: list[Step], reuse: bool, within: tuple[list[int], int] | None = None) -> _Placed:
     """Place the steps' buffers; `reuse`: dead buffers may be taken; `within`: (live bytes per step,
     a limit) that no dead buffer taken may raise any step's live bytes above."""
-    placer = _Placer(uses, MemoryPlan(), reuse_dead=reuse)
+    placer = _Placer(uses, MemoryPlan(), reuse_dead=reuse, length=len(steps))
     if within is not None:
         placer.live, placer.limit = list(within[0]), within[1]
     for pos, step in enumerate(steps):
         placer.place(step, pos)
         placer.release_dead(step, pos)
-    peak, live, profile = _planned_peak(uses, placer.holder, placer.born, len(steps))
-    return _Placed(placer.plan, peak, live, profile)
+    peak, peak_values, profile = _planned_peak(uses, placer.holder, placer.born, len(steps))
+    return _Placed(placer.plan, peak, peak_values, profile)
 
 
 @dataclass
@@ -297,6 +299,8 @@ class _Placer:
     born: dict[Value, int] = field(default_factory=dict)  # memory holder -> step that allocates it
     free: list[Value] = field(default_factory=list)  # dead buffers whose memory a later output may take
     reuse_dead: bool = True  # False: no dead buffer is taken (each goes back to the allocator)
+    length: int = 0  # steps placed: a graph output lives to this one
+    sizes: dict[Value, int] = field(default_factory=dict)  # bytes, as size hints, computed once per value
     freed_at: dict[Value, int] = field(default_factory=dict)  # dead buffer -> the step of its last use
     # With a limit: the live bytes at each step, counting what the dead buffers taken so far hold idle
     # or unused, which no further one may raise above `limit`.
@@ -376,34 +380,43 @@ class _Placer:
 
     def _dead_buffer(self, v: Value, pos: int) -> Value | None:
         """The smallest dead buffer with room for v that keeps every step within the limit, taken off
-        the free list."""
+        the free list. One whose idle stretch alone would pass the limit goes off the list for good: the
+        stretch only grows, and the bytes counted in it too."""
         if not self.reuse_dead:
             return None
         for donor in sorted((u for u in self.free if self._room(u, v)), key=lambda u: size_hint(extent(u))):
-            if self._within_limit(donor, v, pos):
+            idle_fits, fits = self._within_limit(donor, v, pos)
+            if not idle_fits:
+                self.free.remove(donor)
+            elif fits:
                 self.free.remove(donor)
                 return donor
         return None
 
-    def _within_limit(self, u: Value, v: Value, pos: int) -> bool:
-        """Whether v may take the dead buffer u at `pos` with every step's live bytes within the limit:
-        u's memory is held idle from its last use to `pos`, and beyond v's own bytes while v lives;
-        counted in `live` when it may."""
+    def _bytes(self, v: Value) -> int:
+        if v not in self.sizes:
+            self.sizes[v] = size_hint(nbytes(v))
+        return self.sizes[v]
+
+    def _within_limit(self, u: Value, v: Value, pos: int) -> tuple[bool, bool]:
+        """Whether the dead buffer u, held idle from its last use to `pos`, keeps those steps within the
+        limit, and whether v may take it at `pos`: also with the bytes beyond v's own while v lives. When
+        it may, both are counted in `live`."""
         if self.live is None:
-            return True
-        held = size_hint(nbytes(self.holder[u]))
-        unused = held - size_hint(nbytes(v))
-        stop = len(self.live) - 1 if v in self.uses.outputs else self.uses.last.get(v, pos)
+            return True, True
+        held = self._bytes(self.holder[u])
+        unused = held - self._bytes(v)
         idle = range(self.freed_at[u] + 1, pos)
-        if (idle and max(self.live[idle.start : idle.stop]) + held > self.limit) or (
-            unused and max(self.live[pos : stop + 1]) + unused > self.limit
-        ):
-            return False
+        if idle and max(self.live[idle.start : idle.stop]) + held > self.limit:
+            return False, False
+        stop = self.length if v in self.uses.outputs else self.uses.last.get(v, pos)
+        if unused and max(self.live[pos : stop + 1]) + unused > self.limit:
+            return True, False
         for s in idle:
             self.live[s] += held
         for s in range(pos, stop + 1):
             self.live[s] += unused
-        return True
+        return True, True
 
     def release_dead(self, step: Step, pos: int) -> None:
         """Free the recyclable buffers whose last use is this step (unless an output took them)."""

@@ -221,10 +221,11 @@ def test_symbolic_sizes_leave_the_graph_as_it_was():
     assert "aten.convolution" in code and TO_CHANNELS_LAST not in code, code
 
 
-def _gpu_graph(dtype: torch.dtype, cast: bool) -> torch.fx.GraphModule:
+def _gpu_graph(dtype: torch.dtype, cast: bool, weight_read_again: bool = False) -> torch.fx.GraphModule:
     """ResNet-18's last stage at batch 1 (weights of 2.4M elements against inputs of 50K) as a GPU
     inference graph over fake CUDA tensors: the convolutions in `dtype`, their operands cast to it from
-    float32 inside the graph where `cast` (as autocast's graphs do), else taken in `dtype` as they come."""
+    float32 inside the graph where `cast` (as autocast's graphs do), else taken in `dtype` as they come;
+    `weight_read_again`: the graph also returns a sum of the cast weights."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -235,7 +236,8 @@ def _gpu_graph(dtype: torch.dtype, cast: bool) -> torch.fx.GraphModule:
         if cast:
             x, w1, w2 = (t.to(dtype) for t in (x, w1, w2))
         y = torch.relu(conv(x, w1))
-        return torch.relu(conv(y, w2) + x).mean((2, 3))
+        out = torch.relu(conv(y, w2) + x).mean((2, 3))
+        return (out, w1.sum() + w2.sum()) if weight_read_again else out
 
     source = torch.float32 if cast else dtype
     with FakeTensorMode():
@@ -278,6 +280,9 @@ def test_gpu_half_precision_convolutions_read_channels_last_operands():
 
     plain = _gpu_graph(torch.bfloat16, cast=False)
     assert to_channels_last(plain, convert_weights=True) == 0, plain.code
+    # A cast another op also reads is written row-major for it: converting it costs a copy per call again.
+    shared = _gpu_graph(torch.bfloat16, cast=True, weight_read_again=True)
+    assert to_channels_last(shared, convert_weights=True) == 0, shared.code
     assert TO_CHANNELS_LAST not in plain.code
     full = _gpu_graph(torch.float32, cast=False)
     assert to_channels_last(full, convert_weights=True) == 0 and TO_CHANNELS_LAST not in full.code
