@@ -253,6 +253,11 @@ def bare_kernels(p: GemmProblem, a: torch.Tensor, b: torch.Tensor, configs: list
     return sources
 
 
+def grid(p: GemmProblem, c: TileConfig) -> tuple[int, int]:
+    """The launch grid of a bare template kernel: one program per output tile, per batch."""
+    return -(-p.m // c.block_m) * -(-p.n // c.block_n), p.batch
+
+
 def _time(fn, budget: float = 0.02) -> float:
     """Seconds per call: CUDA events around enough calls to fill about `budget` seconds."""
     fn()
@@ -273,7 +278,6 @@ def _time(fn, budget: float = 0.02) -> float:
 
 
 def _measure(p: GemmProblem, device: torch.device, target: Target, load_module: Callable[[str], ModuleType]) -> dict:
-    import triton
 
     from ember.codegen.triton import PRELUDE
 
@@ -305,10 +309,9 @@ def _measure(p: GemmProblem, device: torch.device, target: Target, load_module: 
         t = None
         if fn is not None:
             sizes = [int(sympy.sympify(s)) for s in src.sizes()]
-            x = triton.cdiv(p.m, c.block_m) * triton.cdiv(p.n, c.block_n)
 
-            def run(fn=fn, sizes=sizes, c=c, src=src, x=x):
-                fn[(x, p.batch)](a, b, out, *sizes, **src.constants(), num_warps=c.num_warps, num_stages=c.num_stages)
+            def run(fn=fn, sizes=sizes, c=c, src=src):
+                fn[grid(p, c)](a, b, out, *sizes, **src.constants(), num_warps=c.num_warps, num_stages=c.num_stages)
 
             try:
                 run()

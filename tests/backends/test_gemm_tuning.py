@@ -57,7 +57,7 @@ def test_without_a_gpu_nothing_is_measured(mode, template):
 def test_the_tiles_to_time_are_rendered_and_compute_the_product():
     """The kernels `measure` times on a GPU, built by the graph's own schedule and codegen path, rendered
     for the backend's target and run here through Triton's interpreter against torch.mm."""
-    from ember.backends.gemm_tuning import bare_kernels
+    from ember.backends.gemm_tuning import bare_kernels, grid
     from ember.codegen.triton import PRELUDE
 
     backend = TritonBackend()
@@ -68,8 +68,6 @@ def test_the_tiles_to_time_are_rendered_and_compute_the_product():
     module = backend._load("\n\n".join([PRELUDE] + [s.source for s in sources]) + "\n")
     for src in sources:
         out = torch.full((p.m, p.n), float("nan"))
-        c = src.config
-        grid = (-(-p.m // c.block_m) * -(-p.n // c.block_n), p.batch)
         sizes = [int(s) for s in src.sizes()]
-        getattr(module, src.kernel.name)[grid](a, b, out, *sizes, **src.constants())
+        getattr(module, src.kernel.name)[grid(p, src.config)](a, b, out, *sizes, **src.constants())
         torch.testing.assert_close(out, a @ b, rtol=1e-4, atol=1e-4)
