@@ -278,7 +278,6 @@ def _time(fn, budget: float = 0.02) -> float:
 
 
 def _measure(p: GemmProblem, device: torch.device, target: Target, load_module: Callable[[str], ModuleType]) -> dict:
-
     from ember.codegen.triton import PRELUDE
 
     torch.cuda.set_device(device)
