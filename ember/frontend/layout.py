@@ -31,10 +31,9 @@ row-major where it must come back, is left as it was.
 
 When: inference graphs with a 2-d convolution of static sizes (not transposed), on the CPU or in half
 precision on a GPU, unless the weights to convert per call outnumber the convolutions' inputs
-(`_not_worth_it`: ResNet-18 on the CPU, not MobileNetV2, nor a GPU graph whose weights only autocast's casts
-feed). With
-symbolic sizes the importer keeps computed values row-major, so each convolution's result would be
-converted back before the kernels that read it; such graphs are left as they are.
+(`_not_worth_it`: ResNet-18 on the CPU, not MobileNetV2, nor a GPU graph whose weights only autocast's
+casts feed). With symbolic sizes the importer keeps computed values row-major, so each convolution's
+result would be converted back before the kernels that read it; such graphs are left as they are.
 """
 
 from __future__ import annotations
