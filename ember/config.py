@@ -461,9 +461,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "cudagraphs_default",
             bool,
-            False,
-            "without cudagraphs, still record GPU inference graphs that can be captured and launch more kernels "
-            "than they return tensors, and return copies of their outputs (fresh tensors, as without CUDA graphs)",
+            True,
+            "without cudagraphs, still record the GPU graphs that can be captured, returning fresh copies of what "
+            "the caller keeps; a recording is kept only where it pays (docs/cudagraphs.md, 'the default mode')",
         ),
         Setting(
             "profile_ranges",

@@ -324,6 +324,16 @@ class LowerHeuristics:
 
 
 @dataclass(frozen=True)
+class GraphHeuristics:
+    """Which CUDA graph recordings the default mode keeps (runtime/cudagraph_pool.py: _keep_or_drop)."""
+
+    # Where the device is the slower, a recording saves at most the gaps between launches, and its copies of
+    # what the caller keeps cost device time: it is kept while they take at most this percent of its replay
+    # (a training step's gradients; an LM's logits take more, and its graph then runs without recording).
+    default_copy_percent: int = 5
+
+
+@dataclass(frozen=True)
 class Heuristics:
     """The target's tunable thresholds and tables, as data."""
 
@@ -336,6 +346,7 @@ class Heuristics:
     flex: FlexHeuristics = FlexHeuristics()
     realize: RealizeHeuristics = RealizeHeuristics()
     lower: LowerHeuristics = LowerHeuristics()
+    graphs: GraphHeuristics = GraphHeuristics()
 
     def tuned(self, text: str) -> Heuristics:
         """These heuristics with the changes `text` names: comma-separated `group.field=value`

@@ -76,6 +76,8 @@ class EmberGraphCode(OutputCode):
     num_nodes: int = 0
     options: dict = dataclasses.field(default_factory=dict)
     schedule: KeptSchedule | None = None  # None: nothing to keep (an eager fallback, symbolic sizes)
+    # (static input positions, runtime/cudagraphs.CaptureFacts) of a graph the default mode may record.
+    capture: tuple | None = None
     signature: bytes = dataclasses.field(default=b"", repr=False)  # HMAC of the above under ember's key
     program: Any = dataclasses.field(default=None, repr=False)  # the CompiledGraph; never pickled
 
@@ -132,6 +134,10 @@ class EmberGraphCode(OutputCode):
                     kept.target,
                     publish=current is None,
                 )
+                if self.capture is not None and config.get("cudagraphs_default") and not config.get("cudagraphs"):
+                    from ember.runtime.cudagraphs import graphed
+
+                    self.program = graphed(self.program, self.kind, *self.capture, default_mode=True)
         except Exception as e:
             # AOTAutograd catches this, logs it at INFO and compiles the graph anew: say so louder.
             article = "an" if self.kind[:1] in "aeiou" else "a"
@@ -147,8 +153,11 @@ class EmberGraphCode(OutputCode):
         pass  # ember's kernels live in its own cache
 
 
-def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> EmberGraphCode:
-    """The OutputCode of one compiled graph (a CompiledGraph or ember's eager fallback)."""
+def wrap(
+    program: Any, gm: torch.fx.GraphModule, kind: str, options: dict, capture: tuple | None = None
+) -> EmberGraphCode:
+    """The OutputCode of one compiled graph (a CompiledGraph, ember's eager fallback, or either under
+    the default mode's CUDA graphs, whose facts `capture` holds)."""
     kept = getattr(program, "kept", None)  # a KeptSchedule, or None
     if hasattr(program, "kept"):
         program.kept = None  # the entry holds it from here
@@ -160,7 +169,9 @@ def wrap(program: Any, gm: torch.fx.GraphModule, kind: str, options: dict) -> Em
     if kind == "backward":
         _no_donated_buffers()
     num_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    return EmberGraphCode(kind=kind, num_nodes=num_nodes, options=options, schedule=kept, program=program)
+    return EmberGraphCode(
+        kind=kind, num_nodes=num_nodes, options=options, schedule=kept, capture=capture, program=program
+    )
 
 
 def _no_donated_buffers() -> None:
@@ -279,7 +290,7 @@ def _signing_key() -> bytes | None:
 def _signed(code: EmberGraphCode) -> list[bytes]:
     """Everything post_compile builds from, as the bytes that are signed."""
     kept = code.schedule
-    parts = (code.kind, code.num_nodes, sorted(code.options.items()), kept.device, kept.target)
+    parts = (code.kind, code.num_nodes, sorted(code.options.items()), kept.device, kept.target, code.capture)
     return [repr(part).encode() + b"\0" for part in parts] + [kept.pickled]
 
 

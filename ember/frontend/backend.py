@@ -63,25 +63,39 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
                 program = compile_graph(gm, example_inputs, kind, keep_schedule=cached)
             if isinstance(program, EagerGraph) or isinstance(getattr(program, "program", None), EagerGraph):
                 fell_back.append(kind)  # (a FrozenGraph's main graph too: Dynamo's graph runs in its place)
-            default_mode = not config.get("cudagraphs") and config.get("cudagraphs_default") and kind == "inference"
-            if (config.get("cudagraphs") or default_mode) and not isinstance(program, FrozenGraph):
-                from ember.pipeline import graph_device
-                from ember.runtime.cudagraphs import capture_facts, graphed, static_inputs
+            capture = None if isinstance(program, FrozenGraph) else _capture(gm, example_inputs, kind)
+            if capture is not None:
+                from ember.runtime.cudagraphs import graphed
 
-                facts = capture_facts(gm, graph_device(gm, example_inputs))
-                program = graphed(program, kind, static_inputs(gm, kind), facts, default_mode)
+                program = graphed(program, kind, *capture, default_mode=not config.get("cudagraphs"))
         progress.stage("AOTAutograd")  # back in AOTAutograd: partitioning, tracing the backward
         if not cached:
             return program
         from ember.frontend import aot_cache
 
-        return aot_cache.wrap(program, gm, kind, options)
+        return aot_cache.wrap(program, gm, kind, options, capture)
 
     if not cached:
         return compile_one
     from ember.frontend import aot_cache
 
     return aot_cache.serializable(compile_one)
+
+
+def _capture(gm: torch.fx.GraphModule, example_inputs, kind: str) -> tuple | None:
+    """(static input positions, CaptureFacts) of a graph to run under CUDA graphs: every graph under
+    `cudagraphs`; under `cudagraphs_default` alone, those on the recorder's device (kept in
+    AOTAutograd's cache entry, so that a graph it loads is recorded too). None: neither applies."""
+    from ember.pipeline import graph_device, select_backend
+    from ember.runtime.cudagraphs import capture_facts, current_recorder, forward_returns, static_inputs
+
+    device = graph_device(gm, example_inputs)
+    if not config.get("cudagraphs") and not (
+        config.get("cudagraphs_default") and device.type == current_recorder().device_type
+    ):
+        return None
+    share = select_backend(device).target().heuristics.graphs.default_copy_percent / 100
+    return tuple(static_inputs(gm, kind)), capture_facts(gm, device, forward_returns(kind), share)
 
 
 def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:

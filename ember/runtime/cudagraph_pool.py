@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,6 +50,9 @@ class Recorder(Protocol):
     def invalidate(self, storage: int, message: str) -> None:
         """Make reading the storage (its StorageImpl pointer) raise `message`."""
 
+    def time_device(self, run: Callable[[], Any]) -> tuple[Any, float]:
+        """(run(), the seconds the device spends on the work it issues): waits for that work."""
+
 
 class GraphedCall(Protocol):
     """What the pool reads and calls of a compiled graph under CUDA graphs (cudagraphs.Graphed)."""
@@ -59,7 +63,16 @@ class GraphedCall(Protocol):
     table_inputs: frozenset[int]  # inputs read only through address tables (codegen/host.py)
     mutated: tuple[int, ...]
     max_graphs: int
-    copy_outputs: bool
+    # Outputs at positions from here on are handed out over the pool's memory; the ones before are copied
+    # (the default mode's graphs: an inference graph copies every one, a training forward all but the
+    # tensors its backward reads). 0: every one handed out; None: none. A recording starts from it.
+    handed_from: int | None
+    # The default mode's: its recordings must pay for their copies (Pool._keep_or_drop), judged against
+    # the host program's time on a call of the same key.
+    default_mode: bool
+    copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
+    host_seconds: dict  # key -> the host program's time on its second call
+    unrecorded: set  # keys whose recording did not pay: they run the host program
     recordings: dict
     seen: set
     last: Any
@@ -156,7 +169,7 @@ class Recording:
     # Every storage ever handed out that is still alive, of this step or an earlier one: the recording's
     # memory is released only when none is left (a stale output may not yet be invalidated).
     given: list[StorageWeakRef] = field(default_factory=list)
-    prune_given_at: int = _PRUNE_GIVEN_FROM  # `given`'s length at which hand_out drops the dead ones
+    prune_given_at: int = _PRUNE_GIVEN_FROM  # `given`'s length at which give() drops the dead ones
     released: bool = False
     # Address tables the graph reads (CaptureScope.tables), and the inputs it reads through them only,
     # taken where they are: `bound`, their addresses the tables were last written for (0 elsewhere).
@@ -166,6 +179,12 @@ class Recording:
     in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
     copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
+    # The default mode's: the key it was recorded for, the host program's time on a call of that key, and
+    # whether its first replay was timed and the recording kept.
+    key: tuple = ()
+    host_seconds: float = 0.0
+    judged: bool = False
+    handed_from: int | None = 0  # as GraphedCall says; a default-mode backward's turns None (_copy_held)
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
     # parameter, each a copy launched from Python (148 for GPT-2) when taken one by one.
     copy_whole: list[int] = field(init=False)
@@ -186,35 +205,43 @@ class Recording:
         self.tables = []
         self.live, self.given, self.released = [], [], True
 
-    def hand_out(self, device: torch.device) -> list:
-        """The outputs, on storages made for this replay: a later step invalidates these without
-        touching the recording's own."""
-        storages = [torch._C._construct_storage_from_data_pointer(ptr, device, nbytes) for ptr, nbytes in self.storages]
-        self.live = [StorageWeakRef(s) for s in storages]
-        self.given += self.live
-        if len(self.given) >= self.prune_given_at:  # else a long loop's outputs pile up, one entry each
-            self.any_given_alive()
-            self.prune_given_at = 2 * len(self.given) + _PRUNE_GIVEN_FROM  # amortized: not every replay
+    def give(self, device: torch.device) -> list:
+        """The outputs of a replay. Those at positions from `handed_from` on (every one where it is 0,
+        none where it is None) are handed out, on storages made for this replay: a later step
+        invalidates these without touching the recording's own. The others are fresh copies of the
+        storages they view, all made by one foreach copy; a storage is copied whole, so expanded
+        (stride 0) outputs and outputs viewing one another keep their layout and aliasing."""
+        cut = len(self.outputs) if self.handed_from is None else self.handed_from
         out = list(self.outputs)
-        for pos, number, meta in self.handed:
-            out[pos] = _on_storage(storages[number], meta)
+        handed = [entry for entry in self.handed if entry[0] >= cut]
+        if handed:
+            storages = {}
+            for _, number, _ in handed:
+                if number not in storages:
+                    ptr, nbytes = self.storages[number]
+                    storages[number] = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+            self.live = [StorageWeakRef(s) for s in storages.values()]
+            self.given += self.live
+            if len(self.given) >= self.prune_given_at:  # else a long loop's outputs pile up, one entry each
+                self.any_given_alive()
+                self.prune_given_at = 2 * len(self.given) + _PRUNE_GIVEN_FROM  # amortized: not every replay
+            for pos, number, meta in handed:
+                out[pos] = _on_storage(storages[number], meta)
+        copied = [entry for entry in self.handed if entry[0] < cut]
+        if copied:
+            sources: dict[int, Any] = {}
+            for pos, number, _ in copied:
+                sources.setdefault(number, self.outputs[pos].untyped_storage())
+            fresh = {number: torch.empty(s.nbytes(), dtype=torch.uint8, device=device) for number, s in sources.items()}
+            torch._foreach_copy_(list(fresh.values()), [_bytes(sources[number]) for number in fresh])
+            for pos, number, meta in copied:
+                out[pos] = _on_storage(fresh[number].untyped_storage(), meta)
         return out
 
-    def copies(self) -> list:
-        """The outputs, on fresh copies of the storages they view: what the host program returns. A
-        storage is copied whole, so expanded (stride 0) outputs and outputs viewing one another keep
-        their layout and aliasing."""
-        sources: dict[int, Any] = {}
-        for pos, number, _ in self.handed:
-            sources.setdefault(number, self.outputs[pos].untyped_storage())
-        fresh = {}
-        for number, source in sources.items():
-            fresh[number] = torch.UntypedStorage(source.nbytes(), device=source.device)
-            fresh[number].copy_(source)
-        out = list(self.outputs)
-        for pos, number, meta in self.handed:
-            out[pos] = _on_storage(fresh[number], meta)
-        return out
+
+def _bytes(storage) -> torch.Tensor:
+    """The storage's bytes as a uint8 tensor (what a foreach copy takes)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _on_storage(storage, meta: dict) -> torch.Tensor:
@@ -324,12 +351,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, index: Any) -> None:
 class Pool:
     """The memory pool and step bookkeeping of every graph one recorder records on one device."""
 
-    def __init__(self, recorder: Recorder, device: torch.device, hands_out: bool = True):
+    def __init__(self, recorder: Recorder, device: torch.device, with_steps: bool = True):
         self.recorder = recorder
         self.device = device
-        # False: a pool whose graphs return copies of their outputs (setting cudagraphs_default). No caller
-        # reads its memory, so it has no steps, and its replays never touch memory a caller reads.
-        self.hands_out = hands_out
+        # False: the pool of the default mode's graphs (setting cudagraphs_default), which return copies of
+        # what a caller keeps. Only autograd reads its memory, through the tensors a training forward saves
+        # for its backward, and a replay that could write over one still held runs without its graph, so
+        # it has no steps and nothing in it is ever invalidated.
+        self.with_steps = with_steps
         self.handle = recorder.new_pool()
         self.recordings: list[Recording] = []  # in the order they were recorded
         # Recordings made or released so far: a change to the pool's memory, which may move an input into
@@ -367,7 +396,7 @@ class Pool:
             return self._run(fn, args)
 
     def _run(self, fn: GraphedCall, args: list) -> list:
-        if self.hands_out:
+        if self.with_steps:
             self._maybe_begin_step()
         if self.dying:
             self._reap()
@@ -375,11 +404,15 @@ class Pool:
         if key is not None and rec is not None:
             rec.checked = self.changes  # found by its key: the last-call check may take it until the pool changes
         if rec is None:
+            if fn.default_mode and key in fn.seen and key not in fn.host_seconds:
+                return self._timed_plain(fn, key, args)
             rec = self._recording_for(fn, key, args)
             if rec is None:
                 return self._plain(fn, args)
         elif self._held_from(rec):
             fn.note_held()
+            if not self.with_steps:
+                self._copy_held(rec)
             return self._plain(fn, args)
         # Found as the last one replayed (no key): find() saw its table inputs where its tables point.
         return self._replay(fn, rec, args, tables_current=key is None)
@@ -399,6 +432,23 @@ class Pool:
         own, or one of a later recording's (which may lie in rec's temporaries)."""
         return any(r.held() for r in self.recordings[rec.index :])
 
+    def _copy_held(self, rec: Recording) -> None:
+        """The default mode hands a backward's gradients out over the pool's memory: in a loop that sets
+        them to None before the next step (`optimizer.zero_grad()`), nothing is copied. Where one is still
+        held when a replay could write over it (gradients accumulated over micro-batches, or `zero_grad`
+        called after the forward), that replay ran without its graph; the backward's replays copy its
+        gradients from then on, and its next replay is timed again (_keep_or_drop), since its copies now
+        cost device time."""
+        for r in self.recordings[rec.index :]:
+            if r.kind == "backward" and r.handed_from == 0 and r.held():
+                r.handed_from, r.judged = None, False
+                log.artifact(
+                    "cudagraphs",
+                    "backward graph",
+                    f"recording {r.index}: its gradients were still held when a replay could write over them; "
+                    "its replays copy them from now on",
+                )
+
     def _ran(self, fn: GraphedCall) -> None:
         if fn.kind == "forward":
             self.pending_backward = True
@@ -410,8 +460,50 @@ class Pool:
         self._ran(fn)
         return out
 
+    def _timed_plain(self, fn: GraphedCall, key: tuple, args: list) -> list:
+        """The default mode's second call of a key: the host program, timed on the host. Its time is
+        what the recording the next call makes must beat (_keep_or_drop); the first call's would count
+        one-time work (modules loaded, libraries set up)."""
+        start = time.perf_counter()
+        out = self._plain(fn, args)
+        fn.host_seconds[key] = time.perf_counter() - start
+        return out
+
+    def _keep_or_drop(self, fn: GraphedCall, rec: Recording, replay_s: float, copies_s: float) -> None:
+        """The default mode keeps a recording only where it pays. A call without it takes about the
+        larger of the host's time issuing its launches and the device's running them; with it, the
+        replay's device time plus the copies of what the caller keeps. Where the host's time is the
+        larger by more than the copies, the recording pays. Where the device's is (a GPU-bound graph), it
+        saves at most the gaps between launches, and the copies cost device time: it is kept only while
+        they take at most `copy_share` of the replay's time. A training step's host time lies mostly
+        outside its graphs (autograd, the optimizer), so a graph alone measures GPU-bound there even
+        where the step is not: that is what the share allows for."""
+        rec.judged = True
+        host_s = rec.host_seconds
+        pays = host_s > replay_s + copies_s or copies_s <= fn.copy_share * replay_s
+        said = (
+            f"replay {replay_s * 1e3:.3f} ms and copies of what the caller keeps {copies_s * 1e3:.3f} ms on "
+            f"the device, the host program {host_s * 1e3:.3f} ms on the host"
+        )
+        if pays:
+            log.artifact("cudagraphs", f"{fn.kind} graph", f"recording {rec.index} kept: {said}")
+            return
+        fn.unrecorded.add(rec.key)
+        fn.recordings.pop(rec.key, None)
+        fn.last = None
+        self.release([rec])
+        log.artifact(
+            "cudagraphs",
+            f"{fn.kind} graph",
+            f"recording {rec.index} dropped, it runs without CUDA graphs: {said} (the copies take more than "
+            f"{fn.copy_share:.0%} of the replay and the host is not the slower)",
+        )
+
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
-        """None: this call runs the host program (a warm-up, or past the bound)."""
+        """None: this call runs the host program (a warm-up, past the bound, or a key whose recording did
+        not pay in the default mode)."""
+        if key in fn.unrecorded:
+            return None
         if key not in fn.seen:
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
@@ -430,6 +522,7 @@ class Pool:
             fn.disable(f"its capture failed: {type(e).__name__}: {e}"[:300])
             return None
         fn.recordings[key] = rec
+        rec.key, rec.host_seconds, rec.handed_from = key, fn.host_seconds.get(key, 0.0), fn.handed_from
         log.artifact("cudagraphs", f"{fn.kind} graph", lambda: _recorded(rec, len(fn.recordings)))
         return rec
 
@@ -447,8 +540,12 @@ class Pool:
         tabled = _alone_in_storage(args, fn.table_inputs) if self.recorder.device_type == "cuda" else set()
         resident = self.resident()
         for k, a in enumerate(args):
-            if not isinstance(a, torch.Tensor) or k in fn.static:
+            if not isinstance(a, torch.Tensor):
                 inputs.append(a)
+            elif k in fn.static:
+                # A static input in the pool's memory (a saved tensor an earlier recording handed out) is held
+                # without owning it: holding it would keep that recording's output held, and it from replaying.
+                inputs.append(_unowned_view(a) if a.untyped_storage().data_ptr() in resident else a)
             elif k in tabled:
                 inputs.append(a)  # read where it is: each replay points the tables at the call's own
                 rebound.append(k)
@@ -557,12 +654,20 @@ class Pool:
                 if not ref.expired():
                     self.recorder.invalidate(ref.cdata, message)
             self.stale = []
-        self.recorder.replay(rec.graph)
+        judge = fn.default_mode and not rec.judged  # the default mode's first replay: timed
+        if judge:
+            _, replay_s = self.recorder.time_device(lambda: self.recorder.replay(rec.graph))
+        else:
+            self.recorder.replay(rec.graph)
         fn.last = rec
         for original, buffer in written_back:
             original.copy_(buffer)
         self._ran(fn)
-        return rec.copies() if fn.copy_outputs else rec.hand_out(self.device)
+        if not judge:
+            return rec.give(self.device)
+        out, copies_s = self.recorder.time_device(lambda: rec.give(self.device))
+        self._keep_or_drop(fn, rec, replay_s, copies_s)
+        return out
 
 
 _pools: dict[tuple[int, str, bool], Pool] = {}
@@ -571,11 +676,18 @@ _pools: dict[tuple[int, str, bool], Pool] = {}
 _lock = threading.Lock()
 
 
-def pool_for(recorder: Recorder, device: torch.device, hands_out: bool = True) -> Pool:
-    """The one pool of `recorder` on `device` whose graphs hand out their outputs (or copy them)."""
+def live_pools() -> list[Pool]:
+    """Every pool made so far (what a measurement of memory counts as CUDA graphs' own)."""
     with _lock:
-        key = (id(recorder), str(device), hands_out)
+        return list(_pools.values())
+
+
+def pool_for(recorder: Recorder, device: torch.device, with_steps: bool = True) -> Pool:
+    """The one pool of `recorder` on `device` whose graphs hand out their outputs under step rules (or,
+    `with_steps=False`, the default mode's, which copy what a caller keeps)."""
+    with _lock:
+        key = (id(recorder), str(device), with_steps)
         pool = _pools.get(key)
         if pool is None or pool.recorder is not recorder:
-            pool = _pools[key] = Pool(recorder, device, hands_out)
+            pool = _pools[key] = Pool(recorder, device, with_steps)
         return pool

@@ -80,6 +80,14 @@ class CudaRecorder:
     def invalidate(self, storage: int, message: str) -> None:
         torch._C._set_storage_data_ptr_access_error_msg(storage, message)
 
+    def time_device(self, run: Callable[[], Any]) -> tuple[Any, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = run()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
+
 
 _recorders: list[Recorder] = []
 _default_recorder: list[Recorder] = []
@@ -119,11 +127,18 @@ class CaptureFacts:
     extern_refusals: tuple[str, ...]
     mutated_inputs: tuple[int, ...]  # positions of inputs the graph writes (copy_ into them)
     symbolic: bool = False  # sizes vary from call to call: a recording is for one set of them
-    num_outputs: int = 0  # tensors the graph returns
+    kept_outputs: int = 0  # tensors the caller keeps: every output but those a training forward saves
+    # A training forward's outputs before the tensors it saves for its backward (None: every output).
+    returned: int | None = None
+    # The default mode's: the share of a replay's device time its copies may take where the host is not the
+    # slower (the target's graphs.default_copy_percent; Pool._keep_or_drop).
+    copy_share: float = 0.0
 
 
-def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFacts:
-    """The facts of the ATen graph `gm`, compiled for `device`."""
+def capture_facts(
+    gm: torch.fx.GraphModule, device: torch.device, returned: int | None = None, copy_share: float = 0.0
+) -> CaptureFacts:
+    """The facts of the ATen graph `gm`, compiled for `device`; `returned`, `copy_share`: as CaptureFacts says."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     positions = {n: k for k, n in enumerate(placeholders)}
     others, symbolic = [], False
@@ -147,9 +162,13 @@ def capture_facts(gm: torch.fx.GraphModule, device: torch.device) -> CaptureFact
         if node.target is torch.ops.aten.copy_.default and node.args[0] in positions:
             mutated.append(positions[node.args[0]])
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
-    returned = torch.fx.node.map_arg(outputs[0].args, lambda n: n) if outputs else ()
-    tensors = [n for n in torch.utils._pytree.tree_leaves(returned) if isinstance(n, torch.fx.Node)]
-    return CaptureFacts(str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic, len(tensors))
+    result = outputs[0].args[0] if outputs else ()
+    returned_nodes = list(result) if isinstance(result, (list, tuple)) else [result]
+    kept = list(returned_nodes[:returned] if returned is not None else returned_nodes)
+    tensors = [n for n in torch.utils._pytree.tree_leaves(kept) if isinstance(n, torch.fx.Node)]
+    return CaptureFacts(
+        str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic, len(tensors), returned, copy_share
+    )
 
 
 # Activation checkpointing saves the generator's state on the host before a random op it will
@@ -248,6 +267,19 @@ def static_inputs(gm: torch.fx.GraphModule, kind: str) -> list[int]:
     return list(getattr(metadata, "static_input_indices", None) or ())
 
 
+def forward_returns(kind: str) -> int | None:
+    """A training forward's outputs before the tensors it saves for its backward (AOTAutograd's
+    mutated inputs, user outputs, their bases and an RNG offset); None for other graphs, or where
+    AOTAutograd does not say. A wrong count costs speed, never a wrong answer: an output counted
+    as saved is handed out and, while its caller holds it, keeps the graph from replaying; a saved
+    one counted as returned is copied."""
+    if kind != "forward":
+        return None
+    context = torch._guards.TracingContext.try_get()
+    count = getattr(getattr(context, "fw_metadata", None), "num_forward", None)
+    return count if isinstance(count, int) else None
+
+
 class Graphed:
     """A compiled graph under CUDA graphs, called by AOTAutograd with a list of inputs."""
 
@@ -259,7 +291,9 @@ class Graphed:
         mutated: Sequence[int],
         pool: Pool,
         symbolic: bool = True,
-        copy_outputs: bool = False,
+        default_mode: bool = False,
+        returned: int | None = None,
+        copy_share: float = 0.0,
     ):
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
         self.program = program
@@ -270,8 +304,15 @@ class Graphed:
         self.static = frozenset(static)
         self.table_inputs = frozenset(getattr(program, "table_inputs", ()))
         self.symbolic = symbolic
-        # The default mode's graphs (setting cudagraphs_default) return copies, and log rather than warn.
-        self.copy_outputs = copy_outputs
+        # The default mode's graphs (setting cudagraphs_default) return copies of what the caller keeps:
+        # all of an inference graph's outputs, a training forward's before its saved tensors (`returned`),
+        # which only its backward reads. A backward hands its gradients out until one is found held
+        # (Pool._copy_held). They log rather than warn.
+        self.default_mode = default_mode
+        self.handed_from = {"forward": returned, "backward": 0}.get(kind) if default_mode else 0
+        self.copy_share = copy_share  # Pool._keep_or_drop
+        self.host_seconds: dict[tuple, float] = {}
+        self.unrecorded: set[tuple] = set()
         self.mutated = tuple(mutated)
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")
@@ -338,7 +379,7 @@ class Graphed:
         self.last = None
         if self.report is not None:
             self.report.cudagraphs = f"off: {reason}"
-        if self.copy_outputs:
+        if self.default_mode:
             log.artifact("cudagraphs", f"{self.kind} graph", reason)
         else:
             article = "an" if self.kind[:1] in "aeiou" else "a"
@@ -347,12 +388,18 @@ class Graphed:
     def note_held(self) -> None:
         if not self._held_noted:
             self._held_noted = True
+            advice = (
+                ""
+                if self.default_mode
+                else " (call torch.compiler.cudagraph_mark_step_begin() between steps, or drop the outputs "
+                "before calling again)"
+            )
+            when = "" if self.default_mode else " in the same step"
             log.artifact(
                 "cudagraphs",
                 f"{self.kind} graph",
-                "called again in the same step while an output it could overwrite is still held: that "
-                "call ran without its CUDA graph (call torch.compiler.cudagraph_mark_step_begin() "
-                "between steps, or drop the outputs before calling again)",
+                f"called again{when} while an output it could overwrite is still held: that call ran without "
+                f"its CUDA graph{advice}",
             )
 
     def note_unsuited(self) -> None:
@@ -375,8 +422,11 @@ def graphed(
 ) -> Callable:
     """`program` under CUDA graphs where it can be captured; else `program` itself, with the reason
     logged and in its report. `default_mode`: graphs the caller did not ask for (setting
-    cudagraphs_default), whose outputs are copies: only where that saves launches."""
+    cudagraphs_default), which return copies of what the caller keeps: only where that saves launches,
+    and never for a graph on another device than the recorder's (nothing to say of a CPU graph)."""
     recorder = current_recorder()
+    if default_mode and torch.device(facts.device).type != recorder.device_type:
+        return program
     report = getattr(program, "report", None)
     fallback = getattr(report, "fallback", None)
     reasons = refusals(None if fallback else facts, recorder.device_type, fallback)
@@ -393,22 +443,34 @@ def graphed(
         through = (
             f", up to {len(tabled)} read through address tables" if tabled and recorder.device_type == "cuda" else ""
         )
-        report.cudagraphs = f"on ({len(static)} static inputs{through})"
+        copies = ", outputs copied" if default_mode else ""
+        report.cudagraphs = f"on ({len(static)} static inputs{through}{copies})"
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    pool = pool_for(recorder, device, hands_out=not default_mode)
-    return Graphed(program, kind, static, facts.mutated_inputs, pool, facts.symbolic, copy_outputs=default_mode)
+    pool = pool_for(recorder, device, with_steps=not default_mode)
+    return Graphed(
+        program,
+        kind,
+        static,
+        facts.mutated_inputs,
+        pool,
+        facts.symbolic,
+        default_mode,
+        facts.returned,
+        facts.copy_share,
+    )
 
 
 def _default_mode_refusals(facts: CaptureFacts, report) -> list[str]:
-    """Why the default mode does not record a graph it could capture: its outputs must be fresh
-    tensors, so each costs a copy after the replay; that pays only where it replaces more launches.
-    Only inference graphs come here (frontend/backend.py): a training graph's saved activations would
-    be copied each step."""
+    """Why the default mode does not record a graph it could capture: what its caller keeps must be
+    fresh tensors, so a replay is followed by a copy of them; that pays only where it replaces more
+    launches than there are tensors to copy. A training forward's saved tensors are not copied: only
+    its backward reads them, and a replay that could write over one still held (two forwards before
+    a backward) runs without the graph."""
     if facts.symbolic:
         return ["default mode: sizes vary from call to call"]
     launches = len(report.kernels) + len(report.externs) if report is not None else 0
-    if launches <= facts.num_outputs:
-        return [f"default mode: {launches} launches, {facts.num_outputs} outputs to copy"]
+    if launches <= facts.kept_outputs:
+        return [f"default mode: {launches} launches, {facts.kept_outputs} outputs to copy"]
     return []

@@ -38,6 +38,7 @@ class FakeRecorder:
         self.recorded: list[FakeGraph] = []
         self.replays = 0
         self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
+        self.device_seconds: list[float] = []
 
     def new_pool(self):
         self.pools.append(f"pool {len(self.pools)}")
@@ -62,6 +63,10 @@ class FakeRecorder:
 
     def invalidate(self, storage, message):
         self.invalidated[storage] = message
+
+    def time_device(self, run):
+        # What the device would spend: `device_seconds`, taken in turn (a replay, then its copies), else 0.
+        return run(), (self.device_seconds.pop(0) if self.device_seconds else 0.0)
 
 
 @pytest.fixture
@@ -178,9 +183,131 @@ def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
         for i, (x, y) in enumerate(zip(xs, outs)):
             assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
     assert recorder.replays >= 4 and not recorder.invalidated, line
-    assert not cg.pool_for(recorder, CPU).recordings and cg.pool_for(recorder, CPU, hands_out=False).recordings, line
-    compiled(xs[0]).sum().backward()  # training graphs are not recorded in the default mode
-    assert len(recorder.recorded) == 1, line
+    assert not cg.pool_for(recorder, CPU).recordings and cg.pool_for(recorder, CPU, with_steps=False).recordings, line
+
+
+def _sgd_loop(model, steps: int, pattern: str, compiled=None) -> list[float]:
+    """A training loop of `steps` SGD steps in one of the ways users write one; the losses it kept."""
+    f = compiled or model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        if pattern == "accumulate":  # two micro-batches a step, the gradients summed in .grad
+            opt.zero_grad(set_to_none=True)
+            for _ in range(2):
+                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+        else:
+            if pattern == "zero before backward":  # the gradients of the last step held through the forward
+                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
+                opt.zero_grad(set_to_none=True)
+            elif pattern == "zero in place":  # the .grad tensors of the first step kept for good
+                opt.zero_grad(set_to_none=False)
+                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
+            else:  # "set to none", the loop most code writes
+                opt.zero_grad(set_to_none=True)
+                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
+            loss.backward()
+            losses.append(loss.detach())  # held, as a loss kept for logging is: it must stay as it was
+        opt.step()
+    return [float(x) for x in losses]
+
+
+@pytest.mark.parametrize("pattern", ["set to none", "zero before backward", "zero in place", "accumulate"])
+def test_default_mode_records_training_steps_that_train_as_eager(recorder, pattern):
+    """In the default mode a training step's forward and backward are recorded too. The loss is a fresh
+    copy; the tensors the forward saves for its backward and the backward's gradients are the pool's
+    memory, which a replay never writes while one is held: where a gradient is held when a replay
+    could write over it, the backward copies its gradients from then on."""
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    line = repro(program="mlp, SGD", loop=pattern, steps=8, cudagraphs_default=True)
+    losses = _sgd_loop(model, 8, pattern, compiled)
+    expected = _sgd_loop(reference, 8, pattern)
+    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-6), line
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        assert_close(p, r, rtol=1e-4, atol=1e-5, what=f"{name} after 8 steps", line=line)
+    pool = cg.pool_for(recorder, CPU, with_steps=False)
+    assert [r.kind for r in pool.recordings] == ["forward", "backward"] and recorder.replays >= 4, line
+    assert not recorder.invalidated and not cg.pool_for(recorder, CPU).recordings, line
+    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    backward = pool.recordings[1]
+    if pattern == "set to none":  # nothing held into the next step: the gradients are the pool's, not copied
+        assert grads <= pool.resident() and backward.handed_from == 0, line
+    elif pattern == "zero in place":  # .grad tensors of the first step's plain run, added into in place
+        assert grads and not grads & pool.resident() and backward.handed_from == 0, line
+    else:  # a replay found one held: copies from then on
+        assert grads and not grads & pool.resident() and backward.handed_from is None, line
+    forward = pool.recordings[0]
+    saved = {number for pos, number, _ in forward.handed if pos >= 1}  # outputs past the loss: saved tensors
+    assert saved and {number for pos, number, _ in forward.handed if pos == 0}.isdisjoint(saved), line
+    assert forward.live, line  # the saved tensors were handed out, not copied
+
+
+def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tmp_path):
+    from torch._dynamo.utils import counters
+
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    line = repro(program="mlp, SGD, compiled twice", cache="AOTAutograd's", cudagraphs_default=True)
+    with config.override(cache_dir=str(tmp_path)):
+        for compile_number in range(2):
+            torch._dynamo.reset()
+            hits = counters["aot_autograd"]["autograd_cache_hit"]
+            losses = _sgd_loop(model, 6, "set to none", ember_compile(model, "cpp", cudagraphs_default=True))
+            assert losses == pytest.approx(_sgd_loop(reference, 6, "set to none"), rel=1e-4, abs=1e-6), line
+    assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1, line  # the second compile loaded both graphs
+    pool = cg.pool_for(recorder, CPU, with_steps=False)
+    assert [r.kind for r in pool.recordings[-2:]] == ["forward", "backward"] and len(pool.recordings) == 4, line
+    assert recorder.replays >= 8, line  # 2 replays of each graph of each compile at least
+
+
+@pytest.mark.parametrize(
+    ("replay_s", "copies_s", "kept"),
+    [
+        (1.0, 0.2, False),  # the device is the slower and the copies take 20% of the replay: dropped
+        (1.0, 0.01, True),  # the copies take 1%: kept
+        (1e-9, 1e-9, True),  # the host program takes longer than replay and copies together: kept
+    ],
+)
+def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, copies_s, kept):
+    """The first replay of a default-mode recording is timed on the device (the fake recorder says how
+    long), beside the host program's time on the call before it; a recording that does not pay is
+    dropped, and that graph runs its host program from then on, recording nothing more."""
+    model = _mlp()
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    recorder.device_seconds = [replay_s, copies_s]
+    line = repro(program="Linear(8,16)-relu-Linear(16,4)", replay_s=replay_s, copies_s=copies_s)
+    xs = torch.randn(8, 2, 8)
+    with torch.no_grad():
+        outs = [compiled(x) for x in xs]
+        for i, (x, y) in enumerate(zip(xs, outs)):
+            assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"call {i}", line=line)
+    pool = cg.pool_for(recorder, CPU, with_steps=False)
+    assert len(recorder.recorded) == 1, line  # warm-up, timed host program, recorded on the third call
+    assert recorder.replays == (6 if kept else 1), line
+    assert pool.recordings[0].judged and pool.recordings[0].released is not kept, line
+
+
+def test_default_mode_saved_tensors_held_keep_the_forward_from_replaying(recorder):
+    """Two forwards before one backward: the second runs while the first one's saved tensors are held,
+    so it runs without its graph, and both gradients are eager's."""
+    model, reference = _mlp(), _mlp()
+    reference.load_state_dict(model.state_dict())
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    line = repro(program="(f(a)^2).mean() + |f(b)|.mean(), one backward", steps=4, cudagraphs_default=True)
+    for step in range(4):
+        a, b = torch.randn(4, 8), torch.randn(4, 8)
+        for m, f in ((model, compiled), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            (f(a).square().mean() + f(b).abs().mean()).backward()
+        for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+            assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, what=f"step {step} grad {name}", line=line)
+    forward = cg.pool_for(recorder, CPU, with_steps=False).recordings[0]
+    assert forward.kind == "forward" and recorder.replays > 0, line
 
 
 def test_two_forwards_before_one_backward_match_eager(recorder):

@@ -273,7 +273,8 @@ def _time_steps(steps: dict, inputs: tuple, input_sets: list, record: dict, s: S
         if parts:  # GPU: the call's time is the larger of these two
             result["device_ms"] = statistics.median(p["device_ms"] for p in parts)
             result["host_ms"] = statistics.median(p["host_ms"] for p in parts)
-        result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device)
+        pools = measure.graph_pools(name, s.device)
+        result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device, pools)
         result["busy_ms"] = measure.busy_ms(steps[name], input_sets, s.device)
 
 

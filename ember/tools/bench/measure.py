@@ -394,24 +394,76 @@ def busy_ms(step: Callable, input_sets: list[tuple], device: torch.device, calls
     return sum(e.device_time for e in prof.events() if e.device_type == cuda) / 1000 / calls
 
 
-def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device) -> float | None:
+def peak_memory_mb(step: Callable, inputs: tuple, device: torch.device, pools: frozenset = frozenset()) -> float | None:
     """The most memory allocated during one call, over what was allocated before it (MB).
 
-    GPU: the caching allocator's peak. CPU: PyTorch keeps no CPU peak, so the call runs under
-    torch.profiler with profile_memory, and the peak is the running sum of the ops' allocations
-    and frees in time order (an estimate at op granularity; memory allocated outside PyTorch's
-    allocator, e.g. inside a C++ kernel, is not seen).
+    GPU: the caching allocator's peak. The private memory pools of the step's CUDA graphs (`pools`,
+    as `graph_pools` finds them) are the step's own memory, held from their recording on, which no
+    other allocation can use: their blocks count whole (those allocated before the call are left
+    out of the base, the free ones are added), so a compiler that replays graphs is not measured
+    below one that does not. CPU: PyTorch keeps no CPU peak,
+    so the call runs under torch.profiler with profile_memory, and the peak is the running sum of
+    the ops' allocations and frees in time order (an estimate at op granularity; memory allocated
+    outside PyTorch's allocator, e.g. inside a C++ kernel, is not seen).
     """
     if device.type != "cuda":
         return _cpu_peak_mb(step, inputs)
     sync(device)
-    base = torch.cuda.memory_allocated(device)
+    pooled_before, _ = _private_pool_bytes(device, pools)
+    base = torch.cuda.memory_allocated(device) - pooled_before
     torch.cuda.reset_peak_memory_stats(device)
     out = step(*inputs)
     sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
+    _, pool_free = _private_pool_bytes(device, pools)
+    peak = torch.cuda.max_memory_allocated(device) - base + pool_free
     del out
     return peak / 1e6
+
+
+def _private_pool_bytes(device: torch.device, pools: frozenset) -> tuple[int, int]:
+    """(allocated, free) bytes of these private memory pools on the device (the caching allocator's
+    snapshot marks each segment with its pool)."""
+    if not pools:
+        return 0, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    allocated = free = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") != index or tuple(segment.get("segment_pool_id") or ()) not in pools:
+            continue
+        for block in segment.get("blocks", ()):
+            if block.get("state") == "active_allocated":
+                allocated += block["size"]
+            else:
+                free += block["size"]
+    return allocated, free
+
+
+def graph_pools(compiler: str, device: torch.device) -> frozenset:
+    """The private memory pools of a compiler's CUDA graphs on the device: ember's default mode records
+    into a pool of its own, its reduce-overhead and max-autotune into another; Inductor's CUDA graph
+    trees (reduce-overhead, max-autotune) keep one per device."""
+    if device.type != "cuda":
+        return frozenset()
+    name, _, mode = compiler.partition(":")
+    graphs_asked = mode in ("reduce-overhead", "max-autotune")
+    if name == "ember":
+        from ember.runtime.cudagraph_pool import live_pools
+
+        # A pool none of whose recordings is alive is only cached memory: the allocator frees it when it
+        # runs short, as it does its own cache, which no compiler's peak counts.
+        return frozenset(
+            tuple(p.handle)
+            for p in live_pools()
+            if p.with_steps == graphs_asked and any(not r.released for r in p.recordings)
+        )
+    if name == "inductor" and graphs_asked:
+        from torch._inductor import cudagraph_trees
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = getattr(cudagraph_trees.get_container(index), "tree_manager", None)
+        handle = getattr(manager, "cuda_graphs_thread_pool", None)
+        return frozenset([tuple(handle)]) if handle is not None else frozenset()
+    return frozenset()
 
 
 def quiet_kineto() -> None:
