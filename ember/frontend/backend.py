@@ -94,8 +94,9 @@ def _capture(gm: torch.fx.GraphModule, example_inputs, kind: str) -> tuple | Non
         config.get("cudagraphs_default") and device.type == current_recorder().device_type
     ):
         return None
-    share = select_backend(device).target().heuristics.graphs.default_copy_percent / 100
-    return tuple(static_inputs(gm, kind)), capture_facts(gm, device, forward_returns(kind), share)
+    target = select_backend(device).target()
+    share = target.heuristics.graphs.default_copy_percent / 100
+    return tuple(static_inputs(gm, kind)), capture_facts(gm, device, forward_returns(kind), share, target.bandwidth)
 
 
 def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:

@@ -71,6 +71,7 @@ class GraphedCall(Protocol):
     # the host program's time on a call of the same key.
     default_mode: bool
     copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
+    copy_bandwidth: float  # bytes/s of a large copy on the device (the Target's measured one; 0: unknown)
     host_seconds: dict  # key -> the host program's time on its second call
     unrecorded: set  # keys whose recording did not pay: they run the host program
     recordings: dict
@@ -204,6 +205,11 @@ class Recording:
         self.graph, self.inputs, self.outputs, self.copy_in, self.copy_whole = None, [], [], [], []
         self.tables = []
         self.live, self.given, self.released = [], [], True
+
+    def copied_bytes(self) -> int:
+        """The bytes a replay's copies read (give(): the storages of the outputs before `handed_from`)."""
+        cut = len(self.outputs) if self.handed_from is None else self.handed_from
+        return sum(self.storages[number][1] for number in {number for pos, number, _ in self.handed if pos < cut})
 
     def give(self, device: torch.device) -> list:
         """The outputs of a replay. Those at positions from `handed_from` on (every one where it is 0,
@@ -665,7 +671,10 @@ class Pool:
         self._ran(fn)
         if not judge:
             return rec.give(self.device)
-        out, copies_s = self.recorder.time_device(lambda: rec.give(self.device))
+        # The copies' time from their bytes (read and written) at the device's measured copy bandwidth: timed
+        # with events, a few small copies would read as the host's time issuing them, the device idle meanwhile.
+        copies_s = 2 * rec.copied_bytes() / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
+        out = rec.give(self.device)
         self._keep_or_drop(fn, rec, replay_s, copies_s)
         return out
 

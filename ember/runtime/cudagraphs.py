@@ -133,12 +133,17 @@ class CaptureFacts:
     # The default mode's: the share of a replay's device time its copies may take where the host is not the
     # slower (the target's graphs.default_copy_percent; Pool._keep_or_drop).
     copy_share: float = 0.0
+    copy_bandwidth: float = 0.0  # the device's, bytes/s (the Target's measured one): what the copies take
 
 
 def capture_facts(
-    gm: torch.fx.GraphModule, device: torch.device, returned: int | None = None, copy_share: float = 0.0
+    gm: torch.fx.GraphModule,
+    device: torch.device,
+    returned: int | None = None,
+    copy_share: float = 0.0,
+    copy_bandwidth: float = 0.0,
 ) -> CaptureFacts:
-    """The facts of the ATen graph `gm`, compiled for `device`; `returned`, `copy_share`: as CaptureFacts says."""
+    """The facts of the ATen graph `gm`, compiled for `device`; the others: as CaptureFacts says."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     positions = {n: k for k, n in enumerate(placeholders)}
     others, symbolic = [], False
@@ -167,7 +172,15 @@ def capture_facts(
     kept = list(returned_nodes[:returned] if returned is not None else returned_nodes)
     tensors = [n for n in torch.utils._pytree.tree_leaves(kept) if isinstance(n, torch.fx.Node)]
     return CaptureFacts(
-        str(device), tuple(others), tuple(reasons), tuple(mutated), symbolic, len(tensors), returned, copy_share
+        str(device),
+        tuple(others),
+        tuple(reasons),
+        tuple(mutated),
+        symbolic,
+        len(tensors),
+        returned,
+        copy_share,
+        copy_bandwidth,
     )
 
 
@@ -294,6 +307,7 @@ class Graphed:
         default_mode: bool = False,
         returned: int | None = None,
         copy_share: float = 0.0,
+        copy_bandwidth: float = 0.0,
     ):
         self._boxed_call = True  # an instance attribute: see pipeline.CompiledGraph
         self.program = program
@@ -310,7 +324,7 @@ class Graphed:
         # (Pool._copy_held). They log rather than warn.
         self.default_mode = default_mode
         self.handed_from = {"forward": returned, "backward": 0}.get(kind) if default_mode else 0
-        self.copy_share = copy_share  # Pool._keep_or_drop
+        self.copy_share, self.copy_bandwidth = copy_share, copy_bandwidth  # Pool._keep_or_drop
         self.host_seconds: dict[tuple, float] = {}
         self.unrecorded: set[tuple] = set()
         self.mutated = tuple(mutated)
@@ -459,6 +473,7 @@ def graphed(
         default_mode,
         facts.returned,
         facts.copy_share,
+        facts.copy_bandwidth,
     )
 
 

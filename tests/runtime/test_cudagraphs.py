@@ -266,30 +266,39 @@ def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tm
 
 
 @pytest.mark.parametrize(
-    ("replay_s", "copies_s", "kept"),
+    ("replay_s", "bandwidth", "kept"),
     [
-        (1.0, 0.2, False),  # the device is the slower and the copies take 20% of the replay: dropped
-        (1.0, 0.01, True),  # the copies take 1%: kept
-        (1e-9, 1e-9, True),  # the host program takes longer than replay and copies together: kept
+        (1.0, 100.0, False),  # the device is the slower, the copies (24 bytes at 100 B/s) 24% of the replay
+        (1.0, 1e12, True),  # the copies take a negligible share of the replay: kept
+        (1e-9, 2.4e9, True),  # copies 10x the replay, but the host program is the slower: kept
     ],
 )
-def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, copies_s, kept):
+def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, bandwidth, kept):
     """The first replay of a default-mode recording is timed on the device (the fake recorder says how
-    long), beside the host program's time on the call before it; a recording that does not pay is
-    dropped, and that graph runs its host program from then on, recording nothing more."""
-    model = _mlp()
-    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    recorder.device_seconds = [replay_s, copies_s]
-    line = repro(program="Linear(8,16)-relu-Linear(16,4)", replay_s=replay_s, copies_s=copies_s)
-    xs = torch.randn(8, 2, 8)
-    with torch.no_grad():
-        outs = [compiled(x) for x in xs]
-        for i, (x, y) in enumerate(zip(xs, outs)):
-            assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"call {i}", line=line)
-    pool = cg.pool_for(recorder, CPU, with_steps=False)
+    long), its copies reckoned from their bytes at the device's bandwidth, beside the host program's
+    time on the call before it. A recording that does not pay is dropped, and that graph runs its host
+    program from then on, recording nothing more."""
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+    fn = cg.Graphed(_fresh, "inference", (), (), pool, False, True, None, 0.05, bandwidth)
+    recorder.device_seconds = [replay_s]
+    line = repro(program="x * 2, f32[3]", replay_s=replay_s, bandwidth=bandwidth)
+    outs = [fn([torch.full((3,), float(i))])[0] for i in range(8)]
+    assert [o.tolist() for o in outs] == [[2.0 * i] * 3 for i in range(8)], line  # fresh tensors, every one
     assert len(recorder.recorded) == 1, line  # warm-up, timed host program, recorded on the third call
-    assert recorder.replays == (6 if kept else 1), line
-    assert pool.recordings[0].judged and pool.recordings[0].released is not kept, line
+    assert recorder.replays == (6 if kept else 1) and pool.recordings[0].judged, line
+    assert pool.recordings[0].released is not kept and fn.host_seconds, line
+
+
+def test_default_mode_takes_the_target_s_bandwidth_and_share(recorder):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ember.frontend.backend import _capture
+
+    x = torch.randn(4, 8)
+    gm = make_fx(lambda x: ((x * 2).relu(),))(x)
+    with config.override(cudagraphs_default=True):
+        static, facts = _capture(gm, [x], "inference")
+    assert static == () and facts.copy_share == 0.05 and facts.copy_bandwidth > 0 and facts.kept_outputs == 1
 
 
 def test_default_mode_saved_tensors_held_keep_the_forward_from_replaying(recorder):
