@@ -64,7 +64,7 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
             if isinstance(program, EagerGraph) or isinstance(getattr(program, "program", None), EagerGraph):
                 fell_back.append(kind)  # (a FrozenGraph's main graph too: Dynamo's graph runs in its place)
             capture = None if isinstance(program, FrozenGraph) else _capture(gm, example_inputs, kind)
-            if capture is not None:
+            if capture is not None and (config.get("cudagraphs") or config.get("cudagraphs_default")):
                 from ember.runtime.cudagraphs import graphed
 
                 program = graphed(program, kind, *capture, default_mode=not config.get("cudagraphs"))
@@ -83,20 +83,20 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
 
 
 def _capture(gm: torch.fx.GraphModule, example_inputs, kind: str) -> tuple | None:
-    """(static input positions, CaptureFacts) of a graph to run under CUDA graphs: every graph under
-    `cudagraphs`; under `cudagraphs_default` alone, those on the recorder's device (kept in
-    AOTAutograd's cache entry, so that a graph it loads is recorded too). None: neither applies."""
+    """(static input positions, CaptureFacts) of a graph CUDA graphs may record: every graph under
+    `cudagraphs` (which refuses the others with their reason), else those on the recorder's device,
+    whatever `cudagraphs_default` says (AOTAutograd's cache entry keeps them, and a later compile that
+    loads it may have the setting on). None: neither applies."""
     from ember.pipeline import graph_device, select_backend
-    from ember.runtime.cudagraphs import capture_facts, current_recorder, forward_returns, static_inputs
+    from ember.runtime.cudagraphs import capture_facts, copied_below, current_recorder, static_inputs
 
     device = graph_device(gm, example_inputs)
-    if not config.get("cudagraphs") and not (
-        config.get("cudagraphs_default") and device.type == current_recorder().device_type
-    ):
+    if not config.get("cudagraphs") and device.type != current_recorder().device_type:
         return None
     target = select_backend(device).target()
     share = target.heuristics.graphs.default_copy_percent / 100
-    return tuple(static_inputs(gm, kind)), capture_facts(gm, device, forward_returns(kind), share, target.bandwidth)
+    facts = capture_facts(gm, device, copied_below(kind), share, target.bandwidth)
+    return tuple(static_inputs(gm, kind)), facts
 
 
 def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:

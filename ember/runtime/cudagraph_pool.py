@@ -53,6 +53,9 @@ class Recorder(Protocol):
     def time_device(self, run: Callable[[], Any]) -> tuple[Any, float]:
         """(run(), the seconds the device spends on the work it issues): waits for that work."""
 
+    def stream(self) -> Any:
+        """The stream work is issued on now (compared for equality only)."""
+
 
 class GraphedCall(Protocol):
     """What the pool reads and calls of a compiled graph under CUDA graphs (cudagraphs.Graphed)."""
@@ -72,8 +75,7 @@ class GraphedCall(Protocol):
     default_mode: bool
     copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
     copy_bandwidth: float  # bytes/s of a large copy on the device (the Target's measured one; 0: unknown)
-    host_seconds: dict  # key -> the host program's time on its second call
-    unrecorded: set  # keys whose recording did not pay: they run the host program
+    host_seconds: dict[tuple, float]  # key -> the host program's time on its second call
     recordings: dict
     seen: set
     last: Any
@@ -88,6 +90,8 @@ class GraphedCall(Protocol):
     def note_held(self) -> None: ...
 
     def note_unsuited(self) -> None: ...
+
+    def note_other_stream(self) -> None: ...
 
 
 # -- steps ---------------------------------------------------------------------------------------
@@ -161,6 +165,10 @@ class Recording:
     outputs: list  # as recorded: their memory stays allocated while the recording lives
     storages: list[tuple[int, int]]  # (data pointer, bytes) of each pool storage an output views
     handed: list[tuple[int, int, dict]]  # (output position, storage number, tensor metadata)
+    # Outputs over a static input's or an in-pool input's memory: (output position, input position, metadata).
+    # Each replay rebuilds them on the storage of the caller's tensor itself, so that whatever tracks that
+    # storage (the recording that handed it out) sees them held.
+    aliased: list[tuple[int, int, dict]] = field(default_factory=list)
     # What a call must match to replay it, checked before building a key: the static tensors' positions,
     # each input's address (0 where not static) and the other tensors' strides.
     static_tensors: list[int] = field(default_factory=list)
@@ -180,9 +188,8 @@ class Recording:
     in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
     copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
-    # The default mode's: the key it was recorded for, the host program's time on a call of that key, and
-    # whether its first replay was timed and the recording kept.
-    key: tuple = ()
+    # The default mode's: the host program's time on a call of its key, and whether its first replay (since
+    # its copies last changed) was timed and the recording kept.
     host_seconds: float = 0.0
     judged: bool = False
     handed_from: int | None = 0  # as GraphedCall says; a default-mode backward's turns None (_copy_held)
@@ -206,19 +213,26 @@ class Recording:
         self.tables = []
         self.live, self.given, self.released = [], [], True
 
+    def _copied_below(self) -> int:
+        """The outputs before this position are copied (give())."""
+        return len(self.outputs) if self.handed_from is None else self.handed_from
+
     def copied_bytes(self) -> int:
         """The bytes a replay's copies read (give(): the storages of the outputs before `handed_from`)."""
-        cut = len(self.outputs) if self.handed_from is None else self.handed_from
+        cut = self._copied_below()
         return sum(self.storages[number][1] for number in {number for pos, number, _ in self.handed if pos < cut})
 
-    def give(self, device: torch.device) -> list:
+    def give(self, device: torch.device, sources: list) -> list:
         """The outputs of a replay. Those at positions from `handed_from` on (every one where it is 0,
         none where it is None) are handed out, on storages made for this replay: a later step
         invalidates these without touching the recording's own. The others are fresh copies of the
         storages they view, all made by one foreach copy; a storage is copied whole, so expanded
-        (stride 0) outputs and outputs viewing one another keep their layout and aliasing."""
-        cut = len(self.outputs) if self.handed_from is None else self.handed_from
+        (stride 0) outputs and outputs viewing one another keep their layout and aliasing. An output over
+        a static or in-pool input's memory is made on `sources`, the storages of this call's inputs."""
+        cut = self._copied_below()
         out = list(self.outputs)
+        for (pos, _, meta), storage in zip(self.aliased, sources, strict=True):
+            out[pos] = _on_caller_storage(storage, meta)
         handed = [entry for entry in self.handed if entry[0] >= cut]
         if handed:
             storages = {}
@@ -243,6 +257,14 @@ class Recording:
             for pos, number, meta in copied:
                 out[pos] = _on_storage(fresh[number].untyped_storage(), meta)
         return out
+
+
+def _on_caller_storage(storage, meta: dict) -> torch.Tensor:
+    """The output `meta` describes, remade over the caller's storage of the input it views. The call's
+    key holds that input's address, not its storage's start: the offset is taken from the addresses."""
+    itemsize = meta["dtype"].itemsize
+    offset = (meta["data_ptr"] + meta["storage_offset"] * itemsize - storage.data_ptr()) // itemsize
+    return _on_storage(storage, {**meta, "storage_offset": offset})
 
 
 def _bytes(storage) -> torch.Tensor:
@@ -372,6 +394,10 @@ class Pool:
         self.changes = 0
         self._resident: tuple[int, frozenset[int]] = (-1, frozenset())  # (changes, resident()) when last found
         self.generation: int | None = None
+        # The default mode's pool: the stream its first recording was made on. Its replays and their copies are
+        # ordered by that stream alone; a call on another could overwrite outputs or buffers a replay queued
+        # there has not yet read, so it runs its host program (whose memory the allocator orders across streams).
+        self.stream: Any = None
         self.pending_backward = False  # a forward ran whose backward has not
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
         self.stale: list[tuple[StorageWeakRef, str]] = []
@@ -406,6 +432,9 @@ class Pool:
             self._maybe_begin_step()
         if self.dying:
             self._reap()
+        if not self.with_steps and self.stream is not None and self.recorder.stream() != self.stream:
+            fn.note_other_stream()
+            return self._plain(fn, args)
         key, rec = fn.find(args)
         if key is not None and rec is not None:
             rec.checked = self.changes  # found by its key: the last-call check may take it until the pool changes
@@ -494,22 +523,15 @@ class Pool:
         if pays:
             log.artifact("cudagraphs", f"{fn.kind} graph", f"recording {rec.index} kept: {said}")
             return
-        fn.unrecorded.add(rec.key)
-        fn.recordings.pop(rec.key, None)
-        fn.last = None
-        self.release([rec])
-        log.artifact(
-            "cudagraphs",
-            f"{fn.kind} graph",
-            f"recording {rec.index} dropped, it runs without CUDA graphs: {said} (the copies take more than "
-            f"{fn.copy_share:.0%} of the replay and the host is not the slower)",
+        # The graph runs its host program from here on, building no key per call; its recordings are released
+        # once no tensor they handed out is held (the saved tensors of this very call, until its backward).
+        fn.disable(
+            f"recording {rec.index} dropped: {said} (the copies take more than {fn.copy_share:.0%} of the "
+            "replay and the host is not the slower)"
         )
 
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
-        """None: this call runs the host program (a warm-up, past the bound, or a key whose recording did
-        not pay in the default mode)."""
-        if key in fn.unrecorded:
-            return None
+        """None: this call runs the host program (a warm-up, or past the bound)."""
         if key not in fn.seen:
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
@@ -528,7 +550,7 @@ class Pool:
             fn.disable(f"its capture failed: {type(e).__name__}: {e}"[:300])
             return None
         fn.recordings[key] = rec
-        rec.key, rec.host_seconds, rec.handed_from = key, fn.host_seconds.get(key, 0.0), fn.handed_from
+        rec.host_seconds, rec.handed_from = fn.host_seconds.get(key, 0.0), fn.handed_from
         log.artifact("cudagraphs", f"{fn.kind} graph", lambda: _recorded(rec, len(fn.recordings)))
         return rec
 
@@ -575,6 +597,8 @@ class Pool:
             log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
+        if self.stream is None:
+            self.stream = self.recorder.stream()
         _capture.scope = scope = CaptureScope(
             {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound}
         )
@@ -593,19 +617,20 @@ class Pool:
         # recording's, which every replay writes: an output viewing it (a forward's saved input, a backward's
         # incoming gradient) is handed out like a pool output.
         caller_storages = {
-            a.untyped_storage().data_ptr()
+            a.untyped_storage().data_ptr(): k
             for k, a in enumerate(inputs)
             if (k in fn.static or k in in_pool) and isinstance(a, torch.Tensor)
         }
         storages: dict[int, int] = {}  # data pointer -> number
         sizes: list[tuple[int, int]] = []
-        handed = []
+        handed, aliased = [], []
         for pos, o in enumerate(outputs):
             if not isinstance(o, torch.Tensor):
                 continue
             storage = o.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in caller_storages:
+                aliased.append((pos, caller_storages[ptr], _meta(o)))
                 continue
             if ptr not in storages:
                 storages[ptr] = len(sizes)
@@ -624,6 +649,7 @@ class Pool:
             outputs=list(outputs),
             storages=sizes,
             handed=handed,
+            aliased=aliased,
             static_tensors=static_tensors,
             addresses=[a.data_ptr() if k in at_address else 0 for k, a in enumerate(args)],
             strides=[(k, args[k].stride()) for k in (*copied, *rebound, *in_pool)],
@@ -654,6 +680,7 @@ class Pool:
             if index is not None:
                 _copy(rec.inputs[k], args[k], index)
         written_back = [(args[k], rec.inputs[k]) for k in rec.copy_out]
+        sources = [args[k].untyped_storage() for _, k, _ in rec.aliased]
         args.clear()  # the boxed convention: the caller's inputs are not kept past this call
         if self.stale:
             for ref, message in self.stale:
@@ -670,11 +697,11 @@ class Pool:
             original.copy_(buffer)
         self._ran(fn)
         if not judge:
-            return rec.give(self.device)
+            return rec.give(self.device, sources)
         # The copies' time from their bytes (read and written) at the device's measured copy bandwidth: timed
         # with events, a few small copies would read as the host's time issuing them, the device idle meanwhile.
         copies_s = 2 * rec.copied_bytes() / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
-        out = rec.give(self.device)
+        out = rec.give(self.device, sources)
         self._keep_or_drop(fn, rec, replay_s, copies_s)
         return out
 

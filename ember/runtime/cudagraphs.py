@@ -80,6 +80,9 @@ class CudaRecorder:
     def invalidate(self, storage: int, message: str) -> None:
         torch._C._set_storage_data_ptr_access_error_msg(storage, message)
 
+    def stream(self) -> Any:
+        return torch.cuda.current_stream()
+
     def time_device(self, run: Callable[[], Any]) -> tuple[Any, float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -127,9 +130,11 @@ class CaptureFacts:
     extern_refusals: tuple[str, ...]
     mutated_inputs: tuple[int, ...]  # positions of inputs the graph writes (copy_ into them)
     symbolic: bool = False  # sizes vary from call to call: a recording is for one set of them
-    kept_outputs: int = 0  # tensors the caller keeps: every output but those a training forward saves
-    # A training forward's outputs before the tensors it saves for its backward (None: every output).
-    returned: int | None = None
+    # The default mode copies the outputs before this position after each replay and hands out the rest
+    # (None: copies every one): a training forward's before the tensors it saves for its backward, none of a
+    # backward's (its gradients are handed out until one is found held, Pool._copy_held).
+    copied_below: int | None = None
+    kept_outputs: int = 0  # tensors among those copied
     # The default mode's: the share of a replay's device time its copies may take where the host is not the
     # slower (the target's graphs.default_copy_percent; Pool._keep_or_drop).
     copy_share: float = 0.0
@@ -139,7 +144,7 @@ class CaptureFacts:
 def capture_facts(
     gm: torch.fx.GraphModule,
     device: torch.device,
-    returned: int | None = None,
+    copied_below: int | None = None,
     copy_share: float = 0.0,
     copy_bandwidth: float = 0.0,
 ) -> CaptureFacts:
@@ -169,7 +174,7 @@ def capture_facts(
     outputs = [n for n in gm.graph.nodes if n.op == "output"]
     result = outputs[0].args[0] if outputs else ()
     returned_nodes = list(result) if isinstance(result, (list, tuple)) else [result]
-    kept = list(returned_nodes[:returned] if returned is not None else returned_nodes)
+    kept = list(returned_nodes[:copied_below] if copied_below is not None else returned_nodes)
     tensors = [n for n in torch.utils._pytree.tree_leaves(kept) if isinstance(n, torch.fx.Node)]
     return CaptureFacts(
         str(device),
@@ -177,8 +182,8 @@ def capture_facts(
         tuple(reasons),
         tuple(mutated),
         symbolic,
+        copied_below,
         len(tensors),
-        returned,
         copy_share,
         copy_bandwidth,
     )
@@ -280,12 +285,15 @@ def static_inputs(gm: torch.fx.GraphModule, kind: str) -> list[int]:
     return list(getattr(metadata, "static_input_indices", None) or ())
 
 
-def forward_returns(kind: str) -> int | None:
-    """A training forward's outputs before the tensors it saves for its backward (AOTAutograd's
-    mutated inputs, user outputs, their bases and an RNG offset); None for other graphs, or where
-    AOTAutograd does not say. A wrong count costs speed, never a wrong answer: an output counted
-    as saved is handed out and, while its caller holds it, keeps the graph from replaying; a saved
-    one counted as returned is copied."""
+def copied_below(kind: str) -> int | None:
+    """CaptureFacts.copied_below for a graph of this kind: a training forward's outputs before the
+    tensors it saves for its backward (AOTAutograd's mutated inputs, user outputs, their bases and an
+    RNG offset; None where AOTAutograd does not say), 0 for a backward, None for an inference graph.
+    A wrong count costs speed, not a wrong answer: an output the caller keeps but counted as saved is
+    handed out, tracked as every handed-out tensor is, and while held keeps the graph from replaying;
+    a saved one counted as returned is copied."""
+    if kind == "backward":
+        return 0
     if kind != "forward":
         return None
     context = torch._guards.TracingContext.try_get()
@@ -304,8 +312,9 @@ class Graphed:
         mutated: Sequence[int],
         pool: Pool,
         symbolic: bool = True,
+        *,
         default_mode: bool = False,
-        returned: int | None = None,
+        copied_below: int | None = None,
         copy_share: float = 0.0,
         copy_bandwidth: float = 0.0,
     ):
@@ -318,15 +327,12 @@ class Graphed:
         self.static = frozenset(static)
         self.table_inputs = frozenset(getattr(program, "table_inputs", ()))
         self.symbolic = symbolic
-        # The default mode's graphs (setting cudagraphs_default) return copies of what the caller keeps:
-        # all of an inference graph's outputs, a training forward's before its saved tensors (`returned`),
-        # which only its backward reads. A backward hands its gradients out until one is found held
-        # (Pool._copy_held). They log rather than warn.
+        # The default mode's graphs (setting cudagraphs_default) return copies of what the caller keeps
+        # (CaptureFacts.copied_below) and log rather than warn.
         self.default_mode = default_mode
-        self.handed_from = {"forward": returned, "backward": 0}.get(kind) if default_mode else 0
+        self.handed_from = copied_below if default_mode else 0
         self.copy_share, self.copy_bandwidth = copy_share, copy_bandwidth  # Pool._keep_or_drop
         self.host_seconds: dict[tuple, float] = {}
-        self.unrecorded: set[tuple] = set()
         self.mutated = tuple(mutated)
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")
@@ -336,6 +342,7 @@ class Graphed:
         self.disabled: str | None = None
         self._held_noted = False
         self._unsuited_noted = False
+        self._stream_noted = False
         # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
         # and memory go back to the pool; the callback holds the recordings, not this object.
         weakref.finalize(self, _release, pool, self.recordings)
@@ -416,6 +423,16 @@ class Graphed:
                 f"its CUDA graph{advice}",
             )
 
+    def note_other_stream(self) -> None:
+        if not self._stream_noted:
+            self._stream_noted = True
+            log.artifact(
+                "cudagraphs",
+                f"{self.kind} graph",
+                "called on another stream than the one the default mode's recordings replay on: that call "
+                "ran without its CUDA graph",
+            )
+
     def note_unsuited(self) -> None:
         if not self._unsuited_noted:
             self._unsuited_noted = True
@@ -457,7 +474,9 @@ def graphed(
         through = (
             f", up to {len(tabled)} read through address tables" if tabled and recorder.device_type == "cuda" else ""
         )
-        copies = ", outputs copied" if default_mode else ""
+        copies = ""
+        if default_mode:
+            copies = ", gradients handed out" if facts.copied_below == 0 else ", what the caller keeps copied"
         report.cudagraphs = f"on ({len(static)} static inputs{through}{copies})"
     device = torch.device(facts.device)
     if device.type == "cuda" and device.index is None:
@@ -470,10 +489,10 @@ def graphed(
         facts.mutated_inputs,
         pool,
         facts.symbolic,
-        default_mode,
-        facts.returned,
-        facts.copy_share,
-        facts.copy_bandwidth,
+        default_mode=default_mode,
+        copied_below=facts.copied_below,
+        copy_share=facts.copy_share,
+        copy_bandwidth=facts.copy_bandwidth,
     )
 
 

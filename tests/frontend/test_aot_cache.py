@@ -253,6 +253,7 @@ def _signed_code(**changes):
         {"kind": "backward"},
         {"num_nodes": 4},
         {"options": {"fuse": False}},
+        {"capture": ((0,), "facts")},
     ],
     ids=lambda change: next(iter(change)),
 )

@@ -39,6 +39,7 @@ class FakeRecorder:
         self.replays = 0
         self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
         self.device_seconds: list[float] = []
+        self.current_stream = "stream 0"  # what a test switches to call on another stream
 
     def new_pool(self):
         self.pools.append(f"pool {len(self.pools)}")
@@ -64,8 +65,11 @@ class FakeRecorder:
     def invalidate(self, storage, message):
         self.invalidated[storage] = message
 
+    def stream(self):
+        return self.current_stream
+
     def time_device(self, run):
-        # What the device would spend: `device_seconds`, taken in turn (a replay, then its copies), else 0.
+        # What the device would spend on a replay: `device_seconds`, taken in turn, else 0.
         return run(), (self.device_seconds.pop(0) if self.device_seconds else 0.0)
 
 
@@ -279,7 +283,9 @@ def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, b
     time on the call before it. A recording that does not pay is dropped, and that graph runs its host
     program from then on, recording nothing more."""
     pool = cg.Pool(recorder, CPU, with_steps=False)
-    fn = cg.Graphed(_fresh, "inference", (), (), pool, False, True, None, 0.05, bandwidth)
+    fn = cg.Graphed(
+        _fresh, "inference", (), (), pool, False, default_mode=True, copy_share=0.05, copy_bandwidth=bandwidth
+    )
     recorder.device_seconds = [replay_s]
     line = repro(program="x * 2, f32[3]", replay_s=replay_s, bandwidth=bandwidth)
     outs = [fn([torch.full((3,), float(i))])[0] for i in range(8)]
@@ -299,6 +305,84 @@ def test_default_mode_takes_the_target_s_bandwidth_and_share(recorder):
     with config.override(cudagraphs_default=True):
         static, facts = _capture(gm, [x], "inference")
     assert static == () and facts.copy_share == 0.05 and facts.copy_bandwidth > 0 and facts.kept_outputs == 1
+
+
+class _Broken(torch.nn.Module):
+    """x plus a product of parameters, a graph break, then sines of products with frozen weights: the
+    second graph's backward hands out the gradient of y, which the first one's backward returns as x's
+    gradient, an output over an input in the pool's memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 8) / 3) for _ in range(3)])
+        self.ms = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 8) / 3, requires_grad=False)] * 2)
+
+    def forward(self, x):
+        h = self.ws[0] @ self.ws[1] @ self.ws[2]
+        y = x + h
+        torch._dynamo.graph_break()
+        for m in self.ms:
+            y = (y @ m).sin()
+        return y
+
+
+def test_gradients_kept_over_steps_stay_as_they_were(recorder):
+    """The input gradients of the last steps are kept: one that views memory of another recording must be
+    seen held by it, never written over by its next replay."""
+    model = _Broken()
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    line = repro(program="x + W1 @ W2 @ W3, graph break, sin(y @ M) twice", x="f32[8, 8]", steps=14, kept_from=8)
+    kept = []
+    for step in range(14):  # the first steps' gradients dropped, so that the graphs record and replay
+        x = torch.randn(8, 8, requires_grad=True)
+        v = torch.randn(8, 8)
+        got = torch.autograd.grad(compiled(x), x, v)[0]
+        if step >= 8:
+            kept.append((step, got, torch.autograd.grad(model(x), x, v)[0]))
+        del got
+    assert recorder.replays > 0, line
+    for step, got, expected in kept:
+        assert_close(got, expected, rtol=1e-4, atol=1e-5, what=f"input gradient of step {step}", line=line)
+
+
+def test_a_dropped_recording_is_released_once_what_it_handed_out_is_gone(recorder):
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+
+    def forward(args):
+        (x,) = args
+        args.clear()
+        saved = x * 3
+        return [saved.sum(), saved]  # the loss (copied) and a tensor saved for a backward (handed out)
+
+    fn = cg.Graphed(forward, "forward", (), (), pool, False, default_mode=True, copied_below=1, copy_bandwidth=1.0)
+    recorder.device_seconds = [1.0]  # a 1 s replay; its copy (4 bytes at 1 B/s) takes 8 s: dropped
+    line = repro(program="x * 3, its sum", rule="dropped recording")
+    x = torch.ones(3)
+    fn([x]), fn([x])  # warm-up, timed host program
+    loss, saved = fn([x])  # recorded, replayed, judged and dropped
+    rec = pool.recordings[0]
+    assert fn.disabled and rec in pool.dying and not rec.released, line
+    assert loss.item() == 9.0 and saved.tolist() == [3.0] * 3, line
+    del saved
+    pool.release([])  # reaps
+    assert rec.released, line
+
+
+def test_a_backward_whose_gradient_is_held_copies_from_then_on_and_is_judged_again(recorder):
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+    fn = cg.Graphed(_fresh, "backward", (), (), pool, False, default_mode=True, copied_below=0, copy_bandwidth=1.0)
+    recorder.device_seconds = [1.0, 1.0]
+    line = repro(program="x * 2 as a backward", rule="held gradient")
+    x = torch.ones(3)
+    fn([x]), fn([x])  # warm-up, timed host program
+    grad = fn([x])[0]  # recorded; handed out, nothing to copy: kept
+    assert not fn.disabled and pool.recordings[0].handed_from == 0, line
+    again = fn([x + 1])[0]  # `grad` is held: its own host program, and copies from then on
+    assert grad.tolist() == [2.0] * 3 and again.tolist() == [4.0] * 3, line
+    assert pool.recordings[0].handed_from is None and not pool.recordings[0].judged, line
+    del grad, again
+    last = fn([x + 2])[0]  # replayed and judged again: 12 bytes at 1 B/s against a 1 s replay, dropped
+    assert last.tolist() == [6.0] * 3 and fn.disabled, line
 
 
 @pytest.mark.parametrize("option", ["cudagraphs", "cudagraphs_default"])
