@@ -597,7 +597,7 @@ class Pool:
             log.artifact("cudagraphs", "memory pool", "every recording of the last pool was released: a new pool")
         # The function recorded holds the program, not `fn`: a recording must not keep its graph alive.
         program = fn.program
-        if self.stream is None:
+        if not self.with_steps and self.stream is None:
             self.stream = self.recorder.stream()
         _capture.scope = scope = CaptureScope(
             {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound}

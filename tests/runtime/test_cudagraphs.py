@@ -261,12 +261,12 @@ def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tm
         for compile_number in range(2):
             torch._dynamo.reset()
             hits = counters["aot_autograd"]["autograd_cache_hit"]
+            recorded, replays = len(recorder.recorded), recorder.replays
             losses = _sgd_loop(model, 6, "set to none", ember_compile(model, "cpp", cudagraphs_default=True))
             assert losses == pytest.approx(_sgd_loop(reference, 6, "set to none"), rel=1e-4, abs=1e-6), line
     assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1, line  # the second compile loaded both graphs
-    pool = cg.pool_for(recorder, CPU, with_steps=False)
-    assert [r.kind for r in pool.recordings[-2:]] == ["forward", "backward"] and len(pool.recordings) == 4, line
-    assert recorder.replays >= 8, line  # 2 replays of each graph of each compile at least
+    assert len(recorder.recorded) == recorded + 2 and recorder.replays >= replays + 4, line  # and recorded both
+    assert [r.kind for r in cg.pool_for(recorder, CPU, with_steps=False).recordings[-2:]] == ["forward", "backward"]
 
 
 @pytest.mark.parametrize(
