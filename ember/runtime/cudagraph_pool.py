@@ -249,11 +249,13 @@ class Recording:
                 out[pos] = _on_storage(storages[number], meta)
         copied = [entry for entry in self.handed if entry[0] < cut]
         if copied:
-            sources: dict[int, Any] = {}
+            recorded: dict[int, Any] = {}  # storage number -> the recording's storage, copied from
             for pos, number, _ in copied:
-                sources.setdefault(number, self.outputs[pos].untyped_storage())
-            fresh = {number: torch.empty(s.nbytes(), dtype=torch.uint8, device=device) for number, s in sources.items()}
-            torch._foreach_copy_(list(fresh.values()), [_bytes(sources[number]) for number in fresh])
+                recorded.setdefault(number, self.outputs[pos].untyped_storage())
+            fresh = {
+                number: torch.empty(s.nbytes(), dtype=torch.uint8, device=device) for number, s in recorded.items()
+            }
+            torch._foreach_copy_(list(fresh.values()), [_bytes(recorded[number]) for number in fresh])
             for pos, number, meta in copied:
                 out[pos] = _on_storage(fresh[number].untyped_storage(), meta)
         return out
