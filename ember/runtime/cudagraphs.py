@@ -340,9 +340,7 @@ class Graphed:
         self.last: Recording | None = None  # the last one replayed: tried first
         self.seen: set[tuple] = set()
         self.disabled: str | None = None
-        self._held_noted = False
-        self._unsuited_noted = False
-        self._stream_noted = False
+        self._noted: set[str] = set()  # what _note_once has logged
         # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
         # and memory go back to the pool; the callback holds the recordings, not this object.
         weakref.finalize(self, _release, pool, self.recordings)
@@ -406,42 +404,39 @@ class Graphed:
             article = "an" if self.kind[:1] in "aeiou" else "a"
             log.warn(f"ember: {article} {self.kind} graph: {reason}")
 
+    def _note_once(self, what: str, text: str) -> None:
+        """Log `text` for this graph the first time `what` happens."""
+        if what not in self._noted:
+            self._noted.add(what)
+            log.artifact("cudagraphs", f"{self.kind} graph", text)
+
     def note_held(self) -> None:
-        if not self._held_noted:
-            self._held_noted = True
-            advice = (
-                ""
-                if self.default_mode
-                else " (call torch.compiler.cudagraph_mark_step_begin() between steps, or drop the outputs "
-                "before calling again)"
-            )
-            when = "" if self.default_mode else " in the same step"
-            log.artifact(
-                "cudagraphs",
-                f"{self.kind} graph",
-                f"called again{when} while an output it could overwrite is still held: that call ran without "
-                f"its CUDA graph{advice}",
-            )
+        advice = (
+            ""
+            if self.default_mode
+            else " (call torch.compiler.cudagraph_mark_step_begin() between steps, or drop the outputs "
+            "before calling again)"
+        )
+        when = "" if self.default_mode else " in the same step"
+        self._note_once(
+            "held",
+            f"called again{when} while an output it could overwrite is still held: that call ran without "
+            f"its CUDA graph{advice}",
+        )
 
     def note_other_stream(self) -> None:
-        if not self._stream_noted:
-            self._stream_noted = True
-            log.artifact(
-                "cudagraphs",
-                f"{self.kind} graph",
-                "called on another stream than the one the default mode's recordings replay on: that call "
-                "ran without its CUDA graph",
-            )
+        self._note_once(
+            "stream",
+            "called on another stream than the one the default mode's recordings replay on: that call ran "
+            "without its CUDA graph",
+        )
 
     def note_unsuited(self) -> None:
-        if not self._unsuited_noted:
-            self._unsuited_noted = True
-            log.artifact(
-                "cudagraphs",
-                f"{self.kind} graph",
-                "an input read through an address table came at an address its recorded kernel form does "
-                "not allow (not 16-byte aligned): that call ran without its CUDA graph",
-            )
+        self._note_once(
+            "unsuited",
+            "an input read through an address table came at an address its recorded kernel form does not "
+            "allow (not 16-byte aligned): that call ran without its CUDA graph",
+        )
 
 
 def _release(pool: Pool, recordings: dict) -> None:
