@@ -54,10 +54,10 @@ from ember.runtime.cudagraph_pool import (
     OVERWRITTEN,
     Pool,
     Recorder,
-    Recording,
     pool_for,
     same_addresses,
 )
+from ember.runtime.cudagraph_recording import Recording
 
 __all__ = ["GRADIENT_OVERWRITTEN", "OVERWRITTEN", "Pool", "Recorder", "capture_facts", "graphed", "use_recorder"]
 
