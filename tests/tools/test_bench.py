@@ -217,9 +217,9 @@ def test_cpu_peak_memory_prints_no_profiler_noise():
 
     child = (
         "import torch\n"
-        "from ember.tools.bench import measure\n"
+        "from ember.tools.bench import memory\n"
         "for _ in range(3):\n"
-        "    peak = measure.peak_memory_mb(lambda x: x * 2, (torch.ones(1000),), torch.device('cpu'))\n"
+        "    peak = memory.peak_memory_mb(lambda x: x * 2, (torch.ones(1000),), torch.device('cpu'))\n"
         "print(peak)\n"
     )
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=False)

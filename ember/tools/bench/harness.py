@@ -28,7 +28,7 @@ import torch
 import torch._dynamo
 
 from ember.tools import timing_noise
-from ember.tools.bench import compile_time, float64_rule, host_cost, measure
+from ember.tools.bench import compile_time, float64_rule, host_cost, measure, memory
 from ember.tools.bench.compilers import PEERS, compile_fn
 from ember.tools.bench.workloads import Case, missing_requirement
 
@@ -273,8 +273,8 @@ def _time_steps(steps: dict, inputs: tuple, input_sets: list, record: dict, s: S
         if parts:  # GPU: the call's time is the larger of these two
             result["device_ms"] = statistics.median(p["device_ms"] for p in parts)
             result["host_ms"] = statistics.median(p["host_ms"] for p in parts)
-        pools = measure.graph_pools(name, s.device)
-        result["peak_mb"] = measure.peak_memory_mb(steps[name], inputs, s.device, pools)
+        pools = memory.graph_pools(name, s.device)
+        result["peak_mb"] = memory.peak_memory_mb(steps[name], inputs, s.device, pools)
         result["busy_ms"] = measure.busy_ms(steps[name], input_sets, s.device)
 
 
