@@ -19,71 +19,9 @@ from ember.frontend.backend import _checked_options
 from ember.runtime import cudagraph_pool as cg_pool
 from ember.runtime import cudagraphs as cg
 from tests.helpers import assert_close, ember_compile, repro
+from tests.runtime.cudagraph_fakes import FakeRecorder, fresh, mlp
 
 CPU = torch.device("cpu")
-
-
-class FakeGraph:
-    def __init__(self, run, outputs, pool):
-        self.run, self.outputs, self.pool = run, outputs, pool
-
-
-class FakeRecorder:
-    """A Recorder whose graphs are the program itself, run again on each replay into the recorded
-    outputs' memory."""
-
-    def __init__(self, device_type: str = "cpu"):
-        self.device_type = device_type
-        self.pools: list[str] = []
-        self.recorded: list[FakeGraph] = []
-        self.replays = 0
-        self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
-        self.device_seconds: list[float] = []
-        self.current_stream = "stream 0"  # what a test switches to call on another stream
-
-    def new_pool(self):
-        self.pools.append(f"pool {len(self.pools)}")
-        return self.pools[-1]
-
-    def record(self, run, inputs, pool):
-        # It runs the program to record it: inputs the program writes are put back as they were,
-        # as after a capture, which computes nothing.
-        before = [(x, x.clone()) for x in inputs if isinstance(x, torch.Tensor)]
-        outputs = run()
-        for x, saved in before:
-            if not torch.equal(x, saved):
-                x.data.copy_(saved)  # through .data: autograd's version of a saved tensor stays as it was
-        self.recorded.append(FakeGraph(run, outputs, pool))
-        return self.recorded[-1], outputs
-
-    def replay(self, graph):
-        self.replays += 1
-        for static, new in zip(graph.outputs, graph.run()):
-            if isinstance(static, torch.Tensor) and static.data_ptr() != new.data_ptr():
-                static.untyped_storage().copy_(new.untyped_storage())  # whole storages: expanded outputs too
-
-    def invalidate(self, storage, message):
-        self.invalidated[storage] = message
-
-    def stream(self):
-        return self.current_stream
-
-    def time_device(self, run):
-        # What the device would spend on a replay: `device_seconds`, taken in turn, else 0.
-        return run(), (self.device_seconds.pop(0) if self.device_seconds else 0.0)
-
-
-@pytest.fixture
-def recorder():
-    with cg.use_recorder(FakeRecorder()) as r:
-        yield r
-    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-    reset_cudagraph_trees()  # PyTorch's step counter, which mark_step_begin moved
-
-
-def _mlp() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 def _backward_both(compiled, model: torch.nn.Module, reference: torch.nn.Module) -> None:
@@ -104,7 +42,7 @@ def test_modes_turn_cudagraphs_on():
 
 
 def test_inference_replays_copy_only_inputs_that_are_not_static(recorder):
-    model = _mlp()
+    model = mlp()
     compiled = ember_compile(model, "cpp", cudagraphs=True)
     line = repro(program="Linear(8,16)-relu-Linear(16,4)", x="f32[2, 8]", calls=4)
     with torch.no_grad():
@@ -127,8 +65,8 @@ def test_inference_replays_copy_only_inputs_that_are_not_static(recorder):
 
 
 def test_training_step_shares_one_pool_and_grads_match_eager(recorder):
-    model = _mlp()
-    reference = _mlp()
+    model = mlp()
+    reference = mlp()
     reference.load_state_dict(model.state_dict())
     compiled = ember_compile(model, "cpp", cudagraphs=True)
     line = repro(program="mlp training step", x="f32[4, 8]", steps=3)
@@ -149,7 +87,7 @@ def test_an_update_reads_the_gradients_a_recorded_backward_handed_out_where_they
     it reads are the backward recording's outputs, in the pool's memory. The update's recording
     reads them where they are (their addresses in its key), copies none in, and matches eager.
     A call finds the last recording without its key only while the pool is as it was."""
-    model, reference = _mlp(), _mlp()
+    model, reference = mlp(), mlp()
     reference.load_state_dict(model.state_dict())
     compiled = ember_compile(model, "cpp", cudagraphs=True)
 
@@ -177,219 +115,11 @@ def test_an_update_reads_the_gradients_a_recorded_backward_handed_out_where_they
     assert not {k for k, _ in rec.copy_in} & set(rec.in_pool) and grads <= cg.pool_for(recorder, CPU).resident(), line
 
 
-def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
-    model = _mlp()
-    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    line = repro(program="Linear(8,16)-relu-Linear(16,4)", x="f32[2, 8]", cudagraphs_default=True)
-    xs = torch.randn(6, 2, 8)
-    with torch.no_grad():
-        outs = [compiled(x) for x in xs]  # every output held: fresh tensors, none overwritten
-        for i, (x, y) in enumerate(zip(xs, outs)):
-            assert_close(y, model(x), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
-    assert recorder.replays >= 4 and not recorder.invalidated, line
-    assert not cg.pool_for(recorder, CPU).recordings and cg.pool_for(recorder, CPU, with_steps=False).recordings, line
-
-
-def _sgd_loop(model, steps: int, pattern: str, compiled=None) -> list[float]:
-    """A training loop of `steps` SGD steps in one of the ways users write one; the losses it kept."""
-    f = compiled or model
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(steps):
-        if pattern == "accumulate":  # two micro-batches a step, the gradients summed in .grad
-            opt.zero_grad(set_to_none=True)
-            for _ in range(2):
-                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
-                loss.backward()
-                losses.append(loss.detach())
-        else:
-            if pattern == "zero before backward":  # the gradients of the last step held through the forward
-                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
-                opt.zero_grad(set_to_none=True)
-            elif pattern == "zero in place":  # the .grad tensors of the first step kept for good
-                opt.zero_grad(set_to_none=False)
-                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
-            else:  # "set to none", the loop most code writes
-                opt.zero_grad(set_to_none=True)
-                loss = f(torch.randn(4, 8, generator=gen)).square().mean()
-            loss.backward()
-            losses.append(loss.detach())  # held, as a loss kept for logging is: it must stay as it was
-        opt.step()
-    return [float(x) for x in losses]
-
-
-@pytest.mark.parametrize("pattern", ["set to none", "zero before backward", "zero in place", "accumulate"])
-def test_default_mode_records_training_steps_that_train_as_eager(recorder, pattern):
-    """In the default mode a training step's forward and backward are recorded too. The loss is a fresh
-    copy; the tensors the forward saves for its backward and the backward's gradients are the pool's
-    memory, which a replay never writes while one is held: where a gradient is held when a replay
-    could write over it, the backward copies its gradients from then on."""
-    model, reference = _mlp(), _mlp()
-    reference.load_state_dict(model.state_dict())
-    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    line = repro(program="mlp, SGD", loop=pattern, steps=8, cudagraphs_default=True)
-    losses = _sgd_loop(model, 8, pattern, compiled)
-    expected = _sgd_loop(reference, 8, pattern)
-    assert losses == pytest.approx(expected, rel=1e-4, abs=1e-6), line
-    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-        assert_close(p, r, rtol=1e-4, atol=1e-5, what=f"{name} after 8 steps", line=line)
-    pool = cg.pool_for(recorder, CPU, with_steps=False)
-    assert [r.kind for r in pool.recordings] == ["forward", "backward"] and recorder.replays >= 4, line
-    assert not recorder.invalidated and not cg.pool_for(recorder, CPU).recordings, line
-    grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
-    backward = pool.recordings[1]
-    if pattern == "set to none":  # nothing held into the next step: the gradients are the pool's, not copied
-        assert grads <= pool.resident() and backward.handed_from == 0, line
-    elif pattern == "zero in place":  # .grad tensors of the first step's plain run, added into in place
-        assert grads and not grads & pool.resident() and backward.handed_from == 0, line
-    else:  # a replay found one held: copies from then on
-        assert grads and not grads & pool.resident() and backward.handed_from is None, line
-    forward = pool.recordings[0]
-    saved = {number for pos, number, _ in forward.handed if pos >= 1}  # outputs past the loss: saved tensors
-    assert saved and {number for pos, number, _ in forward.handed if pos == 0}.isdisjoint(saved), line
-    assert forward.live, line  # the saved tensors were handed out, not copied
-
-
-def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tmp_path):
-    from torch._dynamo.utils import counters
-
-    model, reference = _mlp(), _mlp()
-    reference.load_state_dict(model.state_dict())
-    line = repro(program="mlp, SGD, compiled twice", cache="AOTAutograd's", cudagraphs_default=True)
-    with config.override(cache_dir=str(tmp_path)):
-        for compile_number in range(2):
-            torch._dynamo.reset()
-            hits = counters["aot_autograd"]["autograd_cache_hit"]
-            recorded, replays = len(recorder.recorded), recorder.replays
-            losses = _sgd_loop(model, 6, "set to none", ember_compile(model, "cpp", cudagraphs_default=True))
-            assert losses == pytest.approx(_sgd_loop(reference, 6, "set to none"), rel=1e-4, abs=1e-6), line
-    assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1, line  # the second compile loaded both graphs
-    assert len(recorder.recorded) == recorded + 2 and recorder.replays >= replays + 4, line  # and recorded both
-    assert [r.kind for r in cg.pool_for(recorder, CPU, with_steps=False).recordings[-2:]] == ["forward", "backward"]
-
-
-@pytest.mark.parametrize(
-    ("replay_s", "bandwidth", "kept"),
-    [
-        (1.0, 100.0, False),  # the device is the slower, the copies (24 bytes at 100 B/s) 24% of the replay
-        (1.0, 1e12, True),  # the copies take a negligible share of the replay: kept
-        (1e-9, 2.4e9, True),  # copies 10x the replay, but the host program is the slower: kept
-    ],
-)
-def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, bandwidth, kept):
-    """The first replay of a default-mode recording is timed on the device (the fake recorder says how
-    long), its copies reckoned from their bytes at the device's bandwidth, beside the host program's
-    time on the call before it. A recording that does not pay is dropped, and that graph runs its host
-    program from then on, recording nothing more."""
-    pool = cg.Pool(recorder, CPU, with_steps=False)
-    fn = cg.Graphed(
-        _fresh, "inference", (), (), pool, False, default_mode=True, copy_share=0.05, copy_bandwidth=bandwidth
-    )
-    recorder.device_seconds = [replay_s]
-    line = repro(program="x * 2, f32[3]", replay_s=replay_s, bandwidth=bandwidth)
-    outs = [fn([torch.full((3,), float(i))])[0] for i in range(8)]
-    assert [o.tolist() for o in outs] == [[2.0 * i] * 3 for i in range(8)], line  # fresh tensors, every one
-    assert len(recorder.recorded) == 1, line  # warm-up, timed host program, recorded on the third call
-    assert recorder.replays == (6 if kept else 1) and pool.recordings[0].judged, line
-    assert pool.recordings[0].released is not kept and fn.host_seconds, line
-
-
-def test_default_mode_takes_the_target_s_bandwidth_and_share(recorder):
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ember.frontend.backend import _capture
-
-    x = torch.randn(4, 8)
-    gm = make_fx(lambda x: ((x * 2).relu(),))(x)
-    with config.override(cudagraphs_default=True):
-        static, facts = _capture(gm, [x], "inference")
-    assert static == () and facts.copy_share == 0.05 and facts.copy_bandwidth > 0 and facts.kept_outputs == 1
-
-
-class _Broken(torch.nn.Module):
-    """x plus a product of parameters, a graph break, then sines of products with frozen weights: the
-    second graph's backward hands out the gradient of y, which the first one's backward returns as x's
-    gradient, an output over an input in the pool's memory."""
-
-    def __init__(self):
-        super().__init__()
-        self.ws = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 8) / 3) for _ in range(3)])
-        self.ms = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, 8) / 3, requires_grad=False)] * 2)
-
-    def forward(self, x):
-        h = self.ws[0] @ self.ws[1] @ self.ws[2]
-        y = x + h
-        torch._dynamo.graph_break()
-        for m in self.ms:
-            y = (y @ m).sin()
-        return y
-
-
-def test_gradients_kept_over_steps_stay_as_they_were(recorder):
-    """The input gradients of the last steps are kept: one that views memory of another recording must be
-    seen held by it, never written over by its next replay."""
-    model = _Broken()
-    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    line = repro(program="x + W1 @ W2 @ W3, graph break, sin(y @ M) twice", x="f32[8, 8]", steps=14, kept_from=8)
-    kept = []
-    for step in range(14):  # the first steps' gradients dropped, so that the graphs record and replay
-        x = torch.randn(8, 8, requires_grad=True)
-        v = torch.randn(8, 8)
-        got = torch.autograd.grad(compiled(x), x, v)[0]
-        if step >= 8:
-            kept.append((step, got, torch.autograd.grad(model(x), x, v)[0]))
-        del got
-    assert recorder.replays > 0, line
-    for step, got, expected in kept:
-        assert_close(got, expected, rtol=1e-4, atol=1e-5, what=f"input gradient of step {step}", line=line)
-
-
-def test_a_dropped_recording_is_released_once_what_it_handed_out_is_gone(recorder):
-    pool = cg.Pool(recorder, CPU, with_steps=False)
-
-    def forward(args):
-        (x,) = args
-        args.clear()
-        saved = x * 3
-        return [saved.sum(), saved]  # the loss (copied) and a tensor saved for a backward (handed out)
-
-    fn = cg.Graphed(forward, "forward", (), (), pool, False, default_mode=True, copied_below=1, copy_bandwidth=1.0)
-    recorder.device_seconds = [1.0]  # a 1 s replay; its copy (4 bytes at 1 B/s) takes 8 s: dropped
-    line = repro(program="x * 3, its sum", rule="dropped recording")
-    x = torch.ones(3)
-    fn([x]), fn([x])  # warm-up, timed host program
-    loss, saved = fn([x])  # recorded, replayed, judged and dropped
-    rec = pool.recordings[0]
-    assert fn.disabled and rec in pool.dying and not rec.released, line
-    assert loss.item() == 9.0 and saved.tolist() == [3.0] * 3, line
-    del saved
-    pool.release([])  # reaps
-    assert rec.released, line
-
-
-def test_a_backward_whose_gradient_is_held_copies_from_then_on_and_is_judged_again(recorder):
-    pool = cg.Pool(recorder, CPU, with_steps=False)
-    fn = cg.Graphed(_fresh, "backward", (), (), pool, False, default_mode=True, copied_below=0, copy_bandwidth=1.0)
-    recorder.device_seconds = [1.0, 1.0]
-    line = repro(program="x * 2 as a backward", rule="held gradient")
-    x = torch.ones(3)
-    fn([x]), fn([x])  # warm-up, timed host program
-    grad = fn([x])[0]  # recorded; handed out, nothing to copy: kept
-    assert not fn.disabled and pool.recordings[0].handed_from == 0, line
-    again = fn([x + 1])[0]  # `grad` is held: its own host program, and copies from then on
-    assert grad.tolist() == [2.0] * 3 and again.tolist() == [4.0] * 3, line
-    assert pool.recordings[0].handed_from is None and not pool.recordings[0].judged, line
-    del grad, again
-    last = fn([x + 2])[0]  # replayed and judged again: 12 bytes at 1 B/s against a 1 s replay, dropped
-    assert last.tolist() == [6.0] * 3 and fn.disabled, line
-
-
 @pytest.mark.parametrize("option", ["cudagraphs", "cudagraphs_default"])
 def test_two_forwards_before_one_backward_match_eager(recorder, option):
     """The second forward of a step runs while the first one's saved outputs are held: without its graph,
     under reduce-overhead's steps and in the default mode alike."""
-    model, reference = _mlp(), _mlp()
+    model, reference = mlp(), mlp()
     reference.load_state_dict(model.state_dict())
     compiled = ember_compile(model, "cpp", **{option: True})
     line = repro(program="(f(a)^2).mean() + |f(b)|.mean(), one backward", a="f32[4, 8]", steps=4, option=option)
@@ -460,22 +190,6 @@ def test_backward_returning_its_incoming_gradient_is_handed_out(recorder):
     }, line
 
 
-def test_default_mode_copies_an_expanded_output(recorder):
-    def f(x, w):
-        h = torch.relu(x @ w).softmax(-1) @ w
-        return h.sum(0, keepdim=True).expand(4, 8)  # stride 0 in dim 0
-
-    compiled = ember_compile(f, "cpp", cudagraphs_default=True, aot_cache=False)
-    w = torch.randn(8, 8)
-    line = repro(program="(relu(x @ w).softmax(-1) @ w).sum(0, keepdim=True).expand(4, 8)", x="f32[4, 8]")
-    with torch.no_grad():
-        outs = [(compiled(x, w), x) for x in torch.randn(4, 4, 8)]
-        for i, (y, x) in enumerate(outs):  # every output held: fresh tensors, none overwritten
-            assert_close(y, f(x, w), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
-            assert y.stride() == (0, 1), line
-    assert recorder.replays >= 2, line
-
-
 def test_mutated_inputs_are_captured(recorder):
     class Decay(torch.nn.Module):
         def __init__(self):
@@ -503,14 +217,7 @@ def test_mutated_inputs_are_captured(recorder):
     assert any(a is model.state or getattr(a, "data_ptr", lambda: 0)() == model.state.data_ptr() for a in rec.inputs)
 
 
-def _fresh(args: list) -> list:
-    """A program with one input and a fresh output, as a host program is called."""
-    (x,) = args
-    args.clear()
-    return [x * 2]
-
-
-def _graphed(recorder, pool=None, static=(), program=_fresh) -> cg.Graphed:
+def _graphed(recorder, pool=None, static=(), program=fresh) -> cg.Graphed:
     return cg.Graphed(program, "inference", static, (), pool or cg.Pool(recorder, CPU))
 
 
@@ -571,7 +278,7 @@ def test_a_dropped_graph_releases_its_recording_once_its_outputs_are_gone(record
 
 
 def test_dynamo_reset_releases_a_compiled_models_recordings(recorder):
-    compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+    compiled = ember_compile(mlp(), "cpp", cudagraphs=True)
     with torch.no_grad():
         for _ in range(3):
             compiled(torch.randn(2, 8))
@@ -608,7 +315,7 @@ def test_a_capture_after_every_graph_was_released_takes_a_new_pool():
     the next capture into that pool fail: once every recording of the pool is released, the next one
     takes a new pool."""
     with cg.use_recorder(TorchLikePools()) as recorder:
-        compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)
+        compiled = ember_compile(mlp(), "cpp", cudagraphs=True)
         with torch.no_grad():
             for _ in range(3):
                 compiled(torch.randn(2, 8))
@@ -619,7 +326,7 @@ def test_a_capture_after_every_graph_was_released_takes_a_new_pool():
         torch._dynamo.reset()
         gc.collect()
         assert pool.recordings[0].released
-        compiled = ember_compile(_mlp(), "cpp", cudagraphs=True)  # a failed capture would run without a graph
+        compiled = ember_compile(mlp(), "cpp", cudagraphs=True)  # a failed capture would run without a graph
         x = torch.randn(2, 8)
         with torch.no_grad():
             outs = [compiled(x).clone() for _ in range(3)]
