@@ -134,10 +134,10 @@ class EmberGraphCode(OutputCode):
                     kept.target,
                     publish=current is None,
                 )
-                if self.capture is not None and config.get("cudagraphs_default") and not config.get("cudagraphs"):
-                    from ember.runtime.cudagraphs import graphed
+                if self.capture is not None:
+                    from ember.runtime.cudagraphs import graphed_as_set
 
-                    self.program = graphed(self.program, self.kind, *self.capture, default_mode=True)
+                    self.program = graphed_as_set(self.program, self.kind, self.capture)
         except Exception as e:
             # AOTAutograd catches this, logs it at INFO and compiles the graph anew: say so louder.
             article = "an" if self.kind[:1] in "aeiou" else "a"

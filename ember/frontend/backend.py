@@ -64,10 +64,10 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
             if isinstance(program, EagerGraph) or isinstance(getattr(program, "program", None), EagerGraph):
                 fell_back.append(kind)  # (a FrozenGraph's main graph too: Dynamo's graph runs in its place)
             capture = None if isinstance(program, FrozenGraph) else _capture(gm, example_inputs, kind)
-            if capture is not None and (config.get("cudagraphs") or config.get("cudagraphs_default")):
-                from ember.runtime.cudagraphs import graphed
+            if capture is not None:
+                from ember.runtime.cudagraphs import graphed_as_set
 
-                program = graphed(program, kind, *capture, default_mode=not config.get("cudagraphs"))
+                program = graphed_as_set(program, kind, capture)
         progress.stage("AOTAutograd")  # back in AOTAutograd: partitioning, tracing the backward
         if not cached:
             return program

@@ -443,6 +443,15 @@ def _release(pool: Pool, recordings: dict) -> None:
     pool.release(list(recordings.values()))
 
 
+def graphed_as_set(program: Callable, kind: str, capture: tuple | None) -> Callable:
+    """`program` under CUDA graphs as the settings in force ask: every graph under `cudagraphs`, the
+    default mode's under `cudagraphs_default`. `capture`: (static input positions, CaptureFacts), or
+    None where no CUDA graph may record it."""
+    if capture is None or not (config.get("cudagraphs") or config.get("cudagraphs_default")):
+        return program
+    return graphed(program, kind, *capture, default_mode=not config.get("cudagraphs"))
+
+
 def graphed(
     program: Callable, kind: str, static: Sequence[int], facts: CaptureFacts, default_mode: bool = False
 ) -> Callable:
