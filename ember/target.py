@@ -298,6 +298,13 @@ class RealizeHeuristics:
     # read by a squeeze-and-excite's mean and by its scale), and such work does not fuse into a reduction
     # whose loop reads memory across strides (merge.py); 0: never (the GPU's; the C++ target sets 8, a sigmoid).
     costly_min_flops: int = 0
+    # A value that at least two kernels read and whose inlined expression loads at least `inlined_loads`
+    # buffers (small ones too: a row statistic is a load and a dependent step) is computed once. Each
+    # normalization of a chain of them adds its statistics to the next value's expression, so, inlined,
+    # the k-th reduction would evaluate the k-1 before it: quadratic work down a chain, single programs
+    # of small rows each running the whole chain (ember bench's host_100k, 50 normalizations of 64 x 64,
+    # took 1.6 ms on an H100 inlined; 0.22 ms stored every few steps).
+    inlined_loads: int = 12
     # Integer arithmetic on loop positions alone (a padding's inside-the-image test) counts no work: the C++
     # target's vector loop over channels computes it once per loop (its default; the GPU's counts it).
     free_positions: bool = False

@@ -5,7 +5,8 @@ views do not: they are recomputed or re-indexed inside each kernel that reads th
 must exist as a tensor (an output, an extern's input) is, where its layout allows, an alias: a
 strided view of its base's buffer, so only the base is realized. Pointwise values read by
 several kernels join them where computing them once moves fewer bytes, and values with
-transcendental work that a reader broadcasts widely where computing them once saves that work
+transcendental work that a reader broadcasts widely where computing them once saves that work,
+or whose inlined expression loads so many buffers that each reader would re-run a long chain
 (`realize_shared`).
 """
 
@@ -120,6 +121,7 @@ def realize_shared(state: ScheduleState) -> None:
             or worth_storing(users.get(v, 0), [b.dtype.itemsize for b in large], v.dtype.itemsize)
             or costly_to_broadcast(work[v], size_hint(product(v.shape)), widest.get(v, 0), state.target)
             or recomputed_in_many_readers(users.get(v, 0), work[v], state.target)
+            or loads_too_many(users.get(v, 0), len(touched), state.target)
         ):
             if v not in realized:
                 state.realized.append(v)
@@ -158,6 +160,12 @@ def recomputed_in_many_readers(readers: int, work: int, target: Target) -> bool:
     if 0 < h.costly_min_flops <= work and readers >= 2:
         return True
     return 0 < h.shared_readers <= readers and work >= h.shared_min_flops
+
+
+def loads_too_many(readers: int, loads: int, target: Target) -> bool:
+    """Whether a value read by several kernels inlines loads of so many buffers
+    (`heuristics.realize.inlined_loads`) that each reader would re-run a long chain of them."""
+    return readers >= 2 and loads >= target.heuristics.realize.inlined_loads
 
 
 def _widest_reads(graph) -> dict[Value, int]:
