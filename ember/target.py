@@ -233,6 +233,14 @@ class FlexHeuristics:
     # registers the small tile has none left for (255 a thread and spills; 21 ms against 5.1 with this
     # tile for T5's bias at 4096 tokens, d64, on an H200; document masking ran 1.10x Inductor with it).
     gathering: Tile = Tile(128, 64, 8)
+    # A sparse BlockMask (a sliding window): where its query blocks list at most `sparse_keys` keys a
+    # row on average, each program's loop is a few steps, too short to hide the loads of one large
+    # tile, and twice as many programs of a smaller tile (fewer registers, more of them resident) do
+    # better (head sizes up to 64; read from the mask on a kernel's first call). On an H100 at d64: a
+    # 256-key window over 1k-16k tokens (336-381 keys a row) 0.104-0.111 ms against 0.128-0.136 with the
+    # small tile; causal at 1k (576 keys) 0.141 against 0.147, at 4k (2,112) even, at 16k (8,256) 3% slower.
+    sparse: Tile = Tile(64, 64, 4)
+    sparse_keys: int = 1024
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)
     float32: Tile = Tile(32, 64, 4)  # float32 inputs (their tiles take twice the registers)

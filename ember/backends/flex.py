@@ -59,6 +59,29 @@ def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
 
 
+def sparse_launch(spec: FlexSpec, target: Target, launch: FlexLaunch) -> FlexLaunch | None:
+    """The launch for a sparse BlockMask (`heuristics.flex.sparse`), where it differs from `launch`
+    and the kernel is one it applies to (Triton's, half precision, head size up to 64, no gathers)."""
+    h = target.heuristics.flex
+    if target.name == "cpp" or spec.dtype == torch.float32 or spec.head_dim > 64 or h.sparse == h.small:
+        return None
+    if any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
+        return None  # the gathering tile (forward_launch)
+    return FlexLaunch(h.sparse.xblock, h.sparse.rblock, h.sparse.warps, launch.stages)
+
+
+def launch_for_mask(
+    launch: FlexLaunch, sparse: FlexLaunch, kv_num, full: tuple, kv_block: int, keys: int
+) -> FlexLaunch:
+    """`sparse` where the BlockMask's query blocks list at most `keys` keys a row on average, else
+    `launch`. Reads the block counts back (one wait for the device, on a kernel's first call); inside
+    a CUDA-graph capture, where it cannot, keeps `launch`."""
+    if kv_num.is_cuda and torch.cuda.is_current_stream_capturing():
+        return launch
+    listed = kv_num.sum() + (full[0].sum() if full else 0)
+    return sparse if int(listed) * kv_block <= keys * max(1, kv_num.numel()) else launch
+
+
 class FlexKernel:
     """A flex_attention call's compiled kernel, called with the extern's operands."""
 
@@ -67,6 +90,9 @@ class FlexKernel:
     def __init__(self, spec: FlexSpec, target: Target, results: int):
         self.spec, self.results = spec, results
         self.launch = forward_launch(spec, target)
+        # The tile for a sparse mask, where the Target has one for this kernel: chosen on the first call.
+        self.sparse = sparse_launch(spec, target, self.launch)
+        self.keys = target.heuristics.flex.sparse_keys
         self.__name__ = "flex_attention_kernel"  # the host program's name for it
         self.cpp = target.name == "cpp"
         if self.cpp:
@@ -106,6 +132,11 @@ class FlexKernel:
             params = (ctypes.c_int64 * (len(ints) + 2 + len(buf_ints)))(*ints, q_block, kv_block, *buf_ints)
             self.fn(ptrs, params)
         else:
+            if self.sparse is not None:
+                self.launch = launch_for_mask(
+                    self.launch, self.sparse, kv_num, full if full else (), kv_block, self.keys
+                )
+                self.sparse = None
             block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
             grid = ((M + block_m - 1) // block_m, B * H)
             consts = {
@@ -373,4 +404,13 @@ def _load_triton(body: str, prefix: str):
     return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
 
 
-__all__ = ["DirectLaunch", "FlexBackwardKernel", "FlexKernel", "build_flex_kernels", "forward_launch", "launch_fitting"]
+__all__ = [
+    "DirectLaunch",
+    "FlexBackwardKernel",
+    "FlexKernel",
+    "build_flex_kernels",
+    "forward_launch",
+    "launch_fitting",
+    "launch_for_mask",
+    "sparse_launch",
+]

@@ -1,13 +1,16 @@
 """How flex kernels are launched on a GPU, with stand-ins for Triton's JIT function and compiled
-kernel: the direct launch after the first call, and fewer pipeline stages where shared memory runs out."""
+kernel: the direct launch after the first call, fewer pipeline stages where shared memory runs out,
+and the smaller tile for a BlockMask that lists few keys a row."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ember.backends.flex import DirectLaunch, launch_fitting
+from ember.backends.flex import DirectLaunch, forward_launch, launch_fitting, launch_for_mask, sparse_launch
 from ember.codegen.flex_triton import FlexLaunch
+from ember.ir.flex import FlexSpec
+from ember.target import Target
 
 
 class _Compiled:
@@ -149,3 +152,34 @@ def test_repeated_arguments_skip_specializing(monkeypatch):
     fn((1,), (x,), (11, 0.5), {"A": 1, "B": 2}, 4, 3)
     assert len(specialized) == 6
     assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct", "direct"]
+
+
+def _spec(dtype: torch.dtype, head_dim: int) -> FlexSpec:
+    return FlexSpec(dtype, torch.float32, head_dim, head_dim, head_dim**-0.5, None, None, (), 128, 128, True)
+
+
+def test_the_sparse_tile_is_for_half_precision_heads_up_to_64_on_the_gpu():
+    gpu, cpu = Target("triton"), Target("cpp")
+    tile = gpu.heuristics.flex.sparse
+    spec = _spec(torch.bfloat16, 64)
+    launch = forward_launch(spec, gpu)
+    assert sparse_launch(spec, gpu, launch) == FlexLaunch(tile.xblock, tile.rblock, tile.warps, launch.stages)
+    for other, target in ((_spec(torch.float32, 64), gpu), (_spec(torch.bfloat16, 128), gpu), (spec, cpu)):
+        assert sparse_launch(other, target, forward_launch(other, target)) is None, (other, target.name)
+
+
+def test_a_mask_listing_few_keys_a_row_takes_the_sparse_launch():
+    """A 256-key sliding window over 2048 tokens lists three 128-key blocks a query block (384 keys a
+    row); causal lists 8.5 on average (1,088 keys). Counted over partial and full blocks alike."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    dense, sparse = FlexLaunch(128, 128, 4, 3), FlexLaunch(64, 64, 4, 3)
+    keys = Target("triton").heuristics.flex.sparse_keys
+
+    def listed(rule):
+        mask = create_block_mask(rule, 1, 1, 2048, 2048, device="cpu")
+        full = (mask.full_kv_num_blocks, mask.full_kv_indices)
+        return launch_for_mask(dense, sparse, mask.kv_num_blocks, full, 128, keys)
+
+    assert listed(lambda b, h, q, kv: (q >= kv) & (q - kv <= 256)) == sparse
+    assert listed(lambda b, h, q, kv: q >= kv) == dense
