@@ -62,10 +62,36 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         render_program(spec.grad, "triton", names, load, "g", interpreted) if spec.grad is not None else ([], "ds")
     )
 
-    def masked_lines(masked: bool, shape: str) -> list[str]:
-        if not masked or mask_result is None:
-            return []
-        return [*mask_lines, f"keep = keep & tl.broadcast_to({truth(fwd.mask, mask_result)}, [{shape}])"]
+    def kept(masked: bool, p_value: str, bound: str, even: str, shape: str, body: list[str]) -> list[str]:
+        """`p` (`p_value` where kept) and the gradient `gs` of one step, zero where the mask drops a score
+        (a masked step with a mask_mod) or where `bound` does (the other operand's rows past the
+        sequence, unless the constant `even` says there are none): a full block inside the sequence
+        selects nothing. `body` computes ds from p. The program's own rows past the sequence are not
+        bounded: they are never stored, and each row's result reads only that row."""
+        if masked and mask_result is not None:
+            keep = [
+                *mask_lines,
+                f"keep = tl.broadcast_to({truth(fwd.mask, mask_result)}, [{shape}])",
+                f"if not {even}:",
+                f"    keep = keep & {bound}",
+            ]
+            return [
+                *keep,
+                f"p = tl.where(keep, {p_value}, 0.0)",
+                *body,
+                *grad_lines,
+                f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
+            ]
+        return [
+            f"p = {p_value}",
+            f"if not {even}:",
+            f"    p = tl.where({bound}, p, 0.0)",
+            *body,
+            *grad_lines,
+            f"gs = ({grad_result}).to({wt})",
+            f"if not {even}:",
+            f"    gs = tl.where({bound}, gs, 0.0)",
+        ]
 
     def scores(a: str, bt: str, shape: str) -> list[str]:
         """`val2`: the scores after score_mod, in base 2 (the scale and log2(e) in one multiply where
@@ -83,13 +109,14 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         q_idx, kv_idx and kmask."""
         lines = [
             *scores("q", "tl.trans(k)", "BLOCK_M, BLOCK_N"),
-            "keep = kmask[None, :]",
-            *masked_lines(masked, "BLOCK_M, BLOCK_N"),
-            "p = tl.where(keep, tl.exp2(val2 - lse[:, None]), 0.0)",
-            f"dp = tl.dot(do, tl.trans(v){precision}).to({wt})",
-            "ds = p * (dp - delta[:, None])",
-            *grad_lines,
-            f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
+            *kept(
+                masked,
+                "tl.exp2(val2 - lse[:, None])",
+                "kmask[None, :]",
+                "EVEN_N",
+                "BLOCK_M, BLOCK_N",
+                [f"dp = tl.dot(do, tl.trans(v){precision}).to({wt})", "ds = p * (dp - delta[:, None])"],
+            ),
             f"dq += tl.dot(gs.to(k.dtype), k{precision})",
         ]
         return lines
@@ -101,13 +128,14 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         kv_idx along rows here; the score, mask and gradient programs are elementwise)."""
         lines = [
             *scores("k", "tl.trans(q)", "BLOCK_N, BLOCK_M"),
-            "keep = kmask[:, None] & qmask[None, :]",
-            *masked_lines(masked, "BLOCK_N, BLOCK_M"),
-            "p = tl.where(keep, tl.exp2(val2 - lse[None, :]), 0.0)",
-            f"dp = tl.dot(v, tl.trans(do){precision}).to({wt})",
-            "ds = p * (dp - delta[None, :])",
-            *grad_lines,
-            f"gs = tl.where(keep, ({grad_result}).to({wt}), 0.0)",
+            *kept(
+                masked,
+                "tl.exp2(val2 - lse[None, :])",
+                "qmask[None, :]",
+                "EVEN_M",
+                "BLOCK_N, BLOCK_M",
+                [f"dp = tl.dot(v, tl.trans(do){precision}).to({wt})", "ds = p * (dp - delta[None, :])"],
+            ),
             f"dv += tl.dot(p.to(do.dtype), do{precision})",
             f"dk += tl.dot(gs.to(q.dtype), q{precision})",
         ]
