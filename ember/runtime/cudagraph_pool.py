@@ -89,8 +89,6 @@ class GraphedCall(Protocol):
 
     def disable(self, reason: str) -> None: ...
 
-    def unpin(self, moved: frozenset[int]) -> None: ...
-
     def note_held(self) -> None: ...
 
     def note_unsuited(self) -> None: ...
@@ -182,18 +180,6 @@ def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
             parts.append(f"input {k}'s strides, value or address in the pool")
     shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
     return f"this call differs from the nearest recorded one in {shown}"
-
-
-def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[int]) -> frozenset[int]:
-    """The static inputs whose addresses alone set this call's key apart from a key seen before, where
-    none lies in the pool's memory (a recorded forward's saved tensors do, and are read in place)."""
-    for seen in fn.seen:
-        if len(seen) == len(key):
-            moved = [k for k, (a, b) in enumerate(zip(seen, key, strict=True)) if a != b]
-            static = moved and all(k < len(args) and k in fn.static for k in moved)
-            if static and not any(args[k].untyped_storage().data_ptr() in resident for k in moved):
-                return frozenset(moved)
-    return frozenset()
 
 
 def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
@@ -396,11 +382,6 @@ class Pool:
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
         """None: this call runs the host program (a warm-up, or past the bound)."""
         if key not in fn.seen:
-            unpinned = fn.default_mode and fn.kind == "backward"
-            moved = _moved_static(fn, key, args, self.resident()) if unpinned else frozenset()
-            if moved:
-                fn.unpin(moved)
-                return None
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
                     f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "

@@ -404,24 +404,6 @@ class Graphed:
             article = "an" if self.kind[:1] in "aeiou" else "a"
             log.warn(f"ember: {article} {self.kind} graph: {reason}")
 
-    def unpin(self, moved: frozenset[int]) -> None:
-        """Copy in from here on the static inputs `moved` (found at a new address, nothing else
-        changed): a backward's saved tensors stay put where its forward was recorded (the pool's
-        memory, read where they are whether static or not), but where the forward ran its host program
-        they are fresh tensors at each call, and keying recordings by their addresses would record
-        again at every step. The recordings keyed by their old addresses are released. The default
-        mode's alone (Pool._recording_for): its replays never write over a handed-out tensor still
-        held, whatever the step; under reduce-overhead's steps, copying such inputs in gave a step of
-        two forwards and one backward wrong gradients in the CPU tests, so there a moved input still
-        records again, up to cudagraphs_max_graphs."""
-        self.static -= moved
-        self.pool.release(list(self.recordings.values()))
-        self.recordings.clear()
-        self.seen.clear()
-        self.host_seconds.clear()
-        self.last = None
-        self._note_once("unpinned", f"inputs {sorted(moved)} move between calls: copied in from here on")
-
     def _note_once(self, what: str, text: str) -> None:
         """Log `text` for this graph the first time `what` happens."""
         if what not in self._noted:

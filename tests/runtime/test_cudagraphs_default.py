@@ -239,20 +239,3 @@ def test_default_mode_copies_an_expanded_output(recorder):
             assert_close(y, f(x, w), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
             assert y.stride() == (0, 1), line
     assert recorder.replays >= 2, line
-
-
-def test_a_backward_whose_saved_tensors_move_copies_them_in_rather_than_recording_again(recorder):
-    """A backward's saved tensors are static where its forward was recorded, but a forward that runs its
-    host program (one launch, or a dropped recording) saves fresh tensors each step. Found at a new
-    address with nothing else changed, they are copied in from then on: one recording serves every
-    step, where keying by their addresses recorded again each step until cudagraphs_max_graphs."""
-    pool = cg.Pool(recorder, CPU, with_steps=False)
-    fn = cg.Graphed(fresh, "backward", (0,), (), pool, False, default_mode=True, copied_below=0, copy_bandwidth=1e12)
-    line = repro(program="x * 2 as a backward, x saved by an unrecorded forward", steps=12)
-    kept = []  # each step's saved tensor held, so that every one lies at a new address
-    for i in range(12):
-        kept.append(torch.full((3,), float(i)))
-        (out,) = fn([kept[-1]])
-        assert out.tolist() == [2.0 * i] * 3, (i, line)
-    assert fn.disabled is None and fn.static == frozenset(), line
-    assert len(recorder.recorded) == 1 and recorder.replays >= 6, line
