@@ -182,6 +182,19 @@ def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
     return f"this call differs from the nearest recorded one in {shown}"
 
 
+# Address sets a default-mode backward's moving saved tensors are recorded for (two alternate where the
+# allocator hands a step's memory back in turn); at another, it runs its host program from then on.
+_MOVED_KEYS = 2
+
+
+def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[int]) -> bool:
+    """Whether only static inputs' addresses set this key apart from one seen, none in the pool's memory."""
+    for moved in ([k for k, (a, b) in enumerate(zip(s, key)) if a != b] for s in fn.seen if len(s) == len(key)):
+        if moved and all(k < len(args) and k in fn.static for k in moved):
+            return not any(args[k].untyped_storage().data_ptr() in resident for k in moved)
+    return False
+
+
 def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
     """The tensors among `positions` that share their storage with no other input: a table row found
     by its storage at capture then points into that input, whatever address it comes at later."""
@@ -382,6 +395,13 @@ class Pool:
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
         """None: this call runs the host program (a warm-up, or past the bound)."""
         if key not in fn.seen:
+            backward = fn.default_mode and fn.kind == "backward"
+            if backward and len(fn.seen) >= _MOVED_KEYS and _moved_static(fn, key, args, self.resident()):
+                fn.disable(
+                    "its saved tensors lie at a new address again (a forward run without a graph saves fresh "
+                    "ones): a recording per address would record at every step"
+                )
+                return None
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
                     f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "

@@ -239,3 +239,26 @@ def test_default_mode_copies_an_expanded_output(recorder):
             assert_close(y, f(x, w), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
             assert y.stride() == (0, 1), line
     assert recorder.replays >= 2, line
+
+
+@pytest.mark.parametrize("addresses", ["fresh each call", "two in turn"])
+def test_a_backward_whose_saved_tensors_move_records_two_address_sets_at_most(recorder, addresses):
+    """A backward's saved tensors stay put where its forward was recorded, but a forward that runs its
+    host program saves fresh ones. Where the allocator hands two sets of memory back in turn, both are
+    recorded and replayed; where each call finds them at a new address, the backward runs its host
+    program from the third on, rather than recording at every step up to cudagraphs_max_graphs."""
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+    fn = cg.Graphed(fresh, "backward", (0,), (), pool, False, default_mode=True, copied_below=0, copy_bandwidth=1e12)
+    line = repro(program="x * 2 as a backward, x saved by an unrecorded forward", addresses=addresses)
+    two = [torch.zeros(3), torch.zeros(3)]
+    kept = []  # "fresh each call": every saved tensor held, so that each lies at a new address
+    for i in range(12):
+        saved = two[i % 2] if addresses == "two in turn" else torch.zeros(3)
+        saved.fill_(float(i))
+        kept.append(saved)
+        (out,) = fn([saved])
+        assert out.tolist() == [2.0 * i] * 3, (i, line)
+    if addresses == "two in turn":
+        assert fn.disabled is None and len(recorder.recorded) == 2 and recorder.replays >= 6, line
+    else:
+        assert fn.disabled is not None and "new address" in fn.disabled and not recorder.recorded, line
