@@ -505,14 +505,10 @@ def _default_mode_refusals(facts: CaptureFacts, report) -> list[str]:
     fresh tensors, so a replay is followed by a copy of them; that pays only where it replaces more
     launches than there are tensors to copy. A training forward's saved tensors are not copied: only
     its backward reads them, and a replay that could write over one still held (two forwards before
-    a backward) runs without the graph. A FlexAttention kernel is not counted as one launch: its host
-    path (about a hundred arguments, its outputs' allocations) costs several, and the recording's
-    judge (Pool._keep_or_drop) weighs it by time; recorded, a training forward also hands its saved
-    tensors to the backward in the pool's memory, where the backward's recording finds them."""
+    a backward) runs without the graph."""
     if facts.symbolic:
         return ["default mode: sizes vary from call to call"]
     launches = len(report.kernels) + len(report.externs) if report is not None else 0
-    flex = report is not None and any(name.startswith("flex_attention") for name in report.externs)
-    if launches <= facts.kept_outputs and not flex:
+    if launches <= facts.kept_outputs:
         return [f"default mode: {launches} launches, {facts.kept_outputs} outputs to copy"]
     return []

@@ -262,29 +262,3 @@ def test_a_backward_whose_saved_tensors_move_records_two_address_sets_at_most(re
         assert fn.disabled is None and len(recorder.recorded) == 2 and recorder.replays >= 6, line
     else:
         assert fn.disabled is not None and "new address" in fn.disabled and not recorder.recorded, line
-
-
-def test_default_mode_weighs_a_flex_attention_graph_of_one_launch_by_time(recorder):
-    """A graph of one plain launch is not recorded in the default mode (a replay saves nothing over
-    the launch, and the output costs a copy), but a FlexAttention kernel's host path costs several
-    launches: its graph is recorded and judged by time, and returns fresh outputs equal to eager's."""
-    import warnings
-
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    S = 64
-    block_mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, S, S, device="cpu", BLOCK_SIZE=16)
-
-    def fn(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask)
-
-    line = repro(program="causal flex_attention", shape=(1, 2, S, 16), cudagraphs_default=True)
-    compiled = ember_compile(fn, "cpp", cudagraphs_default=True)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # eager flex_attention's "called without torch.compile"
-        calls = [[torch.randn(1, 2, S, 16) for _ in range(3)] for _ in range(6)]
-        outs = [compiled(*qkv) for qkv in calls]
-        for i, (qkv, out) in enumerate(zip(calls, outs)):
-            assert_close(out, fn(*qkv), rtol=1e-4, atol=1e-5, what=f"held output {i}", line=line)
-    recordings = cg.pool_for(recorder, CPU, with_steps=False).recordings
-    assert [r.kind for r in recordings] == ["inference"] and recorder.replays >= 3, line
