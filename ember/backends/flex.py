@@ -72,12 +72,12 @@ def sparse_launch(spec: FlexSpec, target: Target, launch: FlexLaunch) -> FlexLau
 
 def launch_for_mask(
     launch: FlexLaunch, sparse: FlexLaunch, kv_num, full: tuple, kv_block: int, keys: int
-) -> FlexLaunch:
+) -> FlexLaunch | None:
     """`sparse` where the BlockMask's query blocks list at most `keys` keys a row on average, else
-    `launch`. Reads the block counts back (one wait for the device, on a kernel's first call); inside
-    a CUDA-graph capture, where it cannot, keeps `launch`."""
+    `launch`. Reads the block counts back (one wait for the device, on a kernel's first call); None
+    inside a CUDA-graph capture, where it cannot: the caller keeps its launch and asks on a later call."""
     if kv_num.is_cuda and torch.cuda.is_current_stream_capturing():
-        return launch
+        return None
     listed = kv_num.sum() + (full[0].sum() if full else 0)
     return sparse if int(listed) * kv_block <= keys * max(1, kv_num.numel()) else launch
 
@@ -133,10 +133,9 @@ class FlexKernel:
             self.fn(ptrs, params)
         else:
             if self.sparse is not None:
-                self.launch = launch_for_mask(
-                    self.launch, self.sparse, kv_num, full if full else (), kv_block, self.keys
-                )
-                self.sparse = None
+                chosen = launch_for_mask(self.launch, self.sparse, kv_num, full or (), kv_block, self.keys)
+                if chosen is not None:  # decided: not inside a capture, where the counts cannot be read
+                    self.launch, self.sparse = chosen, None
             block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
             grid = ((M + block_m - 1) // block_m, B * H)
             consts = {
