@@ -311,7 +311,7 @@ class RealizeHeuristics:
     # normalization of a chain of them adds its statistics to the next value's expression, so, inlined,
     # the k-th reduction would evaluate the k-1 before it: quadratic work down a chain, single programs
     # of small rows each running the whole chain (ember bench's host_100k, 50 normalizations of 64 x 64,
-    # took 1.6 ms on an H100 inlined; 0.22 ms stored every few steps).
+    # took 1.6 ms on an H100 inlined; 0.17 ms stored every few steps).
     inlined_loads: int = 12
     # Integer arithmetic on loop positions alone (a padding's inside-the-image test) counts no work: the C++
     # target's vector loop over channels computes it once per loop (its default; the GPU's counts it).
