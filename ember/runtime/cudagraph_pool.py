@@ -369,17 +369,17 @@ class Pool:
     def _keep_or_drop(self, fn: GraphedCall, rec: Recording, replay_s: float, copies_s: float) -> None:
         """The default mode keeps a recording only where it pays. A call without it takes about the
         larger of the host's time issuing its launches and the device's running them; with it, the
-        replay's device time plus the copies of what the caller keeps. Where the host's time is the
-        larger by more than the copies, the recording pays. Where the device's is (a GPU-bound graph), it
-        saves at most the gaps between launches, and the copies cost device time: it is kept only while
-        they take at most `copy_share` of the replay's time. A training step's host time lies mostly
+        replay's device time plus the copies (inputs in, what the caller keeps out). Where the host's
+        time is the larger by more than the copies, the recording pays. Where the device's is (a
+        GPU-bound graph), it saves at most the gaps between launches, and the copies cost device time:
+        it is kept only while they take at most `copy_share` of the replay's time. A training step's host time lies mostly
         outside its graphs (autograd, the optimizer), so a graph alone measures GPU-bound there even
         where the step is not: that is what the share allows for."""
         rec.judged = True
         host_s = rec.host_seconds
         pays = host_s > replay_s + copies_s or copies_s <= fn.copy_share * replay_s
         said = (
-            f"replay {replay_s * 1e3:.3f} ms and copies of what the caller keeps {copies_s * 1e3:.3f} ms on "
+            f"replay {replay_s * 1e3:.3f} ms and copies in and of what the caller keeps {copies_s * 1e3:.3f} ms on "
             f"the device, the host program {host_s * 1e3:.3f} ms on the host"
         )
         if pays:
@@ -569,7 +569,9 @@ class Pool:
             return rec.give(self.device, sources)
         # The copies' time from their bytes (read and written) at the device's measured copy bandwidth: timed
         # with events, a few small copies would read as the host's time issuing them, the device idle meanwhile.
-        copies_s = 2 * rec.copied_bytes() / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
+        # Both ways: the inputs copied in before the replay, and what the caller keeps copied out after it.
+        copied = rec.copied_bytes() + rec.copy_in_bytes
+        copies_s = 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
         out = rec.give(self.device, sources)
         self._keep_or_drop(fn, rec, replay_s, copies_s)
         return out

@@ -112,7 +112,7 @@ def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tm
 @pytest.mark.parametrize(
     ("replay_s", "bandwidth", "kept"),
     [
-        (1.0, 100.0, False),  # the device is the slower, the copies (24 bytes at 100 B/s) 24% of the replay
+        (1.0, 100.0, False),  # the device is the slower, the copies (x in, 2x out: 48 bytes at 100 B/s) 48%
         (1.0, 1e12, True),  # the copies take a negligible share of the replay: kept
         (1e-9, 2.4e9, True),  # copies 10x the replay, but the host program is the slower: kept
     ],
@@ -210,18 +210,20 @@ def test_a_dropped_recording_is_released_once_what_it_handed_out_is_gone(recorde
 
 def test_a_backward_whose_gradient_is_held_copies_from_then_on_and_is_judged_again(recorder):
     pool = cg.Pool(recorder, CPU, with_steps=False)
-    fn = cg.Graphed(fresh, "backward", (), (), pool, False, default_mode=True, copied_below=0, copy_bandwidth=1.0)
+    fn = cg.Graphed(
+        fresh, "backward", (), (), pool, False, default_mode=True, copied_below=0, copy_share=0.05, copy_bandwidth=480.0
+    )
     recorder.device_seconds = [1.0, 1.0]
     line = repro(program="x * 2 as a backward", rule="held gradient")
     x = torch.ones(3)
     fn([x]), fn([x])  # warm-up, timed host program
-    grad = fn([x])[0]  # recorded; handed out, nothing to copy: kept
+    grad = fn([x])[0]  # recorded; handed out: only x copied in (12 bytes read and written at 480 B/s, 5%): kept
     assert not fn.disabled and pool.recordings[0].handed_from == 0, line
     again = fn([x + 1])[0]  # `grad` is held: its own host program, and copies from then on
     assert grad.tolist() == [2.0] * 3 and again.tolist() == [4.0] * 3, line
     assert pool.recordings[0].handed_from is None and not pool.recordings[0].judged, line
     del grad, again
-    last = fn([x + 2])[0]  # replayed and judged again: 12 bytes at 1 B/s against a 1 s replay, dropped
+    last = fn([x + 2])[0]  # replayed and judged again: x in and the gradient out, 10% of the replay: dropped
     assert last.tolist() == [6.0] * 3 and fn.disabled, line
 
 
