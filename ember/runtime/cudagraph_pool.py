@@ -189,7 +189,8 @@ _MOVED_KEYS = 2
 
 def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[int]) -> bool:
     """Whether only static inputs' addresses set this key apart from one seen, none in the pool's memory."""
-    for moved in ([k for k, (a, b) in enumerate(zip(s, key)) if a != b] for s in fn.seen if len(s) == len(key)):
+    for seen in fn.seen:
+        moved = [k for k, (a, b) in enumerate(zip(seen, key)) if a != b] if len(seen) == len(key) else []
         if moved and all(k < len(args) and k in fn.static for k in moved):
             return not any(args[k].untyped_storage().data_ptr() in resident for k in moved)
     return False
@@ -372,9 +373,9 @@ class Pool:
         replay's device time plus the copies (inputs in, what the caller keeps out). Where the host's
         time is the larger by more than the copies, the recording pays. Where the device's is (a
         GPU-bound graph), it saves at most the gaps between launches, and the copies cost device time:
-        it is kept only while they take at most `copy_share` of the replay's time. A training step's host time lies mostly
-        outside its graphs (autograd, the optimizer), so a graph alone measures GPU-bound there even
-        where the step is not: that is what the share allows for."""
+        it is kept only while they take at most `copy_share` of the replay's time. A training step's
+        host time lies mostly outside its graphs (autograd, the optimizer), so a graph alone measures
+        GPU-bound there even where the step is not: that is what the share allows for."""
         rec.judged = True
         host_s = rec.host_seconds
         pays = host_s > replay_s + copies_s or copies_s <= fn.copy_share * replay_s
@@ -565,15 +566,13 @@ class Pool:
         for original, buffer in written_back:
             original.copy_(buffer)
         self._ran(fn)
-        if not judge:
-            return rec.give(self.device, sources)
-        # The copies' time from their bytes (read and written) at the device's measured copy bandwidth: timed
-        # with events, a few small copies would read as the host's time issuing them, the device idle meanwhile.
-        # Both ways: the inputs copied in before the replay, and what the caller keeps copied out after it.
-        copied = rec.copied_bytes() + rec.copy_in_bytes
-        copies_s = 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
         out = rec.give(self.device, sources)
-        self._keep_or_drop(fn, rec, replay_s, copies_s)
+        if judge:
+            # The copies' time from their bytes (read and written; inputs copied in and what the caller keeps
+            # copied out) at the device's measured copy bandwidth: timed with events, a few small copies would
+            # read as the host's time issuing them, the device idle meanwhile.
+            copied = rec.copied_bytes() + rec.copy_in_bytes
+            self._keep_or_drop(fn, rec, replay_s, 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0)
         return out
 
 
