@@ -59,26 +59,26 @@ def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
 
 
-def sparse_launch(spec: FlexSpec, target: Target, launch: FlexLaunch) -> FlexLaunch | None:
-    """The launch for a sparse BlockMask (`heuristics.flex.sparse`), where it differs from `launch`
-    and the kernel is one it applies to (Triton's, half precision, head size up to 64, no gathers)."""
+def sparse_launch(spec: FlexSpec, target: Target) -> FlexLaunch | None:
+    """The launch for a sparse BlockMask (`heuristics.flex.sparse`), where it differs from the small
+    tile and the kernel is one it applies to (Triton's, half precision, head size up to 64, no gathers)."""
     h = target.heuristics.flex
     if target.name == "cpp" or spec.dtype == torch.float32 or spec.head_dim > 64 or h.sparse == h.small:
         return None
     if any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
         return None  # the gathering tile (forward_launch)
-    return FlexLaunch(h.sparse.xblock, h.sparse.rblock, h.sparse.warps, launch.stages)
+    return FlexLaunch(h.sparse.xblock, h.sparse.rblock, h.sparse.warps, h.stages)
 
 
 def launch_for_mask(
-    launch: FlexLaunch, sparse: FlexLaunch, kv_num, full: tuple, kv_block: int, keys: int
+    launch: FlexLaunch, sparse: FlexLaunch, kv_num, full_num, kv_block: int, keys: int
 ) -> FlexLaunch | None:
     """`sparse` where the BlockMask's query blocks list at most `keys` keys a row on average, else
     `launch`. Reads the block counts back (one wait for the device, on a kernel's first call); None
     inside a CUDA-graph capture, where it cannot: the caller keeps its launch and asks on a later call."""
     if kv_num.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    listed = kv_num.sum() + (full[0].sum() if full else 0)
+    listed = kv_num.sum() + (full_num.sum() if full_num is not None else 0)
     return sparse if int(listed) * kv_block <= keys * max(1, kv_num.numel()) else launch
 
 
@@ -91,7 +91,7 @@ class FlexKernel:
         self.spec, self.results = spec, results
         self.launch = forward_launch(spec, target)
         # The tile for a sparse mask, where the Target has one for this kernel: chosen on the first call.
-        self.sparse = sparse_launch(spec, target, self.launch)
+        self.sparse = sparse_launch(spec, target)
         self.keys = target.heuristics.flex.sparse_keys
         self.__name__ = "flex_attention_kernel"  # the host program's name for it
         self.cpp = target.name == "cpp"
@@ -133,7 +133,8 @@ class FlexKernel:
             self.fn(ptrs, params)
         else:
             if self.sparse is not None:
-                chosen = launch_for_mask(self.launch, self.sparse, kv_num, full or (), kv_block, self.keys)
+                full_num = full[0] if full else None
+                chosen = launch_for_mask(self.launch, self.sparse, kv_num, full_num, kv_block, self.keys)
                 if chosen is not None:  # decided: not inside a capture, where the counts cannot be read
                     self.launch, self.sparse = chosen, None
             block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)

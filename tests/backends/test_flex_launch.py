@@ -163,9 +163,9 @@ def test_the_sparse_tile_is_for_half_precision_heads_up_to_64_on_the_gpu():
     tile = gpu.heuristics.flex.sparse
     spec = _spec(torch.bfloat16, 64)
     launch = forward_launch(spec, gpu)
-    assert sparse_launch(spec, gpu, launch) == FlexLaunch(tile.xblock, tile.rblock, tile.warps, launch.stages)
+    assert sparse_launch(spec, gpu) == FlexLaunch(tile.xblock, tile.rblock, tile.warps, launch.stages)
     for other, target in ((_spec(torch.float32, 64), gpu), (_spec(torch.bfloat16, 128), gpu), (spec, cpu)):
-        assert sparse_launch(other, target, forward_launch(other, target)) is None, (other, target.name)
+        assert sparse_launch(other, target) is None, (other, target.name)
 
 
 def test_a_mask_listing_few_keys_a_row_takes_the_sparse_launch():
@@ -178,8 +178,7 @@ def test_a_mask_listing_few_keys_a_row_takes_the_sparse_launch():
 
     def listed(rule):
         mask = create_block_mask(rule, 1, 1, 2048, 2048, device="cpu")
-        full = (mask.full_kv_num_blocks, mask.full_kv_indices)
-        return launch_for_mask(dense, sparse, mask.kv_num_blocks, full, 128, keys)
+        return launch_for_mask(dense, sparse, mask.kv_num_blocks, mask.full_kv_num_blocks, 128, keys)
 
     assert listed(lambda b, h, q, kv: (q >= kv) & (q - kv <= 256)) == sparse
     assert listed(lambda b, h, q, kv: q >= kv) == dense
