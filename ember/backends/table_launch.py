@@ -16,7 +16,7 @@ read that one ran on the new table's stream, so that the copy is ordered after t
 loop's gradients come at addresses that drift, and a fresh allocation for each table among them would
 shift the allocator's blocks and keep them drifting. `ember.stats` counts `address_tables_built`.
 Under a capture ember's pool records (runtime/cudagraph_pool.py), each launch gets a table of the
-capture's own (`CapturedTable`, from the graph's memory pool, held by the recording): the pool
+capture's own (`CapturedTable`, held by the recording, its memory outside the graph's pool): the pool
 writes it from the host before the first replay, and again before a replay whose inputs read only
 through tables (an optimizer step's gradients) come at new addresses, so those are never copied.
 Under a capture of the caller's own, a table found by its addresses is kept for good (its graph's
@@ -64,12 +64,12 @@ class CapturedTable:
 
     __slots__ = ("aligned", "device", "host", "launch", "positions", "slots", "sources")
 
-    def __init__(self, launch: TableLaunch, slots: tuple, sources: tuple, rows: int, aligned: bool):
+    def __init__(self, launch: TableLaunch, slots: tuple, sources: tuple, device: torch.Tensor, aligned: bool):
         self.launch, self.slots, self.aligned = launch, slots, aligned
         # Per distinct tensor: (input position, bytes past its address), or (None, a fixed address).
         self.sources = sources
         self.positions = frozenset(k for k, _ in sources if k is not None)
-        self.device = torch.empty(rows, dtype=torch.int64, device=launch.device)  # from the capture's pool
+        self.device = device  # outside the graph pool (CaptureScope.lasting)
         self.host: torch.Tensor | None = None
 
     def write(self, args: list) -> bool:
@@ -160,7 +160,7 @@ class TableLaunch:
             found = scope.table_inputs.get(t.untyped_storage().data_ptr())
             sources.append((None, address) if found is None else (found[0], address - found[1]))
         rows, aligned = self.rows(slots, addresses)
-        table = CapturedTable(self, slots, tuple(sources), len(rows), aligned)
+        table = CapturedTable(self, slots, tuple(sources), scope.lasting(len(rows), self.device), aligned)
         scope.tables.append(table)
         return table
 

@@ -139,6 +139,17 @@ class CaptureScope:
     # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
     table_inputs: dict[int, tuple[int, int]]
     tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
+    stream: Any = None  # the stream the pool replays on (not the capture's); None off CUDA
+
+    def lasting(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Memory for rows a replay reads but no kernel of the graph writes (an address table the host
+        writes). Taken from the caching allocator's own pool, on the stream the replays run on: memory
+        of the graph pool that an earlier recording's temporaries use would be written over at each of
+        its replays, and the rows with it."""
+        if self.stream is None or device.type != "cuda":
+            return torch.empty(rows, dtype=torch.int64, device=device)
+        with torch.cuda.stream(self.stream):
+            return torch.empty(rows, dtype=torch.int64, device=device)
 
 
 _capture = threading.local()
@@ -470,7 +481,8 @@ class Pool:
         if not self.with_steps and self.stream is None:
             self.stream = self.recorder.stream()
         _capture.scope = scope = CaptureScope(
-            {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound}
+            {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound},
+            stream=self.recorder.stream() if self.recorder.device_type == "cuda" else None,
         )
         try:
             graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
@@ -523,7 +535,8 @@ class Pool:
             static_tensors=static_tensors,
             addresses=[a.data_ptr() if k in at_address else 0 for k, a in enumerate(args)],
             strides=[(k, args[k].stride()) for k in (*copied, *rebound, *in_pool)],
-            tables=[table for table in scope.tables if table.positions],  # the others never change
+            tables=list(scope.tables),
+            rewritten=[table for table in scope.tables if table.positions],  # the others never change
             rebound=rebound,
             in_pool=in_pool,
             copy_in_bytes=sum(_copied_bytes(args[k], index) for k, index in copy_in),
@@ -538,7 +551,7 @@ class Pool:
 
     def _replay(self, fn: GraphedCall, rec: Recording, args: list, tables_current: bool = False) -> list:
         if rec.rebound and not tables_current and not same_addresses(args, rec.bound, rec.rebound):
-            if not all(table.write(args) for table in rec.tables):
+            if not all(table.write(args) for table in rec.rewritten):
                 rec.bound = [0] * len(rec.bound)  # written in part: written again at the next replay
                 fn.note_unsuited()
                 return self._plain(fn, args)

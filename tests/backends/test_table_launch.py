@@ -235,6 +235,9 @@ class _TableGraphRecorder:
     def new_pool(self):
         return "pool"
 
+    def stream(self):
+        return None  # no stream to allocate a table's memory on: the CPU's allocator
+
     def record(self, run, inputs, pool):
         self.capturing, start = True, len(self.reads)
         try:
@@ -340,3 +343,46 @@ def test_builds_are_counted():
         launch(None, ALL, *bufs)
     launch(None, ALL, *_buffers())
     assert stats.delta(before)["address_tables_built"] == 2
+
+
+def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
+    """A table whose rows are all fixed addresses is never rewritten, yet its memory is the pool's: let go
+    after the capture, the next capture into the pool would get it and write over the rows a replay
+    reads. A CUDA graph does not hold the tensors its kernels read; the recording holds the tables."""
+    from ember.runtime import cudagraph_pool, cudagraphs
+
+    monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
+    reads: list[weakref.ref] = []
+    rec = _Recorder()
+    launch = rec.launch(cuda=True)
+    fast = launch._fast
+    launch._fast = lambda stream, table, *rest: (reads.append(weakref.ref(table)), fast(stream, table, *rest))
+    fixed = _buffers(5)
+
+    def program(args):
+        args.clear()
+        launch(None, ALL, *fixed)
+        return []
+
+    program.table_inputs = frozenset()
+
+    class AddressesOnly(_TableGraphRecorder):
+        def record(self, run, inputs, pool):
+            graph, outputs = super().record(run, inputs, pool)
+            self.captured = graph
+            return [r().data_ptr() for r in graph], outputs  # addresses, as a CUDA graph keeps
+
+        def replay(self, graph):
+            self.replayed.append(graph)
+
+    recorder = AddressesOnly(monkeypatch, reads)
+    pool = cudagraph_pool.Pool(recorder, torch.device("cpu"))
+    graph = cudagraphs.Graphed(program, "inference", static=[], mutated=[], pool=pool, symbolic=False)
+    for _ in range(3):
+        graph([])  # warm-up, record and replay, replay
+    (recording,) = pool.recordings
+    (table,) = recorder.captured
+    assert recording.rewritten == [] and table() is recording.tables[0].device
+    assert recorder.replayed == [[table().data_ptr()]] * 2
+    recording.release()
+    assert table() is None
