@@ -203,12 +203,15 @@ def test_a_pool_capture_records_a_table_whose_rows_follow_its_table_inputs(monke
     bufs = _buffers()
     args = [bufs[1], "not a tensor"]  # the graph's inputs: bufs[1] (p1) is read through tables only
     scope = cudagraph_pool.CaptureScope({bufs[1].untyped_storage().data_ptr(): (0, bufs[1].data_ptr())})
+    lasting = []  # the table's memory comes from the scope: outside the graph pool on a GPU
+    scope.lasting = lambda rows, device: lasting.append(torch.empty(rows, dtype=torch.int64)) or lasting[-1]
     cudagraph_pool._capture.scope = scope  # what Pool._record sets around its capture
     try:
         launch(None, ALL, *bufs)
     finally:
         cudagraph_pool._capture.scope = None
     (table,) = scope.tables
+    assert len(lasting) == 1 and lasting[0] is table.device and len(table.device) == 6
     assert rec.fills == 0 and launch.tables == 0  # nothing found, nothing kept, no fill kernel
     a = [b.data_ptr() for b in bufs]
     assert table.write(args) and table.device.tolist() == [a[0], a[2], a[3], a[1], a[2], a[4]]
