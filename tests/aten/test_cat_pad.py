@@ -1,4 +1,4 @@
-"""`cat`, `constant_pad_nd` and `slice_backward` lower to selections among clamped views (aten/lowerings/cat_pad.py), so they
+"""`cat`, `stack`, `constant_pad_nd` and `slice_backward` lower to selections among clamped views (aten/lowerings/cat_pad.py), so they
 fuse with their producers and consumers: compared with eager forward and backward on both code
 generators (and with Triton on a GPU where one is present), and checked for what they cost (no
 copy kernel, no ATen cat, each piece read once)."""
@@ -53,7 +53,17 @@ def slices_summed(x):  # the backward places each slice's gradient in zeros: sli
     return (x[..., 1:5] * 2 + x[..., -4:]).sin()[:, 2:] + x[:, :2, :4].cos()
 
 
+def stack_inner(a, b):  # a new dim inside, a computed piece beside an input; read back by a reduction
+    return torch.stack([a.sigmoid(), b, a * 3], dim=1).softmax(dim=1)
+
+
+def stack_last(a, b):  # a new innermost dim, realized as an output
+    return torch.stack([a, b * 2], dim=-1)
+
+
 PROGRAMS = {
+    "stack_inner": (stack_inner, [(4, 5), (4, 5)]),
+    "stack_last": (stack_last, [(3, 6), (3, 6)]),
     "slices_summed": (slices_summed, [(2, 4, 6)]),
     "rope": (rope, [(2, 3, 5, 8), (5, 8), (5, 8)]),
     "cat_mixed": (cat_mixed, [(4, 3), (4, 5)]),
@@ -77,7 +87,7 @@ def test_forward_backward_fp32(backend, device, name):
     for got, want in zip(outs + grads, ref_outs + ref_grads):
         assert_close(got, want, rtol=1e-5, atol=1e-6, what=name, line=line)
     names = [e for g in report.graphs for e in g.externs]
-    assert not any("cat" in str(e) or "pad" in str(e) for e in names), f"ran as ATen: {names}\n{line}"
+    assert not any(op in str(e) for op in ("cat", "stack", "pad") for e in names), f"ran as ATen: {names}\n{line}"
 
 
 @pytest.mark.parametrize("backend,device", ON_DEVICES)
@@ -225,3 +235,35 @@ def test_cpp_padded_read_vectorizes(fmt):
     with torch.no_grad():
         actual = ember_compile(pad_bn_relu6, "cpp")(x, s, t)
     assert_close(actual, pad_bn_relu6(x, s, t), rtol=1e-5, atol=1e-6, what="padded read", line=repro())
+
+
+def test_packed_attention_backward_stacks_its_gradients_in_a_kernel():
+    """A packed qkv projection (timm's ViT: one linear layer, its output unbound into q, k and v) has
+    the attention backward's three gradients stacked into the projection's: the stack and the bias
+    gradient's sum (float32 for bfloat16 in torch's backward) are kernels, not ATen calls."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self, width: int, heads: int):
+            super().__init__()
+            self.heads, self.qkv = heads, torch.nn.Linear(width, 3 * width)
+
+        def forward(self, x):
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+
+    torch.manual_seed(0)
+    model = Attention(32, 4).to(torch.bfloat16)
+    x = torch.randn(2, 6, 32, dtype=torch.bfloat16)
+    line = "repro: packed-qkv attention (width 32, 4 heads) training on randn(2, 6, 32) bfloat16, cpp backend"
+    params = list(model.parameters())
+    with reports() as report:
+        outs, grads = forward_backward(ember_compile(model, "cpp"), params, fresh_inputs([x]), 3, train=True)
+    eager = forward_backward(model, params, fresh_inputs([x]), 3, train=True)
+    reference = forward_backward(model.float(), list(model.parameters()), fresh_inputs([x], torch.float32), 3, True)
+    model.to(torch.bfloat16)
+    assert_no_fallback(report, line)
+    for got, want, ref in zip(outs + grads, eager[0] + eager[1], reference[0] + reference[1]):
+        assert_not_worse(got, want, ref, what="packed attention", line=line)
+    externs = [str(e) for g in report.graphs for e in g.externs]
+    assert not any("stack" in e or "sum" in e for e in externs), f"{externs}\n{line}"

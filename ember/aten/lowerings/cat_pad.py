@@ -32,6 +32,25 @@ def _cat(ctx: GraphBuilder, node):
     tensors = [ctx.arg(t) for t in node.args[0]]
     if not all(isinstance(t, Value) for t in tensors):
         raise Unsupported("cat operands")
+    return _joined(ctx, node, tensors, dim)
+
+
+@lowering(aten.stack)
+def _stack(ctx: GraphBuilder, node):
+    """stack as cat along a new dim: an attention backward's dq, dk and dv stacked into the gradient of
+    a packed qkv projection fuse with the kernel that lays them out for its product."""
+    out = ctx.out_meta()
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.dim()
+    tensors = [ctx.arg(t) for t in node.args[0]]
+    if not tensors or not all(isinstance(t, Value) for t in tensors):
+        raise Unsupported("stack operands")
+    return _joined(ctx, node, [ctx.view("unsqueeze", t, dim=dim) for t in tensors], dim)
+
+
+def _joined(ctx: GraphBuilder, node, tensors: list[Value], dim: int) -> Value:
+    """`tensors` joined along `dim` into the node's result, as one select among the pieces."""
+    out = ctx.out_meta()
+    rank = out.dim()
     # cat skips legacy empty 1-D tensors ([0]) whatever the rank, and adds nothing for empty pieces.
     pieces = [t for t in tensors if len(t.shape) == rank and not (t.shape[dim].is_Integer and int(t.shape[dim]) == 0)]
     if not pieces or rank == 0:

@@ -20,11 +20,17 @@ def _dims_keepdim(node, dim_index=1):
     return list(dims) if dims else [], bool(keepdim)
 
 
+def _converted_input(ctx: GraphBuilder, node):
+    """The reduction's input, converted first where the call names a `dtype`, as eager converts it (a
+    bfloat16 linear layer's bias gradient is summed with dtype=float32 in torch 2.11's backward)."""
+    x = ctx.arg(node.args[0])
+    dtype = node.kwargs.get("dtype")
+    return x if dtype is None or dtype == x.dtype else ctx.cast(x, dtype)
+
+
 @lowering(aten.sum)
 def _sum(ctx: GraphBuilder, node):
-    if node.kwargs.get("dtype") is not None:
-        raise Unsupported("sum dtype")
-    x = ctx.arg(node.args[0])
+    x = _converted_input(ctx, node)
     dims, keepdim = _dims_keepdim(node)
     return ctx.reduce("sum", x, dims, keepdim, ctx.out_meta().dtype)
 
@@ -63,9 +69,7 @@ def _mean(ctx: GraphBuilder, x, dims, keepdim, out_dtype):
 
 @lowering(aten.mean)
 def _mean_lowering(ctx: GraphBuilder, node):
-    if node.kwargs.get("dtype") is not None:
-        raise Unsupported("mean dtype")
-    x = ctx.arg(node.args[0])
+    x = _converted_input(ctx, node)
     dims, keepdim = _dims_keepdim(node)
     out = ctx.out_meta()
     return ctx.cast(_mean(ctx, x, dims, keepdim, out.dtype), out.dtype)
