@@ -113,6 +113,19 @@ def _alias(ctx: GraphBuilder, node):
     return x
 
 
+@lowering(aten.unbind)
+def _unbind(ctx: GraphBuilder, node):
+    """Each index along a dim as a select view of x: a packed qkv projection's q, k and v (timm's ViT
+    unbinds them) stay views of its one buffer, with no ATen call on the host."""
+    x = ctx.arg(node.args[0])
+    if not x.shape:
+        raise Unsupported("unbind of a 0-d tensor")
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(x.shape)
+    if not as_expr(x.shape[dim]).is_Integer:
+        raise Unsupported("unbind along a symbolic dim")
+    return [ctx.view("select", x, dim=dim, index=as_expr(k)) for k in range(int(x.shape[dim]))]
+
+
 @lowering(aten.split, aten.split_with_sizes)
 def _split(ctx: GraphBuilder, node):
     """Pieces along a dim as slice views of x (q/k/v of one projection stay one buffer). The pieces'
