@@ -49,7 +49,7 @@ def test_integer_arange_is_computed_in_kernels(backend, device, dynamic, fn):
 
 
 def test_floating_arange_stays_aten():
-    fn = lambda x: x + torch.arange(0, 1, 0.25)  # noqa: E731
+    fn = lambda x: x + torch.arange(0, 1, 0.25)
     x = torch.randn(4)
     with reports() as report:
         got = ember_compile(fn, "cpp")(x)
