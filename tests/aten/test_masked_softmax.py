@@ -56,3 +56,21 @@ def test_all_any_full_like(backend, name):
     assert got.dtype == want.dtype and torch.equal(got, want), repro(backend=backend, case=name)
     report = explain_strict(fn, x, backend=backend)
     assert not report.graphs[0].externs, str(report)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inverted_boolean_mask_is_a_kernel(backend):
+    """`~mask` (DeBERTa inverts its attention mask before filling) is logical not inside the kernel; an
+    integer's `~` stays ATen's."""
+
+    def fill_inverted(x, keep, bits):
+        return x.masked_fill(~keep, -1e4).softmax(-1), ~bits
+
+    x = torch.randn(2, 4, 8)
+    keep = torch.rand(2, 1, 8) > 0.3
+    bits = torch.randint(-50, 50, (5,))
+    report = explain_strict(fill_inverted, x, keep, bits, backend=backend)
+    assert report.graphs[0].externs == ["bitwise_not"], report
+    got = ember_compile(fill_inverted, backend)(x, keep, bits)
+    for g, w in zip(got, fill_inverted(x, keep, bits)):
+        assert_close(g, w, rtol=1e-5, atol=1e-6, what="inverted mask", line=repro(backend=backend))

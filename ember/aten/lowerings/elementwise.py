@@ -77,6 +77,15 @@ def _unary(ctx: GraphBuilder, node):
     return ctx.pointwise(fn, [ctx.arg(node.args[0])])
 
 
+@lowering(aten.bitwise_not)
+def _bitwise_not(ctx: GraphBuilder, node):
+    """`~mask` of a boolean mask (DeBERTa inverts its attention mask) is logical not; integers stay ATen's."""
+    x = ctx.arg(node.args[0])
+    if not isinstance(x, Value) or x.dtype != torch.bool:
+        raise Unsupported("bitwise_not of integers")
+    return ctx.pointwise("logical_not", [x])
+
+
 @lowering(aten.add, aten.sub)
 def _add_sub(ctx: GraphBuilder, node):
     a, b = (_scalar_or_value(ctx, x) for x in node.args[:2])
