@@ -78,8 +78,11 @@ class CapturedTable:
         if self.aligned and not aligned:
             return False
         # Copied after the replays before it in stream order; the pinned memory is held until the next write.
-        self.host = torch.tensor(rows, dtype=torch.int64, pin_memory=self.launch.device.type == "cuda")
+        cuda = self.launch.device.type == "cuda"
+        self.host = torch.tensor(rows, dtype=torch.int64, pin_memory=cuda)
         self.device.copy_(self.host, non_blocking=True)
+        if cuda:  # written (and replayed) on a stream other than the one it was allocated on: freed after it
+            self.device.record_stream(torch.cuda.current_stream(self.launch.device))
         return True
 
 

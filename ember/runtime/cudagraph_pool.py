@@ -139,13 +139,16 @@ class CaptureScope:
     # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
     table_inputs: dict[int, tuple[int, int]]
     tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
-    stream: Any = None  # the stream the pool replays on (not the capture's); None off CUDA
+    stream: Any = None  # the stream of the call that records (not the capture's); None off CUDA
 
     def lasting(self, rows: int, device: torch.device) -> torch.Tensor:
         """Memory for rows a replay reads but no kernel of the graph writes (an address table the host
-        writes). Taken from the caching allocator's own pool, on the stream the replays run on: memory
-        of the graph pool that an earlier recording's temporaries use would be written over at each of
-        its replays, and the rows with it."""
+        writes). Taken from the caching allocator's own pool, on the recording call's stream (a write on
+        another stream records it there): memory of the graph pool that an earlier recording's
+        temporaries use would be written over at each of its replays, and the rows with it. Where that
+        stream's memory holds no gap for it, the allocator asks CUDA for more inside the capture, which a
+        thread-local capture refuses: the capture fails and the function runs without its graph, saying
+        so (EMBER_LOGS=cudagraphs)."""
         if self.stream is None or device.type != "cuda":
             return torch.empty(rows, dtype=torch.int64, device=device)
         with torch.cuda.stream(self.stream):
