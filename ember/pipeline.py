@@ -36,13 +36,16 @@ from ember.target import Target
 class CompiledGraph:
     """A compiled graph, called by AOTAutograd with a list of inputs (the boxed convention)."""
 
-    def __init__(self, call: Callable, report: GraphReport, table_inputs: frozenset[int] = frozenset()):
+    def __init__(
+        self, call: Callable, report: GraphReport, table_inputs: frozenset[int] = frozenset(), table_rows: int = 0
+    ):
         # An instance attribute, not a class one: AOTAutograd wraps the backward function with
         # functools.wraps, which copies __dict__ and would drop a class attribute.
         self._boxed_call = True
         self._call = call
         self.report = report
         self.table_inputs = table_inputs  # codegen/host.py: HostProgram.table_inputs
+        self.table_rows = table_rows  # codegen/host.py: HostProgram.table_rows
         self.kept = None  # compile_graph(keep_schedule=True): a KeptSchedule, for AOTAutograd's cache
 
     def __call__(self, args: list) -> list:
@@ -342,7 +345,7 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
     report.namespace = host.namespace
     log.artifact("asm", f"{kind} kernels", lambda: format_layers(report.layers(), machine_only=True))
     stage("host")
-    return CompiledGraph(host.call, report, host.table_inputs)
+    return CompiledGraph(host.call, report, host.table_inputs, host.table_rows)
 
 
 def _fallback(gm: torch.fx.GraphModule, kind: str, report: GraphReport, e: Exception) -> EagerGraph:

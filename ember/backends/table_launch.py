@@ -167,6 +167,11 @@ class TableLaunch:
         scope.tables.append(table)
         return table
 
+    @property
+    def rows_per_call(self) -> int:
+        """The rows of one call's table: each part's buffers."""
+        return sum(len(part) for part in self._parts)
+
     def rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:
         rows: list[int] = []
         aligned = True

@@ -87,6 +87,13 @@ class HostProgram:
         # rewriting the tables, without copying them (runtime/cudagraph_pool.py).
         self.table_inputs = table_inputs
 
+    @property
+    def table_rows(self) -> int:
+        """Address-table rows a call's table launches take (backends/table_launch.py: rows_per_call), which a
+        capture sets aside before it starts (runtime/cudagraph_pool.py: CaptureScope.lasting). Read once the
+        backend's launches have joined the namespace."""
+        return sum(getattr(v, "rows_per_call", 0) for k, v in self.namespace.items() if k.startswith("_tables_"))
+
 
 _IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
 _BINDING = re.compile(r"\w+ = \w+  # (in place|reuse)")  # HostWriter._allocate: a second name, no access

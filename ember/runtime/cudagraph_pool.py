@@ -66,6 +66,7 @@ class GraphedCall(Protocol):
     kind: str  # inference, forward or backward
     static: frozenset[int]
     table_inputs: frozenset[int]  # inputs read only through address tables (codegen/host.py)
+    table_rows: int  # the address-table rows a call writes (codegen/host.py)
     mutated: tuple[int, ...]
     max_graphs: int
     # Outputs at positions from here on are handed out over the pool's memory; the ones before are copied
@@ -140,15 +141,21 @@ class CaptureScope:
     table_inputs: dict[int, tuple[int, int]]
     tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
     stream: Any = None  # the stream of the call that records (not the capture's); None off CUDA
+    # Rows set aside before the capture (Pool._record: the rows of a call's tables), handed out in turn.
+    reserve: torch.Tensor | None = None
+    reserved: int = 0
 
     def lasting(self, rows: int, device: torch.device) -> torch.Tensor:
         """Memory for rows a replay reads but no kernel of the graph writes (an address table the host
-        writes). Taken from the caching allocator's own pool, on the recording call's stream (a write on
-        another stream records it there): memory of the graph pool that an earlier recording's
-        temporaries use would be written over at each of its replays, and the rows with it. Where that
-        stream's memory holds no gap for it, the allocator asks CUDA for more inside the capture, which a
-        thread-local capture refuses: the capture fails and the function runs without its graph, saying
-        so (EMBER_LOGS=cudagraphs)."""
+        writes), outside the graph pool: memory of the graph pool that an earlier recording's
+        temporaries use would be written over at each of its replays, and the rows with it. Taken from
+        the reserve set aside before the capture; past it (a table launched more than once a call), from
+        the caching allocator on the recording call's stream, which asks CUDA for more memory where that
+        stream's holds no gap: a thread-local capture refuses that call, and the function then runs
+        without its graph, saying so (EMBER_LOGS=cudagraphs)."""
+        if self.reserve is not None and self.reserved + rows <= len(self.reserve):
+            self.reserved += rows
+            return self.reserve[self.reserved - rows : self.reserved]
         if self.stream is None or device.type != "cuda":
             return torch.empty(rows, dtype=torch.int64, device=device)
         with torch.cuda.stream(self.stream):
@@ -486,6 +493,8 @@ class Pool:
         _capture.scope = scope = CaptureScope(
             {args[k].untyped_storage().data_ptr(): (k, args[k].data_ptr()) for k in rebound},
             stream=self.recorder.stream() if self.recorder.device_type == "cuda" else None,
+            # Allocated here, before the capture: the tables' memory, which the recording's tables hold.
+            reserve=torch.empty(fn.table_rows, dtype=torch.int64, device=self.device) if fn.table_rows else None,
         )
         try:
             graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)

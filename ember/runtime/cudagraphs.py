@@ -326,6 +326,7 @@ class Graphed:
         self.kind = kind
         self.static = frozenset(static)
         self.table_inputs = frozenset(getattr(program, "table_inputs", ()))
+        self.table_rows = getattr(program, "table_rows", 0)
         self.symbolic = symbolic
         # The default mode's graphs (setting cudagraphs_default) return copies of what the caller keeps
         # (CaptureFacts.copied_below) and log rather than warn.

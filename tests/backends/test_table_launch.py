@@ -368,6 +368,7 @@ def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
         return []
 
     program.table_inputs = frozenset()
+    program.table_rows = launch.rows_per_call  # what the host program counts, and the pool sets aside
 
     class AddressesOnly(_TableGraphRecorder):
         def record(self, run, inputs, pool):
@@ -386,6 +387,43 @@ def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
     (recording,) = pool.recordings
     (table,) = recorder.captured
     assert recording.rewritten == [] and table() is recording.tables[0].device
+    # Carved from the rows set aside before the capture: no allocation inside it.
+    assert table()._base is not None and table()._base.numel() == launch.rows_per_call == 6
     assert recorder.replayed == [[table().data_ptr()]] * 2
     recording.release()
     assert table() is None
+
+
+def test_a_table_past_the_rows_set_aside_gets_memory_of_its_own(monkeypatch):
+    """A table kernel launched twice in one call needs two tables; the pool set aside one call's rows as the
+    host program counts them (one launch each): the second comes from the allocator."""
+    from ember.runtime import cudagraph_pool, cudagraphs
+
+    monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
+    reads: list[torch.Tensor] = []
+    launch = _Recorder().launch(cuda=True)
+    fast = launch._fast
+    launch._fast = lambda stream, table, *rest: (reads.append(table), fast(stream, table, *rest))
+    fixed = _buffers(5)
+
+    def program(args):
+        args.clear()
+        launch(None, ALL, *fixed)
+        launch(None, ALL, *fixed)
+        return []
+
+    program.table_inputs = frozenset()
+    program.table_rows = launch.rows_per_call
+    recorder = _TableGraphRecorder(monkeypatch, reads)
+    pool = cudagraph_pool.Pool(recorder, torch.device("cpu"))
+    graph = cudagraphs.Graphed(program, "inference", static=[], mutated=[], pool=pool, symbolic=False)
+    for _ in range(3):
+        graph([])
+    (recording,) = pool.recordings
+    first, second = (t.device for t in recording.tables)
+    assert first._base is not None and first._base.numel() == 6 and second._base is None
+    assert (
+        first.tolist()
+        == second.tolist()
+        == [b.data_ptr() for b in (fixed[0], fixed[2], fixed[3], fixed[1], fixed[2], fixed[4])]
+    )

@@ -179,6 +179,9 @@ def test_inputs_only_table_kernels_reach_are_the_programs_table_inputs(monkeypat
     ember_compile(momentum_step, "triton", heuristics="horizontal.max_elements=100")(params, grads, states)
     step, with_norm, with_large = (m.table_inputs for m in made)
     assert step == frozenset(range(3 * len(SIZES))), sorted(step)
+    # A capture sets aside a call's table rows (runtime/cudagraph_pool.py): a row per part and buffer of its
+    # body (the parameter, gradient and momentum it reads, the parameter and momentum it writes).
+    assert made[0].table_rows == 5 * len(SIZES), made[0].table_rows
     assert with_norm < step and len(step - with_norm) <= 3, sorted(step - with_norm)
     assert with_large == step, sorted(step - with_large)
 
