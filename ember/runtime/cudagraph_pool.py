@@ -153,9 +153,12 @@ class CaptureScope:
         the caching allocator on the recording call's stream, which asks CUDA for more memory where that
         stream's holds no gap: a thread-local capture refuses that call, and the function then runs
         without its graph, saying so (EMBER_LOGS=cudagraphs)."""
-        if self.reserve is not None and self.reserved + rows <= len(self.reserve):
-            self.reserved += rows
-            return self.reserve[self.reserved - rows : self.reserved]
+        start = self.reserved
+        if self.reserve is not None and start + rows <= len(self.reserve):
+            # Each table starts 16 bytes apart from the reserve's start: a kernel takes every pointer as
+            # 16-byte aligned.
+            self.reserved = start + rows + (rows & 1)
+            return self.reserve[start : start + rows]
         if self.stream is None or device.type != "cuda":
             return torch.empty(rows, dtype=torch.int64, device=device)
         with torch.cuda.stream(self.stream):

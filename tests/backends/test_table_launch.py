@@ -427,3 +427,16 @@ def test_a_table_past_the_rows_set_aside_gets_memory_of_its_own(monkeypatch):
         == second.tolist()
         == [b.data_ptr() for b in (fixed[0], fixed[2], fixed[3], fixed[1], fixed[2], fixed[4])]
     )
+
+
+def test_tables_carved_from_the_reserve_start_16_bytes_apart():
+    """Kernels take every pointer as 16-byte aligned: a table of an odd row count leaves a row free before
+    the next; a table the reserve cannot hold is allocated apart."""
+    from ember.runtime.cudagraph_pool import CaptureScope
+
+    reserve = torch.empty(8, dtype=torch.int64)
+    scope = CaptureScope({}, reserve=reserve)
+    first, second, third = (scope.lasting(3, reserve.device) for _ in range(3))
+    base = reserve.data_ptr()
+    assert (first.data_ptr() - base, second.data_ptr() - base) == (0, 32) and len(first) == len(second) == 3
+    assert third.untyped_storage().data_ptr() != reserve.untyped_storage().data_ptr() and len(third) == 3
