@@ -5,10 +5,9 @@ neighbours.
 
 from __future__ import annotations
 
-import sympy
 import torch
 
-from ember.aten.builder import GraphBuilder, ShapeDtype
+from ember.aten.builder import GraphBuilder
 from ember.aten.registry import Unsupported, lowering
 from ember.ir.graph import Value
 
@@ -205,28 +204,6 @@ def _full(ctx: GraphBuilder, node):
     if not isinstance(value, (int, float, bool)):
         raise Unsupported("symbolic fill value")
     return ctx.full(value, out.shape, out.dtype)
-
-
-@lowering(aten.arange)
-def _arange(ctx: GraphBuilder, node):
-    """An integer arange as `start + i * step` over positions i, computed by the kernels that read it
-    (position ids, T5's relative positions) rather than an ATen call. A floating-point arange stays ATen's:
-    its rounding of each value differs between devices."""
-    out = ctx.out_meta()
-    ctx.check_kernel_tensor(out)
-    if out.dim() != 1 or out.dtype.is_floating_point or out.dtype.is_complex or out.dtype == torch.bool:
-        raise Unsupported(f"arange of {out.dtype}")
-    bounds = [ctx.arg(a) for a in node.args]
-    if "step" in node.kwargs:
-        bounds.append(ctx.arg(node.kwargs["step"]))
-    if not bounds or any(isinstance(b, (float, bool)) or not isinstance(b, (int, sympy.Expr)) for b in bounds):
-        raise Unsupported("arange bounds that are not integers")
-    start = bounds[0] if len(bounds) > 1 else 0
-    step = bounds[2] if len(bounds) > 2 else 1
-    positions = ctx.iota(out.shape[0])
-    wide = ShapeDtype(positions.shape, torch.int64)
-    value = ctx.pointwise("add", [ctx.pointwise("mul", [positions, step], wide), start], wide)
-    return ctx.cast(value, out.dtype)
 
 
 @lowering(aten.copy.default)
