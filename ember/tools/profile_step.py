@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compiler", default="ember", help="ember, ember:reduce-overhead, inductor or eager")
     p.add_argument("--scale", choices=["gpu", "cpu", "tiny"], help="the workload's size (default: the device's)")
     p.add_argument("--calls", type=int, default=5, help="steps profiled (default 5)")
+    p.add_argument(
+        "--top", type=int, default=10, help="kernels (GPU) or ops (CPU) listed, most time first (default 10)"
+    )
     p.add_argument("--json", help="also write the profile as JSON to this file")
     p.add_argument(
         "--host", action="store_true", help="where the host's time per step goes, by layer (cProfile; --calls 50 suits)"
@@ -252,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.host:
             return _print_host_profile(args)
-        result = profile_workload(args.workload, args.mode, args.compiler, args.scale, args.calls)
+        result = profile_workload(args.workload, args.mode, args.compiler, args.scale, args.calls, args.top)
     except ValueError as e:
         print(f"ember profile: {e}", file=sys.stderr)
         return 2

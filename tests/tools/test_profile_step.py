@@ -4,6 +4,7 @@ synthetic trace (kernels, gaps, a synchronization)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,10 @@ def test_cli_prints_the_split_and_verdict(capsys, tmp_path):
     assert main(["tiny_mlp_b1", "--mode", "inference", "--scale", "tiny", "--calls", "2"]) == 0
     out = capsys.readouterr().out
     assert "launch overhead" in out and "verdict: " in out, out
+    written = tmp_path / "profile.json"
+    args = ["tiny_mlp_b1", "--mode", "inference", "--scale", "tiny", "--calls", "2", "--top", "3", "--json"]
+    assert main([*args, str(written)]) == 0
+    assert len(json.loads(written.read_text())["top"]) == 3
     assert main(["no_such_model"]) == 2
     assert "unknown workload" in capsys.readouterr().err
 
