@@ -34,7 +34,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember import stats
 from ember.codegen.triton_combo import TABLE_FILL_ARGS, TABLE_FILL_BIAS, TritonTableSource
-from ember.runtime.cudagraph_pool import CaptureScope, capture_scope
+from ember.runtime.cudagraph_capture import CaptureScope, capture_scope, table_span
 
 # Tables kept outside CUDA graphs: the address sets a loop cycles through (gradients set to None
 # and allocated again each step get the same few addresses from the caching allocator).
@@ -60,7 +60,7 @@ class _Table:
 
 class CapturedTable:
     """A table a capture of ember's pool recorded a launch with: rows that point into the inputs of
-    `sources` follow those inputs (cudagraph_pool.RewritableTable)."""
+    `sources` follow those inputs (cudagraph_capture.RewritableTable)."""
 
     __slots__ = ("aligned", "device", "host", "launch", "positions", "slots", "sources")
 
@@ -168,9 +168,14 @@ class TableLaunch:
         return table
 
     @property
-    def rows_per_call(self) -> int:
-        """The rows of one call's table: each part's buffers."""
+    def rows_per_table(self) -> int:
+        """A table's rows: one per part and buffer."""
         return sum(len(part) for part in self._parts)
+
+    @property
+    def rows_per_call(self) -> int:
+        """What one call's table takes of a capture's reserve (runtime/cudagraph_capture.py: table_span)."""
+        return table_span(self.rows_per_table)
 
     def rows(self, slots: tuple, addresses: tuple) -> tuple[list[int], bool]:
         rows: list[int] = []

@@ -89,12 +89,10 @@ class HostProgram:
 
     @property
     def table_rows(self) -> int:
-        """Address-table rows a call's table launches take (backends/table_launch.py: rows_per_call), each
-        table's rounded up to an even count (16 bytes), which a capture sets aside before it starts
-        (runtime/cudagraph_pool.py: CaptureScope.lasting). Read once the backend's launches have joined the
-        namespace."""
-        rows = [getattr(v, "rows_per_call", 0) for k, v in self.namespace.items() if k.startswith("_tables_")]
-        return sum(r + (r & 1) for r in rows)
+        """Address-table rows a call's table launches take (backends/table_launch.py: rows_per_call), which a
+        capture sets aside before it starts (runtime/cudagraph_capture.py: CaptureScope.lasting). Read once the
+        backend's launches have joined the namespace."""
+        return sum(getattr(v, "rows_per_call", 0) for k, v in self.namespace.items() if k.startswith("_tables_"))
 
 
 _IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")

@@ -13,13 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import config, log
+from ember.runtime.cudagraph_capture import CaptureScope, _capture
 from ember.runtime.cudagraph_recording import Recording, tensor_meta, unowned_view
 
 # PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
@@ -115,63 +115,6 @@ def _generation() -> tuple[int, bool]:
 
 
 _tracker: list = []  # Dynamo's GenerationTracker, imported on first use
-
-
-# -- what a capture lets launches register ----------------------------------------------------------
-
-
-class RewritableTable(Protocol):
-    """An address table a kernel of a recording reads (backends/table_launch.py: CapturedTable):
-    written from the host before the first replay, and again whenever an input it points into
-    comes at a new address."""
-
-    positions: frozenset[int]  # the inputs it points into
-
-    def write(self, args: list) -> bool:
-        """Write the table for this call's inputs; False where the addresses do not suit the kernel
-        form the capture recorded (an unaligned buffer for the aligned form): nothing to replay."""
-
-
-@dataclass
-class CaptureScope:
-    """What a capture this pool records offers the launches it runs."""
-
-    # The storage (data pointer) of each input the program reaches only through address tables, with
-    # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
-    table_inputs: dict[int, tuple[int, int]]
-    tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
-    stream: Any = None  # the stream of the call that records (not the capture's); None off CUDA
-    # Rows set aside before the capture (Pool._record: the rows of a call's tables), handed out in turn.
-    reserve: torch.Tensor | None = None
-    reserved: int = 0
-
-    def lasting(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Memory for rows a replay reads but no kernel of the graph writes (an address table the host
-        writes), outside the graph pool: memory of the graph pool that an earlier recording's
-        temporaries use would be written over at each of its replays, and the rows with it. Taken from
-        the reserve set aside before the capture; past it (a table launched more than once a call), from
-        the caching allocator on the recording call's stream, which asks CUDA for more memory where that
-        stream's holds no gap: a thread-local capture refuses that call, and the function then runs
-        without its graph, saying so (EMBER_LOGS=cudagraphs)."""
-        start = self.reserved
-        if self.reserve is not None and start + rows <= len(self.reserve):
-            # Each table starts 16 bytes apart from the reserve's start: a kernel takes every pointer as
-            # 16-byte aligned.
-            self.reserved = start + rows + (rows & 1)
-            return self.reserve[start : start + rows]
-        if self.stream is None or device.type != "cuda":
-            return torch.empty(rows, dtype=torch.int64, device=device)
-        with torch.cuda.stream(self.stream):
-            return torch.empty(rows, dtype=torch.int64, device=device)
-
-
-_capture = threading.local()
-
-
-def capture_scope() -> CaptureScope | None:
-    """The scope of the capture this pool records on this thread now; None elsewhere (no capture,
-    or a capture of the caller's own, whose replays nothing here sees)."""
-    return getattr(_capture, "scope", None)
 
 
 def _same_addresses_in_python(tensors: list, addresses: list[int], positions: list[int]) -> bool:
@@ -551,7 +494,6 @@ class Pool:
             addresses=[a.data_ptr() if k in at_address else 0 for k, a in enumerate(args)],
             strides=[(k, args[k].stride()) for k in (*copied, *rebound, *in_pool)],
             tables=list(scope.tables),
-            rewritten=[table for table in scope.tables if table.positions],  # the others never change
             rebound=rebound,
             in_pool=in_pool,
             copy_in_bytes=sum(_copied_bytes(args[k], index) for k, index in copy_in),
@@ -566,7 +508,8 @@ class Pool:
 
     def _replay(self, fn: GraphedCall, rec: Recording, args: list, tables_current: bool = False) -> list:
         if rec.rebound and not tables_current and not same_addresses(args, rec.bound, rec.rebound):
-            if not all(table.write(args) for table in rec.rewritten):
+            # Only tables pointing into the moved inputs change; the others keep their rows.
+            if not all(table.write(args) for table in rec.tables if table.positions):
                 rec.bound = [0] * len(rec.bound)  # written in part: written again at the next replay
                 fn.note_unsuited()
                 return self._plain(fn, args)

@@ -44,11 +44,10 @@ class Recording:
     prune_given_at: int = _PRUNE_GIVEN_FROM  # `given`'s length at which give() drops the dead ones
     released: bool = False
     # Every address table the graph reads (CaptureScope.tables), held: a graph holds no tensor it reads,
-    # and the memory of a table let go would be handed out again and its rows written over.
+    # and the memory of a table let go would be handed out again and its rows written over. Those with
+    # `positions` follow the inputs read through tables only, taken where they are: `bound`, their
+    # addresses the tables were last written for (0 elsewhere).
     tables: list = field(default_factory=list)
-    # Those of `tables` with rows that follow the inputs read through tables only, taken where they are:
-    # `bound`, their addresses the tables were last written for (0 elsewhere).
-    rewritten: list = field(default_factory=list)
     rebound: list[int] = field(default_factory=list)
     bound: list[int] = field(default_factory=list)
     in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
@@ -76,7 +75,7 @@ class Recording:
     def release(self) -> None:
         """Drop the graph, its copy buffers and its outputs' memory (back to the pool): it never replays again."""
         self.graph, self.inputs, self.outputs, self.copy_in, self.copy_whole = None, [], [], [], []
-        self.tables, self.rewritten = [], []
+        self.tables = []
         self.live, self.given, self.released = [], [], True
 
     def _copied_below(self) -> int:

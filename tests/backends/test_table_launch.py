@@ -194,7 +194,7 @@ def test_a_pool_capture_records_a_table_whose_rows_follow_its_table_inputs(monke
     registers it; the pool writes it before a replay. Rows of an input the program reaches only
     through tables follow that input's address in the call; the others keep the capture's addresses.
     Addresses that would break the aligned form the capture recorded are refused."""
-    from ember.runtime import cudagraph_pool
+    from ember.runtime import cudagraph_capture
 
     rec = _Recorder()
     launch = rec.launch(cuda=True)
@@ -202,14 +202,14 @@ def test_a_pool_capture_records_a_table_whose_rows_follow_its_table_inputs(monke
     monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
     bufs = _buffers()
     args = [bufs[1], "not a tensor"]  # the graph's inputs: bufs[1] (p1) is read through tables only
-    scope = cudagraph_pool.CaptureScope({bufs[1].untyped_storage().data_ptr(): (0, bufs[1].data_ptr())})
+    scope = cudagraph_capture.CaptureScope({bufs[1].untyped_storage().data_ptr(): (0, bufs[1].data_ptr())})
     lasting = []  # the table's memory comes from the scope: outside the graph pool on a GPU
     scope.lasting = lambda rows, device: lasting.append(torch.empty(rows, dtype=torch.int64)) or lasting[-1]
-    cudagraph_pool._capture.scope = scope  # what Pool._record sets around its capture
+    cudagraph_capture._capture.scope = scope  # what Pool._record sets around its capture
     try:
         launch(None, ALL, *bufs)
     finally:
-        cudagraph_pool._capture.scope = None
+        cudagraph_capture._capture.scope = None
     (table,) = scope.tables
     assert len(lasting) == 1 and lasting[0] is table.device and len(table.device) == 6
     assert rec.fills == 0 and launch.tables == 0  # nothing found, nothing kept, no fill kernel
@@ -349,9 +349,9 @@ def test_builds_are_counted():
 
 
 def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
-    """A table whose rows are all fixed addresses is never rewritten, yet its memory is the pool's: let go
-    after the capture, the next capture into the pool would get it and write over the rows a replay
-    reads. A CUDA graph does not hold the tensors its kernels read; the recording holds the tables."""
+    """A table whose rows are all fixed addresses is never rewritten, yet a replay reads it: let go after the
+    capture, its memory would be handed out again and the rows written over. A CUDA graph does not hold the
+    tensors its kernels read; the recording holds the tables."""
     from ember.runtime import cudagraph_pool, cudagraphs
 
     monkeypatch.setattr(table_launch.torch, "tensor", _unpinned(torch.tensor))
@@ -386,7 +386,7 @@ def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
         graph([])  # warm-up, record and replay, replay
     (recording,) = pool.recordings
     (table,) = recorder.captured
-    assert recording.rewritten == [] and table() is recording.tables[0].device
+    assert not any(t.positions for t in recording.tables) and table() is recording.tables[0].device
     # Carved from the rows set aside before the capture: no allocation inside it.
     assert table()._base is not None and table()._base.numel() == launch.rows_per_call == 6
     assert recorder.replayed == [[table().data_ptr()]] * 2
@@ -432,7 +432,7 @@ def test_a_table_past_the_rows_set_aside_gets_memory_of_its_own(monkeypatch):
 def test_tables_carved_from_the_reserve_start_16_bytes_apart():
     """Kernels take every pointer as 16-byte aligned: a table of an odd row count leaves a row free before
     the next; a table the reserve cannot hold is allocated apart."""
-    from ember.runtime.cudagraph_pool import CaptureScope
+    from ember.runtime.cudagraph_capture import CaptureScope
 
     reserve = torch.empty(8, dtype=torch.int64)
     scope = CaptureScope({}, reserve=reserve)

@@ -182,7 +182,7 @@ def test_inputs_only_table_kernels_reach_are_the_programs_table_inputs(monkeypat
     # A capture sets aside a call's table rows (runtime/cudagraph_pool.py): a row per part and buffer of its
     # body (the parameter, gradient and momentum it reads, the parameter and momentum it writes), each
     # table's rounded up to an even count so that every table starts 16 bytes apart.
-    rows = [v.rows_per_call for k, v in made[0].report.namespace.items() if k.startswith("_tables_")]
+    rows = [v.rows_per_table for k, v in made[0].report.namespace.items() if k.startswith("_tables_")]
     assert sum(rows) == 5 * len(SIZES), rows
     assert made[0].table_rows == sum(r + r % 2 for r in rows) > sum(rows), (made[0].table_rows, rows)
     assert with_norm < step and len(step - with_norm) <= 3, sorted(step - with_norm)

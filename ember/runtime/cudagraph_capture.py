@@ -1,0 +1,70 @@
+"""What a capture ember's pool records (runtime/cudagraph_pool.py) offers the launches it runs: the inputs
+read through address tables, a place to register the tables the recorded kernels read (backends/table_launch.py),
+and memory for them outside the graph pool.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+def table_span(rows: int) -> int:
+    """Rows a table takes in a capture's reserve: its own, rounded up to 16 bytes, so that the next starts
+    where a kernel, which takes every pointer as 16-byte aligned, may read it."""
+    return rows + (rows & 1)
+
+
+class RewritableTable(Protocol):
+    """An address table a kernel of a recording reads (backends/table_launch.py: CapturedTable):
+    written from the host before the first replay, and again whenever an input it points into
+    comes at a new address."""
+
+    positions: frozenset[int]  # the inputs it points into
+
+    def write(self, args: list) -> bool:
+        """Write the table for this call's inputs; False where the addresses do not suit the kernel
+        form the capture recorded (an unaligned buffer for the aligned form): nothing to replay."""
+
+
+@dataclass
+class CaptureScope:
+    """What a capture this pool records offers the launches it runs."""
+
+    # The storage (data pointer) of each input the program reaches only through address tables, with
+    # (its position, its data pointer at capture): a table pointing into one is rewritten per call.
+    table_inputs: dict[int, tuple[int, int]]
+    tables: list[RewritableTable] = field(default_factory=list)  # tables the recorded kernels read
+    stream: Any = None  # the stream of the call that records (not the capture's); None off CUDA
+    # Rows set aside before the capture (Pool._record: the rows of a call's tables), handed out in turn.
+    reserve: torch.Tensor | None = None
+    reserved: int = 0
+
+    def lasting(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Memory for rows a replay reads but no kernel of the graph writes (an address table the host
+        writes), outside the graph pool: memory of the graph pool that an earlier recording's
+        temporaries use would be written over at each of its replays, and the rows with it. Taken from
+        the reserve set aside before the capture; past it (a table launched more than once a call), from
+        the caching allocator on the recording call's stream, which asks CUDA for more memory where that
+        stream's holds no gap: a thread-local capture refuses that call, and the function then runs
+        without its graph, saying so (EMBER_LOGS=cudagraphs)."""
+        start = self.reserved
+        if self.reserve is not None and start + table_span(rows) <= len(self.reserve):
+            self.reserved = start + table_span(rows)
+            return self.reserve[start : start + rows]
+        if self.stream is None or device.type != "cuda":
+            return torch.empty(rows, dtype=torch.int64, device=device)
+        with torch.cuda.stream(self.stream):
+            return torch.empty(rows, dtype=torch.int64, device=device)
+
+
+_capture = threading.local()
+
+
+def capture_scope() -> CaptureScope | None:
+    """The scope of the capture a pool records on this thread now; None elsewhere (no capture,
+    or a capture of the caller's own, whose replays nothing here sees)."""
+    return getattr(_capture, "scope", None)
