@@ -371,6 +371,15 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "sdpa_masked_flex",
+            bool,
+            True,
+            "in CUDA (Triton) graphs that need gradients, SDPA with a mask tensor runs as ember's FlexAttention "
+            "kernels with a BlockMask computed from the mask (blocks it removes skipped); off: SDPA's "
+            "memory-efficient kernel (frontend/masked_attention.py)",
+            codegen=True,
+        ),
+        Setting(
             "gemm",
             str,
             "aten",

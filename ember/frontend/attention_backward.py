@@ -59,9 +59,9 @@ def excludes_cudnn(gm: fx.GraphModule, example_inputs) -> bool:
     if config.get("sdpa_cudnn_training"):
         return False
     sdpa = [n for m in gm.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes if _is_sdpa(n)]
-    if not sdpa or not _may_need_gradients(gm, example_inputs):
+    if not sdpa or not may_need_gradients(gm, example_inputs):
         return False
-    return any(_on_cuda(n) for n in sdpa) or _graph_on_cuda(gm, example_inputs)
+    return any(_on_cuda(n) for n in sdpa) or graph_on_cuda(gm, example_inputs)
 
 
 def eager_without_cudnn_attention(run: Callable) -> Callable:
@@ -98,7 +98,7 @@ def _cudnn_attention_off() -> Iterator[None]:
         torch._C._set_sdp_use_cudnn(enabled)
 
 
-def _may_need_gradients(gm: fx.GraphModule, example_inputs) -> bool:
+def may_need_gradients(gm: fx.GraphModule, example_inputs) -> bool:
     """A tensor input or parameter that requires gradients, where grad mode is on now or the graph
     turns it on (`with torch.enable_grad()` inside a `no_grad` call): AOTAutograd then traces a
     backward unless no output requires gradients."""
@@ -120,7 +120,7 @@ def _on_cuda(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cuda"
 
 
-def _graph_on_cuda(gm: fx.GraphModule, example_inputs) -> bool:
+def graph_on_cuda(gm: fx.GraphModule, example_inputs) -> bool:
     from ember.pipeline import graph_device
 
     return graph_device(gm, example_inputs).type == "cuda"

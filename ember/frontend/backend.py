@@ -213,6 +213,9 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             from ember.frontend.patterns import attention_pass
 
             attention_pass(gm)
+        from ember.frontend.masked_attention import masked_attention_pass
+
+        masked_attention_pass(gm, example_inputs)
 
     from ember.frontend.decompositions import decomposition_table
 

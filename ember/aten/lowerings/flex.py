@@ -8,8 +8,10 @@ does not take makes the call decline (`Unsupported`): it then runs as PyTorch's 
 reference implementation on the CPU), with one log line naming the reason, and the rest of the
 graph still compiles.
 
-`flex_attention_backward` has no kernel of ember's yet: it runs as PyTorch's op (an extern that
-flattens its nested result), announced the same way; the rest of the backward graph compiles.
+`flex_attention_backward` lowers the same way into ember's backward kernels (dq; dk and dv), with
+the gradient through score_mod traced from the joint graph. Where its functions decline (a captured
+tensor that needs a gradient, a gradient of the log-sum-exp) it runs as PyTorch's op, an extern
+that flattens its nested result, announced the same way; the rest of the backward graph compiles.
 """
 
 from __future__ import annotations
@@ -79,7 +81,17 @@ _POINTWISE = {
 }
 _CASTS = (aten._to_copy, prims.convert_element_type, aten.to)
 _IDENTITY = (aten.clone, aten.lift_fresh_copy, aten.alias, aten.detach)
-_CONSTANTS = (aten.new_ones, aten.new_zeros, aten.scalar_tensor, aten.full, aten.ones, aten.zeros)
+_CONSTANTS = (
+    aten.new_ones,
+    aten.new_zeros,
+    aten.scalar_tensor,
+    aten.full,
+    aten.ones,
+    aten.zeros,
+    aten.ones_like,
+    aten.zeros_like,
+    aten.full_like,
+)
 
 
 def _work(dtype: torch.dtype, work: torch.dtype) -> torch.dtype:
@@ -178,9 +190,16 @@ class _Tracer:
         if packet in _CASTS:
             return self.cast(self.operand(args[0]), dtype)
         if packet in _CONSTANTS:
-            value = {aten.new_ones: 1, aten.new_zeros: 0, aten.ones: 1, aten.zeros: 0}.get(packet)
+            value = {
+                aten.new_ones: 1,
+                aten.new_zeros: 0,
+                aten.ones: 1,
+                aten.zeros: 0,
+                aten.ones_like: 1,
+                aten.zeros_like: 0,
+            }.get(packet)
             if value is None:
-                value = args[-1] if packet is aten.full else args[0]
+                value = args[-1] if packet is aten.full else args[1] if packet is aten.full_like else args[0]
             if not isinstance(value, (bool, int, float)):
                 raise Unsupported(f"{node.target} of {value!r}")
             value = bool(value) if dtype == torch.bool else float(value) if dtype.is_floating_point else int(value)

@@ -1,0 +1,210 @@
+"""SDPA with a mask tensor, in a graph that needs gradients on Triton -> FlexAttention.
+
+Runs on Dynamo's Torch-level FX graph, before AOTAutograd. PyTorch's SDPA kernels fit a mask
+tensor badly in training: flash attention takes none, cuDNN's is excluded there
+(frontend/attention_backward.py says why), so a call with `attn_mask` traces into the
+memory-efficient kernel, which reads the mask at every score of every block, masked or not. Where
+a mask crosses a graph break (transformers' OPT builds its causal mask in a graph of its own) the
+constant fold (frontend/constant_masks.py) cannot see that it is causal, and the training step
+pays for it: on an H100, OPT's attention took 10.8 ms a step against cuDNN's 4.1.
+
+Such a call becomes `flex_attention` (ember's own flash-attention kernel, forward and backward),
+with a BlockMask computed from the mask's values at run time: a block of scores the mask removes
+entirely is skipped, one it keeps entirely is computed without reading the mask, and only the
+blocks in between read it. A boolean mask becomes the `mask_mod` `mask[b, h, q, kv]`; a floating
+mask (added to the scores) becomes the `score_mod` `score + mask[b, h, q, kv]`, its blocks of -inf
+skipped. Semantics match SDPA's reference (a row the mask removes entirely gives 0, as its
+`_safe_softmax` does).
+
+Left as SDPA: a mask that needs a gradient (ember's FlexAttention backward has no gradient for a
+captured tensor), dropout, `is_causal` with a mask, sizes known only at run time, and graphs that
+need no gradient (there cuDNN's forward takes the mask).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ember import config, log
+from ember.frontend.fx_nodes import call_arg, example_value
+
+# The BlockMask's blocks: the flex kernels' tiles divide it.
+BLOCK = 128
+# An additive mask's finite values below this count as it: the kernels scale scores by log2(e) after the
+# score function, and transformers' "removed" value, float32's lowest, would overflow to -inf there,
+# turning a row removed entirely into zeros where SDPA averages it (its scores all equal). Scores
+# stay absorbed by it as by the lowest value, so every other row computes exactly as before.
+MASK_FLOOR = torch.finfo(torch.float32).min / 2
+
+
+def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> list[str]:
+    """The pass as the backend runs it: where `gm` may need gradients and compiles for Triton,
+    rewrite its masked SDPA calls; log each (`EMBER_LOGS=patterns`)."""
+    from ember.frontend.attention_backward import graph_on_cuda, may_need_gradients
+
+    if not config.get("sdpa_masked_flex") or not may_need_gradients(gm, example_inputs):
+        return []
+    if config.get("backend") != "triton" and not graph_on_cuda(gm, example_inputs):
+        return []
+    made = flex_for_masked_sdpa(gm)
+    if made:
+        log.artifact("patterns", f"{len(made)} masked SDPA call(s) as flex_attention", lambda: "\n".join(made))
+    return made
+
+
+def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
+    """Rewrite each SDPA call of `gm` that takes a mask tensor and that the rules above allow
+    (the caller has decided that the graph needs gradients and compiles for Triton)."""
+    made = []
+    blocks_of: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
+            continue
+        reason = _refusal(node)
+        if reason is not None:
+            log.artifact("patterns", f"{node.name}: SDPA kept", reason)
+            continue
+        q, k, v = node.args[:3]
+        mask = call_arg(node, 3, "attn_mask")
+        query = example_value(q)
+        scale = call_arg(node, 6, "scale")
+        scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+        gqa = bool(call_arg(node, 7, "enable_gqa", False))
+        sizes = (query.shape[2], example_value(k).shape[2])
+        with gm.graph.inserting_before(node):
+            blocks = blocks_of.get((mask, sizes))
+            if blocks is None:  # graph order: the mask's first SDPA call at these sizes
+                blocks = blocks_of[(mask, sizes)] = gm.graph.call_function(mask_blocks, (mask, *sizes))
+            new = gm.graph.call_function(masked_flex_attention, (q, k, v, mask, blocks, scale, gqa))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        m = example_value(mask)
+        made.append(f"{node.name}: attn_mask {tuple(m.shape)} {str(m.dtype).replace('torch.', '')} -> flex_attention")
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return made
+
+
+def _refusal(node: fx.Node) -> str | None:
+    """Why this SDPA call stays SDPA, or None."""
+    if len(node.args) < 3 or not all(isinstance(a, fx.Node) for a in node.args[:3]):
+        return "query, key or value not a tensor"
+    mask = call_arg(node, 3, "attn_mask")
+    if not isinstance(mask, fx.Node):
+        return "no mask tensor"
+    dropout = call_arg(node, 4, "dropout_p", 0.0)
+    if not isinstance(dropout, (int, float)) or dropout != 0:
+        return f"dropout_p={dropout}"
+    if call_arg(node, 5, "is_causal", False) is not False:
+        return "is_causal with a mask"
+    scale = call_arg(node, 6, "scale")
+    if scale is not None and not isinstance(scale, (int, float)):
+        return "a scale computed in the graph"
+    gqa = call_arg(node, 7, "enable_gqa", False)
+    if not isinstance(gqa, bool):
+        return "enable_gqa computed in the graph"
+    q, k, v = (example_value(a) for a in node.args[:3])
+    m = example_value(mask)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, m)):
+        return "no example values"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or m.dim() > 4:
+        return "query, key and value not of 4 dims"
+    if not all(isinstance(s, int) for t in (q, k, v, m) for s in t.shape):
+        return "sizes known only at run time"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {q.dtype}"
+    if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or (q.shape[1] != k.shape[1] and not gqa):
+        return "head counts or sizes that FlexAttention does not take"
+    if m.requires_grad:
+        return "a mask that needs a gradient"
+    if m.dtype != torch.bool and not m.dtype.is_floating_point:
+        return f"a mask of {m.dtype}"
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    padded = (1,) * (4 - m.dim()) + tuple(m.shape)
+    if any(a not in (1, b) for a, b in zip(padded, shape)):
+        return f"a mask of {tuple(m.shape)} not broadcast to {shape}"
+    return None
+
+
+def mask_blocks(mask, length: int, keys: int) -> tuple[torch.Tensor, ...]:
+    """The BlockMask's tensors for `mask` (up to 4 dims) over `length` queries and `keys` keys: per row of
+    blocks, the count and columns of partial blocks, then of full ones; per column of blocks, the
+    same over rows. One call per mask, whatever number of attention calls read it."""
+    mask = _four_dims(mask)
+    kept = mask if mask.dtype == torch.bool else mask != float("-inf")
+    batch, heads = kept.shape[:2]
+    kept = kept.expand(batch, heads, length, keys)
+    rows, cols = -(-length // BLOCK), -(-keys // BLOCK)
+    kept = F.pad(kept.to(torch.int8), (0, cols * BLOCK - keys, 0, rows * BLOCK - length))
+    counts = kept.view(batch, heads, rows, BLOCK, cols, BLOCK).sum((3, 5), dtype=torch.int32)
+    full = counts == BLOCK * BLOCK
+    states = torch.stack(((counts > 0) & ~full, full))  # [2, batch, heads, rows, cols]: partial, full
+    kv_num, kv_idx = _ordered(states)
+    q_num, q_idx = _ordered(states.transpose(-2, -1))
+    return kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1]
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `blocks`, the count of listed blocks and their column numbers, listed ones first."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num, idx.contiguous()
+
+
+def masked_flex_attention(query, key, value, mask, blocks, scale: float, enable_gqa: bool):
+    """SDPA(query, key, value, attn_mask=mask, scale=scale) computed by FlexAttention over the
+    BlockMask `blocks` (mask_blocks'): the call the rewritten graph makes, which AOTAutograd traces
+    into the flex_attention op and its backward."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+    from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
+
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = blocks
+    # Broadcast dims as stride-0 views: the functions index the mask by (b, h, q_idx, kv_idx).
+    mask = _four_dims(mask).expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    boolean = mask.dtype == torch.bool
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(BLOCK, BLOCK),
+        mask_mod=_keep if boolean else _keep_all,
+        seq_lengths=(query.shape[2], key.shape[2]),
+        compute_q_blocks=False,
+    )
+    # The query-side lists, from the same block states rather than recomputed from the key side.
+    block_mask.q_num_blocks, block_mask.q_indices = q_num, q_idx
+    block_mask.full_q_num_blocks, block_mask.full_q_indices = full_q_num, full_q_idx
+    options = _apply_kernel_options(query, key, value, False, None)
+    score_mod = _identity if boolean else _add_mask
+    score_buffers, mask_buffers = ((), (mask,)) if boolean else ((mask,), ())
+    out = flex_hop(query, key, value, score_mod, block_mask.as_tuple(), scale, options, score_buffers, mask_buffers)
+    return out[0]
+
+
+def _four_dims(mask: torch.Tensor) -> torch.Tensor:
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
+def _keep(b, h, q_idx, kv_idx, mask):
+    return mask[b, h, q_idx, kv_idx]
+
+
+def _keep_all(b, h, q_idx, kv_idx):
+    # (torch's noop_mask traces into a tensor constant, which ember's FlexAttention lowering refuses.)
+    return torch.ones_like(q_idx, dtype=torch.bool)
+
+
+def _add_mask(score, b, h, q_idx, kv_idx, mask):
+    value = mask[b, h, q_idx, kv_idx]
+    return score + torch.where(value == float("-inf"), value, torch.clamp(value, min=MASK_FLOOR))
+
+
+def _identity(score, b, h, q_idx, kv_idx, *buffers):
+    return score

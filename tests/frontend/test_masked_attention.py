@@ -1,0 +1,117 @@
+"""SDPA with a mask tensor in a graph that needs gradients, compiled for Triton, runs as ember's
+FlexAttention kernels over a BlockMask computed from the mask (frontend/masked_attention.py):
+output and gradients against eager SDPA through Triton's interpreter, for boolean and additive
+masks, broadcast dims, GQA, cross attention and lengths no multiple of the blocks; and the calls
+it leaves to SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.frontend.masked_attention import BLOCK, flex_for_masked_sdpa, mask_blocks
+from tests.helpers import assert_close, assert_no_fallback, dynamo_graph, ember_compile, reports, repro
+
+
+def _mask(kind: str, shape: tuple[int, ...], length: int, keys: int) -> torch.Tensor:
+    """A mask of `shape` whose last two dims are (length, keys) or broadcast: causal over the keys'
+    first part, some random holes, one query row removed entirely."""
+    keep = torch.ones(length, keys, dtype=torch.bool).tril(keys - length) & (
+        torch.rand(*shape[:-2], length, keys) > 0.2
+    )
+    keep[..., 1, :] = False  # a row with nothing to attend: 0, as SDPA's reference gives
+    if shape[-2] == 1:
+        keep = keep[..., :1, :]
+    if kind == "bool":
+        return keep.contiguous()
+    bias = torch.randn(keep.shape)
+    return bias.masked_fill(~keep, float("-inf") if kind == "-inf" else torch.finfo(torch.float32).min)
+
+
+CASES = {
+    # name: (mask kind, mask shape as (dims of B, H, L, S, 1 = broadcast), B, H, H_kv, L, S, D)
+    "bool_batch": ("bool", "B1LS", 2, 2, 2, 80, 80, 16),
+    "bool_2d_gqa": ("bool", "LS", 1, 4, 2, 48, 48, 16),
+    "bool_cross_rows_broadcast": ("bool", "B11S", 2, 2, 2, 40, 72, 16),
+    "additive_inf_heads": ("-inf", "1HLS", 1, 2, 2, 64, 64, 16),
+    "additive_finite_min": ("min", "B1LS", 2, 2, 2, 40, 40, 16),
+}
+
+
+def _shape(spec: str, B: int, H: int, L: int, S: int) -> tuple[int, ...]:
+    return tuple({"B": B, "H": H, "L": L, "S": S, "1": 1}[c] for c in spec)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_masked_sdpa_training_matches_eager_through_flex_kernels(name):
+    kind, spec, B, H, H_kv, L, S, D = CASES[name]
+    torch.manual_seed(0)
+    mask = _mask(kind, _shape(spec, B, H, L, S), L, S)
+    q = torch.randn(B, H, L, D, requires_grad=True)
+    k, v = (torch.randn(B, H_kv, S, D, requires_grad=True) for _ in range(2))
+    gqa = H != H_kv
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa) * 2
+
+    line = repro(case=name, backend="triton", shape=(B, H, H_kv, L, S, D), mask=tuple(mask.shape))
+    out = fn(q, k, v, mask)
+    grad = torch.randn_like(out)
+    want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    with reports() as report:
+        out = ember_compile(fn, "triton")(q, k, v, mask)
+        got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    assert_no_fallback(report, line)
+    hosts = "\n".join(g.host_source for g in report.graphs)
+    assert "flex_attention_kernel" in hosts and "flex_attention_backward_kernel" in hosts, line
+    assert "efficient_attention" not in hosts, line
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
+
+
+def test_mask_blocks_lists_partial_and_full_blocks_both_ways():
+    """Blocks the mask removes entirely are listed nowhere, full ones apart from partial ones, past
+    the sequence counts as removed; the query side lists the same blocks by column."""
+    L, S = BLOCK * 2, BLOCK * 3 - 5  # the last column of blocks is cut short: never full
+    keep = torch.zeros(1, 1, L, S, dtype=torch.bool)
+    keep[..., :BLOCK, :BLOCK] = True  # full
+    keep[..., BLOCK:, 7] = True  # partial, in row 1 column 0
+    keep[..., :, 2 * BLOCK :] = True  # partial (cut short), rows 0 and 1
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = mask_blocks(keep, L, S)
+    assert kv_num.flatten().tolist() == [1, 2] and full_num.flatten().tolist() == [1, 0]
+    assert kv_idx[0, 0, 0, :1].tolist() == [2] and sorted(kv_idx[0, 0, 1, :2].tolist()) == [0, 2]
+    assert full_idx[0, 0, 0, :1].tolist() == [0]
+    assert q_num.flatten().tolist() == [1, 0, 2] and full_q_num.flatten().tolist() == [1, 0, 0]
+    assert q_idx[0, 0, 0, :1].tolist() == [1] and full_q_idx[0, 0, 0, :1].tolist() == [0]
+
+
+def _rewritten(fn, *args) -> list[str]:
+    gm, _ = dynamo_graph(fn, *args)
+    return flex_for_masked_sdpa(gm)
+
+
+def test_calls_left_to_sdpa():
+    q = torch.randn(1, 2, 32, 16)
+    bool_mask = torch.rand(32, 32) > 0.5
+    grad_mask = torch.randn(32, 32, requires_grad=True)
+    assert _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, bool_mask)
+    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
+    assert not _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, grad_mask)
+    assert not _rewritten(
+        lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1), q, bool_mask
+    )
+
+
+def test_inference_graphs_and_the_setting_keep_sdpa():
+    q = torch.randn(1, 2, 32, 16, requires_grad=True)
+    mask = torch.rand(32, 32) > 0.5
+
+    def fn(q, m):
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    for grad, setting in ((False, True), (True, False)):
+        with torch.set_grad_enabled(grad), reports() as report:
+            ember_compile(fn, "triton", sdpa_masked_flex=setting)(q, mask)
+        hosts = "\n".join(g.host_source for g in report.graphs)
+        assert "flex_attention" not in hosts, (grad, setting)
