@@ -64,9 +64,11 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
             continue
+        if not isinstance(call_arg(node, 3, "attn_mask"), fx.Node):
+            continue  # no mask: flash attention takes it
         reason = _refusal(node)
         if reason is not None:
-            log.artifact("patterns", f"{node.name}: SDPA kept", reason)
+            log.artifact("patterns", f"{node.name}: SDPA with a mask kept", reason)
             continue
         q, k, v = node.args[:3]
         mask = call_arg(node, 3, "attn_mask")
@@ -96,8 +98,6 @@ def _refusal(node: fx.Node) -> str | None:
     if len(node.args) < 3 or not all(isinstance(a, fx.Node) for a in node.args[:3]):
         return "query, key or value not a tensor"
     mask = call_arg(node, 3, "attn_mask")
-    if not isinstance(mask, fx.Node):
-        return "no mask tensor"
     dropout = call_arg(node, 4, "dropout_p", 0.0)
     if not isinstance(dropout, (int, float)) or dropout != 0:
         return f"dropout_p={dropout}"
