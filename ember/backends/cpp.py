@@ -27,7 +27,7 @@ from ember import config, faults, stats
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.cpp_combo import render_cpp_combo
-from ember.codegen.render import print_index
+from ember.codegen.render import print_host_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.kernel import ComboKernel, Kernel
@@ -258,5 +258,5 @@ class CppBackend:
         bufs = iter(args["buffers"])
         parts = []
         for p in self.params[kernel.name]:
-            parts.append(f"{next(bufs)}.data_ptr()" if p.kind == "buffer" else print_index(p.value, "//"))
+            parts.append(f"{next(bufs)}.data_ptr()" if p.kind == "buffer" else print_host_index(p.value))
         return f"{kernel.name}({', '.join(parts)})"

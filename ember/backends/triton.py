@@ -43,7 +43,7 @@ from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launche
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.backends.table_launch import TableLaunch
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
-from ember.codegen.render import print_index
+from ember.codegen.render import print_host_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
 from ember.codegen.triton_combo import (
     TABLE_FILL_ARGS,
@@ -345,19 +345,19 @@ class TritonBackend:
         # 32-bit index math while every extent the kernel indexes is small enough (one comparison
         # each, per call), else its 64-bit form through kernel[grid] (codegen/triton.py: narrow_guard).
         limit = self._target.heuristics.launch.symbolic_int32_below
-        small = " and ".join(f"{print_index(e, '//')} < {limit}" for e in guard)
+        small = " and ".join(f"{print_host_index(e)} < {limit}" for e in guard)
         wide = slow.replace(f"{name}[", f"{name}_wide[", 1)
         return f"({line}) if {small} else {wide}"
 
     def _launch(self, r, name: str, args: dict) -> tuple[str, str]:
         """The launch statement of rendered kernel `r`, and its `kernel[grid]` form."""
         bufs = iter(args["buffers"])
-        parts = [next(bufs) if p.kind == "buffer" else print_index(p.value, "//") for p in r.params]
-        xnumel = print_index(r.xnumel, "//")
+        parts = [next(bufs) if p.kind == "buffer" else print_host_index(p.value) for p in r.params]
+        xnumel = print_host_index(r.xnumel)
         parts.append(xnumel)
         consts = {"XBLOCK": r.launch.xblock}
         if r.launch.rblock:
-            parts.append(print_index(r.rnumel, "//"))
+            parts.append(print_host_index(r.rnumel))
             consts["RBLOCK"] = r.launch.rblock
         per_program = r.launch.rows_per_program or r.launch.xblock
         grid = f"triton.cdiv({xnumel}, {per_program})"

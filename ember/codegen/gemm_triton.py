@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from ember.codegen.render import Param, print_index
+from ember.codegen.render import Param, print_host_index
 from ember.codegen.triton import TritonRenderer
 from ember.codegen.triton_launch import LaunchConfig
 from ember.ir.sizes import Expr, product
@@ -165,13 +165,13 @@ class GemmKernelSource:
 
     def grid(self) -> tuple[str, str]:
         g, c = self.kernel.gemm, self.config
-        m, n = print_index(g.m, "//"), print_index(g.n, "//")
-        return f"triton.cdiv({m}, {c.block_m}) * triton.cdiv({n}, {c.block_n})", print_index(g.batch, "//")
+        m, n = print_host_index(g.m), print_host_index(g.n)
+        return f"triton.cdiv({m}, {c.block_m}) * triton.cdiv({n}, {c.block_n})", print_host_index(g.batch)
 
     def launch_line(self, buffers: list[str]) -> str:
         bufs = iter(buffers)
-        parts = [next(bufs) if p.kind == "buffer" else print_index(p.value, "//") for p in self.params]
-        parts += [print_index(sympy.sympify(e), "//") for e in self.sizes()]
+        parts = [next(bufs) if p.kind == "buffer" else print_host_index(p.value) for p in self.params]
+        parts += [print_host_index(sympy.sympify(e)) for e in self.sizes()]
         parts += [f"{name}={value}" for name, value in self.constants().items()]
         c = self.config
         x, z = self.grid()

@@ -28,7 +28,7 @@ import sympy
 import torch
 
 from ember import config
-from ember.codegen.render import print_index
+from ember.codegen.render import print_host_index
 from ember.ir.graph import Value, layout_of
 from ember.ir.sizes import Expr, contiguous_strides
 from ember.runtime import heap
@@ -191,9 +191,7 @@ class HostWriter:
         self.layouts: dict[int, tuple[tuple, bool]] = {}
 
     def py(self, expr: Expr) -> str:
-        text = print_index(sympy.sympify(expr), "//")
-        # Python's own max/min for a size's clamp (a stride over a data-dependent size: max(1, u0)).
-        return text.replace("tl.maximum(", "max(").replace("tl.minimum(", "min(")
+        return print_host_index(sympy.sympify(expr))
 
     def constant(self, obj: Any) -> str:
         if isinstance(obj, float) and not math.isfinite(obj):

@@ -46,8 +46,13 @@ def combo_params(reads: list, writes: list) -> list[Param]:
     return list(seen.values())
 
 
-def print_index(expr, floordiv: str) -> str:
-    """Print an integer index expression; floordiv is '//' (Triton) or '/' (C++)."""
+def print_host_index(expr) -> str:
+    """Print an integer size expression as Python, for a host program (its launch arguments too)."""
+    return print_index(expr, "//", host=True)
+
+
+def print_index(expr, floordiv: str, host: bool = False) -> str:
+    """Print an integer index expression; floordiv is '//' (Triton, or Python where `host`) or '/' (C++)."""
     # Numbers and symbols, most of what is printed (every static size and stride), expand to
     # themselves: printed without a call into sympy's expand.
     if isinstance(expr, sympy.Integer):
@@ -60,26 +65,28 @@ def print_index(expr, floordiv: str) -> str:
     if expr.is_Symbol:
         return expr.name
     if isinstance(expr, IndexDiv):
-        return f"({print_index(expr.args[0], floordiv)} {floordiv} {print_index(expr.args[1], floordiv)})"
+        return f"({print_index(expr.args[0], floordiv, host)} {floordiv} {print_index(expr.args[1], floordiv, host)})"
     if isinstance(expr, IndexMod):
-        return f"({print_index(expr.args[0], floordiv)} % {print_index(expr.args[1], floordiv)})"
+        return f"({print_index(expr.args[0], floordiv, host)} % {print_index(expr.args[1], floordiv, host)})"
     if expr.is_Add:
         terms = sorted(expr.args, key=sympy.default_sort_key)
-        return "(" + " + ".join(print_index(t, floordiv) for t in terms) + ")"
+        return "(" + " + ".join(print_index(t, floordiv, host) for t in terms) + ")"
     if expr.is_Mul:
-        return "(" + " * ".join(print_index(f, floordiv) for f in expr.args) + ")"
+        return "(" + " * ".join(print_index(f, floordiv, host) for f in expr.args) + ")"
     if isinstance(expr, (sympy.Min, sympy.Max)):  # replicate_pad's clamps, nested pairwise
         fn = {("//", sympy.Min): "tl.minimum", ("//", sympy.Max): "tl.maximum"}.get((floordiv, type(expr)))
+        if host:  # Python's own (a stride over a data-dependent size: max(1, u0))
+            fn = "min" if isinstance(expr, sympy.Min) else "max"
         # C++: by-value ternaries (codegen/cpp.py's prelude). std::min returns a reference, which GCC 12
         # keeps as a branch inside a loop, and a branch leaves that loop unvectorized.
         fn = fn or ("ember_min_index" if isinstance(expr, sympy.Min) else "ember_max_index")
         first, *rest = expr.args
-        out = print_index(first, floordiv)
+        out = print_index(first, floordiv, host)
         for a in rest:
-            out = f"{fn}({out}, {print_index(a, floordiv)})"
+            out = f"{fn}({out}, {print_index(a, floordiv, host)})"
         return out
     if expr.is_Pow and expr.exp.is_Integer and expr.exp > 0:
-        return "(" + " * ".join([print_index(expr.base, floordiv)] * int(expr.exp)) + ")"
+        return "(" + " * ".join([print_index(expr.base, floordiv, host)] * int(expr.exp)) + ")"
     raise NotImplementedError(f"index expression {expr}")
 
 

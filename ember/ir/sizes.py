@@ -119,6 +119,8 @@ def from_torch_sympy(expr: Expr, negative: Callable[[sympy.Symbol], bool] | None
     if not expr.args:
         return index_symbol(expr.name) if expr.is_Symbol else expr
     args = [from_torch_sympy(a) for a in expr.args]
+    if type(expr).__name__ in _SIGNED_DIVISIONS:
+        return _signed_division(type(expr).__name__, *args)
     rule = _TORCH_INDEX_FUNCTIONS.get(type(expr).__name__)
     if rule is not None:
         return rule(*args)
@@ -134,17 +136,37 @@ def _sign_sensitive(expr: Expr) -> bool:
     """Whether any part of torch's expression depends on the sign of its symbols: a relation, a connective,
     max/min or an integer division or modulo."""
     return any(
-        isinstance(e, (sympy.core.relational.Relational, *_CONNECTIVES)) or type(e).__name__ in _TORCH_INDEX_FUNCTIONS
+        isinstance(e, (sympy.core.relational.Relational, *_CONNECTIVES))
+        or type(e).__name__ in _TORCH_INDEX_FUNCTIONS
+        or type(e).__name__ in _SIGNED_DIVISIONS
         for e in sympy.preorder_traversal(expr)
     )
 
 
+# Python's floor division and modulo, which torch records for `a // b` and `a % b` over sizes.
+_SIGNED_DIVISIONS = ("FloorDiv", "PythonMod", "Mod")
+
+
+def _signed_division(kind: str, a: Expr, b: Expr) -> Expr:
+    """torch's FloorDiv or Python modulo of `a` by `b` in ember's non-negative index functions. The
+    kernels compute `//` and `%` as C does, truncating toward zero, which Python's floor division
+    only matches for a non-negative `a`. A numerator that is never positive (Python's ceiling
+    division `-(-n // b)`, a padding `-n % b`) is rewritten over its negation, which is not negative:
+    floor(-x / b) = -ceil(x / b), and -x mod b = b - 1 - (x + b - 1) mod b (no operand negative, where
+    IndexMod's own rules would make (b - x mod b) mod b one)."""
+    if b.is_nonpositive:
+        raise TypeError(f"size expression {kind}({a}, {b}) divides by a divisor that is not positive")
+    if a.is_nonpositive and not a.is_zero:
+        x = sympy.expand(-a)
+        if kind == "FloorDiv":
+            return -IndexDiv(x + b - 1, b)
+        return b - 1 - IndexMod(x + b - 1, b)
+    return IndexDiv(a, b) if kind == "FloorDiv" else IndexMod(a, b)
+
+
 _TORCH_INDEX_FUNCTIONS = {
-    "FloorDiv": lambda a, b: IndexDiv(a, b),
     "CeilDiv": lambda a, b: IndexDiv(a + b - 1, b),
     "ModularIndexing": lambda base, div, mod: IndexMod(IndexDiv(base, div), mod),
-    "PythonMod": lambda a, b: IndexMod(a, b),
-    "Mod": lambda a, b: IndexMod(a, b),
     # A stride over a data-dependent size: torch lays out a (2, u0) result with stride max(1, u0).
     "Max": lambda *a: sympy.Max(*a),
     "Min": lambda *a: sympy.Min(*a),

@@ -268,3 +268,24 @@ def test_packed_attention_backward_stacks_its_gradients_in_a_kernel():
         assert_not_worse(got, want, ref, what="packed attention", line=line)
     externs = [str(e) for g in report.graphs for e in g.externs]
     assert not any(op in e for op in ("unbind", "stack", "sum") for e in externs), f"{externs}\n{line}"
+
+
+def _padded_to_blocks(x):
+    """Python's ceiling division and padding idioms over a size: a negated size divided and taken
+    modulo, which the kernels (dividing toward zero) must not compute as C would."""
+    n = x.shape[-1]
+    blocks = -(-n // 16)
+    padded = F.pad(x, (0, -n % 16))
+    return padded.view(*x.shape[:-1], blocks, 16).sum(-1) * 2
+
+
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_padding_to_a_multiple_under_dynamic_sizes(backend, device):
+    compiled = ember_compile(_padded_to_blocks, backend, dynamic=None)
+    for n in (20, 37, 48, 53):  # the second size makes Dynamo's graph symbolic in n
+        x = torch.randn(3, n, device=device)
+        line = repro(backend=backend, device=device, n=n)
+        with reports() as report:
+            got = compiled(x)
+        assert_no_fallback(report, line)
+        assert_close(got, _padded_to_blocks(x), rtol=1e-5, atol=1e-5, what="result", line=line)

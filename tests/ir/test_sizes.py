@@ -60,3 +60,42 @@ def test_as_expr():
         as_expr(True)
     with pytest.raises(TypeError):
         as_expr("3")
+
+
+def test_python_division_of_a_negated_size_keeps_its_floor_semantics():
+    """torch records Python's `-(-n // 128)` (a ceiling division) and `-n % 128` (a padding to a
+    multiple) as FloorDiv and modulo of a negative numerator; the kernels divide as C does, toward
+    zero, so these are rewritten over the (non-negative) negation. Each form is checked at sizes on
+    and off the multiple."""
+    from torch.utils._sympy.functions import FloorDiv, PythonMod
+
+    from ember.ir.sizes import from_torch_sympy
+
+    n = sympy.Symbol("s0", integer=True, nonnegative=True)
+    ceil_div = -from_torch_sympy(FloorDiv(-n, 128))
+    padding = from_torch_sympy(PythonMod(-n, 128))
+    for size in (1, 56, 127, 128, 129, 300):
+        assert _as_c_computes(ceil_div, size) == -(-size // 128)
+        assert _as_c_computes(padding, size) == -size % 128
+
+
+def _as_c_computes(expr, size: int) -> int:
+    """`expr` at s0 = size, with IndexDiv and IndexMod computed as the kernels do (toward zero); they
+    must only ever see non-negative operands, where that equals Python's floor."""
+    if expr.is_Symbol:
+        return size
+    if expr.is_Integer:
+        return int(expr)
+    args = [_as_c_computes(e, size) for e in expr.args]
+    if isinstance(expr, (IndexDiv, IndexMod)):
+        a, b = args
+        assert a >= 0 and b > 0, f"{expr} at {size}: a negative operand, which C divides otherwise"
+        return a // b if isinstance(expr, IndexDiv) else a % b
+    if expr.is_Add:
+        return sum(args)
+    if expr.is_Mul:
+        out = 1
+        for a in args:
+            out *= a
+        return out
+    raise AssertionError(f"unexpected {expr}")
