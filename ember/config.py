@@ -495,7 +495,8 @@ SETTINGS: dict[str, Setting] = {
             bool,
             True,
             "a CUDA convolution's bias is added by the ember kernel that reads its result, not by ATen's "
-            "own launch after cuDNN's (frontend/conv_bias.py; forward and inference graphs)",
+            "own launch after cuDNN's, and its gradient is summed by an ember kernel, not by convolution_backward "
+            "(frontend/conv_bias.py)",
             codegen=True,
         ),
         Setting(

@@ -51,8 +51,8 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
             check_traced(gm, kind)
             if kind == "inference" and config.get("channels_last"):
                 _channels_last(gm, example_inputs)
-            if kind in ("inference", "forward") and config.get("conv_bias_epilogue"):
-                _conv_bias_epilogue(gm, example_inputs)
+            if config.get("conv_bias_epilogue"):
+                _conv_bias_epilogue(gm, example_inputs, kind)
             if kind == "backward" and fell_back:
                 # Compiled with the forward (for AOTAutograd's cache) after the forward fell back:
                 # Dynamo's graph runs in their place (_dynamo_graph_if_eager); this one never runs.
@@ -123,16 +123,19 @@ def _channels_last(gm: torch.fx.GraphModule, example_inputs) -> None:
         log.warn(f"ember: channels-last convolutions skipped for an inference graph: {type(e).__name__}: {e}")
 
 
-def _conv_bias_epilogue(gm: torch.fx.GraphModule, example_inputs) -> None:
-    """A CUDA graph's convolution biases added by ember's kernels (frontend/conv_bias.py). A failure
-    leaves each convolution whole, rewritten or as it was."""
-    from ember.frontend.conv_bias import peel_bias
+def _conv_bias_epilogue(gm: torch.fx.GraphModule, example_inputs, kind: str) -> None:
+    """A CUDA graph's convolution biases added, and in a backward their gradients summed, by ember's
+    kernels (frontend/conv_bias.py). A failure leaves each convolution whole, rewritten or as it was."""
+    from ember.frontend.conv_bias import peel_bias, sum_bias_gradients
     from ember.pipeline import graph_device
 
     if graph_device(gm, example_inputs).type != "cuda":
         return
     try:
-        peel_bias(gm)
+        if kind == "backward":
+            sum_bias_gradients(gm)
+        else:
+            peel_bias(gm)
     except Exception as e:
         if config.get("strict"):
             raise
