@@ -17,7 +17,7 @@ skipped. Semantics match SDPA's reference (a row the mask removes entirely gives
 `_safe_softmax` does).
 
 Left as SDPA: a mask that needs a gradient (ember's FlexAttention backward has no gradient for a
-captured tensor), dropout, `is_causal` with a mask, sizes known only at run time, and graphs that
+captured tensor), dropout, `is_causal` with a mask, head counts or head sizes known only at run time, and graphs that
 need no gradient (there cuDNN's forward takes the mask).
 """
 
@@ -76,11 +76,11 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
         scale = call_arg(node, 6, "scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         gqa = bool(call_arg(node, 7, "enable_gqa", False))
-        sizes = (query.shape[2], example_value(k).shape[2])
+        sizes = (mask, str(query.shape[2]), str(example_value(k).shape[2]))  # (symbols under dynamic shapes)
         with gm.graph.inserting_before(node):
-            blocks = blocks_of.get((mask, sizes))
+            blocks = blocks_of.get(sizes)
             if blocks is None:  # graph order: the mask's first SDPA call at these sizes
-                blocks = blocks_of[(mask, sizes)] = gm.graph.call_function(mask_blocks, (mask, *sizes))
+                blocks = blocks_of[sizes] = gm.graph.call_function(mask_blocks, (mask, q, k))
             new = gm.graph.call_function(masked_flex_attention, (q, k, v, mask, blocks, scale, gqa))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
@@ -115,8 +115,8 @@ def _refusal(node: fx.Node) -> str | None:
         return "no example values"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or m.dim() > 4:
         return "query, key and value not of 4 dims"
-    if not all(isinstance(s, int) for t in (q, k, v, m) for s in t.shape):
-        return "sizes known only at run time"
+    if not all(isinstance(s, int) for t in (q, k, v) for s in (t.shape[1], t.shape[3])):
+        return "head counts or head sizes known only at run time"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype}"
     if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or (q.shape[1] != k.shape[1] and not gqa):
@@ -127,15 +127,21 @@ def _refusal(node: fx.Node) -> str | None:
         return f"a mask of {m.dtype}"
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     padded = (1,) * (4 - m.dim()) + tuple(m.shape)
-    if any(a not in (1, b) for a, b in zip(padded, shape)):
+    if any(not (_is_one(a) or a is b or a == b) for a, b in zip(padded, shape)):
         return f"a mask of {tuple(m.shape)} not broadcast to {shape}"
     return None
 
 
-def mask_blocks(mask, length: int, keys: int) -> tuple[torch.Tensor, ...]:
-    """The BlockMask's tensors for `mask` (up to 4 dims) over `length` queries and `keys` keys: per row of
-    blocks, the count and columns of partial blocks, then of full ones; per column of blocks, the
-    same over rows. One call per mask, whatever number of attention calls read it."""
+def _is_one(size) -> bool:
+    return isinstance(size, int) and size == 1
+
+
+def mask_blocks(mask, query, key) -> tuple[torch.Tensor, ...]:
+    """The BlockMask's tensors for `mask` (up to 4 dims) over the queries of `query` and the keys of
+    `key` (their sizes only): per row of blocks, the count and columns of partial blocks, then of
+    full ones; per column of blocks, the same over rows. One call per mask, whatever number of
+    attention calls read it."""
+    length, keys = query.shape[2], key.shape[2]
     mask = _four_dims(mask)
     kept = mask if mask.dtype == torch.bool else mask != float("-inf")
     batch, heads = kept.shape[:2]

@@ -78,7 +78,9 @@ def test_mask_blocks_lists_partial_and_full_blocks_both_ways():
     keep[..., :BLOCK, :BLOCK] = True  # full
     keep[..., BLOCK:, 7] = True  # partial, in row 1 column 0
     keep[..., :, 2 * BLOCK :] = True  # partial (cut short), rows 0 and 1
-    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = mask_blocks(keep, L, S)
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = mask_blocks(
+        keep, torch.empty(1, 1, L, 1), torch.empty(1, 1, S, 1)
+    )
     assert kv_num.flatten().tolist() == [1, 2] and full_num.flatten().tolist() == [1, 0]
     assert kv_idx[0, 0, 0, :1].tolist() == [2] and sorted(kv_idx[0, 0, 1, :2].tolist()) == [0, 2]
     assert full_idx[0, 0, 0, :1].tolist() == [0]
@@ -115,3 +117,27 @@ def test_inference_graphs_and_the_setting_keep_sdpa():
             ember_compile(fn, "triton", sdpa_masked_flex=setting)(q, mask)
         hosts = "\n".join(g.host_source for g in report.graphs)
         assert "flex_attention" not in hosts, (grad, setting)
+
+
+def test_masked_sdpa_training_under_dynamic_sizes():
+    """The second length makes Dynamo's graph symbolic in it: the BlockMask's block counts are then
+    computed from sizes known only at run time (ceiling divisions of the length)."""
+
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    compiled = ember_compile(fn, "triton", dynamic=None)
+    for S in (40, 56, 136):
+        torch.manual_seed(S)
+        q, k, v = (torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(3))
+        mask = torch.rand(1, 1, S, S) > 0.3
+        line = repro(case="dynamic", backend="triton", S=S)
+        out = fn(q, k, v, mask)
+        grad = torch.randn_like(out)
+        want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+        with reports() as report:
+            out = compiled(q, k, v, mask)
+            got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+        assert_no_fallback(report, line)
+        for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
