@@ -218,7 +218,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             attention_pass(gm)
         from ember.frontend.masked_attention import masked_attention_pass
 
-        masked_attention_pass(gm, example_inputs)
+        unmasked = masked_attention_pass(gm, example_inputs)
 
     from ember.frontend.decompositions import decomposition_table
 
@@ -249,10 +249,11 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
         training_attention_kernels,
     )
 
+    as_written = unmasked if unmasked is not None else gm  # (masked SDPA calls stay SDPA if ember falls back)
     with config.override(**options):
-        no_cudnn_attention = excludes_cudnn(gm, example_inputs)
+        no_cudnn_attention = excludes_cudnn(as_written, example_inputs)
     # Dynamo's graph run eagerly in ember's place picks the kernels its trace would have.
-    eager = eager_without_cudnn_attention(gm.forward) if no_cudnn_attention else gm.forward
+    eager = eager_without_cudnn_attention(as_written.forward) if no_cudnn_attention else as_written.forward
     try:
         with (
             config.override(**options),

@@ -13,8 +13,10 @@ with a BlockMask computed from the mask's values at run time: a block of scores 
 entirely is skipped, one it keeps entirely is computed without reading the mask, and only the
 blocks in between read it. A boolean mask becomes the `mask_mod` `mask[b, h, q, kv]`; a floating
 mask (added to the scores) becomes the `score_mod` `score + mask[b, h, q, kv]`, its blocks of -inf
-skipped. Semantics match SDPA's reference (a row the mask removes entirely gives 0, as its
-`_safe_softmax` does).
+skipped. A row the mask removes entirely gives 0, as SDPA's `_safe_softmax` does; a row an additive
+mask removes with a finite value (transformers' float32 lowest) gives the mean of the values, as
+SDPA's kernels do, and its gradients match theirs (whose log-sum-exp absorbs log(keys) at that
+magnitude, as ember's does), not those of a softmax computed exactly.
 
 Left as SDPA: a mask that needs a gradient (ember's FlexAttention backward has no gradient for a
 captured tensor), dropout, `is_causal` with a mask, head counts or head sizes known only at run time, and graphs that
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ember import config, log
-from ember.frontend.fx_nodes import call_arg, example_value
+from ember.frontend.fx_nodes import call_arg, example_value, mutates
 
 # The BlockMask's blocks: the flex kernels' tiles divide it.
 BLOCK = 128
@@ -41,19 +43,27 @@ BLOCK = 128
 MASK_FLOOR = torch.finfo(torch.float32).min / 2
 
 
-def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> list[str]:
+def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule | None:
     """The pass as the backend runs it: where `gm` may need gradients and compiles for Triton,
-    rewrite its masked SDPA calls; log each (`EMBER_LOGS=patterns`)."""
+    rewrite its masked SDPA calls; log each (`EMBER_LOGS=patterns`). Returns `gm` as it was where it
+    rewrote it (what runs if ember falls back: SDPA, not PyTorch's dense FlexAttention), else None."""
     from ember.frontend.attention_backward import graph_on_cuda, may_need_gradients
 
     if not config.get("sdpa_masked_flex") or not may_need_gradients(gm, example_inputs):
-        return []
-    if config.get("backend") != "triton" and not graph_on_cuda(gm, example_inputs):
-        return []
+        return None
+    backend = config.get("backend")
+    if backend == "cpp" or (backend != "triton" and not graph_on_cuda(gm, example_inputs)):
+        return None
+    if not any(_is_masked_sdpa(n) for n in gm.graph.nodes):
+        return None
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    original = fx.GraphModule(gm, graph)
     made = flex_for_masked_sdpa(gm)
-    if made:
-        log.artifact("patterns", f"{len(made)} masked SDPA call(s) as flex_attention", lambda: "\n".join(made))
-    return made
+    if not made:
+        return None
+    log.artifact("patterns", f"{len(made)} masked SDPA call(s) as flex_attention", lambda: "\n".join(made))
+    return original
 
 
 def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
@@ -61,12 +71,11 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
     (the caller has decided that the graph needs gradients and compiles for Triton)."""
     made = []
     blocks_of: dict[tuple, fx.Node] = {}
+    written = _written_in_place(gm.graph)
     for node in list(gm.graph.nodes):
-        if not (node.op == "call_function" and node.target is F.scaled_dot_product_attention):
-            continue
-        if not isinstance(call_arg(node, 3, "attn_mask"), fx.Node):
-            continue  # no mask: flash attention takes it
-        reason = _refusal(node)
+        if not _is_masked_sdpa(node):
+            continue  # (without a mask, flash attention takes it)
+        reason = "a mask the graph writes in place" if call_arg(node, 3, "attn_mask") in written else _refusal(node)
         if reason is not None:
             log.artifact("patterns", f"{node.name}: SDPA with a mask kept", reason)
             continue
@@ -75,13 +84,12 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
         query = example_value(q)
         scale = call_arg(node, 6, "scale")
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(query.shape[-1])
-        gqa = bool(call_arg(node, 7, "enable_gqa", False))
-        sizes = (mask, str(query.shape[2]), str(example_value(k).shape[2]))  # (symbols under dynamic shapes)
+        key = (mask, str(query.shape[2]), str(example_value(k).shape[2]))  # (symbols under dynamic shapes)
         with gm.graph.inserting_before(node):
-            blocks = blocks_of.get(sizes)
+            blocks = blocks_of.get(key)
             if blocks is None:  # graph order: the mask's first SDPA call at these sizes
-                blocks = blocks_of[sizes] = gm.graph.call_function(mask_blocks, (mask, q, k))
-            new = gm.graph.call_function(masked_flex_attention, (q, k, v, mask, blocks, scale, gqa))
+                blocks = blocks_of[key] = gm.graph.call_function(mask_blocks, (mask, q, k))
+            new = gm.graph.call_function(masked_flex_attention, (q, k, v, mask, blocks, scale))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
@@ -91,6 +99,51 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
         gm.graph.lint()
         gm.recompile()
     return made
+
+
+def _is_masked_sdpa(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is F.scaled_dot_product_attention
+        and isinstance(call_arg(node, 3, "attn_mask"), fx.Node)
+    )
+
+
+# Calls whose result may share its first argument's memory (views, and conversions that return
+# their input when there is nothing to convert).
+_ALIASING = {
+    "view", "reshape", "contiguous", "expand", "expand_as", "to", "type", "type_as", "flatten", "unflatten",
+    "narrow", "select", "detach", "view_as", "unsqueeze", "squeeze", "transpose", "permute", "__getitem__",
+    "getitem", "t", "bool", "float", "half", "bfloat16", "swapaxes", "swapdims", "movedim", "as_strided",
+    "split", "chunk", "unbind", "diagonal", "real", "imag",
+}  # fmt: skip
+
+
+def _aliases(node: fx.Node) -> bool:
+    """Whether `node`'s result may share the memory of its first argument."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _ALIASING
+
+
+def _written_in_place(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose memory the graph may write in place: what an in-place call writes, and every node
+    sharing its memory through views. The flex op keeps its mask for the backward and the BlockMask
+    is computed once, so a mask written between attention calls must stay SDPA's."""
+    written: set[fx.Node] = set()
+    for node in graph.nodes:
+        if mutates(node) and node.args and isinstance(node.args[0], fx.Node):
+            stack = [node.args[0], node]
+            while stack:
+                n = stack.pop()
+                if n in written:
+                    continue
+                written.add(n)
+                if _aliases(n) and n.args and isinstance(n.args[0], fx.Node):
+                    stack.append(n.args[0])
+                stack += [u for u in n.users if (_aliases(u) or mutates(u)) and u.args and u.args[0] is n]
+    return written
 
 
 def _refusal(node: fx.Node) -> str | None:
@@ -119,6 +172,8 @@ def _refusal(node: fx.Node) -> str | None:
         return "head counts or head sizes known only at run time"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"dtype {q.dtype}"
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        return "keys or values broadcast over the batch"
     if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or (q.shape[1] != k.shape[1] and not gqa):
         return "head counts or sizes that FlexAttention does not take"
     if m.requires_grad:
@@ -163,12 +218,12 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, idx.contiguous()
 
 
-def masked_flex_attention(query, key, value, mask, blocks, scale: float, enable_gqa: bool):
+def masked_flex_attention(query, key, value, mask, blocks, scale: float):
     """SDPA(query, key, value, attn_mask=mask, scale=scale) computed by FlexAttention over the
     BlockMask `blocks` (mask_blocks'): the call the rewritten graph makes, which AOTAutograd traces
     into the flex_attention op and its backward."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-    from torch.nn.attention.flex_attention import BlockMask, _apply_kernel_options
+    from torch.nn.attention.flex_attention import BlockMask
 
     kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = blocks
     # Broadcast dims as stride-0 views: the functions index the mask by (b, h, q_idx, kv_idx).
@@ -187,11 +242,29 @@ def masked_flex_attention(query, key, value, mask, blocks, scale: float, enable_
     # The query-side lists, from the same block states rather than recomputed from the key side.
     block_mask.q_num_blocks, block_mask.q_indices = q_num, q_idx
     block_mask.full_q_num_blocks, block_mask.full_q_indices = full_q_num, full_q_idx
-    options = _apply_kernel_options(query, key, value, False, None)
+    options = _kernel_options(query, key, value)
     score_mod = _identity if boolean else _add_mask
     score_buffers, mask_buffers = ((), (mask,)) if boolean else ((mask,), ())
     out = flex_hop(query, key, value, score_mod, block_mask.as_tuple(), scale, options, score_buffers, mask_buffers)
     return out[0]
+
+
+def _kernel_options(query, key, value) -> dict:
+    """The options dict flex_attention passes its op (a private function of torch's; where its
+    signature differs, the defaults it would give)."""
+    from torch.nn.attention import flex_attention as flex
+
+    try:
+        return flex._apply_kernel_options(query, key, value, False, None)
+    except (AttributeError, TypeError):
+        return {
+            "PRESCALE_QK": False,
+            "ROWS_GUARANTEED_SAFE": False,
+            "BLOCKS_ARE_CONTIGUOUS": False,
+            "WRITE_DQ": True,
+            "OUTPUT_LOGSUMEXP": True,
+            "OUTPUT_MAX": False,
+        }
 
 
 def _four_dims(mask: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,8 @@ def as_expr(x: Any) -> Expr:
         return sympy.Integer(x)
     node = getattr(x, "node", None)  # torch.SymInt
     if node is not None and hasattr(node, "expr"):
-        return sympy.expand(from_torch_sympy(node.expr, may_be_negative(node)))
+        ranges = getattr(getattr(node, "shape_env", None), "var_to_range", None)
+        return sympy.expand(from_torch_sympy(node.expr, may_be_negative(node), ranges))
     raise TypeError(f"not a size: {x!r} ({type(x).__name__})")
 
 
@@ -103,13 +104,16 @@ def may_be_negative(node: Any) -> Callable[[sympy.Symbol], bool]:
     return negative
 
 
-def from_torch_sympy(expr: Expr, negative: Callable[[sympy.Symbol], bool] | None = None) -> Expr:
+def from_torch_sympy(
+    expr: Expr, negative: Callable[[sympy.Symbol], bool] | None = None, ranges: dict | None = None
+) -> Expr:
     """Rewrite torch's own index functions (FloorDiv, ModularIndexing, CeilDiv, ...) into ours.
 
     Symbols are re-made integer and non-negative (sizes), which our simplifications assume. Where
     `negative` says a symbol may be negative, an expression whose value depends on that assumption (a
     comparison, max/min, floor division or modulo, which the kernels compute as C does) is refused
-    rather than simplified wrongly: `max(n, 0)` would become `n`, `n >= 0` True.
+    rather than simplified wrongly: `max(n, 0)` would become `n`, `n >= 0` True. `ranges` (the
+    ShapeEnv's value range of each symbol) bounds a division's numerator (`_signed_division`).
     """
     if negative is not None and _sign_sensitive(expr) and any(negative(s) for s in expr.free_symbols):
         raise TypeError(
@@ -118,9 +122,9 @@ def from_torch_sympy(expr: Expr, negative: Callable[[sympy.Symbol], bool] | None
         )
     if not expr.args:
         return index_symbol(expr.name) if expr.is_Symbol else expr
-    args = [from_torch_sympy(a) for a in expr.args]
+    args = [from_torch_sympy(a, ranges=ranges) for a in expr.args]
     if type(expr).__name__ in _SIGNED_DIVISIONS:
-        return _signed_division(type(expr).__name__, *args)
+        return _signed_division(type(expr).__name__, *args, _sign(expr.args[0], args[0], ranges))
     rule = _TORCH_INDEX_FUNCTIONS.get(type(expr).__name__)
     if rule is not None:
         return rule(*args)
@@ -147,16 +151,43 @@ def _sign_sensitive(expr: Expr) -> bool:
 _SIGNED_DIVISIONS = ("FloorDiv", "PythonMod", "Mod")
 
 
-def _signed_division(kind: str, a: Expr, b: Expr) -> Expr:
-    """torch's FloorDiv or Python modulo of `a` by `b` in ember's non-negative index functions. The
-    kernels compute `//` and `%` as C does, truncating toward zero, which Python's floor division
-    only matches for a non-negative `a`. A numerator that is never positive (Python's ceiling
-    division `-(-n // b)`, a padding `-n % b`) is rewritten over its negation, which is not negative:
-    floor(-x / b) = -ceil(x / b), and -x mod b = b - 1 - (x + b - 1) mod b (no operand negative, where
-    IndexMod's own rules would make (b - x mod b) mod b one)."""
+def _sign(torch_expr: Expr, expr: Expr, ranges: dict | None) -> int | None:
+    """1 where `expr` (torch's `torch_expr`) is never negative, -1 where never positive, else None:
+    from sympy's assumptions (every symbol a non-negative integer), else the ShapeEnv's ranges."""
+    if expr.is_nonnegative:
+        return 1
+    if expr.is_nonpositive:
+        return -1
+    if ranges is not None:
+        try:
+            from torch.utils._sympy.value_ranges import bound_sympy
+
+            bound = bound_sympy(torch_expr, ranges)
+        except (TypeError, ValueError, KeyError, AttributeError, NotImplementedError):  # a function it cannot bound
+            return None
+        if bound.lower >= 0:
+            return 1
+        if bound.upper <= 0:
+            return -1
+    return None
+
+
+def _signed_division(kind: str, a: Expr, b: Expr, sign: int | None) -> Expr:
+    """torch's FloorDiv or Python modulo of `a` by `b` (`sign`: `a`'s, _sign's) in ember's
+    non-negative index functions. The kernels compute `//` and `%` as C does, truncating toward zero,
+    which Python's floor division only matches for a non-negative `a`. A numerator that is never
+    positive (Python's ceiling division `-(-n // b)`, a padding `-n % b`) is rewritten over its
+    negation, which is not negative: floor(-x / b) = -ceil(x / b), and -x mod b = b - 1 - (x + b - 1)
+    mod b (no operand negative, where IndexMod's own rules would make (b - x mod b) mod b one). A
+    numerator of either sign (`(3 - n) % 8`) is refused: the graph runs eagerly, loudly."""
     if b.is_nonpositive:
         raise TypeError(f"size expression {kind}({a}, {b}) divides by a divisor that is not positive")
-    if a.is_nonpositive and not a.is_zero:
+    if sign is None:
+        raise TypeError(
+            f"size expression {kind}({a}, {b}) divides a numerator that may be negative or positive: "
+            "ember's kernels divide toward zero, Python's sizes round down"
+        )
+    if sign < 0 and not a.is_zero:
         x = sympy.expand(-a)
         if kind == "FloorDiv":
             return -IndexDiv(x + b - 1, b)

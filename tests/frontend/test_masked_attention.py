@@ -29,6 +29,16 @@ def _mask(kind: str, shape: tuple[int, ...], length: int, keys: int) -> torch.Te
     return bias.masked_fill(~keep, float("-inf") if kind == "-inf" else torch.finfo(torch.float32).min)
 
 
+def _causal_blocks_removed(kind: str, shape, length: int, keys: int) -> torch.Tensor:
+    """A causal mask over 300 tokens (blocks of 128: full, partial and empty ones) whose query rows
+    128-255 are removed entirely."""
+    keep = torch.ones(length, keys, dtype=torch.bool).tril().expand(*shape[:-2], length, keys).clone()
+    keep[..., 128:256, :] = False
+    if kind == "bool":
+        return keep
+    return torch.randn(keep.shape).masked_fill(~keep, float("-inf"))
+
+
 CASES = {
     # name: (mask kind, mask shape as (dims of B, H, L, S, 1 = broadcast), B, H, H_kv, L, S, D)
     "bool_batch": ("bool", "B1LS", 2, 2, 2, 80, 80, 16),
@@ -36,6 +46,8 @@ CASES = {
     "bool_cross_rows_broadcast": ("bool", "B11S", 2, 2, 2, 40, 72, 16),
     "additive_inf_heads": ("-inf", "1HLS", 1, 2, 2, 64, 64, 16),
     "additive_finite_min": ("min", "B1LS", 2, 2, 2, 40, 40, 16),
+    "bool_blocks_full_and_empty": ("bool", "11LS", 1, 2, 1, 300, 300, 16),
+    "additive_blocks_full_and_empty": ("-inf", "1HLS", 1, 2, 2, 300, 300, 16),
 }
 
 
@@ -47,7 +59,8 @@ def _shape(spec: str, B: int, H: int, L: int, S: int) -> tuple[int, ...]:
 def test_masked_sdpa_training_matches_eager_through_flex_kernels(name):
     kind, spec, B, H, H_kv, L, S, D = CASES[name]
     torch.manual_seed(0)
-    mask = _mask(kind, _shape(spec, B, H, L, S), L, S)
+    make = _causal_blocks_removed if L == 300 else _mask
+    mask = make(kind, _shape(spec, B, H, L, S), L, S)
     q = torch.randn(B, H, L, D, requires_grad=True)
     k, v = (torch.randn(B, H_kv, S, D, requires_grad=True) for _ in range(2))
     gqa = H != H_kv
@@ -88,6 +101,29 @@ def test_mask_blocks_lists_partial_and_full_blocks_both_ways():
     assert q_idx[0, 0, 0, :1].tolist() == [1] and full_q_idx[0, 0, 0, :1].tolist() == [0]
 
 
+def test_mask_blocks_query_side_as_torchs_own_transpose():
+    """The query-side lists mask_blocks gives, against those BlockMask.from_kv_blocks derives from
+    its key-side lists."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    torch.manual_seed(0)
+    L, S = 3 * BLOCK + 9, 2 * BLOCK + 40
+    keep = torch.rand(2, 1, L, S) > 0.5
+    keep[0, :, : 2 * BLOCK, :BLOCK] = True
+    keep[1, :, BLOCK:, :] = False
+    q, k = torch.empty(1, 1, L, 1), torch.empty(1, 1, S, 1)
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = mask_blocks(keep, q, k)
+    torch_own = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, seq_lengths=(L, S))
+    for ours, num, theirs, their_num in (
+        (q_idx, q_num, torch_own.q_indices, torch_own.q_num_blocks),
+        (full_q_idx, full_q_num, torch_own.full_q_indices, torch_own.full_q_num_blocks),
+    ):
+        assert torch.equal(num, their_num)
+        for row in range(num.numel()):
+            n = int(num.flatten()[row])
+            assert sorted(ours.flatten(0, -2)[row, :n].tolist()) == sorted(theirs.flatten(0, -2)[row, :n].tolist())
+
+
 def _rewritten(fn, *args) -> list[str]:
     gm, _ = dynamo_graph(fn, *args)
     return flex_for_masked_sdpa(gm)
@@ -103,6 +139,14 @@ def test_calls_left_to_sdpa():
     assert not _rewritten(
         lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1), q, bool_mask
     )
+
+    def written_between(q, m):
+        m = m.clone()
+        first = F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+        m[..., :8] = False
+        return first + F.scaled_dot_product_attention(q, q, q, attn_mask=m)
+
+    assert not _rewritten(written_between, q, bool_mask)
 
 
 def test_inference_graphs_and_the_setting_keep_sdpa():

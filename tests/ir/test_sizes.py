@@ -79,6 +79,21 @@ def test_python_division_of_a_negated_size_keeps_its_floor_semantics():
         assert _as_c_computes(padding, size) == -size % 128
 
 
+def test_python_division_of_a_size_of_either_sign_is_refused_unless_its_range_decides():
+    from torch.utils._sympy.functions import PythonMod
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    from ember.ir.sizes import from_torch_sympy
+
+    n = sympy.Symbol("s0", integer=True, nonnegative=True)
+    with pytest.raises(TypeError, match="may be negative or positive"):
+        from_torch_sympy(PythonMod(3 - n, 8))
+    # With n >= 4 known (a slice x[3:] of a non-empty result), 3 - n is never positive.
+    padding = from_torch_sympy(PythonMod(3 - n, 8), ranges={n: ValueRanges(4, 1 << 20)})
+    for size in (4, 11, 12, 37):
+        assert _as_c_computes(padding, size) == (3 - size) % 8
+
+
 def _as_c_computes(expr, size: int) -> int:
     """`expr` at s0 = size, with IndexDiv and IndexMod computed as the kernels do (toward zero); they
     must only ever see non-negative operands, where that equals Python's floor."""
