@@ -38,20 +38,26 @@ aten = torch.ops.aten
 def peel_bias(gm: fx.GraphModule) -> int:
     """Rewrite `gm` (in place) so that its CUDA convolutions with a bias add it as a separate op;
     returns how many did."""
+    return _rewrite_each(gm, _peelable, _peel)
+
+
+def _rewrite_each(gm: fx.GraphModule, applies, rewrite) -> int:
+    """`rewrite(gm, node, fake_mode)` (True where it changed the graph) for each node `applies` to,
+    checked against the graph's fake values; returns how many changed."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
     if fake_mode is None:
-        return 0  # no fake values to check the rewrite against
-    peeled = 0
+        return 0  # no fake values to check a rewrite against
+    done = 0
     try:
         for node in list(gm.graph.nodes):
-            if _peelable(node) and _peel(gm, node, fake_mode):
-                peeled += 1
+            if applies(node) and rewrite(gm, node, fake_mode):
+                done += 1
     finally:
-        if peeled:  # each rewrite is whole: the graph is valid even when a later one raised
+        if done:  # each rewrite is whole: the graph is valid even when a later one raised
             gm.graph.lint()
             gm.recompile()
-    return peeled
+    return done
 
 
 def _peel(gm: fx.GraphModule, node: fx.Node, fake_mode) -> bool:
@@ -98,20 +104,7 @@ def _peelable(node: fx.Node) -> bool:
 def sum_bias_gradients(gm: fx.GraphModule) -> int:
     """Rewrite `gm` (a backward graph, in place) so that its CUDA convolution_backward calls leave the
     bias's gradient to a sum over the output gradient; returns how many did."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    fake_mode = torch._guards.detect_fake_mode([n.meta.get("val") for n in placeholders])
-    if fake_mode is None:
-        return 0
-    summed = 0
-    try:
-        for node in list(gm.graph.nodes):
-            if _bias_gradient_computed(node) and _sum_bias_gradient(gm, node, fake_mode):
-                summed += 1
-    finally:
-        if summed:
-            gm.graph.lint()
-            gm.recompile()
-    return summed
+    return _rewrite_each(gm, _bias_gradient_computed, _sum_bias_gradient)
 
 
 def _bias_gradient_computed(node: fx.Node) -> bool:
