@@ -126,12 +126,13 @@ class Importer:
             return _condition(node, val)
         if isinstance(val, torch.SymFloat):
             return self._sym_float(node)
-        self._check_sym_float_use(node)
         if isinstance(val, torch.SymInt) or (
             isinstance(val, int) and not isinstance(val, bool) and node.target is not operator.getitem
         ):
-            # Size arithmetic (sym_size, operator.mul on SymInts): its value is an expression.
+            # Size arithmetic (sym_size, operator.mul on SymInts, math.floor of a size's division): its
+            # value is an expression of the graph's sizes, whatever computed it.
             return as_expr(val)
+        self._check_sym_float_use(node)
         if node.target is torch.ops.aten.copy_.default:
             return self._input_mutation(node)
         if node.target is operator.getitem:

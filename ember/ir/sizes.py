@@ -122,6 +122,9 @@ def from_torch_sympy(
         )
     if not expr.args:
         return index_symbol(expr.name) if expr.is_Symbol else expr
+    rounded = _rounded_true_division(expr, ranges)
+    if rounded is not None:
+        return rounded
     args = [from_torch_sympy(a, ranges=ranges) for a in expr.args]
     if type(expr).__name__ in _SIGNED_DIVISIONS:
         return _signed_division(type(expr).__name__, *args, _sign(expr.args[0], args[0], ranges))
@@ -170,6 +173,27 @@ def _sign(torch_expr: Expr, expr: Expr, ranges: dict | None) -> int | None:
         if bound.upper <= 0:
             return -1
     return None
+
+
+def _rounded_true_division(expr: Expr, ranges: dict | None) -> Expr | None:
+    """`math.floor(n / b)`, `int(n / b)` and `math.ceil(n / b)` over sizes (torch's FloorToInt,
+    TruncToInt or CeilToInt of an IntTrueDiv by a positive integer) as integer divisions; None for any
+    other expression."""
+    kind = type(expr).__name__
+    if kind not in ("FloorToInt", "TruncToInt", "CeilToInt") or len(expr.args) != 1:
+        return None
+    inner = expr.args[0]
+    if type(inner).__name__ != "IntTrueDiv" or not (inner.args[1].is_Integer and inner.args[1] > 0):
+        return None
+    a = from_torch_sympy(inner.args[0], ranges=ranges)
+    b = inner.args[1]
+    sign = _sign(inner.args[0], a, ranges)
+    if kind == "TruncToInt" and sign is not None:
+        kind = "FloorToInt" if sign > 0 else "CeilToInt"
+    if kind == "FloorToInt":
+        return _signed_division("FloorDiv", a, b, sign)
+    # ceil(a / b) = -floor(-a / b)
+    return -_signed_division("FloorDiv", sympy.expand(-a), b, None if sign is None else -sign)
 
 
 def _signed_division(kind: str, a: Expr, b: Expr, sign: int | None) -> Expr:

@@ -291,3 +291,27 @@ def test_padding_to_a_multiple_under_dynamic_sizes(backend, device):
         assert_no_fallback(report, line)
         for what, a, b in zip(("blocks", "tail"), got, _padded_to_blocks(x)):
             assert_close(a, b, rtol=1e-5, atol=1e-5, what=what, line=line)
+
+
+def _chunked_by_true_division(x):
+    """`math.ceil(n / 32)`, `int(n / 32)` and `math.floor(n / 32)` over a size: Python floats that
+    Dynamo records as a true division rounded to an integer."""
+    import math
+
+    n = x.shape[0]
+    chunks = math.ceil(n / 32)
+    blocks = F.pad(x, (0, 0, 0, chunks * 32 - n)).view(chunks, 32, -1).sum(1)
+    return blocks * 2, x[: int(n / 32) * 32] + 1, x[math.floor(n / 32) :] - 1
+
+
+@pytest.mark.parametrize("backend,device", ON_DEVICES)
+def test_sizes_from_a_rounded_true_division_under_dynamic_sizes(backend, device):
+    compiled = ember_compile(_chunked_by_true_division, backend, dynamic=None)
+    for n in (40, 70, 96, 129):
+        x = torch.randn(n, 3, device=device)
+        line = repro(backend=backend, device=device, n=n)
+        with reports() as report:
+            got = compiled(x)
+        assert_no_fallback(report, line)
+        for what, a, b in zip(("ceil", "int", "floor"), got, _chunked_by_true_division(x)):
+            assert_close(a, b, rtol=1e-5, atol=1e-5, what=what, line=line)

@@ -94,6 +94,26 @@ def test_python_division_of_a_size_of_either_sign_is_refused_unless_its_range_de
         assert _as_c_computes(padding, size) == (3 - size) % 8
 
 
+def test_rounded_true_division_of_a_size_is_an_integer_division():
+    import math
+
+    from torch.utils._sympy.functions import CeilToInt, FloorToInt, IntTrueDiv, TruncToInt
+
+    from ember.ir.sizes import from_torch_sympy
+
+    n = sympy.Symbol("s0", integer=True, nonnegative=True)
+    forms = {
+        "floor": (FloorToInt(IntTrueDiv(n, 32)), lambda v: math.floor(v / 32)),
+        "int": (TruncToInt(IntTrueDiv(n, 32)), lambda v: int(v / 32)),
+        "ceil": (CeilToInt(IntTrueDiv(n, 32)), lambda v: math.ceil(v / 32)),
+        "ceil of a negation": (CeilToInt(IntTrueDiv(-n, 32)), lambda v: math.ceil(-v / 32)),
+    }
+    for name, (torch_expr, python) in forms.items():
+        ours = from_torch_sympy(torch_expr)
+        for size in (0, 1, 31, 32, 33, 100):
+            assert _as_c_computes(ours, size) == python(size), (name, size)
+
+
 def _as_c_computes(expr, size: int) -> int:
     """`expr` at s0 = size, with IndexDiv and IndexMod computed as the kernels do (toward zero); they
     must only ever see non-negative operands, where that equals Python's floor."""
