@@ -22,7 +22,7 @@ from ember.aten.collectives import collective_role
 from ember.aten.inplace import mark_inplace
 from ember.aten.registry import GraphUnsupported, Unsupported, lowering_for
 from ember.ir.graph import COMPUTED_OPS, Graph, Value, layout_of
-from ember.ir.sizes import Expr, as_expr, from_torch_sympy, may_be_negative
+from ember.ir.sizes import Expr, as_expr, from_torch_sympy, symbol_ranges
 from ember.target import LowerHeuristics
 
 
@@ -243,7 +243,7 @@ def _condition(node: torch.fx.Node, val: torch.SymBool):
     """A SymBool (a check on a data-dependent size, a predicate over sizes) as a sympy condition over
     ember's size symbols, which the host program evaluates."""
     try:
-        return from_torch_sympy(val.node.expr, may_be_negative(val.node))
+        return from_torch_sympy(val.node.expr, symbol_ranges(val.node))
     except (TypeError, AttributeError) as e:
         raise GraphUnsupported(f"symbolic boolean {node.name}: {e}") from None
 

@@ -9,7 +9,7 @@ sizes Dynamo marks dynamic. Index math uses two functions of our own, `IndexDiv`
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import sympy
@@ -83,57 +83,57 @@ def as_expr(x: Any) -> Expr:
         return sympy.Integer(x)
     node = getattr(x, "node", None)  # torch.SymInt
     if node is not None and hasattr(node, "expr"):
-        ranges = getattr(getattr(node, "shape_env", None), "var_to_range", None)
-        return sympy.expand(from_torch_sympy(node.expr, may_be_negative(node), ranges))
+        return sympy.expand(from_torch_sympy(node.expr, symbol_ranges(node)))
     raise TypeError(f"not a size: {x!r} ({type(x).__name__})")
 
 
-def may_be_negative(node: Any) -> Callable[[sympy.Symbol], bool]:
-    """Whether a symbol of torch's (of the SymNode `node`) may stand for a negative integer: a Python int
-    argument under dynamic shapes, or `.item()` of a tensor, as opposed to a size. Read from its
-    ShapeEnv's value range; a symbol the ShapeEnv does not know counts as possibly negative."""
-    shape_env = getattr(node, "shape_env", None)
-    ranges = getattr(shape_env, "var_to_range", None)
-    if ranges is None:
-        return lambda symbol: False
-
-    def negative(symbol: sympy.Symbol) -> bool:
-        known = ranges.get(symbol)
-        return known is None or bool(known.lower < 0)
-
-    return negative
+def symbol_ranges(node: Any) -> dict | None:
+    """The value range of each symbol of torch's SymNode `node`, from its ShapeEnv (None: none known)."""
+    return getattr(getattr(node, "shape_env", None), "var_to_range", None)
 
 
-def from_torch_sympy(
-    expr: Expr, negative: Callable[[sympy.Symbol], bool] | None = None, ranges: dict | None = None
-) -> Expr:
+def _may_be_negative(symbol: sympy.Symbol, ranges: dict) -> bool:
+    """Whether a symbol may stand for a negative integer (a Python int argument under dynamic shapes, or
+    `.item()` of a tensor, as opposed to a size); one its ShapeEnv does not know counts as such."""
+    known = ranges.get(symbol)
+    return known is None or bool(known.lower < 0)
+
+
+def from_torch_sympy(expr: Expr, ranges: dict | None = None) -> Expr:
     """Rewrite torch's own index functions (FloorDiv, ModularIndexing, CeilDiv, ...) into ours.
 
-    Symbols are re-made integer and non-negative (sizes), which our simplifications assume. Where
-    `negative` says a symbol may be negative, an expression whose value depends on that assumption (a
-    comparison, max/min, floor division or modulo, which the kernels compute as C does) is refused
-    rather than simplified wrongly: `max(n, 0)` would become `n`, `n >= 0` True. `ranges` (the
-    ShapeEnv's value range of each symbol) bounds a division's numerator (`_signed_division`).
+    Symbols are re-made integer and non-negative (sizes), which our simplifications assume. `ranges`
+    (symbol_ranges: None where unknown, every symbol then a size) decides where that fails: an
+    expression whose value depends on the sign of a symbol that may be negative (a comparison, max/min,
+    floor division or modulo, which the kernels compute as C does) is refused rather than simplified
+    wrongly (`max(n, 0)` would become `n`, `n >= 0` True), and a division's numerator is bounded by
+    them (`_signed_division`).
     """
-    if negative is not None and _sign_sensitive(expr) and any(negative(s) for s in expr.free_symbols):
+    if ranges is not None and _sign_sensitive(expr) and any(_may_be_negative(s, ranges) for s in expr.free_symbols):
         raise TypeError(
             f"size expression {expr} compares, divides or takes max/min of an integer that may be negative "
             "(a Python int under dynamic shapes, or .item()): ember's size arithmetic assumes non-negative integers"
         )
+    return _converted(expr, ranges)
+
+
+def _converted(expr: Expr, ranges: dict | None) -> Expr:
     if not expr.args:
         return index_symbol(expr.name) if expr.is_Symbol else expr
     rounded = _rounded_true_division(expr, ranges)
     if rounded is not None:
         return rounded
-    args = [from_torch_sympy(a, ranges=ranges) for a in expr.args]
-    if type(expr).__name__ in _SIGNED_DIVISIONS:
-        return _signed_division(type(expr).__name__, *args, _sign(expr.args[0], args[0], ranges))
-    rule = _TORCH_INDEX_FUNCTIONS.get(type(expr).__name__)
+    args = [_converted(a, ranges) for a in expr.args]
+    kind = type(expr).__name__
+    if kind in _SIGNED_DIVISIONS:
+        sign = _sign(expr.args[0], args[0], ranges)
+        return _ceil_division(*args, sign) if kind == "CeilDiv" else _signed_division(kind, *args, sign)
+    rule = _TORCH_INDEX_FUNCTIONS.get(kind)
     if rule is not None:
         return rule(*args)
     if isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow, sympy.core.relational.Relational, *_CONNECTIVES)):
         return expr.func(*args)  # a relation: a SymBool's condition (a size check, a branch predicate)
-    raise TypeError(f"size expression {expr} uses {type(expr).__name__}, which ember does not generate code for")
+    raise TypeError(f"size expression {expr} uses {kind}, which ember does not generate code for")
 
 
 _CONNECTIVES = (sympy.And, sympy.Or, sympy.Not)  # of relations: a SymBool's condition
@@ -150,8 +150,9 @@ def _sign_sensitive(expr: Expr) -> bool:
     )
 
 
-# Python's floor division and modulo, which torch records for `a // b` and `a % b` over sizes.
-_SIGNED_DIVISIONS = ("FloorDiv", "PythonMod", "Mod")
+# Python's floor division and modulo, which torch records for `a // b` and `a % b` over sizes, and
+# its ceiling division.
+_SIGNED_DIVISIONS = ("FloorDiv", "CeilDiv", "PythonMod", "Mod")
 
 
 def _sign(torch_expr: Expr, expr: Expr, ranges: dict | None) -> int | None:
@@ -185,14 +186,18 @@ def _rounded_true_division(expr: Expr, ranges: dict | None) -> Expr | None:
     inner = expr.args[0]
     if type(inner).__name__ != "IntTrueDiv" or not (inner.args[1].is_Integer and inner.args[1] > 0):
         return None
-    a = from_torch_sympy(inner.args[0], ranges=ranges)
+    a = _converted(inner.args[0], ranges)
     b = inner.args[1]
     sign = _sign(inner.args[0], a, ranges)
     if kind == "TruncToInt" and sign is not None:
         kind = "FloorToInt" if sign > 0 else "CeilToInt"
     if kind == "FloorToInt":
         return _signed_division("FloorDiv", a, b, sign)
-    # ceil(a / b) = -floor(-a / b)
+    return _ceil_division(a, b, sign)
+
+
+def _ceil_division(a: Expr, b: Expr, sign: int | None) -> Expr:
+    """ceil(a / b) = -floor(-a / b), in _signed_division's terms (`sign`: `a`'s)."""
     return -_signed_division("FloorDiv", sympy.expand(-a), b, None if sign is None else -sign)
 
 
@@ -220,7 +225,6 @@ def _signed_division(kind: str, a: Expr, b: Expr, sign: int | None) -> Expr:
 
 
 _TORCH_INDEX_FUNCTIONS = {
-    "CeilDiv": lambda a, b: IndexDiv(a + b - 1, b),
     "ModularIndexing": lambda base, div, mod: IndexMod(IndexDiv(base, div), mod),
     # A stride over a data-dependent size: torch lays out a (2, u0) result with stride max(1, u0).
     "Max": lambda *a: sympy.Max(*a),
