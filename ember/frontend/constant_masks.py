@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ember.frontend.fx_nodes import call_arg, example_value, is_call, mutates
+from ember.frontend.fx_nodes import aliases, call_arg, example_value, is_call, mutates
 
 
 class _NotConstant(Exception):
@@ -183,60 +183,10 @@ def _written_in_place(nodes: list[fx.Node]) -> bool:
         for user in todo.pop().users:
             if mutates(user):
                 return True
-            if user not in seen and (
-                is_call(user, _CONST_FUNCS, _CONST_METHODS) or is_call(user, _ALIAS_FUNCS, _ALIAS_METHODS)
-            ):
+            if user not in seen and (is_call(user, _CONST_FUNCS, _CONST_METHODS) or aliases(user)):
                 seen.add(user)
                 todo.append(user)
     return False
-
-
-# Ops whose result may share its input's memory: an in-place write through one writes the input.
-_ALIAS_FUNCS = {
-    getattr,  # x.T, x.mT
-    operator.getitem,
-    torch.transpose,
-    torch.permute,
-    torch.squeeze,
-    torch.unsqueeze,
-    torch.narrow,
-    torch.select,
-    torch.flatten,
-    torch.reshape,
-    torch.split,
-    torch.chunk,
-    torch.unbind,
-    torch.movedim,
-    torch.diagonal,
-    torch.t,
-    torch.detach,
-    torch.as_strided,
-}
-_ALIAS_METHODS = {
-    "t",
-    "transpose",
-    "permute",
-    "squeeze",
-    "narrow",
-    "select",
-    "as_strided",
-    "detach",
-    "flatten",
-    "unflatten",
-    "view_as",
-    "expand_as",
-    "reshape_as",
-    "split",
-    "chunk",
-    "unbind",
-    "unfold",
-    "diagonal",
-    "movedim",
-    "swapaxes",
-    "swapdims",
-    "contiguous",
-    "type_as",
-}
 
 
 def keeps(mask: torch.Tensor, masked_fill: float | None = None) -> str | None:

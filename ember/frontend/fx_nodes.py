@@ -61,3 +61,69 @@ def mutates(node: fx.Node) -> bool:
         name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("_")
     return False
+
+
+# Ops whose result may share its input's memory: an in-place write through one writes the input.
+ALIAS_FUNCS = {
+    getattr,  # x.T, x.mT
+    operator.getitem,
+    torch.transpose,
+    torch.permute,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.narrow,
+    torch.select,
+    torch.flatten,
+    torch.reshape,
+    torch.split,
+    torch.chunk,
+    torch.unbind,
+    torch.movedim,
+    torch.diagonal,
+    torch.t,
+    torch.detach,
+    torch.as_strided,
+}
+ALIAS_METHODS = {
+    "t",
+    "transpose",
+    "permute",
+    "squeeze",
+    "narrow",
+    "select",
+    "as_strided",
+    "detach",
+    "flatten",
+    "unflatten",
+    "view_as",
+    "expand_as",
+    "reshape_as",
+    "split",
+    "chunk",
+    "unbind",
+    "unfold",
+    "diagonal",
+    "movedim",
+    "swapaxes",
+    "swapdims",
+    "contiguous",
+    "type_as",
+    # Conversions and views that return their input (or a view of it) where there is nothing to do.
+    "view",
+    "reshape",
+    "unsqueeze",
+    "expand",
+    "to",
+    "type",
+    "bool",
+    "float",
+    "half",
+    "bfloat16",
+    "__getitem__",
+}
+
+
+def aliases(node: Any) -> bool:
+    """Whether `node`'s result may share its first argument's memory (an in-place write through one
+    writes the other)."""
+    return is_call(node, ALIAS_FUNCS, ALIAS_METHODS)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from ember import config, log
-from ember.frontend.fx_nodes import call_arg, example_value, mutates
+from ember.frontend.fx_nodes import aliases, call_arg, example_value, mutates
 
 # The BlockMask's blocks: the flex kernels' tiles divide it.
 BLOCK = 128
@@ -109,24 +109,6 @@ def _is_masked_sdpa(node: fx.Node) -> bool:
     )
 
 
-# Calls whose result may share its first argument's memory (views, and conversions that return
-# their input when there is nothing to convert).
-_ALIASING = {
-    "view", "reshape", "contiguous", "expand", "expand_as", "to", "type", "type_as", "flatten", "unflatten",
-    "narrow", "select", "detach", "view_as", "unsqueeze", "squeeze", "transpose", "permute", "__getitem__",
-    "getitem", "t", "bool", "float", "half", "bfloat16", "swapaxes", "swapdims", "movedim", "as_strided",
-    "split", "chunk", "unbind", "diagonal", "real", "imag",
-}  # fmt: skip
-
-
-def _aliases(node: fx.Node) -> bool:
-    """Whether `node`'s result may share the memory of its first argument."""
-    if node.op not in ("call_method", "call_function"):
-        return False
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return name in _ALIASING
-
-
 def _written_in_place(graph: fx.Graph) -> set[fx.Node]:
     """Nodes whose memory the graph may write in place: what an in-place call writes, and every node
     sharing its memory through views. The flex op keeps its mask for the backward and the BlockMask
@@ -140,9 +122,9 @@ def _written_in_place(graph: fx.Graph) -> set[fx.Node]:
                 if n in written:
                     continue
                 written.add(n)
-                if _aliases(n) and n.args and isinstance(n.args[0], fx.Node):
+                if aliases(n) and n.args and isinstance(n.args[0], fx.Node):
                     stack.append(n.args[0])
-                stack += [u for u in n.users if (_aliases(u) or mutates(u)) and u.args and u.args[0] is n]
+                stack += [u for u in n.users if (aliases(u) or mutates(u)) and u.args and u.args[0] is n]
     return written
 
 

@@ -81,17 +81,18 @@ _POINTWISE = {
 }
 _CASTS = (aten._to_copy, prims.convert_element_type, aten.to)
 _IDENTITY = (aten.clone, aten.lift_fresh_copy, aten.alias, aten.detach)
-_CONSTANTS = (
-    aten.new_ones,
-    aten.new_zeros,
-    aten.scalar_tensor,
-    aten.full,
-    aten.ones,
-    aten.zeros,
-    aten.ones_like,
-    aten.zeros_like,
-    aten.full_like,
-)
+# Constant-making ops -> the value each makes, or None where an argument gives it.
+_CONSTANTS = {
+    aten.new_ones: 1,
+    aten.new_zeros: 0,
+    aten.ones: 1,
+    aten.zeros: 0,
+    aten.ones_like: 1,
+    aten.zeros_like: 0,
+    aten.scalar_tensor: None,
+    aten.full: None,
+    aten.full_like: None,
+}
 
 
 def _work(dtype: torch.dtype, work: torch.dtype) -> torch.dtype:
@@ -190,14 +191,7 @@ class _Tracer:
         if packet in _CASTS:
             return self.cast(self.operand(args[0]), dtype)
         if packet in _CONSTANTS:
-            value = {
-                aten.new_ones: 1,
-                aten.new_zeros: 0,
-                aten.ones: 1,
-                aten.zeros: 0,
-                aten.ones_like: 1,
-                aten.zeros_like: 0,
-            }.get(packet)
+            value = _CONSTANTS[packet]
             if value is None:
                 value = args[-1] if packet is aten.full else args[1] if packet is aten.full_like else args[0]
             if not isinstance(value, (bool, int, float)):
