@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ember.fault_points import parse_faults
+
 
 class ConfigError(ValueError):
     """A setting name or value that ember does not accept."""
@@ -94,42 +96,6 @@ def _valid_artifacts(value: str) -> bool:
     return all(name.strip() in LOG_ARTIFACTS for name in value.split(",") if name.strip())
 
 
-# Fault points of the testing aid `fault_inject` (ember/faults.py raises or plays them):
-# point -> (whether it takes an argument, what happens where it is named)
-FAULT_POINTS: dict[str, tuple[bool, str]] = {
-    "schedule": (False, "the scheduler is interrupted (KeyboardInterrupt), as by Ctrl-C during a pass"),
-    "patterns": (False, "the attention matcher raises RuntimeError"),
-    "decompose": (True, "=OP: ember's decomposition of aten.OP raises TypeError, so AOTAutograd's trace fails"),
-    "cpu_arch": (True, "=TEXT: the C++ target names TEXT as its CPU, as a cache folder shared between machines sees"),
-    "aot_sign": (False, "ember's part of an AOTAutograd cache entry is signed with a key that is not ember's"),
-    "cache_swap": (
-        True,
-        (
-            "=PATH: right after the disk cache has checked an entry and read its files, its file named as "
-            "PATH's is overwritten with PATH's bytes (a swap between the check and the use)"
-        ),
-    ),
-}
-
-
-def parse_faults(text: str) -> dict[str, str]:
-    """`text` as {point: argument} ("" for none). Raises ValueError naming the valid points for an
-    unknown one, or a point given without the argument it takes."""
-    faults = {}
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        point, equals, argument = item.partition("=")
-        point = point.strip()
-        if point not in FAULT_POINTS:
-            raise ValueError(f"no fault point {point!r} (valid: {', '.join(FAULT_POINTS)})")
-        if FAULT_POINTS[point][0] != bool(equals and argument.strip()):
-            needs = "takes" if FAULT_POINTS[point][0] else "takes no"
-            raise ValueError(f"fault point {point!r} {needs} an argument: {FAULT_POINTS[point][1]}")
-        faults[point] = argument.strip()
-    return faults
-
-
 def _valid_faults(value: str) -> bool:
     """Whether `value` names fault points and their arguments (a ValueError says which does not)."""
     parse_faults(value)
@@ -184,7 +150,7 @@ SETTINGS: dict[str, Setting] = {
             "fault_inject",
             str,
             "",
-            "testing aid: faults to raise at named points of ember (FAULT_POINTS, ember/faults.py), comma-separated "
+            "testing aid: faults to raise at named points of ember (ember/fault_points.py, ember/faults.py), comma-separated "
             "point or point=argument",
             check=_valid_faults,
         ),

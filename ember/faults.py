@@ -4,16 +4,17 @@ without replacing any of ember's functions.
 
 `EMBER_FAULT_INJECT="patterns"`, or `config.override(fault_inject="cpu_arch=another CPU")`: a
 comma-separated list of points, each optionally with an argument after `=`. The points, and what
-each does where it is named, are config.FAULT_POINTS (the registry validates the setting). Off
+each does where it is named, are fault_points.FAULT_POINTS (the registry validates the setting). Off
 (empty) by default; nothing a user compiles needs it, and it never enters a cache key: a fault
 changes what happens to a compile, not what code a compile makes.
 
-This module is a leaf: it imports only config.
+This module is a leaf: it imports only config and fault_points.
 """
 
 from __future__ import annotations
 
 from ember import config
+from ember.fault_points import FAULT_POINTS, parse_faults
 
 
 class InjectedFault(RuntimeError):
@@ -23,9 +24,9 @@ class InjectedFault(RuntimeError):
 def armed(point: str) -> str | None:
     """The argument the setting gives `point` ("" for a point without one), or None where the
     setting does not name it."""
-    assert point in config.FAULT_POINTS, point
+    assert point in FAULT_POINTS, point
     text = config.get("fault_inject")
-    return config.parse_faults(text).get(point) if text else None
+    return parse_faults(text).get(point) if text else None
 
 
 def at(point: str) -> None:
