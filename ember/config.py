@@ -405,6 +405,13 @@ SETTINGS: dict[str, Setting] = {
             check=lambda v: v >= 0,
         ),
         Setting(
+            "compile_workers_early",
+            bool,
+            True,
+            "start the compile workers when the first CUDA graph arrives, so that they are ready for its "
+            "kernels, and let ready workers compile graphs of any size",
+        ),
+        Setting(
             "schedule_cache",
             bool,
             True,

@@ -13,6 +13,12 @@ multiprocessing: a spawned multiprocessing child re-imports the user's `__main__
 carries the batch's Triton stage times (ember/stats.py). They
 talk over stdin/stdout in length-prefixed pickles; their stderr is discarded. A worker never
 creates a CUDA context: Triton's driver is told the target instead of asking the GPU.
+
+A worker says when it is ready (Triton imported, the target set), so that a pool started early,
+when the first graph arrives (backends/triton.py: start_compile_workers), serves even a graph of a
+few kernels once it is up, and a graph that comes sooner compiles in the parent's threads instead of
+waiting for it. Workers run at a lower priority (`NICENESS`): started early, they import while the
+parent traces and schedules, and should not take its cores.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 BATCH = 4
 # A worker that has not answered a batch in this long is stopped (its kernels go back to the parent).
 BATCH_TIMEOUT_S = 300.0
+# How much lower a worker's scheduling priority is than the parent's (os.nice).
+NICENESS = 5
+# What a worker sends once it can compile.
+READY = "ready"
 
 
 def _send(stream, obj) -> None:
@@ -80,27 +90,82 @@ class CompileWorkers:
             self.procs.append(proc)
         self.alive = len(self.procs)
         self.failures: list[str] = []  # the last compile's kernels a worker could not compile, with why
+        self._ready: set[int] = set()  # pids of the workers that said they are ready
         self._lock = threading.Lock()  # one compile at a time: the pipes carry one exchange each
 
-    def compile(self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None]) -> None:
+    def _await_ready(self, proc, timeout: float) -> bool:
+        """Whether `proc` is ready, waiting up to `timeout` seconds for it to say so; raises if it
+        exited or said something else."""
+        if proc.pid in self._ready:
+            return True
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            return False
+        message = _receive(proc.stdout)
+        if message != READY:
+            raise EOFError(f"compile worker said {message!r} before it was ready")
+        self._ready.add(proc.pid)
+        return True
+
+    def ready_count(self) -> int:
+        """How many workers are ready now (without waiting); a worker that failed to start is stopped."""
+        if not self._lock.acquire(blocking=False):
+            return 0  # another thread is compiling through them
+        try:
+            count = 0
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    continue
+                try:
+                    count += self._await_ready(proc, 0.0)
+                except Exception:  # noqa: BLE001  (it will not serve: stop it)
+                    proc.kill()
+                    proc.wait()
+            self.alive = sum(p.poll() is None for p in self.procs)
+            return count
+        finally:
+            self._lock.release()
+
+    def compile(
+        self,
+        module_name: str,
+        path: str,
+        jobs: list[tuple],
+        done: Callable[[list[str]], None],
+        ready_only: bool = False,
+    ) -> None:
         """Compile `jobs` ((kernel name, args, constexprs, num_warps, fp_fusion), for the kernels of
         the module at `path`) across the workers; `done(names)` is called as each batch ends, also
-        when it failed. Returns when every batch has."""
+        when it failed. Returns when every batch has. `ready_only`: only the workers ready now
+        serve (the others are still starting); otherwise each is waited for."""
         with self._lock:
             self.failures = []
             try:
-                self._compile(module_name, path, jobs, done)
+                self._compile(module_name, path, jobs, done, ready_only)
             except BaseException:
                 # Interrupted while serve threads may still talk to the workers: never reuse them.
                 self.close()
                 raise
 
-    def _compile(self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None]) -> None:
+    def _compile(
+        self, module_name: str, path: str, jobs: list[tuple], done: Callable[[list[str]], None], ready_only: bool
+    ) -> None:
+        serving = [p for p in self.procs if p.poll() is None and (not ready_only or p.pid in self._ready)]
+        # Batches of up to BATCH kernels, smaller where that spreads a few kernels over more workers.
+        size = max(1, min(BATCH, -(-len(jobs) // max(1, len(serving)))))
         batches: queue.Queue = queue.Queue()
-        for k in range(0, len(jobs), BATCH):
-            batches.put(jobs[k : k + BATCH])
+        for k in range(0, len(jobs), size):
+            batches.put(jobs[k : k + size])
 
         def serve(proc) -> None:
+            try:
+                if not self._await_ready(proc, self.batch_timeout_s):
+                    raise TimeoutError(f"not ready in {self.batch_timeout_s:g} s")
+            except Exception as e:  # noqa: BLE001  (it will not serve: the others or the parent compile)
+                self.failures.append(f"worker {proc.pid}: {type(e).__name__}: {e}")
+                proc.kill()
+                proc.wait()
+                return
             while True:
                 try:
                     batch = batches.get_nowait()
@@ -129,7 +194,7 @@ class CompileWorkers:
                     return
                 done(names)
 
-        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in self.procs if p.poll() is None]
+        threads = [threading.Thread(target=serve, args=(p,), daemon=True) for p in serving]
         self.alive = len(threads)
         for t in threads:
             t.start()
@@ -182,6 +247,14 @@ def get(count: int, target: tuple) -> CompileWorkers | None:
         return _workers
 
 
+def started(target: tuple) -> CompileWorkers | None:
+    """The process's workers for `target` if they were started and some are alive; starts none."""
+    with _lock:
+        if _workers is not None and _workers.target == target and _workers.alive:
+            return _workers
+        return None
+
+
 def _close_at_exit() -> None:
     if _workers is not None:
         _workers.close()
@@ -199,6 +272,10 @@ def _serve() -> None:
     os.dup2(2, 1)
     inp = sys.stdin.buffer
     setup = _receive(inp)
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
     import importlib.util
 
     from triton.backends.compiler import GPUTarget
@@ -211,6 +288,7 @@ def _serve() -> None:
     active.get_current_stream = lambda *args: 0
     modules: dict = {}
     stats.listen_to_triton()  # each batch's Triton stage times go back with its results
+    _send(out, READY)
     while True:
         try:
             module_name, path, batch = _receive(inp)

@@ -68,10 +68,9 @@ from ember.target import (
     Target,
 )
 
-# Graphs with at least this many kernels to compile use the worker processes (compile_workers.py);
-# fewer compile in this process's threads in about the time workers would take to start. The
-# workers start at the first such build, not earlier: started before scheduling ResNet-50's
-# forward graph, their imports slowed the scheduling on the H100 host's 16 cores from 3.2 to 6.6 s.
+# Graphs with at least this many kernels to compile wait for the worker processes
+# (compile_workers.py) to start, if they have not; fewer compile in this process's threads unless
+# workers are ready already (started early: start_compile_workers).
 WORKERS_FROM_KERNELS = 16
 
 
@@ -281,37 +280,74 @@ class TritonBackend:
         """
         if not jobs:
             return {}
-        compiled = {jobs[0][0]: _warmup(*jobs[0][1:])}  # first alone: Triton sets up per-device state once
-        rest = jobs[1:]
+        first, rest = jobs[0], jobs[1:]
         threads = min(config.get("compile_threads"), len(rest))
-        if not threads:
+        workers, ready_only = self._workers(len(rest)) if threads else (None, False)
+        if workers is None:
+            compiled = {first[0]: _warmup(*first[1:])}  # first alone: Triton sets up per-device state once
+            if threads:
+                with ThreadPoolExecutor(threads) as pool:
+                    futures = {job[0]: pool.submit(_warmup, *job[1:]) for job in rest}
+                    compiled.update({name: future.result() for name, future in futures.items()})
             return compiled
-        workers = self._workers() if len(rest) >= WORKERS_FROM_KERNELS and not self._module_seen else None
+        return self._precompile_in_workers(first, rest, module, workers, ready_only, threads)
+
+    def _precompile_in_workers(self, first, rest, module, workers, ready_only: bool, threads: int) -> dict:
+        """The workers compile `rest` into Triton's disk cache while this thread compiles `first`
+        (setting up Triton's per-device state once); as each batch ends, a thread loads its kernels
+        (cache hits) or compiles what a worker could not."""
         by_name = {job[0]: job for job in rest}
         futures: dict = {}
+        first_done = threading.Event()
+
+        def load(job):
+            first_done.wait()
+            return _warmup(*job[1:])
+
         with ThreadPoolExecutor(threads) as pool:
-            if workers is None:
-                futures = {name: pool.submit(_warmup, *job[1:]) for name, job in by_name.items()}
-            else:
-                # Workers compile into Triton's disk cache; as each batch ends, this process loads
-                # it (a cache hit) or compiles what a worker could not.
-                lock = threading.Lock()
+            lock = threading.Lock()
 
-                def loaded(names: list[str]) -> None:
-                    with lock:
-                        futures.update({n: pool.submit(_warmup, *by_name[n][1:]) for n in names})
+            def loaded(names: list[str]) -> None:
+                with lock:
+                    futures.update({n: pool.submit(load, by_name[n]) for n in names})
 
-                worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
-                workers.compile(module.__name__, module.__file__, worker_jobs, loaded)
-                if workers.failures:
-                    log.artifact("cache", "compile workers", "\n".join(workers.failures))
+            worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
+            raised: list[BaseException] = []
+
+            def compile_in_workers() -> None:
+                try:
+                    workers.compile(module.__name__, module.__file__, worker_jobs, loaded, ready_only)
+                except BaseException as e:  # noqa: BLE001  (raised again in this thread below)
+                    raised.append(e)
+
+            serving = threading.Thread(target=compile_in_workers, daemon=True)
+            serving.start()
+            try:
+                compiled = {first[0]: _warmup(*first[1:])}
+            finally:
+                first_done.set()
+                serving.join()
+            if raised:
+                raise raised[0]
+            if workers.failures:
+                log.artifact("cache", "compile workers", "\n".join(workers.failures))
             compiled.update({name: future.result() for name, future in futures.items()})
         return compiled
 
-    def _workers(self):
+    def _workers(self, kernels: int) -> tuple[object | None, bool]:
+        """The compile workers for `kernels` kernels, and whether only those ready now serve: ready
+        ones serve any graph; a graph of WORKERS_FROM_KERNELS or more starts them and waits. None
+        where this module was compiled before (its kernels are most likely in Triton's cache)."""
         from ember.backends import compile_workers
 
-        return compile_workers.get(config.get("compile_workers"), self._target.arch)
+        if self._module_seen:
+            return None, False
+        if kernels >= WORKERS_FROM_KERNELS:
+            return compile_workers.get(config.get("compile_workers"), self._target.arch), False
+        running = compile_workers.started(self._target.arch)
+        if running is not None and running.ready_count() >= 2:
+            return running, True
+        return None, False
 
     def _load(self, source: str):
         key = content_key("triton", source, toolchain=triton_identity())
@@ -466,6 +502,20 @@ def _check_can_run(device) -> None:
             "backend=cpp (EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU "
             "interpreter (slow)"
         )
+
+
+def start_compile_workers(device: torch.device) -> None:
+    """Start the compile workers (compile_workers.py) for `device`'s GPU now, where the setting
+    `compile_workers_early` asks: called when a graph arrives, so that they import while AOTAutograd
+    traces and ember schedules, and are ready when its kernels are. Nothing on other devices, under
+    Triton's interpreter, or where another backend is chosen."""
+    if device.type != "cuda" or config.get("backend") not in ("auto", "triton") or not config.get("compile_workers_early"):
+        return
+    if interpreting():
+        return
+    from ember.backends import compile_workers
+
+    compile_workers.get(config.get("compile_workers"), _gpu_arch())
 
 
 def _gpu_arch() -> tuple:

@@ -211,6 +211,7 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     with config.override(**options):
+        _start_compile_workers(gm, example_inputs)
         if config.get("patterns"):
             # Before AOTAutograd, so that it traces SDPA's own backward (frontend/patterns.py).
             from ember.frontend.patterns import attention_pass
@@ -276,6 +277,18 @@ def ember_backend(gm: torch.fx.GraphModule, example_inputs, mode: str | None = N
             if config.get("strict"):
                 raise
         return _eager_after_trace_failure(gm, eager, e)
+
+
+def _start_compile_workers(gm: torch.fx.GraphModule, example_inputs) -> None:
+    """A CUDA graph starts the Triton compile workers now, so that they are ready for its kernels
+    (backends/triton.py: start_compile_workers)."""
+    from ember.pipeline import graph_device
+
+    device = graph_device(gm, example_inputs)
+    if device.type == "cuda":
+        from ember.backends.triton import start_compile_workers
+
+        start_compile_workers(device)
 
 
 def _dynamo_graph_if_eager(eager: Callable, compiled, fell_back: list[str]):

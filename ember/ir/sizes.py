@@ -233,7 +233,15 @@ _TORCH_INDEX_FUNCTIONS = {
 
 
 def product(sizes: Iterable[Expr]) -> Expr:
-    return functools.reduce(lambda a, b: a * b, sizes, sympy.Integer(1))
+    """The product of `sizes`; static ones multiplied as Python integers (sympy's Integer product
+    is a hundred times slower, and scheduling a large graph takes many thousands)."""
+    static, symbolic = 1, []
+    for size in sizes:
+        if isinstance(size, (int, sympy.Integer)):
+            static *= int(size)
+        else:
+            symbolic.append(size)
+    return functools.reduce(lambda a, b: a * b, symbolic, sympy.Integer(static))
 
 
 def contiguous_strides(shape: tuple[Expr, ...]) -> tuple[Expr, ...]:

@@ -75,6 +75,13 @@ def row_passes(kernel: Kernel, persistent: bool) -> list[list[KNode]]:
     return passes
 
 
+def _min(a: Expr, b: Expr) -> Expr:
+    """min(a, b); sympy's Min only where a size is symbolic (it is slow even on two integers)."""
+    if a.is_Integer and b.is_Integer:
+        return a if a <= b else b
+    return sympy.Min(a, b)
+
+
 def is_persistent(kernel: Kernel) -> bool:
     """Whether the target holds a whole row at once (see codegen launch configs)."""
     rnumel = product([s for s, r in zip(kernel.loop_sizes, kernel.loop_reduce) if r])
@@ -109,9 +116,9 @@ def kernel_cost(kernel: Kernel, persistent: bool | None = None, stored: set | No
         full_loads = [n for n in loads if n.full]
         elems = sympy.Integer(0)
         if row_loads:
-            elems += sympy.Min(cap, sum((_footprint(n.index, kernel) for n in row_loads), sympy.Integer(0)))
+            elems += _min(cap, sum((_footprint(n.index, kernel) for n in row_loads), sympy.Integer(0)))
         if full_loads:
-            one_pass = sympy.Min(cap, sum((_footprint(n.index, kernel) for n in full_loads), sympy.Integer(0)))
+            one_pass = _min(cap, sum((_footprint(n.index, kernel) for n in full_loads), sympy.Integer(0)))
             ids = {id(n) for n in full_loads}
             times = sum(1 for p in passes if any(id(n) in ids for n in p)) or 1
             elems += times * one_pass

@@ -4,7 +4,9 @@ back to the parent, whether its worker compiled it, failed on it or died."""
 from __future__ import annotations
 
 import threading
+import time
 
+from ember.backends import compile_workers
 from ember.backends.compile_workers import CompileWorkers
 
 
@@ -83,3 +85,58 @@ def test_a_worker_that_does_not_answer_is_stopped_and_its_kernels_handed_back(tm
         assert workers.alive == 0
     finally:
         workers.close()
+
+
+def _ready_within(workers: CompileWorkers, count: int, seconds: float = 30.0) -> int:
+    deadline = time.monotonic() + seconds
+    while (ready := workers.ready_count()) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ready
+
+
+def test_ready_workers_share_a_few_kernels_between_them(tmp_path, monkeypatch):
+    # Started early, workers say when they are ready; a graph of four kernels is then cut into
+    # batches that keep both busy, where batches of BATCH kernels would have given one worker all four.
+    _stub_triton(tmp_path, monkeypatch)
+    pids = tmp_path / "pids"
+    module = tmp_path / "kernels.py"
+    module.write_text(
+        "import os, time\n"
+        "class _K:\n"
+        "    def warmup(self, *args, **kwargs):\n"
+        f"        open({str(pids)!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "        time.sleep(0.5)\n"
+        "k = _K()\n"
+    )
+    workers = CompileWorkers(2, ("cuda", 90, 32))
+    try:
+        assert _ready_within(workers, 2) == 2
+        handed_back = []
+        workers.compile("ember_kernels_test", str(module), [("k", [], {}, 4, True)] * 4, handed_back.extend, True)
+        assert handed_back == ["k"] * 4 and not workers.failures
+        assert len(set(pids.read_text().split())) == 2
+    finally:
+        workers.close()
+
+
+def test_a_worker_that_cannot_start_is_never_counted_ready(tmp_path):
+    # Without a GPU (or a stand-in driver) the workers exit while setting the target up.
+    workers = CompileWorkers(2, ("cuda", 90, 32))
+    try:
+        for proc in workers.procs:
+            proc.wait(timeout=60)
+        assert workers.ready_count() == 0 and workers.alive == 0
+    finally:
+        workers.close()
+
+
+def test_started_names_only_a_live_pool_for_the_same_target(monkeypatch):
+    class Pool:
+        target, alive = ("cuda", 90, 32), 2
+
+    monkeypatch.setattr(compile_workers, "_workers", Pool())
+    pool = compile_workers._workers
+    assert compile_workers.started(("cuda", 90, 32)) is pool
+    assert compile_workers.started(("cuda", 80, 32)) is None
+    Pool.alive = 0
+    assert compile_workers.started(("cuda", 90, 32)) is None
