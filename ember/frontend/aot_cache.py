@@ -38,7 +38,8 @@ This leans on AOTAutograd's private API, the same in torch 2.11 and 2.13: `Outpu
 methods, `bundled_autograd_cache`, `force_non_lazy_backward_lowering` (the backward is compiled
 with the forward, so the entry is saved while these settings are in force), `cache_key_tag`, and
 Inductor's `codecache.init_backend_registration` and backend registries, which ember's graphs are keyed
-without (`_without_inductor_backends`). A
+without (`_without_inductor_backends`), and its `torch_key` and `CacheBase.get_system`, for which ember
+puts torch's and Triton's versions (`_identify_by_versions`). A
 failure to save only logs a warning in torch; a failure to load makes AOTAutograd compile anew.
 AOTAutograd calls `prepare_for_serialization` and `post_compile` with nothing of ember's, so what
 they need of the compile in progress (its options, signing key, and the graphs it loaded) is a
@@ -375,6 +376,7 @@ def _without_inductor_backends() -> Iterator[None]:
         autograd_cache.autograd_cache_key = _keyed(key)
     if not getattr(register, "gated_by_ember", False):
         codecache.init_backend_registration = _gated(register)
+    _identify_by_versions(codecache)
     for name in ("custom_backend_passes", "custom_backend_codegen_configs"):
         registry = getattr(codecache, name, None)
         if isinstance(registry, dict):
@@ -401,6 +403,57 @@ def _keyed(key):
 
     keyed.gated_by_ember = True
     return keyed
+
+
+def _identify_by_versions(codecache) -> None:
+    """While an ember graph is keyed, torch and Triton are identified by their versions, as every
+    other key of ember's is (runtime/cache.py: ember_identity, triton_identity), not by Inductor's
+    hashes of their installed files: `torch_key` reads and hashes torch's Python sources and
+    `CacheBase.get_system` Triton's (`triton_key`), 0.6 s of every process's first step on the
+    2-core CPU machine, warm starts included, where a cache hit is meant to take none. What is not
+    told apart: a torch or Triton edited in place under the same version string."""
+    torch_key = getattr(codecache, "torch_key", None)
+    if torch_key is not None and not getattr(torch_key, "gated_by_ember", False):
+        codecache.torch_key = _while_keying(torch_key, _torch_identity)
+    base = getattr(codecache, "CacheBase", None)
+    get_system = getattr(base, "get_system", None) if base is not None else None
+    if get_system is not None and not getattr(get_system, "gated_by_ember", False):
+        base.get_system = staticmethod(_while_keying(get_system, _system_identity))
+
+
+def _while_keying(original, instead):
+    """`original`, answered by `instead` while an ember compile's graph is keyed on this thread."""
+
+    @functools.wraps(original)
+    def gated(*args, **kwargs):
+        return instead() if _keying.get() else original(*args, **kwargs)
+
+    gated.gated_by_ember = True
+    return gated
+
+
+@functools.cache
+def _torch_identity() -> bytes:
+    return repr(("torch", torch.__version__, torch.version.git_version)).encode()
+
+
+@functools.cache
+def _system_identity() -> dict:
+    """What Inductor's `CacheBase.get_system` says (the GPU's name, the CUDA and Triton versions), with
+    Triton named as ember's kernel keys name it."""
+    from ember.runtime.cache import triton_identity
+
+    device: dict = {"name": None}
+    versions: dict = {"cuda": torch.version.cuda, "hip": torch.version.hip}
+    try:
+        versions["triton"] = repr(triton_identity())
+    except ImportError:
+        versions["triton"] = None
+    if torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        device["name"] = properties.name if torch.version.cuda is not None else properties.gcnArchName
+    described = repr(sorted({**device, **versions}.items()))
+    return {"device": device, "version": versions, "hash": hashlib.sha256(described.encode()).hexdigest()}
 
 
 def _gated(register):

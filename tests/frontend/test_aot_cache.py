@@ -74,6 +74,35 @@ def test_keying_ember_s_graphs_registers_none_of_inductor_s_backends(tmp_path, m
     assert dict(codecache.custom_backend_passes) == common.custom_backend_passes
 
 
+def test_keying_ember_s_graphs_hashes_no_installed_sources(tmp_path, monkeypatch):
+    """Inductor's key hashes torch's and Triton's installed files (`torch_key`, `CacheBase.get_system`), some
+    0.6 s of every process's first step: ember's graphs are keyed by the versions instead, in the compile that
+    stores them and in the one that loads them; Inductor's own keys still call the originals."""
+    from torch._inductor import codecache
+
+    calls = []
+
+    def counted(name, answer):
+        def fn(*args, **kwargs):
+            calls.append(name)
+            return answer
+
+        return fn
+
+    monkeypatch.setattr(codecache, "torch_key", counted("torch_key", b"t"))
+    monkeypatch.setattr(codecache.CacheBase, "get_system", staticmethod(counted("get_system", {"hash": "s"})))
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        _train_step(model, x)
+        before = _hits()
+        _train_step(model, x)
+    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+    assert not calls, f"installed sources were hashed: {calls}"
+    assert codecache.torch_key() == b"t" and codecache.CacheBase.get_system() == {"hash": "s"}
+    assert calls == ["torch_key", "get_system"]
+
+
 def test_other_settings_or_the_setting_off_compile_anew(tmp_path):
     model = ConvBlocks().to(memory_format=torch.channels_last)
     x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
