@@ -76,7 +76,11 @@ def _steps_and_needs(state: ScheduleState) -> list[tuple[int, Step, set]]:
     aliases = state.aliases
     for g in state.groups.values():
         stored = [v for v in g.roots if state.needed_outside(v, {g.id})]
-        g.kernel = group_kernel(state, g.domain, g.id, g.roots, stored)
+        if len(stored) < len(g.roots):
+            # Built (by grouping or a merge) storing every root: rebuilt storing only what others read.
+            # A kernel that stores them all is the one it has (what its group reads and computes has not
+            # changed since: a later merge elsewhere only moves who owns what it loads).
+            g.kernel = group_kernel(state, g.domain, g.id, g.roots, stored)
         # A template reads its operands as tensors: an aliased operand needs its base's producer.
         needs = {aliases[v].base if v in aliases else v for v in g.kernel.reads}
         items.append((g.first, KernelStep(g.kernel), needs))
