@@ -407,9 +407,10 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "compile_workers_early",
             bool,
-            True,
-            "start the compile workers when the first CUDA graph arrives, so that they are ready for its "
-            "kernels, and let ready workers compile graphs of any size",
+            False,
+            "start the compile workers when the first CUDA graph arrives instead of at the first build of "
+            "16 kernels or more (off: their start slowed AOTAutograd's tracing of training graphs by more "
+            "than it saved)",
         ),
         Setting(
             "schedule_cache",

@@ -70,7 +70,7 @@ from ember.target import (
 
 # Graphs with at least this many kernels to compile wait for the worker processes
 # (compile_workers.py) to start, if they have not; fewer compile in this process's threads unless
-# workers are ready already (started early: start_compile_workers).
+# workers are ready already (started by an earlier graph's build, or early: start_compile_workers).
 WORKERS_FROM_KERNELS = 16
 
 
