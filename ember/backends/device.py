@@ -1,10 +1,13 @@
 """What a device is and how fast it is: the facts the backends put in their Target (ember/target.py).
 
-The bandwidth is *measured* (a large copy: 0.24 s of a warm start on an H200, 0.1-0.2 s on a
-2-core CPU), once per device and machine: the disk cache keeps the figure (kind `device`) under
-what identifies the device where it was measured (`device_identity`: the GPU's UUID, name, memory and
-driver, or the host, its CPU and thread count; the torch version; the way of measuring), so a
-later process reads it instead. A missing, damaged or unreadable entry is measured anew, as is every
+The bandwidth is *measured* (a large copy: 0.24 s of a first step on an H200, 0.1-0.2 s on a
+2-core CPU), once per GPU model or CPU host: the disk cache keeps the figure under what identifies
+the device where it was measured (`device_identity`: the GPU's name, memory, memory clock and bus,
+the driver and CUDA, or the host, its CPU and thread count; the torch version; the way of
+measuring), so a later process reads it instead. A GPU's figure is a fact of its model (kind
+`model`): a cache file carries it, so that a machine of a fleet that imports one starts with the
+figure the schedules it carries were made with, instead of measuring for a quarter of a second; a
+CPU's is a fact of its host (kind `device`), left out of cache files. A missing, damaged or unreadable entry is measured anew, as is every
 figure after `ember cache clear`; with the setting `cache` off every process measures
 (`stored_measurement` keeps any such fact of this machine: backends/cpu_products.py's product times
 too). The compute rate is the specification's vector (not
@@ -92,7 +95,8 @@ def device_limits(device: torch.device) -> DeviceLimits:
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             rate = next((r for key, r in _GPU_FLOPS.items() if key in props.name), _UNKNOWN_GPU_FLOPS)
-            bandwidth = stored_bandwidth(device_identity(device), functools.partial(_cuda_copy_bandwidth, device))
+            measure = functools.partial(_cuda_copy_bandwidth, device)
+            bandwidth = stored_bandwidth(device_identity(device), measure, kind="model")
             return DeviceLimits(props.name, props.multi_processor_count, bandwidth, rate, 4e-6)
         threads = torch.get_num_threads()
         bandwidth = stored_bandwidth(device_identity(device), _cpu_copy_bandwidth)
@@ -101,14 +105,13 @@ def device_limits(device: torch.device) -> DeviceLimits:
 
 
 def device_identity(device: torch.device) -> tuple:
-    """What the measured bandwidth of `device` depends on: the physical device (a GPU by its UUID,
-    with its name, memory and the driver; the CPU by the host's name, its model and the threads a
-    copy uses) and the torch that copies."""
+    """What the measured bandwidth of `device` depends on: the GPU's model (its name, memory, memory
+    clock and bus width, and the driver) or the CPU's host (its name, CPU model and the threads a copy
+    uses), and the torch that copies."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         facts = tuple(
-            str(getattr(props, name, ""))
-            for name in ("name", "uuid", "total_memory", "memory_clock_rate", "memory_bus_width")
+            str(getattr(props, name, "")) for name in ("name", "total_memory", "memory_clock_rate", "memory_bus_width")
         )
         return ("cuda", *facts, _first_line("/proc/driver/nvidia/version"), torch.version.cuda, torch.__version__)
     return ("cpu", platform.node(), platform.machine(), _cpu_model(), torch.get_num_threads(), torch.__version__)
@@ -131,14 +134,16 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
-def stored_bandwidth(identity: tuple, measure: Callable[[], float]) -> float:
+def stored_bandwidth(identity: tuple, measure: Callable[[], float], kind: str = "device") -> float:
     """The bandwidth the disk cache keeps for `identity`, else `measure()`'s, stored there for the
-    processes after this one. An entry that is not one finite positive figure is a miss."""
+    processes after this one. An entry that is not one finite positive figure is a miss. `kind`:
+    "device" for a fact of this machine, "model" for one a cache file carries to others."""
 
     def encode(bandwidth: float) -> bytes:
         return json.dumps({"bandwidth": bandwidth}).encode()
 
-    return stored_measurement((MEASUREMENT, identity), BANDWIDTH_FILE, measure, encode, _parse, "a measured bandwidth")
+    what = "a measured bandwidth"
+    return stored_measurement((MEASUREMENT, identity), BANDWIDTH_FILE, measure, encode, _parse, what, kind)
 
 
 def stored_measurement(
@@ -148,13 +153,15 @@ def stored_measurement(
     encode: Callable[[T], bytes],
     decode: Callable[[bytes], T | None],
     what: str,
+    kind: str = "device",
 ) -> T:
-    """The disk cache's figure for `content` (a fact of this machine: kind "device", which an exported
-    cache file leaves out), else `measure()`'s, stored for the processes after this one where `decode`
-    takes its bytes back (an unusable figure is not stored). An entry `decode` refuses is measured anew."""
+    """The disk cache's figure for `content` (kind "device": a fact of this machine, which an exported
+    cache file leaves out; "model": one of a device model, which it carries), else `measure()`'s, stored
+    for the processes after this one where `decode` takes its bytes back (an unusable figure is not
+    stored). An entry `decode` refuses is measured anew."""
     cache = DiskCache()
-    key = content_key("device", *content)
-    entry = cache.get("device", key)
+    key = content_key(kind, *content)
+    entry = cache.get(kind, key)
     if entry is not None:
         found = decode(entry.files.get(file, b""))
         if found is not None:
@@ -163,7 +170,7 @@ def stored_measurement(
     value = measure()
     data = encode(value)
     if decode(data) is not None:
-        cache.put("device", key, {file: data})
+        cache.put(kind, key, {file: data})
     return value
 
 

@@ -509,7 +509,11 @@ def start_compile_workers(device: torch.device) -> None:
     `compile_workers_early` asks: called when a graph arrives, so that they import while AOTAutograd
     traces and ember schedules, and are ready when its kernels are. Nothing on other devices, under
     Triton's interpreter, or where another backend is chosen."""
-    if device.type != "cuda" or config.get("backend") not in ("auto", "triton") or not config.get("compile_workers_early"):
+    if (
+        device.type != "cuda"
+        or config.get("backend") not in ("auto", "triton")
+        or not config.get("compile_workers_early")
+    ):
         return
     if interpreting():
         return

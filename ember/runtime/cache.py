@@ -82,9 +82,11 @@ MARKER_TEXT = (
     b"# This folder is ember's disk cache; `ember cache clear` empties it.\n"
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
-KINDS = frozenset({"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device"})
-# Kinds that describe this machine (a device's measured bandwidth, the CPU's product times): a cache file
-# does not carry them.
+KINDS = frozenset(
+    {"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device", "model"}
+)
+# Kinds that describe this machine (a CPU's measured bandwidth and product times): a cache file does not
+# carry them. A GPU model's measured bandwidth (kind "model") it does.
 MACHINE_KINDS = frozenset({"device"})
 SECRETS = frozenset({"aot-key", "aot-id"})
 TMP = ".tmp-"

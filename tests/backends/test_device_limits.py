@@ -1,6 +1,7 @@
 """A device's measured bandwidth is kept in the disk cache (backends/device.py): a later process reads
 it instead of measuring again; an entry that is damaged or holds no plausible figure is measured anew;
-with the cache off every process measures; a cache file does not carry it to another machine."""
+with the cache off every process measures; a cache file carries a GPU model's figure to another machine,
+not a CPU host's."""
 
 from __future__ import annotations
 
@@ -126,11 +127,22 @@ def test_with_the_cache_off_every_call_measures(tmp_path):
     assert not (tmp_path / "device").exists()
 
 
-def test_a_cache_file_does_not_carry_the_figure(tmp_path):
+def test_a_cache_file_carries_a_gpu_model_s_figure_not_a_cpu_host_s(tmp_path):
+    gpu = ("cuda", "NVIDIA H200", "150000000000", "2619000", "6144", "driver", "13.0", "torch")
     cache = DiskCache(tmp_path / "cache")
     cache.put("schedule", "ab" * 32, {"schedule.pickle": b"a schedule"})
     with config.override(cache_dir=str(cache.root)):
         device.stored_bandwidth(IDENTITY, Measure())
+        device.stored_bandwidth(gpu, Measure(4.2e12), kind="model")
     export_cache(tmp_path / "file", cache)
     _, entries = read_cache_file(tmp_path / "file")
-    assert [kind for kind, _, _ in entries] == ["schedule"]
+    assert sorted(kind for kind, _, _ in entries) == ["model", "schedule"]
+    # Imported on another machine, the GPU's figure is read, not measured again; the CPU's is measured.
+    other = DiskCache(tmp_path / "other")
+    for kind, key, files in entries:
+        other.put(kind, key, files)
+    with config.override(cache_dir=str(other.root)):
+        assert device.stored_bandwidth(gpu, _never, kind="model") == 4.2e12
+        measure = Measure()
+        device.stored_bandwidth(IDENTITY, measure)
+    assert measure.calls == 1
