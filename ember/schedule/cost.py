@@ -78,7 +78,7 @@ def row_passes(kernel: Kernel, persistent: bool) -> list[list[KNode]]:
 def _min(a: Expr, b: Expr) -> Expr:
     """min(a, b); sympy's Min only where a size is symbolic (it is slow even on two integers)."""
     if a.is_Integer and b.is_Integer:
-        return a if a <= b else b
+        return min(a, b)
     return sympy.Min(a, b)
 
 
