@@ -50,6 +50,17 @@ def test_a_second_compile_loads_both_graphs_and_trains_as_eager(tmp_path):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
+def _stored_then_loaded(tmp_path) -> None:
+    """Two compiles of one model: the first stores its graphs in AOTAutograd's cache, the second loads them."""
+    model = ConvBlocks().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with ember.config.override(cache_dir=str(tmp_path)):
+        _train_step(model, x)
+        before = _hits()
+        _train_step(model, x)
+    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+
+
 def test_keying_ember_s_graphs_registers_none_of_inductor_s_backends(tmp_path, monkeypatch):
     """AOTAutograd's key (Inductor's FxGraphHashDetails) would first register every code generator of
     Inductor, importing its schedulers and lowerings (over a second of a warm start): while ember's graphs
@@ -58,13 +69,7 @@ def test_keying_ember_s_graphs_registers_none_of_inductor_s_backends(tmp_path, m
 
     calls = []
     monkeypatch.setattr(codecache, "init_backend_registration", lambda: calls.append(1))
-    model = ConvBlocks().to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
-    with ember.config.override(cache_dir=str(tmp_path)):
-        _train_step(model, x)
-        before = _hits()
-        _train_step(model, x)
-    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+    _stored_then_loaded(tmp_path)
     assert not calls, f"Inductor's backends were registered {len(calls)} times"
     codecache.init_backend_registration()  # Inductor's own entry point is back once ember's compile ends
     assert calls == [1]
@@ -91,13 +96,7 @@ def test_keying_ember_s_graphs_hashes_no_installed_sources(tmp_path, monkeypatch
 
     monkeypatch.setattr(codecache, "torch_key", counted("torch_key", b"t"))
     monkeypatch.setattr(codecache.CacheBase, "get_system", staticmethod(counted("get_system", {"hash": "s"})))
-    model = ConvBlocks().to(memory_format=torch.channels_last)
-    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
-    with ember.config.override(cache_dir=str(tmp_path)):
-        _train_step(model, x)
-        before = _hits()
-        _train_step(model, x)
-    assert _hits() == before + 1, "AOTAutograd's cache did not serve the second compile"
+    _stored_then_loaded(tmp_path)
     assert not calls, f"installed sources were hashed: {calls}"
     assert codecache.torch_key() == b"t" and codecache.CacheBase.get_system() == {"hash": "s"}
     assert calls == ["torch_key", "get_system"]
