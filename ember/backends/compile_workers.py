@@ -15,10 +15,10 @@ talk over stdin/stdout in length-prefixed pickles; their stderr is discarded. A 
 creates a CUDA context: Triton's driver is told the target instead of asking the GPU.
 
 A worker says when it is ready (Triton imported, the target set), so that a pool started early,
-when the first graph arrives (backends/triton.py: start_compile_workers), serves even a graph of a
-few kernels once it is up, and a graph that comes sooner compiles in the parent's threads instead of
-waiting for it. Workers run at a lower priority (`NICENESS`): started early, they import while the
-parent traces and schedules, and should not take its cores.
+when the first graph arrives (backends/triton.py: start_compile_workers) or by a large graph's build,
+serves later graphs of a few kernels once it is up; a small graph that comes sooner compiles in the
+parent's threads instead of waiting for it. Workers run at a lower priority (`NICENESS`): started
+early, they import while the parent traces and schedules, and should not take its cores.
 """
 
 from __future__ import annotations

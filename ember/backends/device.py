@@ -7,7 +7,8 @@ the driver and CUDA, or the host, its CPU and thread count; the torch version; t
 measuring), so a later process reads it instead. A GPU's figure is a fact of its model (kind
 `model`): a cache file carries it, so that a machine of a fleet that imports one starts with the
 figure the schedules it carries were made with, instead of measuring for a quarter of a second; a
-CPU's is a fact of its host (kind `device`), left out of cache files. A missing, damaged or unreadable entry is measured anew, as is every
+CPU's is a fact of its host (kind `device`), left out of cache files. A missing, damaged or
+unreadable entry is measured anew, as is every
 figure after `ember cache clear`; with the setting `cache` off every process measures
 (`stored_measurement` keeps any such fact of this machine: backends/cpu_products.py's product times
 too). The compute rate is the specification's vector (not

@@ -299,10 +299,11 @@ class TritonBackend:
         by_name = {job[0]: job for job in rest}
         futures: dict = {}
         first_done = threading.Event()
+        cancelled = threading.Event()  # the first kernel failed or was interrupted: load nothing more
 
         def load(job):
             first_done.wait()
-            return _warmup(*job[1:])
+            return None if cancelled.is_set() else _warmup(*job[1:])
 
         with ThreadPoolExecutor(threads) as pool:
             lock = threading.Lock()
@@ -324,6 +325,10 @@ class TritonBackend:
             serving.start()
             try:
                 compiled = {first[0]: _warmup(*first[1:])}
+            except BaseException:
+                cancelled.set()
+                workers.close()  # their serve threads end at once; the caller falls back or stops
+                raise
             finally:
                 first_done.set()
                 serving.join()
@@ -340,7 +345,7 @@ class TritonBackend:
         where this module was compiled before (its kernels are most likely in Triton's cache)."""
         from ember.backends import compile_workers
 
-        if self._module_seen:
+        if self._module_seen or config.get("compile_workers") < 2:
             return None, False
         if kernels >= WORKERS_FROM_KERNELS:
             return compile_workers.get(config.get("compile_workers"), self._target.arch), False

@@ -449,9 +449,12 @@ def _system_identity() -> dict:
         versions["triton"] = repr(triton_identity())
     except ImportError:
         versions["triton"] = None
-    if torch.cuda.is_available():
-        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-        device["name"] = properties.name if torch.version.cuda is not None else properties.gcnArchName
+    try:
+        if torch.cuda.is_available():
+            properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+            device["name"] = properties.name if torch.version.cuda is not None else properties.gcnArchName
+    except (AssertionError, RuntimeError):
+        pass  # as Inductor's get_system: no usable CUDA, no device name
     described = repr(sorted({**device, **versions}.items()))
     return {"device": device, "version": versions, "hash": hashlib.sha256(described.encode()).hexdigest()}
 

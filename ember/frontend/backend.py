@@ -284,11 +284,14 @@ def _start_compile_workers(gm: torch.fx.GraphModule, example_inputs) -> None:
     (backends/triton.py: start_compile_workers)."""
     from ember.pipeline import graph_device
 
-    device = graph_device(gm, example_inputs)
-    if device.type == "cuda":
-        from ember.backends.triton import start_compile_workers
+    try:
+        device = graph_device(gm, example_inputs)
+        if device.type == "cuda":
+            from ember.backends.triton import start_compile_workers
 
-        start_compile_workers(device)
+            start_compile_workers(device)
+    except Exception as e:  # noqa: BLE001  (workers only save time: the graph compiles without them)
+        log.artifact("cache", "compile workers", f"not started early: {type(e).__name__}: {e}")
 
 
 def _dynamo_graph_if_eager(eager: Callable, compiled, fell_back: list[str]):

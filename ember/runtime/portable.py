@@ -3,7 +3,7 @@
 
 The file holds every entry of the cache (schedules, Triton kernel modules, cubins, launch records,
 distinct kernels' records, C++ libraries, GEMM timings, vouchers of AOTAutograd entries:
-runtime/cache.py's kinds, but for the measured bandwidth of this machine's devices), each with
+runtime/cache.py's kinds, but for the facts measured on this machine's CPU), each with
 its files' SHA-256, AOTAutograd's entries of ember's graphs with the cache's name for them
 (frontend/cache_file.py adds and installs those), and the identity of what made them (`identity()`:
 ember's source, the Python, torch and Triton versions, the GPU or CPU). Layout:

@@ -119,8 +119,13 @@ def test_ready_workers_share_a_few_kernels_between_them(tmp_path, monkeypatch):
         workers.close()
 
 
-def test_a_worker_that_cannot_start_is_never_counted_ready(tmp_path):
-    # Without a GPU (or a stand-in driver) the workers exit while setting the target up.
+def test_a_worker_that_cannot_start_is_never_counted_ready(tmp_path, monkeypatch):
+    # A Triton whose driver cannot be set up (as without a GPU): the workers exit while starting.
+    _stub_triton(tmp_path, monkeypatch)
+    (tmp_path / "stub" / "triton" / "runtime" / "driver.py").write_text(
+        "class driver:\n    @property\n    def active(self):\n        raise RuntimeError('0 active drivers')\n"
+        "driver = driver()\n"
+    )
     workers = CompileWorkers(2, ("cuda", 90, 32))
     try:
         for proc in workers.procs:
