@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ember import stats
 
@@ -253,6 +254,53 @@ def started(target: tuple) -> CompileWorkers | None:
         if _workers is not None and _workers.target == target and _workers.alive:
             return _workers
         return None
+
+
+def compile_beside(workers: CompileWorkers, first, rest, module, ready_only: bool, threads: int, warmup) -> dict:
+    """The workers compile the jobs `rest` into Triton's disk cache while this thread compiles `first`
+    with `warmup` (setting up Triton's per-device state once); as each batch ends, one of `threads`
+    threads loads its kernels (cache hits) or compiles what a worker could not. Returns each kernel's
+    compiled form. A first kernel that fails or is interrupted closes the workers and loads nothing more."""
+    by_name = {job[0]: job for job in rest}
+    futures: dict = {}
+    first_done = threading.Event()
+    cancelled = threading.Event()
+
+    def load(job):
+        first_done.wait()
+        return None if cancelled.is_set() else warmup(*job[1:])
+
+    with ThreadPoolExecutor(threads) as pool:
+        lock = threading.Lock()
+
+        def loaded(names: list[str]) -> None:
+            with lock:
+                futures.update({n: pool.submit(load, by_name[n]) for n in names})
+
+        worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
+        raised: list[BaseException] = []
+
+        def compile_in_workers() -> None:
+            try:
+                workers.compile(module.__name__, module.__file__, worker_jobs, loaded, ready_only)
+            except BaseException as e:  # noqa: BLE001  (raised again in the calling thread below)
+                raised.append(e)
+
+        serving = threading.Thread(target=compile_in_workers, daemon=True)
+        serving.start()
+        try:
+            compiled = {first[0]: warmup(*first[1:])}
+        except BaseException:
+            cancelled.set()
+            workers.close()  # their serve threads end at once; the caller falls back or stops
+            raise
+        finally:
+            first_done.set()
+            serving.join()
+        if raised:
+            raise raised[0]
+        compiled.update({name: future.result() for name, future in futures.items()})
+    return compiled
 
 
 def _close_at_exit() -> None:

@@ -25,7 +25,6 @@ always does.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ import sympy
 import torch
 
 from ember import config, log, stats
-from ember.backends import kernel_dedup, static_launch
+from ember.backends import compile_workers, kernel_dedup, static_launch
 from ember.backends.compile_workers import KERNEL_OPTIONS
 from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
@@ -290,61 +289,15 @@ class TritonBackend:
                     futures = {job[0]: pool.submit(_warmup, *job[1:]) for job in rest}
                     compiled.update({name: future.result() for name, future in futures.items()})
             return compiled
-        return self._precompile_in_workers(first, rest, module, workers, ready_only, threads)
-
-    def _precompile_in_workers(self, first, rest, module, workers, ready_only: bool, threads: int) -> dict:
-        """The workers compile `rest` into Triton's disk cache while this thread compiles `first`
-        (setting up Triton's per-device state once); as each batch ends, a thread loads its kernels
-        (cache hits) or compiles what a worker could not."""
-        by_name = {job[0]: job for job in rest}
-        futures: dict = {}
-        first_done = threading.Event()
-        cancelled = threading.Event()  # the first kernel failed or was interrupted: load nothing more
-
-        def load(job):
-            first_done.wait()
-            return None if cancelled.is_set() else _warmup(*job[1:])
-
-        with ThreadPoolExecutor(threads) as pool:
-            lock = threading.Lock()
-
-            def loaded(names: list[str]) -> None:
-                with lock:
-                    futures.update({n: pool.submit(load, by_name[n]) for n in names})
-
-            worker_jobs = [(name, *job[2:]) for name, job in by_name.items()]
-            raised: list[BaseException] = []
-
-            def compile_in_workers() -> None:
-                try:
-                    workers.compile(module.__name__, module.__file__, worker_jobs, loaded, ready_only)
-                except BaseException as e:  # noqa: BLE001  (raised again in this thread below)
-                    raised.append(e)
-
-            serving = threading.Thread(target=compile_in_workers, daemon=True)
-            serving.start()
-            try:
-                compiled = {first[0]: _warmup(*first[1:])}
-            except BaseException:
-                cancelled.set()
-                workers.close()  # their serve threads end at once; the caller falls back or stops
-                raise
-            finally:
-                first_done.set()
-                serving.join()
-            if raised:
-                raise raised[0]
-            if workers.failures:
-                log.artifact("cache", "compile workers", "\n".join(workers.failures))
-            compiled.update({name: future.result() for name, future in futures.items()})
+        compiled = compile_workers.compile_beside(workers, first, rest, module, ready_only, threads, _warmup)
+        if workers.failures:
+            log.artifact("cache", "compile workers", "\n".join(workers.failures))
         return compiled
 
     def _workers(self, kernels: int) -> tuple[object | None, bool]:
         """The compile workers for `kernels` kernels, and whether only those ready now serve: ready
         ones serve any graph; a graph of WORKERS_FROM_KERNELS or more starts them and waits. None
         where this module was compiled before (its kernels are most likely in Triton's cache)."""
-        from ember.backends import compile_workers
-
         if self._module_seen or config.get("compile_workers") < 2:
             return None, False
         if kernels >= WORKERS_FROM_KERNELS:
@@ -522,8 +475,6 @@ def start_compile_workers(device: torch.device) -> None:
         return
     if interpreting():
         return
-    from ember.backends import compile_workers
-
     compile_workers.get(config.get("compile_workers"), _gpu_arch())
 
 
