@@ -1,7 +1,7 @@
 """GPU backend: one Triton kernel per fused group, all of a graph's kernels in one module.
 
 Stages: render (Triton source) -> module file in the content cache -> import (from a private
-copy of the checked bytes: runtime/scratch.py) -> Triton's own stages (ttir -> ttgir -> llir ->
+copy of the checked bytes, at first use: kernel_module.py) -> Triton's own stages (ttir -> ttgir -> llir ->
 ptx -> cubin), which Triton caches on disk by source.
 The kernels of a graph are compiled ahead of the first call: by worker processes into Triton's
 disk cache for large graphs (compile_workers.py: Triton's front end holds the GIL), then loaded,
@@ -38,6 +38,7 @@ from ember.backends.compile_workers import KERNEL_OPTIONS
 from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
+from ember.backends.kernel_module import KernelModule
 from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launches
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.backends.table_launch import TableLaunch
@@ -52,8 +53,7 @@ from ember.codegen.triton_combo import (
     render_triton_combo,
     render_triton_table,
 )
-from ember.runtime import scratch
-from ember.runtime.cache import DiskCache, content_key, triton_identity
+from ember.runtime.cache import triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
@@ -97,8 +97,7 @@ class TritonBackend:
         self.direct: set[str] = set()  # kernels launched through Triton's compiled launcher
         self.static: dict[str, StaticLaunch] = {}  # kernels launched through torch's static launcher
         self.gemm_kernels: dict[str, GemmKernelSource] = {}  # GEMM template kernels (codegen/gemm_triton.py)
-        self._module_seen = False  # the kernel module was in ember's cache already (_load)
-        self._module_key = ""  # the kernel module's content key (_load)
+        self._module_seen = False  # the kernel module was in ember's cache already (_module_of)
 
     def target(self) -> Target:
         return self._target
@@ -135,13 +134,13 @@ class TritonBackend:
         if not kernels:
             return {}
         clock("build_render_s")
-        module = self._load(source)
+        module = self._module_of(source)  # imported where a kernel's function is used (kernel_module.py)
         clock("build_module_load_s")
-        fns = {k.name: getattr(module, k.name) for k in kernels}
+        fns = {k.name: module.function(k.name) for k in kernels}
         namespace = {"triton": triton, "_stream": current_stream, **fns}
         # The 64-bit forms of symbolic kernels, launched through kernel[grid] past their guard.
         wide = [n for n, r in self.rendered.items() if getattr(r, "guard", ())]
-        namespace.update({f"{n}_wide": getattr(module, f"{n}_wide") for n in wide})
+        namespace.update({f"{n}_wide": module.function(f"{n}_wide") for n in wide})
         # A compiled kernel is loaded on the device current at compile time: launch it directly
         # only on that device (Triton's own path looks up the current device per call).
         index = _device_index(self.device)
@@ -150,20 +149,20 @@ class TritonBackend:
         namespace.update(gemm_fns)
         jobs = _warmup_jobs(fns, self.rendered)
         base = kernel_dedup.key_base(PRELUDE, self._target.key(), triton_identity())
-        keys = {j[0]: kernel_dedup.kernel_key(self.sources[j[0]], j[2:], base) for j in jobs}
         if self._target.interpreted:  # Triton's interpreter compiles nothing: equal kernels share one function
-            for name, key in keys.items():
+            for name, _, *specialization in jobs:
+                key = kernel_dedup.kernel_key(self.sources[name], specialization, base)
                 shared = SHARED.get(key, None)
                 if shared is None:
                     stats.add("kernels_compiled")
-                    shared = SHARED.put(key, None, kernel_dedup.Launchable(function=fns[name]))
+                    shared = SHARED.put(key, None, kernel_dedup.Launchable(function=fns[name].resolve()))
                 namespace[name] = shared.function
             self._table_launches(module, namespace)
             return namespace
         precompile_gemms(self.gemm_kernels, gemm_fns)
         clock("build_gemm_compile_s")
         # A warm start loads each static kernel from its launch record, without Triton.
-        records = LaunchRecords(self._module_key, [j[:1] + j[2:] for j in jobs], self._target.key()) if direct else None
+        records = LaunchRecords(module.key, [j[:1] + j[2:] for j in jobs], self._target.key()) if direct else None
         recorded = records.load() if records is not None else {}
         for name, record in recorded.items():
             static = static_launch.from_record(record, index) if name in fns else None
@@ -171,6 +170,8 @@ class TritonBackend:
                 self.static[name] = static
         jobs = [j for j in jobs if j[0] not in self.static]
         clock("build_kernel_load_s")
+        # The kernels left to compile or find, by their normalized source (kernel_dedup.py).
+        keys = {j[0]: kernel_dedup.kernel_key(self.sources[j[0]], j[2:], base) for j in jobs}
         self._compile_distinct(jobs, keys, module, index if direct else None, namespace)
         clock("build_compile_s")
         if self.static:
@@ -180,7 +181,7 @@ class TritonBackend:
             records.save({name: s.record for name, s in self.static.items()})
         return namespace
 
-    def _table_launches(self, module, namespace: dict) -> None:
+    def _table_launches(self, kernels: KernelModule, namespace: dict) -> None:
         """A TableLaunch (backends/table_launch.py) per table combo kernel, as `_tables_<name>`,
         launching the kernel the way the others are (static, Triton's launcher, or kernel[grid]),
         and its form for unaligned buffers and the table-writing kernel through kernel[grid] (the
@@ -188,6 +189,7 @@ class TritonBackend:
         tables = {n: r for n, r in self.rendered.items() if isinstance(r, TritonTableSource)}
         if not tables:
             return
+        module = kernels.load()
         fp_fusion = _fp_fusion()
         device = self.device if self.device is not None else torch.device("cpu")
         writer = module.ember_table_fill
@@ -211,7 +213,9 @@ class TritonBackend:
                 fast = lambda stream, *tables, on_grid=on_grid: on_grid(*tables)
             namespace[f"_tables_{name}"] = TableLaunch(r, device, fast, slow, fill)
 
-    def _compile_distinct(self, jobs: list[tuple], keys: dict[str, str], module, device: int | None, namespace) -> None:
+    def _compile_distinct(
+        self, jobs: list[tuple], keys: dict[str, str], module: KernelModule, device: int | None, namespace
+    ) -> None:
         """Compile each distinct kernel of `jobs` once (backends/kernel_dedup.py) and make every
         kernel launchable directly on `device` (None: launched through `kernel[grid]`, so every
         kernel is warmed up in its own function, and nothing is shared)."""
@@ -268,7 +272,7 @@ class TritonBackend:
             self.rendered[name] = r
             self.sources[name] = r.source
 
-    def _precompile(self, jobs: list[tuple], module) -> dict[str, object]:
+    def _precompile(self, jobs: list[tuple], module: KernelModule) -> dict[str, object]:
         """Compile the kernels of `jobs` (`_warmup_jobs`) now, in parallel threads, instead of one
         by one at first launch.
 
@@ -289,7 +293,7 @@ class TritonBackend:
                     futures = {job[0]: pool.submit(_warmup, *job[1:]) for job in rest}
                     compiled.update({name: future.result() for name, future in futures.items()})
             return compiled
-        compiled = compile_workers.compile_beside(workers, first, rest, module, ready_only, threads, _warmup)
+        compiled = compile_workers.compile_beside(workers, first, rest, module.load(), ready_only, threads, _warmup)
         if workers.failures:
             log.artifact("cache", "compile workers", "\n".join(workers.failures))
         return compiled
@@ -307,16 +311,15 @@ class TritonBackend:
             return running, True
         return None, False
 
+    def _module_of(self, source: str) -> KernelModule:
+        """The graph's kernel module, in ember's cache, not yet imported."""
+        module = KernelModule(source)
+        self._module_seen = module.seen
+        return module
+
     def _load(self, source: str):
-        key = content_key("triton", source, toolchain=triton_identity())
-        self._module_key = key
-        cache = DiskCache()
-        entry = cache.get("triton", key)
-        # Compiled before: Triton's own cache most likely holds its kernels, and workers would only
-        # slow the loading down (they start in seconds; a cache hit loads in milliseconds).
-        self._module_seen = entry is not None
-        entry = entry or cache.put("triton", key, {"kernels.py": source.encode()})
-        return scratch.import_private_copy(entry["kernels.py"], f"ember_kernels_{key[:16]}")
+        """Triton source -> its imported module (the tuners' candidates)."""
+        return KernelModule(source).load()
 
     def prologue(self) -> list[str]:
         return [f"stream = _stream({_device_index(self.device)})"] if self.direct or self.static else []

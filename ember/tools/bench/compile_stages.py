@@ -71,7 +71,7 @@ def breakdown(first_step_s: float, metrics: dict, ember_stages: dict, counters: 
     if compiler.startswith("ember"):
         out.update({f"ember: {name}": s for name, s in ember_stages.items()})
         out.update({label: counters[key] for key, label in EMBER_COUNTERS.items() if counters.get(key)})
-        for key in ("kernels_compiled", "kernel_dedup_hits", "kernel_dedup_disk_hits"):
+        for key in ("kernels_compiled", "kernel_dedup_hits", "kernel_dedup_disk_hits", "kernel_modules_imported"):
             if counters.get(key):
                 out[f"count: {key}"] = counters[key]
     elif compiler.startswith("inductor"):
