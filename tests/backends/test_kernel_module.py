@@ -41,7 +41,7 @@ def test_the_module_is_cached_at_once_and_imported_at_the_first_use_of_a_kernel(
     kernel[(1,)](x, out, 10, XBLOCK=16)  # kernel[grid]: what a host program's slow path calls
     assert module.loaded and stats.delta(before)["kernel_modules_imported"] == 1
     assert torch.equal(out, x * 2)
-    assert kernel.resolve() is getattr(module.load(), "twice_first_use")  # one import per process
+    assert kernel.resolve() is module.load().twice_first_use  # one import per process
     assert stats.delta(before)["kernel_modules_imported"] == 1
 
     again = _module(tmp_path, monkeypatch, text)  # a later graph with the same source: a cache hit
