@@ -43,10 +43,9 @@ class Recorder(Protocol):
 
     def new_pool(self) -> Any: ...
 
-    def record(self, run: Callable[[], list], inputs: list, pool: Any, reserve: int = 0) -> tuple[Any, list]:
+    def record(self, run: Callable[[], list], inputs: list, pool: Any) -> tuple[Any, list]:
         """Capture `run()` into a graph whose allocations come from `pool`; (graph, run's outputs).
-        `inputs`: what the graph reads; a capture computes nothing, so they stay as they are.
-        `reserve`: bytes the pool takes as one block first (a fresh pool's first capture; 0: none)."""
+        `inputs`: what the graph reads; a capture computes nothing, so they stay as they are."""
 
     def replay(self, graph: Any) -> None: ...
 
@@ -68,7 +67,6 @@ class GraphedCall(Protocol):
     static: frozenset[int]
     table_inputs: frozenset[int]  # inputs read only through address tables (codegen/host.py)
     table_rows: int  # the address-table rows a call writes (codegen/host.py)
-    reserve_bytes: int  # the memory plan's peak (0: unknown, or sizes that vary)
     mutated: tuple[int, ...]
     max_graphs: int
     # Outputs at positions from here on are handed out over the pool's memory; the ones before are copied
@@ -445,9 +443,7 @@ class Pool:
             reserve=torch.empty(fn.table_rows, dtype=torch.int64, device=self.device) if fn.table_rows else None,
         )
         try:
-            # A fresh pool's first capture starts from one block of the plan's peak (CudaRecorder.record).
-            reserve = 0 if self.recordings else fn.reserve_bytes
-            graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle, reserve)
+            graph, outputs = self.recorder.record(lambda: program(list(inputs)), inputs, self.handle)
         finally:
             _capture.scope = None
         pointed = {k for table in scope.tables for k in table.positions}

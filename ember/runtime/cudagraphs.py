@@ -68,22 +68,10 @@ class CudaRecorder:
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
-    def __init__(self):
-        self._streams: dict[int, torch.cuda.Stream] = {}  # device -> the stream captures run on
-
-    def record(self, run: Callable[[], list], inputs: list, pool: Any, reserve: int = 0) -> tuple[Any, list]:
-        device = torch.cuda.current_device()
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
+    def record(self, run: Callable[[], list], inputs: list, pool: Any) -> tuple[Any, list]:
         graph = torch.cuda.CUDAGraph()
-        held = _reserve_in_pool(pool, reserve, device, stream) if reserve > 0 else False
-        try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                outputs = run()
-        finally:
-            if held:
-                torch._C._cuda_releasePool(device, pool)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = run()
         return graph, outputs
 
     def replay(self, graph: Any) -> None:
@@ -102,30 +90,6 @@ class CudaRecorder:
         end.record()
         end.synchronize()
         return result, start.elapsed_time(end) / 1e3
-
-
-def _reserve_in_pool(pool: Any, nbytes: int, device: int, stream: torch.cuda.Stream) -> bool:
-    """Give a fresh graph pool one free block of `nbytes` on the capture's stream before its first capture.
-
-    A capture allocates from the pool as the program runs, and the caching allocator asks CUDA for a new
-    segment wherever no free block of the pool fits: blocks freed in one segment do not merge with another's,
-    so a transformer's capture that held 210 MB at its peak left the pool 369 MB of segments (T5 on the H200),
-    all of it held for as long as the graph lives. Split from one block of the memory plan's peak, the
-    capture's buffers reuse it as the plan does. The pool is held (True) until the capture holds it too:
-    a pool no one holds has its free blocks returned to CUDA, which `torch.cuda.graph` asks for as it starts.
-    Where torch lacks the calls, nothing is reserved (False)."""
-    begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if begin is None or end is None or not hasattr(torch._C, "_cuda_releasePool"):
-        return False
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        begin(device, pool)
-        try:
-            torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))  # freed at once
-        finally:
-            end(device, pool)
-    return True
 
 
 _recorders: list[Recorder] = []
@@ -364,9 +328,6 @@ class Graphed:
         self.table_inputs = frozenset(getattr(program, "table_inputs", ()))
         self.table_rows = getattr(program, "table_rows", 0)
         self.symbolic = symbolic
-        # The memory plan's peak, which a fresh pool's first capture starts from as one block (CudaRecorder).
-        planned = getattr(self.report, "peak_bytes", None)
-        self.reserve_bytes = planned if isinstance(planned, int) and not symbolic else 0
         # The default mode's graphs (setting cudagraphs_default) return copies of what the caller keeps
         # (CaptureFacts.copied_below) and log rather than warn.
         self.default_mode = default_mode

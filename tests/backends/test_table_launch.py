@@ -241,7 +241,7 @@ class _TableGraphRecorder:
     def stream(self):
         return None  # no stream to allocate a table's memory on: the CPU's allocator
 
-    def record(self, run, inputs, pool, reserve=0):
+    def record(self, run, inputs, pool):
         self.capturing, start = True, len(self.reads)
         try:
             outputs = run()
@@ -371,7 +371,7 @@ def test_a_recording_holds_every_table_its_graph_reads(monkeypatch):
     program.table_rows = launch.rows_per_call  # what the host program counts, and the pool sets aside
 
     class AddressesOnly(_TableGraphRecorder):
-        def record(self, run, inputs, pool, reserve=0):
+        def record(self, run, inputs, pool):
             graph, outputs = super().record(run, inputs, pool)
             self.captured = graph
             return [r().data_ptr() for r in graph], outputs  # addresses, as a CUDA graph keeps

@@ -28,16 +28,14 @@ class FakeRecorder:
         self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
         self.device_seconds: list[float] = []
         self.current_stream = "stream 0"  # what a test switches to call on another stream
-        self.reserved: list[int] = []  # the bytes each capture asked its pool to reserve first
 
     def new_pool(self):
         self.pools.append(f"pool {len(self.pools)}")
         return self.pools[-1]
 
-    def record(self, run, inputs, pool, reserve=0):
+    def record(self, run, inputs, pool):
         # It runs the program to record it: inputs the program writes are put back as they were,
         # as after a capture, which computes nothing.
-        self.reserved.append(reserve)
         before = [(x, x.clone()) for x in inputs if isinstance(x, torch.Tensor)]
         outputs = run()
         for x, saved in before:

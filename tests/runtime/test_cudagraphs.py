@@ -298,7 +298,7 @@ class TorchLikePools(FakeRecorder):
         self.graphs: dict[str, list[weakref.ref]] = {}
         self.blocks: dict[str, list[weakref.ref]] = {}
 
-    def record(self, run, inputs, pool, reserve=0):
+    def record(self, run, inputs, pool):
         graphs = self.graphs.setdefault(pool, [])
         kept = [b for b in self.blocks.get(pool, []) if b() is not None]
         if graphs and all(g() is None for g in graphs) and kept:
@@ -415,7 +415,7 @@ def test_dynamic_shapes_record_one_graph_per_shape(recorder):
 
 def test_a_failed_capture_runs_without_graphs_and_warns_once():
     class Failing(FakeRecorder):
-        def record(self, run, inputs, pool, reserve=0):
+        def record(self, run, inputs, pool):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     fn = _graphed(None, cg.Pool(Failing(), CPU))

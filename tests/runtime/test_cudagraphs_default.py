@@ -264,25 +264,3 @@ def test_a_backward_whose_saved_tensors_move_records_two_address_sets_at_most(re
         assert fn.disabled is None and len(recorder.recorded) == 2 and recorder.replays >= 6, line
     else:
         assert fn.disabled is not None and "new address" in fn.disabled and not recorder.recorded, line
-
-
-def test_a_fresh_pool_s_first_capture_reserves_the_memory_plan_s_peak(recorder):
-    """The first capture into a pool asks for one block of the graph's planned peak (so that the capture's
-    buffers split from it rather than from segments that cannot merge); a later capture in the same pool,
-    which reuses what the first one freed, asks for none."""
-    model = mlp()
-    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    line = repro(program="mlp, SGD", loop="set to none", steps=8, cudagraphs_default=True)
-    _sgd_loop(model, 8, "set to none", compiled)
-    pool = cg.pool_for(recorder, CPU, with_steps=False)
-    kinds = [r.kind for r in pool.recordings]
-    assert kinds == ["forward", "backward"], (kinds, line)
-    forward = next(fn for fn in _graphed() if pool.recordings[0] in fn.recordings.values())
-    assert forward.reserve_bytes == forward.report.peak_bytes > 0, line
-    assert recorder.reserved == [forward.reserve_bytes, 0], (recorder.reserved, line)
-
-
-def _graphed() -> list:
-    import gc
-
-    return [o for o in gc.get_objects() if type(o) is cg.Graphed]
