@@ -35,13 +35,13 @@ import torch
 from ember import config, log, stats
 from ember.backends import compile_workers, kernel_dedup, static_launch
 from ember.backends.compile_workers import KERNEL_OPTIONS
-from ember.backends.device import device_limits
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
 from ember.backends.kernel_module import KernelModule
 from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launches
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.backends.table_launch import TableLaunch
+from ember.backends.triton_target import gpu_arch, interpreting, make_target
 from ember.codegen.gemm_triton import GemmKernelSource, render_gemm
 from ember.codegen.render import print_host_index
 from ember.codegen.triton import PRELUDE, TritonKernelSource, render_triton
@@ -57,15 +57,7 @@ from ember.runtime.cache import triton_identity
 from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import (
-    INTERPRETER_SM_COUNT,
-    Heuristics,
-    HorizontalHeuristics,
-    PadHeuristics,
-    RealizeHeuristics,
-    SplitHeuristics,
-    Target,
-)
+from ember.target import Target
 
 # Graphs with at least this many kernels to compile wait for the worker processes
 # (compile_workers.py) to start, if they have not; fewer compile in this process's threads unless
@@ -81,7 +73,7 @@ class TritonBackend:
     def __init__(self, device=None, timer: Timer | None = None):
         _check_can_run(device)
         self.device = device
-        self._target = _make_target(device)
+        self._target = make_target(device)
         # Tuning (setting `autotune`: launch configurations, and GEMM choices under gemm=auto) times
         # candidates with `timer` (None: the one the setting autotune_timer names), within one budget
         # from this graph's compile time (_tuning): the compile starts here.
@@ -442,14 +434,6 @@ def _stand_in(size, narrow: bool = False) -> int:
     return big if sympy.Mod(size, 16) == 0 else big + 1
 
 
-def interpreting() -> bool:
-    """Whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET, as Triton reads it):
-    the one place ember asks. The Target carries the answer to every pass and renderer."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
-
-
 def _check_can_run(device) -> None:
     """Triton compiles for a GPU; on other tensors it runs only through its CPU interpreter. Said
     here, where it would otherwise fail deep inside Triton ("0 active drivers")."""
@@ -478,69 +462,7 @@ def start_compile_workers(device: torch.device) -> None:
         return
     if interpreting():
         return
-    compile_workers.get(config.get("compile_workers"), _gpu_arch())
-
-
-def _gpu_arch() -> tuple:
-    """Triton's target of the current GPU: (backend, arch, warp size), what its binaries are built for."""
-    from triton.runtime import driver
-
-    t = driver.active.get_current_target()
-    return (t.backend, t.arch, t.warp_size)
-
-
-# A GPU's split reductions aim for more partial results than the default: a bias gradient over
-# 16384 rows is summed in 64 chunks of 256 rows when 768 wide, 16 of 1024 when 3072 wide: more
-# programs in flight, each walking fewer rows, which a GPU runs side by side (decisions.md).
-# cuBLAS runs fast only on aligned extents: products on the GPU get padded layouts.
-_GPU_SPLIT = SplitHeuristics(partials=131072)
-# Kernels of one body run as one table combo kernel however many (codegen/triton_combo.py).
-_GPU_HORIZONTAL = HorizontalHeuristics(table_min_parts=2)
-
-
-def _atomic_adds(arch: tuple) -> tuple:
-    """The float dtypes Triton adds atomically on `arch`: bf16 from sm_90, where the GPU has a bf16 atomic
-    add (the interpreter, arch (), has none)."""
-    wide = (torch.float32, torch.float64, torch.float16)
-    bf16 = bool(arch) and arch[0] == "cuda" and isinstance(arch[1], int) and arch[1] >= 90
-    return (*wide, torch.bfloat16) if bf16 else wide
-
-
-def _make_target(device) -> Target:
-    """The Target of `device` (None: the CPU, through the interpreter)."""
-    device = device if device is not None else torch.device("cpu")
-    limits = device_limits(device)
-    gpu = device.type == "cuda"
-    sm_count = limits.sm_count if gpu else INTERPRETER_SM_COUNT
-    # Row kernels that also sum columns get one program per SM (column_partial_programs: another
-    # count; -1 none): on the H100 a LayerNorm's forward and backward ran fastest so, against
-    # half and twice as many.
-    programs = config.get("column_partial_programs")
-    arch = _gpu_arch() if gpu else ()
-    target = Target(
-        "triton",
-        device.type,
-        limits.name,
-        interpreting(),
-        sm_count,
-        arch,
-        limits.bandwidth,
-        limits.flop_rate,
-        limits.launch_seconds,
-        online_softmax=True,
-        indexed_rows=True,
-        row_stores=True,
-        combo_rows=True,
-        atomic_adds=_atomic_adds(arch),
-        row_programs=max(0, programs) if programs else sm_count,
-        heuristics=Heuristics(
-            split=_GPU_SPLIT,
-            pad=PadHeuristics(products=gpu),
-            horizontal=_GPU_HORIZONTAL,
-            realize=RealizeHeuristics(scalars_per_element=False),
-        ),
-    )
-    return target.tuned(config.get("heuristics"))
+    compile_workers.get(config.get("compile_workers"), gpu_arch())
 
 
 def _grid_launch(fn, blocks: int, xblock: int, warps: int, fp_fusion: bool) -> Callable:
