@@ -17,8 +17,11 @@ Names in use:
     cpp_builds                C++ libraries built (a library found in the disk cache is not)
     address_tables_built      table combo kernels' address tables made outside CUDA graphs (one per
                               new set of addresses: backends/table_launch.py)
-    build_*_s                 wall seconds of the Triton backend's build parts (render, module
-                              load, kernel keys and GEMM templates, loads from launch records, compile)
+    build_*_s                 wall seconds of the Triton backend's build parts (render, the module's
+                              file in the cache, GEMM templates, loads from launch records, kernel
+                              keys and compile)
+    kernel_modules_imported   graphs' Triton kernel modules imported (backends/kernel_module.py: only
+                              where a kernel's function is used)
     triton_<stage>_s          seconds Triton's stages took (front end, ttir, ttgir, llir, ptx,
                               cubin = ptxas), summed over threads and compile workers; filled only
                               where a compile listener is installed (`listen_to_triton`)

@@ -2,7 +2,7 @@
 
 Importing the module runs `@triton.jit` over every kernel in it, which reads each function's
 source back and parses its signature: about a millisecond a kernel, a third of a second for the
-forward and backward of a 12-layer GPT-2 on the H100 machine's host. A warm start needs none of
+forward and backward of a 12-layer GPT-2 on the H200 machine's host. A warm start needs none of
 it: each kernel launches from its launch record (static_launch.py), straight from the binary.
 So the module is imported only when something reads a kernel's function: a kernel to compile, a
 GEMM template or table kernel (which launch through their functions), or a host program taking a
@@ -11,6 +11,7 @@ kernel's `kernel[grid]` path at run time (a misaligned buffer, a symbolic kernel
 
 from __future__ import annotations
 
+import sys
 import threading
 from types import ModuleType
 
@@ -40,12 +41,17 @@ class KernelModule:
     def load(self) -> ModuleType:
         with self._lock:
             if self._module is None:
-                self._module = scratch.import_private_copy(self._data, f"ember_kernels_{self.key[:16]}")
-                stats.add("kernel_modules_imported")
+                name = f"ember_kernels_{self.key[:16]}"
+                if name not in sys.modules:  # counted where it runs: another graph of this source imported it
+                    stats.add("kernel_modules_imported")
+                self._module = scratch.import_private_copy(self._data, name)
         return self._module
 
     def function(self, name: str) -> KernelFunction:
-        """Kernel `name`'s `@triton.jit` function, imported when first used."""
+        """Kernel `name`'s `@triton.jit` function, imported when first used. A name the module does not
+        define is an error now, not at the call that first takes its path."""
+        if f"\ndef {name}(".encode() not in self._data:
+            raise KeyError(f"the kernel module {self.key[:16]} defines no function {name}")
         return KernelFunction(self, name)
 
 
@@ -53,19 +59,24 @@ class KernelFunction:
     """A kernel's `@triton.jit` function in a KernelModule, standing in for it until it is used:
     `kernel[grid](...)` and attribute reads (`warmup`, ...) import the module and forward."""
 
-    __slots__ = ("_module", "name")
+    __slots__ = ("_function", "_module", "name")
 
     def __init__(self, module: KernelModule, name: str):
         self._module = module
         self.name = name
+        self._function = None
 
     def resolve(self):
-        return getattr(self._module.load(), self.name)
+        if self._function is None:
+            self._function = getattr(self._module.load(), self.name)
+        return self._function
 
     def __getitem__(self, grid):
-        return self.resolve()[grid]
+        return (self._function or self.resolve())[grid]
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # copy's and other probes' dunders, and slots not yet set: not the kernel's
+            raise AttributeError(attr)
         return getattr(self.resolve(), attr)
 
     def __repr__(self) -> str:

@@ -37,7 +37,7 @@ from ember.backends import compile_workers, kernel_dedup, static_launch
 from ember.backends.compile_workers import KERNEL_OPTIONS
 from ember.backends.gemm_tuning import GemmTuning, precompile_gemms
 from ember.backends.kernel_dedup import SHARED
-from ember.backends.kernel_module import KernelModule
+from ember.backends.kernel_module import KernelFunction, KernelModule
 from ember.backends.launch_tuning import Budget, Timer, make_timer, tune_launches
 from ember.backends.static_launch import LaunchRecords, StaticLaunch
 from ember.backends.table_launch import TableLaunch
@@ -169,11 +169,13 @@ class TritonBackend:
         if self.static:
             namespace["_static_launch"] = next(iter(self.static.values())).launch
         self._table_launches(module, namespace)
+        if module.loaded:  # imported by now: the host program calls the functions themselves, not stand-ins
+            namespace.update({n: f.resolve() for n, f in namespace.items() if isinstance(f, KernelFunction)})
         if records is not None and jobs and len(recorded) < len(self.static):
             records.save({name: s.record for name, s in self.static.items()})
         return namespace
 
-    def _table_launches(self, kernels: KernelModule, namespace: dict) -> None:
+    def _table_launches(self, kernel_module: KernelModule, namespace: dict) -> None:
         """A TableLaunch (backends/table_launch.py) per table combo kernel, as `_tables_<name>`,
         launching the kernel the way the others are (static, Triton's launcher, or kernel[grid]),
         and its form for unaligned buffers and the table-writing kernel through kernel[grid] (the
@@ -181,7 +183,7 @@ class TritonBackend:
         tables = {n: r for n, r in self.rendered.items() if isinstance(r, TritonTableSource)}
         if not tables:
             return
-        module = kernels.load()
+        module = kernel_module.load()
         fp_fusion = _fp_fusion()
         device = self.device if self.device is not None else torch.device("cpu")
         writer = module.ember_table_fill
@@ -310,7 +312,7 @@ class TritonBackend:
         return module
 
     def _load(self, source: str):
-        """Triton source -> its imported module (the tuners' candidates)."""
+        """Triton source -> its imported module (the tuners' candidates, and layers.py's reading of a graph's)."""
         return KernelModule(source).load()
 
     def prologue(self) -> list[str]:

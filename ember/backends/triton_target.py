@@ -18,15 +18,16 @@ from ember.target import (
 )
 
 
-def gpu_arch() -> tuple:
-    """Triton's target of the current GPU: (backend, arch, warp size), what its binaries are built for.
+def gpu_arch(device: int | None = None) -> tuple:
+    """Triton's target of GPU `device` (None: the current one): (backend, arch, warp size), what its binaries
+    are built for.
 
     On NVIDIA GPUs it is what Triton's CUDA driver answers, computed from torch's compute capability
     without making the driver: that builds Triton's C helpers with the host compiler where Triton's
     cache lacks them (some 0.3 s of a first step on a fresh machine, and of an imported cache's start),
     though a start whose kernels all launch from their records needs nothing else of Triton's."""
     if torch.version.hip is None and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(torch.cuda.current_device())
+        major, minor = torch.cuda.get_device_capability(torch.cuda.current_device() if device is None else device)
         return ("cuda", major * 10 + minor, 32)
     from triton.runtime import driver
 
@@ -61,7 +62,7 @@ def make_target(device) -> Target:
     # count; -1 none): on the H100 a LayerNorm's forward and backward ran fastest so, against
     # half and twice as many.
     programs = config.get("column_partial_programs")
-    arch = gpu_arch() if gpu else ()
+    arch = gpu_arch(device.index) if gpu else ()
     target = Target(
         "triton",
         device.type,

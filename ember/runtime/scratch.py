@@ -38,6 +38,7 @@ STALE_SECONDS = 15 * 60
 _NAME = re.compile(rf"{re.escape(PREFIX)}(\d+)-")
 
 _lock = threading.Lock()
+_import_lock = threading.Lock()  # import_private_copy's
 _folder: Path | None = None
 _owner_pid = -1
 _counter = itertools.count()
@@ -90,12 +91,17 @@ def import_private_copy(data: bytes, name: str):
     """The Python module `name` made from `data` (checked bytes, e.g. a cache entry's kernel module):
     imported once per process from a private copy, never from the cache's file. Triton reads each
     kernel's source back through `inspect`, and compile workers import the module by path."""
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, private_copy(data, f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+    with _import_lock:  # no thread sees the module before it has run, nor one whose run failed
+        module = sys.modules.get(name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(name, private_copy(data, f"{name}.py"))
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
     return module
 
 

@@ -80,30 +80,3 @@ def test_the_backends_import_one_way():
     assert not circles, {name: sorted(graph[name]) for name in circles}
     upward = sorted(name for name, p in modules.items() if any(m.startswith("ember.pipeline") for m in _imports(p)))
     assert not upward, upward
-
-
-def test_a_gpu_s_triton_target_is_read_from_torch_without_triton_s_driver(monkeypatch):
-    """The GPU's Triton target (backend, arch, warp size) is computed from torch's compute capability as
-    Triton's CUDA driver computes it, without making that driver (which builds C helpers on a fresh
-    machine): the same tuple Triton's own `get_current_target` gives for that capability."""
-    from types import SimpleNamespace
-
-    import triton.runtime
-    from triton.backends.nvidia.driver import CudaDriver
-
-    from ember.backends.triton_target import gpu_arch
-
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-
-    class NoDriver:
-        @property
-        def active(self):
-            raise AssertionError("Triton's driver was made")
-
-    monkeypatch.setattr(triton.runtime, "driver", NoDriver())
-    fake = SimpleNamespace(get_current_device=lambda: 0, get_device_capability=lambda device: (9, 0))
-    theirs = CudaDriver.get_current_target(fake)
-    assert gpu_arch() == ("cuda", 90, 32) == (theirs.backend, theirs.arch, theirs.warp_size)

@@ -33,10 +33,10 @@ INDUCTOR_REGIONS = {
 # ember's counters (ember/stats.py) reported, under a reader's name.
 EMBER_COUNTERS = {
     "build_render_s": "ember build: render",
-    "build_module_load_s": "ember build: module load",
-    "build_gemm_compile_s": "ember build: kernel keys + GEMM templates",
+    "build_module_load_s": "ember build: module file",
+    "build_gemm_compile_s": "ember build: GEMM templates",
     "build_kernel_load_s": "ember build: kernels from launch records",
-    "build_compile_s": "ember build: Triton compile (wall)",
+    "build_compile_s": "ember build: kernel keys + Triton compile (wall)",
     "triton_front_end_s": "triton: front end (cpu)",
     "triton_ttir_s": "triton: ttir (cpu)",
     "triton_ttgir_s": "triton: ttgir (cpu)",
