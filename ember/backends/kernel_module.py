@@ -11,6 +11,7 @@ kernel's `kernel[grid]` path at run time (a misaligned buffer, a symbolic kernel
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from types import ModuleType
@@ -32,6 +33,7 @@ class KernelModule:
         self.seen = entry is not None
         self._data = (entry or cache.put("triton", self.key, {"kernels.py": source.encode()}))["kernels.py"]
         self._module: ModuleType | None = None
+        self._names: frozenset[str] | None = None  # the functions its source defines, read at the first `function()`
         self._lock = threading.Lock()  # GEMM templates compile in threads, each reading its function
 
     @property
@@ -42,15 +44,18 @@ class KernelModule:
         with self._lock:
             if self._module is None:
                 name = f"ember_kernels_{self.key[:16]}"
-                if name not in sys.modules:  # counted where it runs: another graph of this source imported it
-                    stats.add("kernel_modules_imported")
+                fresh = name not in sys.modules  # not where another graph of the same source imported it
                 self._module = scratch.import_private_copy(self._data, name)
+                if fresh:
+                    stats.add("kernel_modules_imported")
         return self._module
 
     def function(self, name: str) -> KernelFunction:
         """Kernel `name`'s `@triton.jit` function, imported when first used. A name the module does not
         define is an error now, not at the call that first takes its path."""
-        if f"\ndef {name}(".encode() not in self._data:
+        if self._names is None:
+            self._names = frozenset(m.decode() for m in re.findall(rb"^def (\w+)\(", self._data, re.MULTILINE))
+        if name not in self._names:
             raise KeyError(f"the kernel module {self.key[:16]} defines no function {name}")
         return KernelFunction(self, name)
 
