@@ -127,7 +127,7 @@ class TritonBackend:
             return {}
         clock("build_render_s")
         module = self._module_of(source)  # imported where a kernel's function is used (kernel_module.py)
-        clock("build_module_load_s")
+        clock("build_module_file_s")
         fns = {k.name: module.function(k.name) for k in kernels}
         namespace = {"triton": triton, "_stream": current_stream, **fns}
         # The 64-bit forms of symbolic kernels, launched through kernel[grid] past their guard.
@@ -141,9 +141,13 @@ class TritonBackend:
         namespace.update(gemm_fns)
         jobs = _warmup_jobs(fns, self.rendered)
         base = kernel_dedup.key_base(PRELUDE, self._target.key(), triton_identity())
+
+        def key_of(job: tuple) -> str:  # its normalized source and specialization (kernel_dedup.py)
+            return kernel_dedup.kernel_key(self.sources[job[0]], job[2:], base)
+
         if self._target.interpreted:  # Triton's interpreter compiles nothing: equal kernels share one function
-            for name, _, *specialization in jobs:
-                key = kernel_dedup.kernel_key(self.sources[name], specialization, base)
+            for job in jobs:
+                name, key = job[0], key_of(job)
                 shared = SHARED.get(key, None)
                 if shared is None:
                     stats.add("kernels_compiled")
@@ -162,8 +166,7 @@ class TritonBackend:
                 self.static[name] = static
         jobs = [j for j in jobs if j[0] not in self.static]
         clock("build_kernel_load_s")
-        # The kernels left to compile or find, by their normalized source (kernel_dedup.py).
-        keys = {j[0]: kernel_dedup.kernel_key(self.sources[j[0]], j[2:], base) for j in jobs}
+        keys = {j[0]: key_of(j) for j in jobs}  # only the kernels left to compile or find
         self._compile_distinct(jobs, keys, module, index if direct else None, namespace)
         clock("build_compile_s")
         if self.static:

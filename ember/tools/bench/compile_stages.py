@@ -33,7 +33,7 @@ INDUCTOR_REGIONS = {
 # ember's counters (ember/stats.py) reported, under a reader's name.
 EMBER_COUNTERS = {
     "build_render_s": "ember build: render",
-    "build_module_load_s": "ember build: module file",
+    "build_module_file_s": "ember build: module file",
     "build_gemm_compile_s": "ember build: GEMM templates",
     "build_kernel_load_s": "ember build: kernels from launch records",
     "build_compile_s": "ember build: kernel keys + Triton compile (wall)",
