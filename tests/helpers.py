@@ -178,10 +178,9 @@ def explain_strict(fn: Callable, *args, backend: str = "cpp", **options) -> Expl
         return ember.explain(fn, *args)
 
 
-def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
-    """Whether GCC vectorizes the innermost loop of a C++ kernel (the last loop nest's: a kernel's main one),
-    compiled as ember's C++ backend compiles it: `-fopt-info-vec-optimized` names a line inside each loop it
-    vectorized."""
+def _vectorized_lines(kernel_source: str) -> set[int]:
+    """The lines of a C++ kernel (numbered from 0) inside loops that GCC vectorizes, compiled as ember's
+    C++ backend compiles it: `-fopt-info-vec-optimized` names a line inside each loop it vectorized."""
     import re
     import subprocess
     import tempfile
@@ -199,12 +198,30 @@ def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
         flags = [f for f in FLAGS if f != "-shared"]
         cmd = [setting("cxx"), *flags, "-fopt-info-vec-optimized", "-c", str(src), "-o", str(Path(tmp) / "kernel.o")]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    hits = {int(m) - first for m in re.findall(r"kernel\.cpp:(\d+):\d+: optimized: loop vectorized", proc.stderr)}
-    lines = kernel_source.splitlines()
-    start = max(i for i, line in enumerate(lines) if line.strip().startswith("for ("))
+    return {int(m) - first for m in re.findall(r"kernel\.cpp:(\d+):\d+: optimized: loop vectorized", proc.stderr)}
+
+
+def _loop_end(lines: list[str], start: int) -> int:
     depth, end = 0, start
     for end in range(start, len(lines)):
         depth += lines[end].count("{") - lines[end].count("}")
         if depth == 0:
             break
+    return end
+
+
+def cpp_innermost_loop_vectorized(kernel_source: str) -> bool:
+    """Whether GCC vectorizes the innermost loop of a C++ kernel (the last loop nest's: a kernel's main one)."""
+    hits = _vectorized_lines(kernel_source)
+    lines = kernel_source.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.strip().startswith("for ("))
+    end = _loop_end(lines, start)
     return any(start <= h <= end for h in hits)
+
+
+def cpp_simd_loops_vectorized(kernel_source: str) -> list[bool]:
+    """For each loop of a C++ kernel under `#pragma omp simd`, in order, whether GCC vectorizes it."""
+    hits = _vectorized_lines(kernel_source)
+    lines = kernel_source.splitlines()
+    starts = [i + 1 for i, line in enumerate(lines) if line.strip() == "#pragma omp simd"]
+    return [any(s <= h <= _loop_end(lines, s) for h in hits) for s in starts]
