@@ -340,9 +340,9 @@ SETTINGS: dict[str, Setting] = {
             "sdpa_masked_flex",
             bool,
             True,
-            "in CUDA (Triton) graphs that need gradients, SDPA with a mask tensor runs as ember's FlexAttention "
-            "kernels with a BlockMask computed from the mask (blocks it removes skipped); off: SDPA's "
-            "memory-efficient kernel (frontend/masked_attention.py)",
+            "in CUDA (Triton) graphs that need gradients, SDPA with a mask tensor, or causal without one, runs as "
+            "ember's FlexAttention kernels over a BlockMask computed from the mask or the lengths (blocks it removes "
+            "skipped); off: SDPA's memory-efficient or flash kernel (frontend/masked_attention.py)",
             codegen=True,
         ),
         Setting(

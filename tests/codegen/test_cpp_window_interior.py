@@ -19,6 +19,7 @@ from torch import nn
 
 from ember.codegen.cpp_interior import _bound, expr_range, interior, simplify_clamps
 from ember.schedule.kernel import KConst, KIndex, KLoad, KOp
+from tests.aten.test_depthwise_convolution import DepthwiseBlock
 from tests.helpers import (
     assert_close,
     assert_no_fallback,
@@ -32,19 +33,6 @@ from tests.helpers import (
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-class Depthwise(nn.Module):
-    def __init__(self, channels, k=3, stride=1, padding=1, dilation=1, pad=None):
-        super().__init__()
-        self.pad = pad
-        self.conv = nn.Conv2d(channels, channels, k, stride, padding, dilation, groups=channels, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-
-    def forward(self, x):
-        if self.pad is not None:
-            x = F.pad(x, self.pad)
-        return F.relu6(self.bn(self.conv(x)))
-
-
 class Pool(nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -56,17 +44,21 @@ class Pool(nn.Module):
 
 # name -> (module, input shape, whether the kernel has an interior)
 CASES = {
-    "depthwise-3x3": (lambda: Depthwise(16), (1, 16, 13, 13), True),
-    "depthwise-3x3-batch3": (lambda: Depthwise(8), (3, 8, 10, 11), True),
-    "depthwise-5x5-stride2": (lambda: Depthwise(8, k=5, stride=2, padding=2), (1, 8, 19, 19), True),
-    "depthwise-7x7": (lambda: Depthwise(24, k=7, padding=3), (1, 24, 16, 16), True),
-    "depthwise-dilated": (lambda: Depthwise(8, padding=2, dilation=2), (1, 8, 14, 12), True),
-    "depthwise-tf-pad-stride2": (lambda: Depthwise(8, stride=2, padding=0, pad=(0, 1, 0, 1)), (1, 8, 16, 16), True),
+    "depthwise-3x3": (lambda: DepthwiseBlock(16), (1, 16, 13, 13), True),
+    "depthwise-3x3-batch3": (lambda: DepthwiseBlock(8), (3, 8, 10, 11), True),
+    "depthwise-5x5-stride2": (lambda: DepthwiseBlock(8, k=5, stride=2, padding=2), (1, 8, 19, 19), True),
+    "depthwise-7x7": (lambda: DepthwiseBlock(24, k=7, padding=3), (1, 24, 16, 16), True),
+    "depthwise-dilated": (lambda: DepthwiseBlock(8, padding=2, dilation=2), (1, 8, 14, 12), True),
+    "depthwise-tf-pad-stride2": (
+        lambda: DepthwiseBlock(8, stride=2, padding=0, pad=(0, 1, 0, 1)),
+        (1, 8, 16, 16),
+        True,
+    ),
     # no padding: no bounds to check, but a window's taps along the row, computed a block at a time
-    "depthwise-valid": (lambda: Depthwise(8, padding=0), (1, 8, 12, 13), True),
+    "depthwise-valid": (lambda: DepthwiseBlock(8, padding=0), (1, 8, 12, 13), True),
     # a box narrower than a block (one position at a time inside it), and a window wider than the image
-    "depthwise-narrow-box": (lambda: Depthwise(8), (1, 8, 4, 4), True),
-    "depthwise-no-box": (lambda: Depthwise(8, k=5, padding=2), (1, 8, 3, 3), False),
+    "depthwise-narrow-box": (lambda: DepthwiseBlock(8), (1, 8, 4, 4), True),
+    "depthwise-no-box": (lambda: DepthwiseBlock(8, k=5, padding=2), (1, 8, 3, 3), False),
     "max-pool-stem": (lambda: Pool(lambda x: F.max_pool2d(x, 3, 2, 1)), (2, 16, 15, 15), True),
     "max-pool-stride1": (lambda: Pool(lambda x: F.max_pool2d(x, 3, 1, 1)), (1, 16, 9, 10), True),
     "pad-into-reader": (lambda: Pool(lambda x: F.pad(x, (2, 1, 1, 2)).relu() * 2), (1, 16, 9, 9), True),

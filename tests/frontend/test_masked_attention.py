@@ -1,8 +1,8 @@
-"""SDPA with a mask tensor in a graph that needs gradients, compiled for Triton, runs as ember's
-FlexAttention kernels over a BlockMask computed from the mask (frontend/masked_attention.py):
-output and gradients against eager SDPA through Triton's interpreter, for boolean and additive
-masks, broadcast dims, GQA, cross attention and lengths no multiple of the blocks; and the calls
-it leaves to SDPA."""
+"""SDPA with a mask tensor, or causal without one, in a graph that needs gradients, compiled for
+Triton, runs as ember's FlexAttention kernels over a BlockMask computed from the mask or the lengths
+(frontend/masked_attention.py): output and gradients against eager SDPA through Triton's
+interpreter, for boolean and additive masks, causal calls, broadcast dims, GQA, cross attention and
+lengths no multiple of the blocks; and the calls it leaves to SDPA."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.frontend.masked_attention import BLOCK, flex_for_masked_sdpa, mask_blocks
+from ember.frontend.masked_attention import BLOCK, causal_blocks, flex_for_masked_sdpa, mask_blocks
 from tests.helpers import assert_close, assert_no_fallback, dynamo_graph, ember_compile, reports, repro
 
 
@@ -83,6 +83,59 @@ def test_masked_sdpa_training_matches_eager_through_flex_kernels(name):
         assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
 
 
+# name: (B, H, H_kv, L, S, D); L > S and L < S: SDPA's causal mask is aligned to the top left
+CAUSAL = {
+    "causal": (2, 2, 2, 72, 72, 16),
+    "causal_gqa": (1, 4, 2, 48, 48, 16),
+    "causal_blocks_full_and_partial": (1, 2, 1, 300, 300, 16),
+    "causal_more_queries": (1, 2, 2, 140, 100, 16),
+    "causal_more_keys": (1, 2, 2, 100, 140, 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL))
+def test_causal_sdpa_training_matches_eager_through_flex_kernels(name):
+    B, H, H_kv, L, S, D = CAUSAL[name]
+    torch.manual_seed(0)
+    q = torch.randn(B, H, L, D, requires_grad=True)
+    k, v = (torch.randn(B, H_kv, S, D, requires_grad=True) for _ in range(2))
+    gqa = H != H_kv
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa) * 2
+
+    line = repro(case=name, backend="triton", shape=(B, H, H_kv, L, S, D))
+    out = fn(q, k, v)
+    grad = torch.randn_like(out)
+    want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    with reports() as report:
+        out = ember_compile(fn, "triton")(q, k, v)
+        got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
+    assert_no_fallback(report, line)
+    hosts = "\n".join(g.host_source for g in report.graphs)
+    assert "flex_attention_kernel" in hosts and "flex_attention_backward_kernel" in hosts, line
+    for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
+
+
+@pytest.mark.parametrize("lengths", [(300, 300), (BLOCK * 2, BLOCK * 2), (140, 100), (100, 300)])
+def test_causal_blocks_equal_those_of_the_causal_mask(lengths):
+    """The blocks computed from the lengths alone list what mask_blocks lists for SDPA's causal mask."""
+    L, S = lengths
+    q, k = torch.empty(1, 1, L, 1), torch.empty(1, 1, S, 1)
+    causal = torch.ones(L, S, dtype=torch.bool).tril()
+    for ours, theirs in zip(causal_blocks(q, k), mask_blocks(causal, q, k)):
+        assert ours.shape == theirs.shape, lengths
+        if ours.dim() == theirs.dim() == 3:  # counts
+            assert torch.equal(ours, theirs), lengths
+    ours, theirs = causal_blocks(q, k), mask_blocks(causal, q, k)
+    for idx, num in ((1, 0), (3, 2), (5, 4), (7, 6)):  # each list's listed entries, in any order
+        for row in range(ours[num].numel()):
+            n = int(ours[num].flatten()[row])
+            a = sorted(ours[idx].flatten(0, -2)[row, :n].tolist())
+            assert a == sorted(theirs[idx].flatten(0, -2)[row, :n].tolist()), (lengths, idx, row)
+
+
 def test_mask_blocks_lists_partial_and_full_blocks_both_ways():
     """Blocks the mask removes entirely are listed nowhere, full ones apart from partial ones, past
     the sequence counts as removed; the query side lists the same blocks by column."""
@@ -134,7 +187,9 @@ def test_calls_left_to_sdpa():
     bool_mask = torch.rand(32, 32) > 0.5
     grad_mask = torch.randn(32, 32, requires_grad=True)
     assert _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, bool_mask)
-    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
+    assert _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
+    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1), q)
+    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q), q)  # flash attention takes it
     assert not _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, grad_mask)
     assert not _rewritten(
         lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1), q, bool_mask
