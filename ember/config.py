@@ -340,9 +340,19 @@ SETTINGS: dict[str, Setting] = {
             "sdpa_masked_flex",
             bool,
             True,
-            "in CUDA (Triton) graphs that need gradients, SDPA with a mask tensor, or causal without one, runs as "
-            "ember's FlexAttention kernels over a BlockMask computed from the mask or the lengths (blocks it removes "
-            "skipped); off: SDPA's memory-efficient or flash kernel (frontend/masked_attention.py)",
+            "in CUDA (Triton) graphs that need gradients, SDPA with a mask tensor runs as ember's FlexAttention "
+            "kernels with a BlockMask computed from the mask (blocks it removes skipped); off: SDPA's "
+            "memory-efficient kernel (frontend/masked_attention.py)",
+            codegen=True,
+        ),
+        Setting(
+            "sdpa_causal_flex",
+            bool,
+            False,
+            "in CUDA (Triton) graphs that need gradients, causal SDPA without a mask runs as ember's FlexAttention "
+            "kernels over a causal BlockMask, faster than flash attention in training; off by default, since a graph "
+            "with a FlexAttention call keeps no cached schedule or AOTAutograd entry: every process compiles it again "
+            "(frontend/masked_attention.py)",
             codegen=True,
         ),
         Setting(

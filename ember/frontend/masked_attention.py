@@ -12,7 +12,11 @@ badly where cuDNN's is excluded (frontend/attention_backward.py says why):
   took 2.05 ms at 4096 tokens (B4 H16 D64, bf16, H200) where ember's FlexAttention kernels over a
   causal BlockMask took 1.58 (3.57 against 2.77 at head size 128; 0.74 against 0.54 at 1024 tokens).
 
-Such a call becomes `flex_attention` (ember's own flash-attention kernel, forward and backward).
+Such a call becomes `flex_attention` (ember's own flash-attention kernel, forward and backward):
+masked calls by default (setting `sdpa_masked_flex`), causal ones where `sdpa_causal_flex` is on. The
+latter is off by default because a graph holding a FlexAttention call keeps no cached schedule and no
+AOTAutograd entry, so a warm start compiles it again: a causal language model's training step would
+trade its warm start for the faster attention.
 A masked call's BlockMask is computed from the mask's values at run time: a block of scores the
 mask removes entirely is skipped, one it keeps entirely is computed without reading the mask, and
 only the blocks in between read it. A boolean mask becomes the `mask_mod` `mask[b, h, q, kv]`; a
@@ -55,31 +59,33 @@ def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule 
     rewrote it (what runs if ember falls back: SDPA, not PyTorch's dense FlexAttention), else None."""
     from ember.frontend.attention_backward import graph_on_cuda, may_need_gradients
 
-    if not config.get("sdpa_masked_flex") or not may_need_gradients(gm, example_inputs):
+    masked, causal = config.get("sdpa_masked_flex"), config.get("sdpa_causal_flex")
+    if not (masked or causal) or not may_need_gradients(gm, example_inputs):
         return None
     backend = config.get("backend")
     if backend == "cpp" or (backend != "triton" and not graph_on_cuda(gm, example_inputs)):
         return None
-    if not any(_rewritable(n) for n in gm.graph.nodes):
+    if not any(_rewritable(n, masked, causal) for n in gm.graph.nodes):
         return None
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     original = fx.GraphModule(gm, graph)
-    made = flex_for_masked_sdpa(gm)
+    made = flex_for_masked_sdpa(gm, masked, causal)
     if not made:
         return None
     log.artifact("patterns", f"{len(made)} masked or causal SDPA call(s) as flex_attention", lambda: "\n".join(made))
     return original
 
 
-def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
-    """Rewrite each SDPA call of `gm` that takes a mask tensor, or is causal without one, and that the
-    rules above allow (the caller has decided that the graph needs gradients and compiles for Triton)."""
+def flex_for_masked_sdpa(gm: fx.GraphModule, masked: bool = True, causal: bool = False) -> list[str]:
+    """Rewrite each SDPA call of `gm` that takes a mask tensor (`masked`), or is causal without one
+    (`causal`), and that the rules above allow (the caller has decided that the graph needs gradients
+    and compiles for Triton)."""
     made = []
     blocks_of: dict[tuple, fx.Node] = {}
     written = _written_in_place(gm.graph)
     for node in list(gm.graph.nodes):
-        if not _rewritable(node):
+        if not _rewritable(node, masked, causal):
             continue
         mask = call_arg(node, 3, "attn_mask")
         reason = "a mask the graph writes in place" if mask is not None and mask in written else _refusal(node)
@@ -115,12 +121,14 @@ def flex_for_masked_sdpa(gm: fx.GraphModule) -> list[str]:
     return made
 
 
-def _rewritable(node: fx.Node) -> bool:
-    """An SDPA call with a mask tensor, or causal without one."""
+def _rewritable(node: fx.Node, masked: bool, causal: bool) -> bool:
+    """An SDPA call with a mask tensor (where `masked`), or causal without one (where `causal`)."""
     if node.op != "call_function" or node.target is not F.scaled_dot_product_attention:
         return False
     mask = call_arg(node, 3, "attn_mask")
-    return isinstance(mask, fx.Node) or (mask is None and call_arg(node, 5, "is_causal", False) is True)
+    if isinstance(mask, fx.Node):
+        return masked
+    return causal and mask is None and call_arg(node, 5, "is_causal", False) is True
 
 
 def _written_in_place(graph: fx.Graph) -> set[fx.Node]:

@@ -109,7 +109,7 @@ def test_causal_sdpa_training_matches_eager_through_flex_kernels(name):
     grad = torch.randn_like(out)
     want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
     with reports() as report:
-        out = ember_compile(fn, "triton")(q, k, v)
+        out = ember_compile(fn, "triton", sdpa_causal_flex=True)(q, k, v)
         got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
     assert_no_fallback(report, line)
     hosts = "\n".join(g.host_source for g in report.graphs)
@@ -177,9 +177,9 @@ def test_mask_blocks_query_side_as_torchs_own_transpose():
             assert sorted(ours.flatten(0, -2)[row, :n].tolist()) == sorted(theirs.flatten(0, -2)[row, :n].tolist())
 
 
-def _rewritten(fn, *args) -> list[str]:
+def _rewritten(fn, *args, causal: bool = True) -> list[str]:
     gm, _ = dynamo_graph(fn, *args)
-    return flex_for_masked_sdpa(gm)
+    return flex_for_masked_sdpa(gm, causal=causal)
 
 
 def test_calls_left_to_sdpa():
@@ -188,6 +188,7 @@ def test_calls_left_to_sdpa():
     grad_mask = torch.randn(32, 32, requires_grad=True)
     assert _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, bool_mask)
     assert _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q)
+    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q, causal=False)
     assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1), q)
     assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q), q)  # flash attention takes it
     assert not _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, grad_mask)
