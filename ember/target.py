@@ -187,12 +187,12 @@ class CppHeuristics:
     row_cache_min_work: int = 4
     # A pointwise kernel whose `where`s check window bounds (a depthwise convolution's taps, a padded
     # pool) writes its vector loop twice: once for the box of positions inside every window, with the
-    # checks and clamps gone, and once for the border (codegen/cpp_interior.py). 0: one loop.
+    # checks and clamps gone, and once for the border (codegen/cpp_interior.py). Off: one loop.
     window_interiors: bool = True
     # Inside that box, the innermost outer loop's positions (a row's pixels) are computed window_jam at a
     # time in one vector loop, which reads what does not change along it (a depthwise convolution's
-    # weights) once for all of them: on the 2-core AMD machine a 3x3 depthwise over 144 channels at 56x56
-    # took 118 us a position at a time, 71 us four at a time (2-3 at a time gained half of that, 8 lost).
+    # weights) once for all of them: on the 2-core AMD machine, code of this form for a 3x3 depthwise over 144
+    # channels at 56x56 took 118 us a position at a time, 71 us four at a time (2-3 gained half of that, 8 lost).
     window_jam: int = 4
 
 

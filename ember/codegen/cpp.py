@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from ember.codegen.cpp_columns import ColumnTiles
-from ember.codegen.cpp_interior import Interior, interior
+from ember.codegen.cpp_interior import Interior, WindowInteriors
 from ember.codegen.render import Renderer, print_index, unclamped
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
@@ -188,7 +188,7 @@ def _one_hot(r: KReduce, kernel: Kernel, var) -> tuple[KNode, KNode] | None:
     return None
 
 
-class CppRenderer(ColumnTiles, Renderer):
+class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
     persistent = False
 
     def __init__(self, kernel: Kernel, shared: frozenset = frozenset(), heuristics: CppHeuristics | None = None):
@@ -229,32 +229,6 @@ class CppRenderer(ColumnTiles, Renderer):
 
     def index_of(self, expr) -> str:
         return print_index(self._index(expr), "/")
-
-    def _index(self, expr):
-        """An index over the loop variables; inside a window's interior, without the clamps it decides,
-        at the block's position `_shift`."""
-        expr = self.kernel.index(expr)
-        return self._interior.index(expr, self._shift) if self._interior is not None else expr
-
-    def emit_node(self, node: KNode) -> None:
-        """As Renderer's, but inside a window's interior a node whose value the box decides is that
-        constant, and a `where` whose condition it decides is the operand it picks (neither emits what
-        it would have read)."""
-        inner = self._interior
-        if inner is None or id(node) in self.names or isinstance(node, KConst):
-            return super().emit_node(node)
-        t = CPP_DTYPE[node.dtype]
-        if id(node) in inner.facts:
-            value = self.const(KConst(node.dtype, node.full, node.ready, inner.facts[id(node)]))
-        elif isinstance(node, KOp) and node.fn == "where" and id(node.operands[0]) in inner.facts:
-            chosen = node.operands[1] if inner.facts[id(node.operands[0])] else node.operands[2]
-            self.emit_node(chosen)
-            value = f"static_cast<{t}>({self.ref(chosen)})"
-        else:
-            return super().emit_node(node)
-        name = self.fresh()
-        self.names[id(node)] = name
-        self.emit(f"{t} {name} = {value};")
 
     def define(self, name: str, node: KNode) -> None:
         t = CPP_DTYPE[node.dtype]
@@ -618,66 +592,6 @@ class CppRenderer(ColumnTiles, Renderer):
         self.indent -= 1
         self.emit("}")
         return "\n".join(self.lines)
-
-    def _window_interior(self) -> Interior | None:
-        """The box where a pointwise kernel's window bounds hold (cpp_interior.py), for a kernel of
-        several outer loops whose checks do not change along its vector loop; None elsewhere."""
-        if self.checks_rows or not self.h.window_interiors:
-            return None
-        picks = [n for n in self.nodes if self._picks(n)]
-        return interior(self.nodes, self.kernel.index, self._dims(reduce=False), picks, self.h.window_jam)
-
-    def _interior_and_rest(self, inner: Interior, jammed: tuple, vector: tuple) -> None:
-        """The innermost outer loop in blocks of `inner.jam` positions: a block inside the box runs one
-        vector loop computing its positions together, with what the box decides folded (the values that
-        do not change along the block's loop, such as a window's weights, read once for all of them);
-        any other block runs the vector loop as it is, a position at a time."""
-        v, size = jammed
-        p, origin = inner.jam, inner.origin
-        blocks = -(-(int(size) - origin) // p)
-        start = f"{v.name}_start"
-        self.emit(f"for (int64_t {v.name}_block = 0; {v.name}_block < {blocks}; {v.name}_block++) {{")
-        self.indent += 1
-        self.emit(f"const int64_t {start} = {origin} + {v.name}_block * {p};")
-        saved = dict(self.names)
-        self.emit(f"if ({inner.condition(start)}) {{")
-        self.indent += 1
-        self.emit(f"const int64_t {v.name} = {start};")
-        self._vector_loop(vector, inner, saved)
-        self.indent -= 1
-        self.emit("} else {")
-        self.indent += 1
-        first, last = f"std::max<int64_t>({start}, 0)", f"std::min<int64_t>({start} + {p}, {int(size)})"
-        self.emit(f"for (int64_t {v.name} = {first}; {v.name} < {last}; {v.name}++) {{")
-        self.indent += 1
-        self._vector_loop(vector, None, saved)
-        self.indent -= 1
-        self.emit("}")
-        self.indent -= 1
-        self.emit("}")
-        self.indent -= 1
-        self.emit("}")
-        self.names = saved
-
-    def _vector_loop(self, vector: tuple, inner: Interior | None, names: dict) -> None:
-        """The vector loop over the kernel's body: as it is (`inner` None), or inside the box, once per
-        position of a block (the block's variable shifted by each; what does not read it, once)."""
-        v, s = vector
-        self.emit("#pragma omp simd")
-        self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
-        self.indent += 1
-        self.names = dict(names)
-        if inner is None:
-            self.body()
-        else:
-            shared = dict(names)
-            for offset in range(inner.jam):
-                self._interior, self._shift = inner, offset
-                self.names = {**shared, **{k: n for k, n in self.names.items() if k in inner.fixed}}
-                self.body()
-            self._interior, self._shift = None, 0
-        self.indent -= 1
-        self.emit("}")
 
 
 def render_cpp(kernel: Kernel, target: Target, shared: frozenset = frozenset()) -> tuple[str, list]:

@@ -23,9 +23,10 @@ another kernel) gets the blocks alone:
         if (l0 >= 1 && l0 < 111 && l1_start >= 1 && l1_start + 4 <= 111) { one vector loop, 4 pixels }
         else for (l1 in the block) { vector loop, as before }
 
-On the 2-core AMD machine a depthwise 3x3 over 32 channels at 112x112 with its batch norm and ReLU6
-took 234 us in one body, 95 us with the interior apart; over 144 channels at 56x56, 118 us a pixel at a
-time and 71 us four at a time. Every position computes the same operations in the same order as before.
+On the 2-core AMD machine, the kernel of a depthwise 3x3 over 32 channels at 112x112 with its batch norm
+and ReLU6, called alone, took 234 us in one body and 95 us with the interior apart; code of the same form
+over 144 channels at 56x56 took 118 us a pixel at a time and 71 us four at a time (whole compiled calls:
+decisions.md). Every position computes the same operations in the same order as before.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
+from ember.codegen.render import print_index
 from ember.ir import ops
 from ember.schedule.kernel import KConst, KConvert, KIndex, KLoad, KNode, KOp
 
@@ -82,6 +84,98 @@ class Interior:
         return self._indices[key]
 
 
+class WindowInteriors:
+    """Mixed into the C++ renderer (codegen/cpp.py: CppRenderer), whose emission, loop dims and picks it
+    uses (`emit`, `body`, `names`, `_dims`, `_picks`, `h`: its CppHeuristics): the loops and bodies of a
+    kernel with an interior, and how nodes and indices read inside it (`_interior`, `_shift`)."""
+
+    def _index(self, expr):
+        """An index over the loop variables; inside a window's interior, without the clamps it decides,
+        at the block's position `_shift`."""
+        expr = self.kernel.index(expr)
+        return self._interior.index(expr, self._shift) if self._interior is not None else expr
+
+    def emit_node(self, node: KNode) -> None:
+        """As Renderer's, but inside a window's interior a node whose value the box decides is that
+        constant, and a `where` whose condition it decides is the operand it picks (neither emits what
+        it would have read)."""
+        inner = self._interior
+        if inner is None or id(node) in self.names or isinstance(node, KConst):
+            return super().emit_node(node)
+        t = self.ctype(node.dtype)
+        if id(node) in inner.facts:
+            value = self.const(KConst(node.dtype, node.full, node.ready, inner.facts[id(node)]))
+        elif isinstance(node, KOp) and node.fn == "where" and id(node.operands[0]) in inner.facts:
+            chosen = node.operands[1] if inner.facts[id(node.operands[0])] else node.operands[2]
+            self.emit_node(chosen)
+            value = f"static_cast<{t}>({self.ref(chosen)})"
+        else:
+            return super().emit_node(node)
+        name = self.fresh()
+        self.names[id(node)] = name
+        self.emit(f"{t} {name} = {value};")
+
+    def _window_interior(self) -> Interior | None:
+        """The box where a pointwise kernel's window bounds hold (cpp_interior.py), for a kernel of
+        several outer loops whose checks do not change along its vector loop; None elsewhere."""
+        if self.checks_rows or not self.h.window_interiors:
+            return None
+        picks = [n for n in self.nodes if self._picks(n)]
+        return interior(self.nodes, self.kernel.index, self._dims(reduce=False), picks, self.h.window_jam)
+
+    def _interior_and_rest(self, inner: Interior, jammed: tuple, vector: tuple) -> None:
+        """The innermost outer loop in blocks of `inner.jam` positions: a block inside the box runs one
+        vector loop computing its positions together, with what the box decides folded (the values that
+        do not change along the block's loop, such as a window's weights, read once for all of them);
+        any other block runs the vector loop as it is, a position at a time."""
+        v, size = jammed
+        p, origin = inner.jam, inner.origin
+        blocks = -(-(int(size) - origin) // p)
+        start = f"{v.name}_start"
+        self.emit(f"for (int64_t {v.name}_block = 0; {v.name}_block < {blocks}; {v.name}_block++) {{")
+        self.indent += 1
+        self.emit(f"const int64_t {start} = {origin} + {v.name}_block * {p};")
+        saved = dict(self.names)
+        self.emit(f"if ({inner.condition(start)}) {{")
+        self.indent += 1
+        self.emit(f"const int64_t {v.name} = {start};")
+        self._vector_loop(vector, inner, saved)
+        self.indent -= 1
+        self.emit("} else {")
+        self.indent += 1
+        first, last = f"std::max<int64_t>({start}, 0)", f"std::min<int64_t>({start} + {p}, {int(size)})"
+        self.emit(f"for (int64_t {v.name} = {first}; {v.name} < {last}; {v.name}++) {{")
+        self.indent += 1
+        self._vector_loop(vector, None, saved)
+        self.indent -= 1
+        self.emit("}")
+        self.indent -= 1
+        self.emit("}")
+        self.indent -= 1
+        self.emit("}")
+        self.names = saved
+
+    def _vector_loop(self, vector: tuple, inner: Interior | None, names: dict) -> None:
+        """The vector loop over the kernel's body: as it is (`inner` None), or inside the box, once per
+        position of a block (the block's variable shifted by each; what does not read it, once)."""
+        v, s = vector
+        self.emit("#pragma omp simd")
+        self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
+        self.indent += 1
+        self.names = dict(names)
+        if inner is None:
+            self.body()
+        else:
+            shared = dict(names)
+            for offset in range(inner.jam):
+                self._interior, self._shift = inner, offset
+                self.names = {**shared, **{k: n for k, n in self.names.items() if k in inner.fixed}}
+                self.body()
+            self._interior, self._shift = None, 0
+        self.indent -= 1
+        self.emit("}")
+
+
 def interior(
     nodes: list[KNode], index, loops: list[tuple[sympy.Symbol, object]], picks: list[KOp], jam: int = 1
 ) -> Interior | None:
@@ -97,6 +191,7 @@ def interior(
     outer = [v for v, _ in loops[:-1]]
     var = outer[-1]
     fixed = _not_reading(nodes, index, var)
+    jam = max(1, jam)
     if not _jam_pays(nodes, index, fixed, loops[-1][0]):
         jam = 1
     found = _box(nodes, index, outer, full, picks)
@@ -292,7 +387,8 @@ def _range(n: KNode, index, ranges: dict, rng) -> tuple[int, int] | None:
             return None
         if n.dtype == torch.bool:
             return (1, 1) if r[0] > 0 or r[1] < 0 else (0, 0) if r == (0, 0) else (0, 1)
-        return r
+        limits = torch.iinfo(n.dtype)
+        return r if limits.min <= r[0] and r[1] <= limits.max else None  # a narrowing that may wrap: unknown
     if not isinstance(n, KOp):
         return None
     rs = [rng(a) for a in n.operands]

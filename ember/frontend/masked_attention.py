@@ -9,14 +9,16 @@ badly where cuDNN's is excluded (frontend/attention_backward.py says why):
   (frontend/constant_masks.py) cannot see that it is causal, and the training step pays for it: on
   an H100, OPT's attention took 10.8 ms a step against cuDNN's 4.1.
 - A causal call (`is_causal=True`, no mask) traces into flash attention, whose forward and backward
-  took 2.05 ms at 4096 tokens (B4 H16 D64, bf16, H200) where ember's FlexAttention kernels over a
-  causal BlockMask took 1.58 (3.57 against 2.77 at head size 128; 0.74 against 0.54 at 1024 tokens).
+  took 2.05 ms of device time a step at 4096 tokens (B4 H16 D64, bf16, H200) where ember's FlexAttention
+  kernels over a causal BlockMask took 1.59 (3.57 against 2.81 at head size 128; 0.74 against 0.70 at 1024
+  tokens, B16).
 
 Such a call becomes `flex_attention` (ember's own flash-attention kernel, forward and backward):
 masked calls by default (setting `sdpa_masked_flex`), causal ones where `sdpa_causal_flex` is on. The
 latter is off by default because a graph holding a FlexAttention call keeps no cached schedule and no
 AOTAutograd entry, so a warm start compiles it again: a causal language model's training step would
 trade its warm start for the faster attention.
+
 A masked call's BlockMask is computed from the mask's values at run time: a block of scores the
 mask removes entirely is skipped, one it keeps entirely is computed without reading the mask, and
 only the blocks in between read it. A boolean mask becomes the `mask_mod` `mask[b, h, q, kv]`; a
@@ -70,14 +72,14 @@ def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule 
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     original = fx.GraphModule(gm, graph)
-    made = flex_for_masked_sdpa(gm, masked, causal)
+    made = flex_for_sdpa(gm, masked, causal)
     if not made:
         return None
     log.artifact("patterns", f"{len(made)} masked or causal SDPA call(s) as flex_attention", lambda: "\n".join(made))
     return original
 
 
-def flex_for_masked_sdpa(gm: fx.GraphModule, masked: bool = True, causal: bool = False) -> list[str]:
+def flex_for_sdpa(gm: fx.GraphModule, masked: bool = True, causal: bool = False) -> list[str]:
     """Rewrite each SDPA call of `gm` that takes a mask tensor (`masked`), or is causal without one
     (`causal`), and that the rules above allow (the caller has decided that the graph needs gradients
     and compiles for Triton)."""
@@ -167,10 +169,9 @@ def _refusal(node: fx.Node) -> str | None:
     if not isinstance(gqa, bool):
         return "enable_gqa computed in the graph"
     q, k, v = (example_value(a) for a in node.args[:3])
-    m = example_value(mask) if mask is not None else torch.ones((), dtype=torch.bool)  # causal: no mask
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, m)):
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "no example values"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or m.dim() > 4:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "query, key and value not of 4 dims"
     if not all(isinstance(s, int) for t in (q, k, v) for s in (t.shape[1], t.shape[3])):
         return "head counts or head sizes known only at run time"
@@ -180,6 +181,15 @@ def _refusal(node: fx.Node) -> str | None:
         return "keys or values broadcast over the batch"
     if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or (q.shape[1] != k.shape[1] and not gqa):
         return "head counts or sizes that FlexAttention does not take"
+    return None if mask is None else _mask_refusal(example_value(mask), q, k)
+
+
+def _mask_refusal(m, q: torch.Tensor, k: torch.Tensor) -> str | None:
+    """Why a mask keeps its SDPA call, or None."""
+    if not isinstance(m, torch.Tensor):
+        return "no example values"
+    if m.dim() > 4:
+        return "a mask of more than 4 dims"
     if m.requires_grad:
         return "a mask that needs a gradient"
     if m.dtype != torch.bool and not m.dtype.is_floating_point:

@@ -42,10 +42,13 @@ class Pool(nn.Module):
         return self.fn(x)
 
 
-# name -> (module, input shape, whether the kernel has an interior)
+# name -> (module, input shape, whether the kernel has an interior); channels last but where named "rows"
 CASES = {
     "depthwise-3x3": (lambda: DepthwiseBlock(16), (1, 16, 13, 13), True),
     "depthwise-3x3-batch3": (lambda: DepthwiseBlock(8), (3, 8, 10, 11), True),
+    # row-major: the vector loop walks a row, and each tap's one check of both coordinates varies along it:
+    # no pick, no interior (the one-loop kernel, as before)
+    "depthwise-3x3-rows": (lambda: DepthwiseBlock(8), (2, 8, 11, 12), False),
     "depthwise-5x5-stride2": (lambda: DepthwiseBlock(8, k=5, stride=2, padding=2), (1, 8, 19, 19), True),
     "depthwise-7x7": (lambda: DepthwiseBlock(24, k=7, padding=3), (1, 24, 16, 16), True),
     "depthwise-dilated": (lambda: DepthwiseBlock(8, padding=2, dilation=2), (1, 8, 14, 12), True),
@@ -69,8 +72,9 @@ def _compile(name, **heuristics):
     make, shape, _ = CASES[name]
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = randomize_bn(make()).eval().to(memory_format=torch.channels_last)
-    x = torch.randn(shape).to(memory_format=torch.channels_last)
+    layout = torch.contiguous_format if "rows" in name else torch.channels_last
+    model = randomize_bn(make()).eval().to(memory_format=layout)
+    x = torch.randn(shape).to(memory_format=layout)
     text = ",".join(f"cpp.{k}={v}" for k, v in heuristics.items())
     with torch.no_grad(), reports() as report:
         expected = model(x)
@@ -90,9 +94,9 @@ def test_interior_matches_one_body_and_eager(name):
     assert_close(jammed, plain, rtol=1e-6, atol=1e-6, what=f"{name}: four positions at a time", line=line)
     assert_close(single, plain, rtol=1e-6, atol=1e-6, what=f"{name}: one position at a time", line=line)
     has_interior = CASES[name][2]
-    written = [s for s in sources if "_block" in s]
+    written = [s for s in sources if "_start" in s]
     assert bool(written) == has_interior, f"interior written: {bool(written)}\n{line}"
-    assert not any("_block" in s for s in plain_sources), line
+    assert not any("_start" in s for s in plain_sources), line
     for source in written:  # every vector loop, inside the box and at its border
         loops = cpp_simd_loops_vectorized(source)
         assert loops and all(loops), f"vectorized: {loops}\n{source}\n{line}"
@@ -101,7 +105,7 @@ def test_interior_matches_one_body_and_eager(name):
 def test_a_block_reads_the_weights_once_for_its_positions():
     """Inside the box a block of four pixels loads each of the nine weights once, and each pixel's nine taps."""
     _, sources, line = _compile("depthwise-3x3", window_jam=4)
-    (source,) = [s for s in sources if "_block" in s]
+    (source,) = [s for s in sources if "_start" in s]
     block = source.split("_start + 4 <=", 1)[1].split("} else {", 1)[0]
     loads = re.findall(r"= in_v\d+\[", block)
     # 9 weights + 2 batch-norm affine values, once; 9 taps for each of 4 pixels

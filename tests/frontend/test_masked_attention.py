@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.frontend.masked_attention import BLOCK, causal_blocks, flex_for_masked_sdpa, mask_blocks
+from ember.frontend.masked_attention import BLOCK, causal_blocks, flex_for_sdpa, mask_blocks
 from tests.helpers import assert_close, assert_no_fallback, dynamo_graph, ember_compile, reports, repro
 
 
@@ -90,6 +90,7 @@ CAUSAL = {
     "causal_blocks_full_and_partial": (1, 2, 1, 300, 300, 16),
     "causal_more_queries": (1, 2, 2, 140, 100, 16),
     "causal_more_keys": (1, 2, 2, 100, 140, 16),
+    "causal_scaled": (1, 2, 2, 130, 130, 16),
 }
 
 
@@ -101,8 +102,10 @@ def test_causal_sdpa_training_matches_eager_through_flex_kernels(name):
     k, v = (torch.randn(B, H_kv, S, D, requires_grad=True) for _ in range(2))
     gqa = H != H_kv
 
+    scale = 0.3 if name == "causal_scaled" else None
+
     def fn(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa) * 2
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale) * 2
 
     line = repro(case=name, backend="triton", shape=(B, H, H_kv, L, S, D))
     out = fn(q, k, v)
@@ -179,7 +182,7 @@ def test_mask_blocks_query_side_as_torchs_own_transpose():
 
 def _rewritten(fn, *args, causal: bool = True) -> list[str]:
     gm, _ = dynamo_graph(fn, *args)
-    return flex_for_masked_sdpa(gm, causal=causal)
+    return flex_for_sdpa(gm, causal=causal)
 
 
 def test_calls_left_to_sdpa():
