@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from ember.codegen.cpp_columns import ColumnTiles
-from ember.codegen.cpp_interior import Interior, WindowInteriors
+from ember.codegen.cpp_interior import WindowInteriors
 from ember.codegen.render import Renderer, print_index, unclamped
 from ember.ir import dtypes, ops
 from ember.ir.sizes import product
@@ -200,9 +200,6 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
         # stores a flag).
         self.checks_rows = kernel.checks_rows
         self._varies_memo: dict[int, bool] = {}  # id(node) -> whether it changes along a vector loop
-        # While the body of a window's interior is written (cpp_interior.py): what is known there.
-        self._interior: Interior | None = None
-        self._shift = 0  # which position of the interior's block (Interior.jam) is written
 
     @staticmethod
     def ctype(dtype: torch.dtype) -> str:
@@ -555,6 +552,8 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
         total = product(k.loop_sizes)
         work = print_index(total, "/")
         is_pointwise = not any(k.loop_reduce)
+        inner = self._window_interior() if is_pointwise else None
+        loops = outer[:-2] if inner else outer  # an interior writes the last two loops itself
         if outer:
             collapse = len(outer) - 1 if is_pointwise and len(outer) > 1 else len(outer)
             simd = " simd" if is_pointwise and len(outer) == 1 and not self.checks_rows else ""
@@ -571,20 +570,16 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
                 self.emit(
                     f"#pragma omp parallel for{simd}{collapse_clause} if(parallel: {work} > {self.h.parallel_threshold})"
                 )
-            inner = self._window_interior() if is_pointwise else None
-            for pos, (v, s) in enumerate(outer[:-2] if inner else outer):
+            for pos, (v, s) in enumerate(loops):
                 if is_pointwise and pos == len(outer) - 1 and len(outer) > 1 and not self.checks_rows:
                     self.emit("#pragma omp simd")
                 self.emit(f"for (int64_t {v.name} = 0; {v.name} < {print_index(s, '/')}; {v.name}++) {{")
                 self.indent += 1
-            if inner:
-                self._interior_and_rest(inner, outer[-2], outer[-1])
-                outer = outer[:-2]
-            else:
-                self.body()
+        if inner:
+            self._interior_and_rest(inner, outer[-2], outer[-1])
         else:
             self.body()
-        for _ in outer:
+        for _ in loops:
             self.indent -= 1
             self.emit("}")
         if self.checks_rows:

@@ -89,6 +89,11 @@ class WindowInteriors:
     uses (`emit`, `body`, `names`, `_dims`, `_picks`, `h`: its CppHeuristics): the loops and bodies of a
     kernel with an interior, and how nodes and indices read inside it (`_interior`, `_shift`)."""
 
+    # While the body of a window's interior is written: what is known there, and which position of the
+    # interior's block (Interior.jam) is written. Set on the instance for the duration of that body.
+    _interior: Interior | None = None
+    _shift = 0
+
     def _index(self, expr):
         """An index over the loop variables; inside a window's interior, without the clamps it decides,
         at the block's position `_shift`."""
@@ -166,10 +171,9 @@ class WindowInteriors:
         if inner is None:
             self.body()
         else:
-            shared = dict(names)
-            for offset in range(inner.jam):
+            for offset in range(inner.jam):  # what copy 0 named and does not read the block's variable is kept
                 self._interior, self._shift = inner, offset
-                self.names = {**shared, **{k: n for k, n in self.names.items() if k in inner.fixed}}
+                self.names = {**names, **{k: n for k, n in self.names.items() if k in inner.fixed}}
                 self.body()
             self._interior, self._shift = None, 0
         self.indent -= 1
@@ -190,14 +194,13 @@ def interior(
     full = {v: (0, int(s) - 1) for v, s in loops}
     outer = [v for v, _ in loops[:-1]]
     var = outer[-1]
-    fixed = _not_reading(nodes, index, var)
-    jam = max(1, jam)
-    if not _jam_pays(nodes, index, fixed, loops[-1][0]):
-        jam = 1
     found = _box(nodes, index, outer, full, picks)
+    if found is None and not _window(nodes, index, var):
+        return None  # nearly every kernel: no window, nothing more to look at
+    fixed = _not_reading(nodes, index, var)
+    jam = max(1, jam) if _jam_pays(nodes, index, fixed, loops[-1][0]) else 1
     if found is None:
-        size = full[var][1] + 1
-        if jam < 2 or size < jam or not _window(nodes, index, var):
+        if jam < 2 or full[var][1] + 1 < jam:
             return None
         return Interior({}, {}, full, var, jam, 0, fixed)
     box, facts, ranges = found

@@ -220,9 +220,7 @@ def mask_blocks(mask, query, key) -> tuple[torch.Tensor, ...]:
     counts = kept.view(batch, heads, rows, BLOCK, cols, BLOCK).sum((3, 5), dtype=torch.int32)
     full = counts == BLOCK * BLOCK
     states = torch.stack(((counts > 0) & ~full, full))  # [2, batch, heads, rows, cols]: partial, full
-    kv_num, kv_idx = _ordered(states)
-    q_num, q_idx = _ordered(states.transpose(-2, -1))
-    return kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1]
+    return _block_lists(states)
 
 
 def causal_blocks(query, key) -> tuple[torch.Tensor, ...]:
@@ -237,6 +235,12 @@ def causal_blocks(query, key) -> tuple[torch.Tensor, ...]:
     inside = (row + BLOCK <= length) & (col + BLOCK <= keys)
     full = inside & (row >= last_key)
     states = torch.stack(((last_query >= col) & ~full, full)).view(2, 1, 1, rows, cols)
+    return _block_lists(states)
+
+
+def _block_lists(states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A BlockMask's tensors from its block states ([2, batch, heads, rows, cols]: partial, full): per row of
+    blocks the count and columns of partial blocks, then of full ones; then the same per column."""
     kv_num, kv_idx = _ordered(states)
     q_num, q_idx = _ordered(states.transpose(-2, -1))
     return kv_num[0], kv_idx[0], kv_num[1], kv_idx[1], q_num[0], q_idx[0], q_num[1], q_idx[1]
