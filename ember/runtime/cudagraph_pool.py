@@ -9,6 +9,7 @@ over them), and whether a replay now could write over an output still held in th
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -82,6 +83,7 @@ class GraphedCall(Protocol):
     recordings: dict
     seen: set
     last: Any
+    short_lived: int  # recordings released, a static input dropped, after fewer than _SHORT_LIVED replays
 
     def find(self, args: list) -> tuple[tuple | None, Any]:
         """(the call's key, its recording or None); the key is None only where the recording is the last
@@ -161,6 +163,18 @@ def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[i
         if moved and all(k < len(args) and k in fn.static for k in moved):
             return not any(args[k].untyped_storage().data_ptr() in resident for k in moved)
     return False
+
+
+# A recording released after fewer replays than this (its static inputs dropped) is short-lived: past
+# `cudagraphs_max_graphs` of them, the graph runs its host program, since a capture costs many calls' time.
+_SHORT_LIVED = 8
+
+
+def _moved_only(fn: GraphedCall, old: tuple, key: tuple, n_args: int) -> bool:
+    """Whether `key` differs from `old` in static inputs' addresses alone."""
+    if len(old) != len(key):
+        return False
+    return all(a == b or (k < n_args and k in fn.static) for k, (a, b) in enumerate(zip(old, key)))
 
 
 def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
@@ -364,6 +378,17 @@ class Pool:
         """None: this call runs the host program (a warm-up, or past the bound)."""
         if key not in fn.seen:
             backward = fn.default_mode and fn.kind == "backward"
+            replaced = [] if backward else self._release_orphans(fn)
+            if not backward and len(fn.seen) >= fn.max_graphs and fn.recordings:
+                gc.collect()  # a tensor dropped in a reference cycle (a cache object's) is held until it runs
+                replaced += self._release_orphans(fn)
+            if fn.short_lived >= fn.max_graphs:
+                fn.disable(
+                    f"{fn.short_lived} recordings replayed fewer than {_SHORT_LIVED} times each before a static "
+                    "input of theirs was dropped (a tensor made anew every few calls): recording for each new one "
+                    "would cost more than its replays save; it runs without CUDA graphs from here"
+                )
+                return None
             if backward and len(fn.seen) >= _MOVED_KEYS and _moved_static(fn, key, args, self.resident()):
                 fn.disable(
                     "its saved tensors lie at a new address again (a forward run without a graph saves fresh "
@@ -378,7 +403,9 @@ class Pool:
                 )
                 return None
             fn.seen.add(key)
-            return None  # warm-up: kernels load and libraries set up outside the capture
+            if not any(_moved_only(fn, old, key, len(args)) for old in replaced):
+                return None  # warm-up: kernels load and libraries set up outside the capture
+            # The same call as a released recording's but for the static inputs made anew: nothing to warm up.
         try:
             rec = self._record(fn, args)
         except Exception as e:
@@ -390,6 +417,31 @@ class Pool:
         rec.host_seconds, rec.handed_from = fn.host_seconds.get(key, 0.0), fn.handed_from
         log.artifact("cudagraphs", f"{fn.kind} graph", lambda: _recorded(rec, len(fn.recordings)))
         return rec
+
+    def _release_orphans(self, fn: GraphedCall) -> list[tuple]:
+        """Release fn's recordings that can never replay: a static input of theirs is held by nothing but
+        them (Recording.orphaned_input). Their keys leave `fn.seen`, so they do not count against the bound,
+        and the memory they held (that input's, their graph's) goes back. Returns their keys."""
+        released = []
+        for key, rec in list(fn.recordings.items()):
+            k = rec.orphaned_input()
+            if k is None:
+                continue
+            del fn.recordings[key]
+            fn.seen.discard(key)
+            if fn.last is rec:
+                fn.last = None
+            if rec.replays < _SHORT_LIVED:
+                fn.short_lived += 1
+            self.release([rec])
+            released.append(key)
+            log.artifact(
+                "cudagraphs",
+                f"{fn.kind} graph",
+                f"recording {rec.index} released after {rec.replays} replays: its static input {k} is held by "
+                "nothing else (made anew, as a static KV cache by each generate() call)",
+            )
+        return released
 
     def resident(self) -> frozenset[int]:
         """The storages (data pointers) of the outputs of this pool's live recordings: an input that
@@ -496,6 +548,7 @@ class Pool:
             tables=list(scope.tables),
             rebound=rebound,
             in_pool=in_pool,
+            owned_static=[k for k in fn.static if isinstance(args[k], torch.Tensor) and inputs[k] is args[k]],
             copy_in_bytes=sum(_copied_bytes(args[k], index) for k, index in copy_in),
             bound=[args[k].data_ptr() if k in rebound else 0 for k in range(len(args))],
         )
@@ -534,6 +587,7 @@ class Pool:
         else:
             self.recorder.replay(rec.graph)
         fn.last = rec
+        rec.replays += 1
         for original, buffer in written_back:
             original.copy_(buffer)
         self._ran(fn)

@@ -8,11 +8,16 @@ one still held), copies into fresh tensors, or rebuilds on the caller's own inpu
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+
+# A storage's reference count: its tensors and the Python storage objects over it (PyTorch's CUDA graph trees
+# read it to find their outputs' storages dead).
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 _PRUNE_GIVEN_FROM = 64  # handed-out storages a recording notes before it first drops the dead ones
 
@@ -51,6 +56,8 @@ class Recording:
     rebound: list[int] = field(default_factory=list)
     bound: list[int] = field(default_factory=list)
     in_pool: list[int] = field(default_factory=list)  # inputs an earlier recording handed out, read where they are
+    owned_static: list[int] = field(default_factory=list)  # static inputs held as the caller's tensors themselves
+    replays: int = 0
     copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
     # The default mode's: the host program's time on a call of its key, and whether its first replay (since
@@ -71,6 +78,21 @@ class Recording:
     def any_given_alive(self) -> bool:
         self.given = [ref for ref in self.given if not ref.expired()]
         return bool(self.given)
+
+    def orphaned_input(self) -> int | None:
+        """A static input whose memory no tensor but this recording's own holds, or None. No call can come
+        with that address again while the recording holds it, so the recording can never replay: a static
+        KV cache that each `generate()` call makes anew, the last call's cache held only here."""
+        if _use_count is None or self.released:
+            return None
+        ours = _storages_held(self.inputs, self.outputs)
+        for k in self.owned_static:
+            if sys.getrefcount(self.inputs[k]) > 2:  # more than the list's entry and the call's argument
+                continue  # the caller holds the tensor itself
+            storage = self.inputs[k].untyped_storage()
+            if _use_count(storage._cdata) == ours[storage._cdata] + 1:  # + 1: `storage` itself
+                return k  # no other tensor views its memory either
+        return None
 
     def release(self) -> None:
         """Drop the graph, its copy buffers and its outputs' memory (back to the pool): it never replays again."""
@@ -124,6 +146,17 @@ class Recording:
             for pos, number, meta in copied:
                 out[pos] = _on_storage(fresh[number].untyped_storage(), meta)
         return out
+
+
+def _storages_held(*tensor_lists: list) -> dict[int, int]:
+    """StorageImpl -> how many of the tensors in `tensor_lists` view it."""
+    counts: dict[int, int] = {}
+    for tensors in tensor_lists:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                impl = t.untyped_storage()._cdata
+                counts[impl] = counts.get(impl, 0) + 1
+    return counts
 
 
 def _on_caller_storage(storage, meta: dict) -> torch.Tensor:

@@ -340,6 +340,7 @@ class Graphed:
         self.recordings: dict[tuple, Recording] = {}
         self.last: Recording | None = None  # the last one replayed: tried first
         self.seen: set[tuple] = set()
+        self.short_lived = 0
         self.disabled: str | None = None
         self._noted: set[str] = set()  # what _note_once has logged
         # When this graph is dropped (Dynamo's cache reset, the model deleted), its recordings' CUDA graphs
