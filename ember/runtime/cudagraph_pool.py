@@ -83,7 +83,7 @@ class GraphedCall(Protocol):
     recordings: dict
     seen: set
     last: Any
-    short_lived: int  # recordings released, a static input dropped, after fewer than _SHORT_LIVED replays
+    short_lived: int  # recordings in a row released, a static input dropped, after fewer than _SHORT_LIVED replays
 
     def find(self, args: list) -> tuple[tuple | None, Any]:
         """(the call's key, its recording or None); the key is None only where the recording is the last
@@ -165,8 +165,8 @@ def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[i
     return False
 
 
-# A recording released after fewer replays than this (its static inputs dropped) is short-lived: past
-# `cudagraphs_max_graphs` of them, the graph runs its host program, since a capture costs many calls' time.
+# A recording released after fewer replays than this (its static inputs dropped) is short-lived: at
+# `cudagraphs_max_graphs` of them in a row, the graph runs its host program, since a capture costs many calls' time.
 _SHORT_LIVED = 8
 
 
@@ -384,7 +384,7 @@ class Pool:
                 replaced += self._release_orphans(fn)
             if fn.short_lived >= fn.max_graphs:
                 fn.disable(
-                    f"{fn.short_lived} recordings replayed fewer than {_SHORT_LIVED} times each before a static "
+                    f"{fn.short_lived} recordings in a row replayed fewer than {_SHORT_LIVED} times each before a static "
                     "input of theirs was dropped (a tensor made anew every few calls): recording for each new one "
                     "would cost more than its replays save; it runs without CUDA graphs from here"
                 )
@@ -403,9 +403,13 @@ class Pool:
                 )
                 return None
             fn.seen.add(key)
-            if not any(_moved_only(fn, old, key, len(args)) for old in replaced):
+            like = next((old for old in replaced if _moved_only(fn, old[0], key, len(args))), None)
+            if like is None or (fn.default_mode and like[1] is None):
                 return None  # warm-up: kernels load and libraries set up outside the capture
-            # The same call as a released recording's but for the static inputs made anew: nothing to warm up.
+            # The same call as a released recording's but for the static inputs made anew: nothing to warm up,
+            # and (the default mode's) the host program's time on the released key's call stands for this one's.
+            if like[1] is not None:
+                fn.host_seconds[key] = like[1]
         try:
             rec = self._record(fn, args)
         except Exception as e:
@@ -418,10 +422,11 @@ class Pool:
         log.artifact("cudagraphs", f"{fn.kind} graph", lambda: _recorded(rec, len(fn.recordings)))
         return rec
 
-    def _release_orphans(self, fn: GraphedCall) -> list[tuple]:
+    def _release_orphans(self, fn: GraphedCall) -> list[tuple[tuple, float | None]]:
         """Release fn's recordings that can never replay: a static input of theirs is held by nothing but
         them (Recording.orphaned_input). Their keys leave `fn.seen`, so they do not count against the bound,
-        and the memory they held (that input's, their graph's) goes back. Returns their keys."""
+        and the memory they held (that input's, their graph's) goes back once no output they handed out is
+        held. Returns (key, the host program's time on its call or None) of each."""
         released = []
         for key, rec in list(fn.recordings.items()):
             k = rec.orphaned_input()
@@ -431,10 +436,10 @@ class Pool:
             fn.seen.discard(key)
             if fn.last is rec:
                 fn.last = None
-            if rec.replays < _SHORT_LIVED:
-                fn.short_lived += 1
+            # Short-lived ones in a row: a long-running server's occasional short request does not add up.
+            fn.short_lived = fn.short_lived + 1 if rec.replays < _SHORT_LIVED else 0
             self.release([rec])
-            released.append(key)
+            released.append((key, fn.host_seconds.pop(key, None)))
             log.artifact(
                 "cudagraphs",
                 f"{fn.kind} graph",

@@ -19,6 +19,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 # read it to find their outputs' storages dead).
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
+
+def _listed_refs() -> int:
+    """What sys.getrefcount reads for an object held by one list alone, read as orphaned_input reads it (the
+    interpreter may borrow the argument's reference)."""
+    held = [object()]
+    return sys.getrefcount(held[0])
+
+
+_LISTED_REFS = _listed_refs()
+
 _PRUNE_GIVEN_FROM = 64  # handed-out storages a recording notes before it first drops the dead ones
 
 
@@ -85,10 +95,11 @@ class Recording:
         KV cache that each `generate()` call makes anew, the last call's cache held only here."""
         if _use_count is None or self.released:
             return None
-        ours = _storages_held(self.inputs, self.outputs)
+        ours = None
         for k in self.owned_static:
-            if sys.getrefcount(self.inputs[k]) > 2:  # more than the list's entry and the call's argument
+            if sys.getrefcount(self.inputs[k]) > _LISTED_REFS:
                 continue  # the caller holds the tensor itself
+            ours = ours or _storages_held(self.inputs, self.outputs)
             storage = self.inputs[k].untyped_storage()
             if _use_count(storage._cdata) == ours[storage._cdata] + 1:  # + 1: `storage` itself
                 return k  # no other tensor views its memory either

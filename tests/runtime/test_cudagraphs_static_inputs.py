@@ -112,3 +112,35 @@ def test_a_static_input_dropped_in_a_reference_cycle_is_released_at_the_bound(re
             del cache
     assert not [w for w in caught if "cudagraphs" in str(w.message)] and fn.disabled is None, line
     assert len(recorder.recorded) == 6 and len(fn.recordings) <= 2, line
+
+
+def test_the_default_mode_keeps_the_recording_made_at_once_for_a_new_cache(recorder):
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+    fn = cg.Graphed(
+        lambda a: [a[0] + a[1]], "inference", (1,), (), pool, default_mode=True, copy_share=0.05, copy_bandwidth=1e12
+    )
+    x = torch.ones(2)
+    line = repro(program="x + cache", mode="default (cudagraphs_default)", static="cache, made anew per session")
+    for session in range(4):
+        cache = torch.full((2,), float(session))
+        for _ in range(10):
+            assert fn([x, cache])[0].tolist() == [1.0 + session] * 2, line
+        del cache
+    # Session 0: warm-up, timed host call, record; later sessions record at their first call, judged against the
+    # host time of the released key's call (a time of 0 would have dropped the recording and the graph's CUDA graphs).
+    assert fn.disabled is None and len(recorder.recorded) == 4, (fn.disabled, line)
+    assert len(fn.host_seconds) == 1 and all(t > 0 for t in fn.host_seconds.values()), line
+
+
+def test_a_view_of_the_static_input_still_held_keeps_its_recording(recorder):
+    fn = _graphed(recorder)
+    x = torch.ones(2)
+    line = repro(program="x + cache", static="cache dropped, a view of it kept")
+    views = []
+    for session in range(3):
+        cache = torch.full((4,), float(session))[:2]
+        views.append(cache[1:])  # the caller keeps a view: the memory may still be read and passed again
+        for _ in range(10):
+            assert fn([x, cache])[0].tolist() == [1.0 + session] * 2, line
+        del cache
+    assert len(fn.recordings) == 3 and fn.short_lived == 0, line

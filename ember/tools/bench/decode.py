@@ -20,7 +20,8 @@ where its logits are as close to float64's as the project's rule allows next to 
 (`measure.tolerance`).
 
 The floor: the bytes a token must read, the weights (the tied embedding once, as the head) and
-the KV cache over the mean context length, over the measured copy bandwidth.
+the KV cache over the mean context length of the new tokens (the timed ones, from N/4 on, read a few
+positions more: under 0.1% of the bytes at the GPU scale), over the measured copy bandwidth.
 
     python -m ember.tools.bench.decode COMPILER SCALE BATCH [LOGITS.pt TOKENS.json]
     (the child; prints one JSON line; with the paths, writes its forced-history logits, reading eager's
