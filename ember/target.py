@@ -345,6 +345,10 @@ class LowerHeuristics:
     # and activation: a squeeze-and-excite block's, over a pooled [n, c, 1, 1]; 0: never (the GPU's; the C++
     # target sets 16: a oneDNN call there costs more than the work).
     product_convolutions_max_pixels: int = 0
+    # Under freezing, products of one input by frozen weights (a layer's query, key and value) as one product
+    # over the weights concatenated (frontend/grouped_products.py). The C++ target's: MKL's and oneDNN's
+    # products over a [K, 256] weight cost about what a [K, 768] one does per call on 2 cores.
+    group_frozen_products: bool = False
 
 
 @dataclass(frozen=True)

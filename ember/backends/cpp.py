@@ -211,6 +211,7 @@ class CppBackend:
                     depthwise_convolutions=True,
                     product_convolutions_min_channels=32,
                     product_convolutions_max_pixels=16,
+                    group_frozen_products=True,
                 ),
             ),
             packed_product_faster=_packed_product_faster,

@@ -1,13 +1,16 @@
 """Freezing: an inference graph's parameters and buffers as constants (setting `freezing`).
 
 An ATen inference graph (no grad) takes the model's parameters and buffers as inputs that
-AOTAutograd marks static. `freeze` rewrites it in two steps:
+AOTAutograd marks static. `freeze` rewrites it in these steps:
 
     fold_affine      a convolution or matrix product followed by a per-channel scale and shift over
                      frozen tensors (batch norm in eval mode, as ember's decompositions write it) has
                      them folded into its weight and bias, or, where only pointwise ops read the
                      result (and fuse the scale and shift for free), into one multiply-add by
                      per-channel vectors, so that the weight is not copied
+    group_products   (the C++ target's) products of one input by frozen weights become one product over
+                     the weights concatenated (frontend/grouped_products.py); then the CPU's convolutions
+                     and products are packed (frontend/prepack.py)
     split_constants  every computation over frozen tensors alone (the folded weights, batch norm's
                      scale, a dtype cast, a transpose) moves into a prologue graph; its results become
                      inputs of the main graph, which ember compiles
@@ -38,6 +41,7 @@ from torch import fx
 
 from ember import log
 from ember.frontend import prepack
+from ember.frontend.grouped_products import group_products
 from ember.target import LowerHeuristics, Target
 
 aten = torch.ops.aten
@@ -79,6 +83,7 @@ def freeze(
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
+    grouped = group_products(gm, is_constant, fake_mode, _hoist) if lower.group_frozen_products else 0
     packed = prepack.prepack(gm, is_constant, fake_mode, target) if pack else dict.fromkeys(prepack.COUNTS, 0)
     if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)
@@ -92,7 +97,8 @@ def freeze(
         "freezing",
         lambda: (
             f"scale-and-shift chains folded: {folded['weight']} into a weight, {folded['epilogue']} into one "
-            f"multiply-add; convolutions on prepacked weights: {packed['packed']}, with their activation: "
+            f"multiply-add; products of one input grouped into one: {grouped}; "
+            f"convolutions on prepacked weights: {packed['packed']}, with their activation: "
             f"{packed['fused']}; matrix products on prepacked weights: {packed['linear']} (left to ATen, which "
             f"measured faster at their shape: {packed['linear_aten']}); 1x1 convolutions as "
             f"BLAS products: {packed['products']}; depthwise weights with "

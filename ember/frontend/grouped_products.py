@@ -1,0 +1,127 @@
+"""Matrix products of one input by frozen weights, as one product (CPU graphs under freezing).
+
+A transformer layer multiplies one normalized hidden state by its query, key and value weights (and
+Llama's MLP by its gate and up weights; an encoder-decoder's every cross-attention layer multiplies the
+encoder's output by its key and value weights): several products of the same [rows, K] input by
+[K, N_i] weights. Under freezing the weights are constants, so
+
+    mm(x, w_1), ..., mm(x, w_n)    become    y = mm(x, cat([w_1, ..., w_n], dim=1))
+                                             y[:, 0:N_1], ..., y[:, N_1+...:N]
+
+(addmm's biases concatenated the same way). The freezing prologue concatenates the weights once; each
+product's readers read its column slice of y where it lies (a view). One call of MKL's or oneDNN's
+product over the wider weight takes less time than the calls it replaces: on the 2-core AMD EPYC (Zen 4),
+a T5 encoder layer's three [128, 256] x [256, 256] products took about 105 us each through either
+library, the [256, 768] one 230 us (docs/bench/cpu.md). The grouped product then goes through
+prepack.py's measured choice between oneDNN's packed kernel and ATen's like any other.
+
+Left apart: products whose result (or a view of it) is a graph output (its strides would change), and those
+one of whose readers views the result in a way a column slice does not allow (a flattening `view`).
+Memory: the concatenated weight, or its packed form, is a copy beside the model's own weights, as the
+packed weights are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import fx
+
+from ember.frontend.prepack import packable_linear
+
+aten = torch.ops.aten
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def group_products(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode, hoist: Callable) -> int:
+    """Rewrite (in place) each set of two or more packable products (prepack.packable_linear) of one input
+    and one kind (`mm`, or `addmm` with biases) as one product and column slices of it; returns how many
+    products were grouped. `hoist(graph, before, operands)` moves constant computations that come later
+    in the graph before `before` (freezing._hoist)."""
+    groups: dict[tuple, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if packable_linear(node, is_constant) and not _read_by_output(node):
+            x = node.args[0] if node.target is aten.mm.default else node.args[1]
+            groups.setdefault((*_input_key(x), node.target), []).append(node)
+    grouped = 0
+    for products in groups.values():
+        if len(products) > 1 and all(_slice_readable(p, fake_mode) for p in products):
+            _group(gm.graph, products, fake_mode, hoist)
+            grouped += len(products)
+    if grouped:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return grouped
+
+
+def _input_key(x: fx.Node) -> tuple[fx.Node, tuple]:
+    """What a product's input is: the tensor it views and its shape. Each linear layer of a [B, T, C] input
+    reads its own `view` of it as [B*T, C], so one input comes as several nodes."""
+    shape = tuple(x.meta["val"].shape)
+    while x.op == "call_function" and x.target in _VIEWS:
+        x = x.args[0]
+    return x, shape
+
+
+def _read_by_output(node: fx.Node) -> bool:
+    """Whether a graph output is the node's result or a view of it (whose strides a slice would change)."""
+    return any(user.op == "output" or (user.target in _VIEWS and _read_by_output(user)) for user in node.users)
+
+
+def _slice_readable(product: fx.Node, fake_mode) -> bool:
+    """Whether every view of the product's result is also a view of a column slice of a wider one."""
+    val = product.meta["val"]
+    rows, n = val.shape
+    with fake_mode:
+        wider = torch.empty_strided((rows, n + 1), (n + 1, 1), dtype=val.dtype, device=val.device)[:, :n]
+        for user in product.users:
+            if user.target in _VIEWS:
+                try:
+                    wider.view(user.args[1])
+                except RuntimeError:
+                    return False
+    return True
+
+
+def _weight_rows(graph: fx.Graph, w: fx.Node, fake_mode) -> fx.Node:
+    """The [N, K] tensor a [K, N] weight operand transposes (a linear layer's own weight), or its transpose."""
+    if w.target is aten.t.default or (w.target is aten.permute.default and list(w.args[1]) == [1, 0]):
+        return w.args[0]
+    node = graph.call_function(aten.permute.default, (w, [1, 0]))
+    with fake_mode:
+        node.meta["val"] = w.meta["val"].permute(1, 0)
+    return node
+
+
+def _group(graph: fx.Graph, products: list[fx.Node], fake_mode, hoist: Callable) -> None:
+    first = products[0]  # graph order: the first product's place is before every reader of the others
+    addmm = first.target is aten.addmm.default
+    x = first.args[1] if addmm else first.args[0]
+    weights = [p.args[-1] for p in products]
+    biases = [p.args[0] for p in products] if addmm else []
+    hoist(graph, first, weights + biases)
+    with graph.inserting_before(first):
+        rows = graph.call_function(aten.cat.default, ([_weight_rows(graph, w, fake_mode) for w in weights], 0))
+        weight = graph.call_function(aten.permute.default, (rows, [1, 0]))
+        bias = graph.call_function(aten.cat.default, (biases, 0)) if addmm else None
+        args = (bias, x, weight) if addmm else (x, weight)
+        product = graph.call_function(first.target, args)
+    with fake_mode:
+        rows.meta["val"] = torch.cat([r.meta["val"] for r in rows.args[0]], 0)
+        weight.meta["val"] = rows.meta["val"].permute(1, 0)
+        if bias is not None:
+            bias.meta["val"] = torch.cat([b.meta["val"] for b in biases], 0)
+        product.meta["val"] = first.target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+    product.meta["stack_trace"] = first.meta.get("stack_trace")
+    start = 0
+    for p in products:
+        width = p.meta["val"].shape[1]
+        with graph.inserting_after(product):
+            part = graph.call_function(aten.slice.Tensor, (product, 1, start, start + width))
+        with fake_mode:
+            part.meta["val"] = product.meta["val"][:, start : start + width]
+        part.meta["stack_trace"] = p.meta.get("stack_trace")
+        p.replace_all_uses_with(part)
+        start += width

@@ -1,0 +1,105 @@
+"""Under freezing, the C++ target's products of one input by frozen weights run as one product over the
+weights concatenated, each reader reading its column slice (frontend/grouped_products.py). Each case runs
+against eager, with oneDNN's packed product and with ATen's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ember import config
+from ember.backends import cpu_products
+from ember.frontend import prepack
+from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+
+pytestmark = pytest.mark.skipif(not prepack.available(), reason="this torch has no oneDNN")
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+LINEAR = "torch.ops.mkldnn._linear_pointwise.default"
+
+
+class Block(nn.Module):
+    """Attention's query, key and value over one normalized input, and a gated MLP's gate and up."""
+
+    def __init__(self, width: int = 16, heads: int = 2, bias: bool = False):
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width, bias=bias) for _ in range(3))
+        self.gate, self.up = nn.Linear(width, 2 * width, bias=False), nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, c)
+        x = x + a
+        h = self.norm(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def _compiled_against_eager(model: nn.Module, x: torch.Tensor, line: str, calls=(("first call", None),)):
+    torch._dynamo.reset()
+    compiled = ember_compile(model, "cpp", freezing=True)
+    with torch.no_grad(), reports() as report:
+        for what, change in calls:
+            if change is not None:
+                change()
+            assert_close(compiled(x), model(x), **TOL, what=what, line=line)
+    assert_no_fallback(report, line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    return graph.aten_graph
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn-packed", "aten"])
+@pytest.mark.parametrize("bias", [False, True], ids=["mm", "addmm"])
+def test_products_of_one_input_run_as_one(monkeypatch, packed, bias):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: packed)
+    model = Block(bias=bias).eval()
+    x = torch.randn(2, 5, 16)
+    line = repro(program="LayerNorm -> q, k, v -> SDPA; LayerNorm -> gate, up -> SiLU * up -> down", packed=packed)
+    write = ("weights written", lambda: (model.k.weight.mul_(-1), model.up.weight.mul_(0.5)))
+    code = _compiled_against_eager(model, x, line, calls=(("first call", None), write))
+    products = (
+        code.count(f"{LINEAR}(") if packed else code.count("aten.mm.default(") + code.count("aten.addmm.default(")
+    )
+    # q, k, v: one product; gate and up: one; down: its own
+    assert products == 3, code
+    assert code.count("aten.slice.Tensor(") >= 5, code
+
+
+def test_off_by_the_heuristic_the_products_stay_apart(monkeypatch):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
+    model = Block().eval()
+    with config.override(heuristics="lower.group_frozen_products=0"):
+        code = _compiled_against_eager(model, torch.randn(2, 5, 16), repro(group_frozen_products=0))
+    assert code.count("aten.mm.default(") == 6, code
+
+
+class Heads(nn.Module):
+    """Two products of one input, each returned as it is (a view of it): their outputs keep eager's strides."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_products_whose_results_are_outputs_stay_apart(monkeypatch):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
+    model = Heads().eval()
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    with torch.no_grad(), reports() as report:
+        actual, expected = ember_compile(model, "cpp", freezing=True)(x), model(x)
+    line = repro(program="return a(x), b(x)")
+    assert_no_fallback(report, line)
+    for got, want in zip(actual, expected):
+        assert_close(got, want, **TOL, what="outputs", line=line)
+        assert got.stride() == want.stride(), (got.stride(), want.stride(), line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert graph.aten_graph.count("aten.addmm.default(") == 2, graph.aten_graph
