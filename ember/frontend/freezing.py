@@ -83,7 +83,9 @@ def freeze(
     pack = pack_convolutions and prepack.available()
     into_weight = functools.partial(prepack.packable, is_constant=is_constant, lower=lower) if pack else None
     folded = fold_affine(gm, frozen, fake_mode, into_weight)
-    grouped = group_products(gm, is_constant, fake_mode, _hoist) if lower.group_frozen_products else 0
+    grouped = (
+        group_products(gm, is_constant, fake_mode, _hoist, _output_aliases(gm)) if lower.group_frozen_products else 0
+    )
     packed = prepack.prepack(gm, is_constant, fake_mode, target) if pack else dict.fromkeys(prepack.COUNTS, 0)
     if lower.depthwise_convolutions:
         packed["depthwise"] = prepack.relayout_depthwise_weights(gm, is_constant, fake_mode)

@@ -11,12 +11,14 @@ encoder's output by its key and value weights): several products of the same [ro
 (addmm's biases concatenated the same way). The freezing prologue concatenates the weights once; each
 product's readers read its column slice of y where it lies (a view). One call of MKL's or oneDNN's
 product over the wider weight takes less time than the calls it replaces: on the 2-core AMD EPYC (Zen 4),
-a T5 encoder layer's three [128, 256] x [256, 256] products took about 105 us each through either
-library, the [256, 768] one 230 us (docs/bench/cpu.md). The grouped product then goes through
-prepack.py's measured choice between oneDNN's packed kernel and ATen's like any other.
+a T5 encoder layer's three [128, 256] x [256, 256] products took 94-107 us each through either library, the
+one [128, 256] x [256, 768] product 245-251 us through oneDNN's packed kernel
+(docs/bench/cpu-grouped-products.txt). The grouped product then goes through prepack.py's measured choice
+between oneDNN's packed kernel and ATen's like any other.
 
-Left apart: products whose result (or a view of it) is a graph output (its strides would change), and those
-one of whose readers views the result in a way a column slice does not allow (a flattening `view`).
+Left apart: products whose result an output may alias (its strides would change), those a reader or a
+view's reader addresses in a way a column slice does not allow (a flattening `view`, `as_strided`), and
+products of one input more than SPAN nodes apart (runs). `mm` and `addmm` of one input are not mixed.
 Memory: the concatenated weight, or its packed form, is a copy beside the model's own weights, as the
 packed weights are.
 """
@@ -33,20 +35,33 @@ from ember.frontend.prepack import packable_linear
 aten = torch.ops.aten
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
+_LAYOUT_READERS = (aten.as_strided.default, aten._reshape_alias.default)
+# Graph nodes between two products of one run, at most: a layer's query, key and value, or its gate and up, lie
+# a few nodes apart; the next layer's products of the same input (an encoder-decoder's cross-attention keys and
+# values over the encoder's output) lie a layer apart, and one result for all of them would be held from the
+# first layer to the last (Whisper-large's 32 layers: about 490 MB, against 15 MB a layer).
+SPAN = 24
 
 
-def group_products(gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode, hoist: Callable) -> int:
-    """Rewrite (in place) each set of two or more packable products (prepack.packable_linear) of one input
-    and one kind (`mm`, or `addmm` with biases) as one product and column slices of it; returns how many
-    products were grouped. `hoist(graph, before, operands)` moves constant computations that come later
-    in the graph before `before` (freezing._hoist)."""
-    groups: dict[tuple, list[fx.Node]] = {}
+def group_products(
+    gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode, hoist: Callable, aliased: set[fx.Node]
+) -> int:
+    """Rewrite (in place) each run of two or more packable products (prepack.packable_linear) of one input
+    and one kind (`mm`, or `addmm` with biases), each within `SPAN` nodes of the last, as one product and
+    column slices of it; returns how many products were grouped. `hoist(graph, before, operands)` moves
+    constant computations that come later in the graph before `before` (freezing._hoist); `aliased`: the
+    nodes whose result a graph output may alias (freezing._output_aliases), left apart."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    groups: dict[tuple, list[list[fx.Node]]] = {}
     for node in gm.graph.nodes:
-        if packable_linear(node, is_constant) and not _read_by_output(node):
+        if packable_linear(node, is_constant) and node not in aliased:
             x = node.args[0] if node.target is aten.mm.default else node.args[1]
-            groups.setdefault((*_input_key(x), node.target), []).append(node)
+            runs = groups.setdefault((*_input_key(x), node.target), [[]])
+            if runs[-1] and order[node] - order[runs[-1][-1]] > SPAN:
+                runs.append([])  # far from the last: a result held until its readers there would be held long
+            runs[-1].append(node)
     grouped = 0
-    for products in groups.values():
+    for products in (run for runs in groups.values() for run in runs):
         if len(products) > 1 and all(_slice_readable(p, fake_mode) for p in products):
             _group(gm.graph, products, fake_mode, hoist)
             grouped += len(products)
@@ -65,23 +80,30 @@ def _input_key(x: fx.Node) -> tuple[fx.Node, tuple]:
     return x, shape
 
 
-def _read_by_output(node: fx.Node) -> bool:
-    """Whether a graph output is the node's result or a view of it (whose strides a slice would change)."""
-    return any(user.op == "output" or (user.target in _VIEWS and _read_by_output(user)) for user in node.users)
-
-
 def _slice_readable(product: fx.Node, fake_mode) -> bool:
-    """Whether every view of the product's result is also a view of a column slice of a wider one."""
+    """Whether every reader of the product's result, and of each view of it, takes a column slice of a wider
+    result in its place: each view is made again over such a slice (a flattening `view` cannot be), and no
+    reader addresses the memory by strides of its own (`as_strided`)."""
     val = product.meta["val"]
     rows, n = val.shape
     with fake_mode:
         wider = torch.empty_strided((rows, n + 1), (n + 1, 1), dtype=val.dtype, device=val.device)[:, :n]
-        for user in product.users:
-            if user.target in _VIEWS:
-                try:
-                    wider.view(user.args[1])
-                except RuntimeError:
-                    return False
+        return _views_hold(product, wider)
+
+
+def _views_hold(node: fx.Node, val: torch.Tensor) -> bool:
+    for user in node.users:
+        if user.target in _LAYOUT_READERS:
+            return False
+        schema = getattr(user.target, "_schema", None)
+        if schema is None or not any(r.alias_info for r in schema.returns) or user.args[:1] != (node,):
+            continue  # computes from the values (or reads the result other than as its first operand)
+        try:
+            view = user.target(val, *user.args[1:], **user.kwargs)
+        except (RuntimeError, ValueError):  # torch's view raises either, by where the sizes are checked
+            return False
+        if not isinstance(view, torch.Tensor) or not _views_hold(user, view):
+            return False
     return True
 
 

@@ -103,3 +103,64 @@ def test_products_whose_results_are_outputs_stay_apart(monkeypatch):
         assert got.stride() == want.stride(), (got.stride(), want.stride(), line)
     (graph,) = [g for g in report.graphs if g.kind == "inference"]
     assert graph.aten_graph.count("aten.addmm.default(") == 2, graph.aten_graph
+
+
+class ViewedOutputs(nn.Module):
+    """Products of one input returned through a view and a transpose (a cross-attention's key and value cache),
+    and one read through a flattening view, which a column slice cannot be viewed as."""
+
+    def __init__(self):
+        super().__init__()
+        self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.f, self.g = nn.Linear(16, 8), nn.Linear(16, 8)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        k, v = (p(x).view(b, t, 2, 8).transpose(1, 2) for p in (self.k, self.v))
+        flat = self.f(x).reshape(-1)
+        return k, v, flat.sum() + self.g(x).sum()
+
+
+def test_outputs_and_flattened_views_keep_their_products_apart(monkeypatch):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
+    model = ViewedOutputs().eval()
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    with torch.no_grad(), reports() as report:
+        actual, expected = ember_compile(model, "cpp", freezing=True)(x), model(x)
+    line = repro(program="k(x).view.transpose, v(x).view.transpose, f(x).reshape(-1).sum() + g(x).sum()")
+    assert_no_fallback(report, line)
+    for got, want in zip(actual, expected):
+        assert_close(got, want, **TOL, what="outputs", line=line)
+        assert got.stride() == want.stride(), (got.stride(), want.stride(), line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert graph.aten_graph.count("aten.addmm.default(") == 4, graph.aten_graph
+
+
+class FarApart(nn.Module):
+    """Four products of one input: two, a long computation, two more (each decoder layer's cross-attention
+    key and value over the encoder's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(4))
+
+    def forward(self, x, h):
+        a = self.p[0](x) + self.p[1](x)
+        for _ in range(16):
+            h = torch.sin(h) * 1.01
+        return a + h + self.p[2](x) * self.p[3](x)
+
+
+def test_products_of_one_input_far_apart_are_grouped_in_runs(monkeypatch):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
+    model = FarApart().eval()
+    x, h = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    with torch.no_grad(), reports() as report:
+        actual, expected = ember_compile(model, "cpp", freezing=True)(x, h), model(x, h)
+    line = repro(program="p0(x) + p1(x), 16 x sin(h) * 1.01, p2(x) * p3(x)")
+    assert_no_fallback(report, line)
+    assert_close(actual, expected, **TOL, what="output", line=line)
+    (graph,) = [g for g in report.graphs if g.kind == "inference"]
+    assert graph.aten_graph.count("aten.mm.default(") == 2, graph.aten_graph  # two runs of two
