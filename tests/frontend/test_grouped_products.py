@@ -89,20 +89,23 @@ class Heads(nn.Module):
         return self.a(x), self.b(x)
 
 
-def test_products_whose_results_are_outputs_stay_apart(monkeypatch):
-    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
-    model = Heads().eval()
-    x = torch.randn(2, 5, 16)
+def _outputs_against_eager(model: nn.Module, x: torch.Tensor, line: str) -> str:
+    """Each output of the frozen compiled model against eager's, values and strides; the graph's ATen code."""
     torch._dynamo.reset()
     with torch.no_grad(), reports() as report:
         actual, expected = ember_compile(model, "cpp", freezing=True)(x), model(x)
-    line = repro(program="return a(x), b(x)")
     assert_no_fallback(report, line)
     for got, want in zip(actual, expected):
         assert_close(got, want, **TOL, what="outputs", line=line)
         assert got.stride() == want.stride(), (got.stride(), want.stride(), line)
     (graph,) = [g for g in report.graphs if g.kind == "inference"]
-    assert graph.aten_graph.count("aten.addmm.default(") == 2, graph.aten_graph
+    return graph.aten_graph
+
+
+def test_products_whose_results_are_outputs_stay_apart(monkeypatch):
+    monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
+    code = _outputs_against_eager(Heads().eval(), torch.randn(2, 5, 16), repro(program="return a(x), b(x)"))
+    assert code.count("aten.addmm.default(") == 2, code
 
 
 class ViewedOutputs(nn.Module):
@@ -123,18 +126,9 @@ class ViewedOutputs(nn.Module):
 
 def test_outputs_and_flattened_views_keep_their_products_apart(monkeypatch):
     monkeypatch.setattr(cpu_products, "packed_is_faster", lambda *shape: False)
-    model = ViewedOutputs().eval()
-    x = torch.randn(2, 5, 16)
-    torch._dynamo.reset()
-    with torch.no_grad(), reports() as report:
-        actual, expected = ember_compile(model, "cpp", freezing=True)(x), model(x)
     line = repro(program="k(x).view.transpose, v(x).view.transpose, f(x).reshape(-1).sum() + g(x).sum()")
-    assert_no_fallback(report, line)
-    for got, want in zip(actual, expected):
-        assert_close(got, want, **TOL, what="outputs", line=line)
-        assert got.stride() == want.stride(), (got.stride(), want.stride(), line)
-    (graph,) = [g for g in report.graphs if g.kind == "inference"]
-    assert graph.aten_graph.count("aten.addmm.default(") == 4, graph.aten_graph
+    code = _outputs_against_eager(ViewedOutputs().eval(), torch.randn(2, 5, 16), line)
+    assert code.count("aten.addmm.default(") == 4, code
 
 
 class FarApart(nn.Module):
