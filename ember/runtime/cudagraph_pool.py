@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import config, log
 from ember.runtime.cudagraph_capture import CaptureScope, _capture
+from ember.runtime.cudagraph_keys import MOVED_KEYS, SHORT_LIVED, moved_only, moved_static, what_changed
 from ember.runtime.cudagraph_recording import Recording, tensor_meta, unowned_view
 
 # PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
@@ -83,7 +84,7 @@ class GraphedCall(Protocol):
     recordings: dict
     seen: set
     last: Any
-    short_lived: int  # recordings in a row released, a static input dropped, after fewer than _SHORT_LIVED replays
+    short_lived: int  # recordings in a row released, a static input dropped, after fewer than SHORT_LIVED replays
 
     def find(self, args: list) -> tuple[tuple | None, Any]:
         """(the call's key, its recording or None); the key is None only where the recording is the last
@@ -125,56 +126,6 @@ def _same_addresses_in_python(tensors: list, addresses: list[int], positions: li
 
 # PyTorch's check of static inputs' addresses, in C++ where its CUDA build has it.
 same_addresses = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", _same_addresses_in_python)
-
-
-def _what_changed(fn: GraphedCall, key: tuple, n_args: int) -> str:
-    """Which inputs set this call's key apart from the nearest one seen: what a user needs to find
-    the tensor that moves (a parameter replaced every step, an output kept from a plain run)."""
-    nearest = min(
-        (seen for seen in fn.seen if len(seen) == len(key)),
-        key=lambda seen: sum(a != b for a, b in zip(seen, key, strict=True)),
-        default=None,
-    )
-    if nearest is None:
-        return "a new number of inputs"
-    parts = []
-    for k, (a, b) in enumerate(zip(nearest, key, strict=True)):
-        if a == b:
-            continue
-        if k >= n_args:
-            parts.append(f"input {k - n_args}'s shape")
-        elif k in fn.static:
-            parts.append(f"static input {k}'s address")
-        else:
-            parts.append(f"input {k}'s strides, value or address in the pool")
-    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
-    return f"this call differs from the nearest recorded one in {shown}"
-
-
-# Address sets a default-mode backward's moving saved tensors are recorded for (two alternate where the
-# allocator hands a step's memory back in turn); at another, it runs its host program from then on.
-_MOVED_KEYS = 2
-
-
-def _moved_static(fn: GraphedCall, key: tuple, args: list, resident: frozenset[int]) -> bool:
-    """Whether only static inputs' addresses set this key apart from one seen, none in the pool's memory."""
-    for seen in fn.seen:
-        moved = [k for k, (a, b) in enumerate(zip(seen, key)) if a != b] if len(seen) == len(key) else []
-        if moved and all(k < len(args) and k in fn.static for k in moved):
-            return not any(args[k].untyped_storage().data_ptr() in resident for k in moved)
-    return False
-
-
-# A recording released after fewer replays than this (its static inputs dropped) is short-lived: at
-# `cudagraphs_max_graphs` of them in a row, the graph runs its host program, since a capture costs many calls' time.
-_SHORT_LIVED = 8
-
-
-def _moved_only(fn: GraphedCall, old: tuple, key: tuple, n_args: int) -> bool:
-    """Whether `key` differs from `old` in static inputs' addresses alone."""
-    if len(old) != len(key):
-        return False
-    return all(a == b or (k < n_args and k in fn.static) for k, (a, b) in enumerate(zip(old, key)))
 
 
 def _alone_in_storage(args: list, positions: frozenset[int]) -> set[int]:
@@ -384,12 +335,12 @@ class Pool:
                 replaced += self._release_orphans(fn)
             if fn.short_lived >= fn.max_graphs:
                 fn.disable(
-                    f"{fn.short_lived} recordings in a row replayed fewer than {_SHORT_LIVED} times each before a static "
+                    f"{fn.short_lived} recordings in a row replayed fewer than {SHORT_LIVED} times each before a static "
                     "input of theirs was dropped (a tensor made anew every few calls): recording for each new one "
                     "would cost more than its replays save; it runs without CUDA graphs from here"
                 )
                 return None
-            if backward and len(fn.seen) >= _MOVED_KEYS and _moved_static(fn, key, args, self.resident()):
+            if backward and len(fn.seen) >= MOVED_KEYS and moved_static(fn.seen, fn.static, key, args, self.resident()):
                 fn.disable(
                     "its saved tensors lie at a new address again (a forward run without a graph saves fresh "
                     "ones): a recording per address would record at every step"
@@ -398,12 +349,12 @@ class Pool:
             if len(fn.seen) >= fn.max_graphs:
                 fn.disable(
                     f"more than cudagraphs_max_graphs={fn.max_graphs} different inputs (shapes, or "
-                    f"addresses of parameters and other static inputs; {_what_changed(fn, key, len(args))}): "
+                    f"addresses of parameters and other static inputs; {what_changed(fn.seen, fn.static, key, len(args))}): "
                     "it runs without CUDA graphs from here"
                 )
                 return None
             fn.seen.add(key)
-            like = next((old for old in replaced if _moved_only(fn, old[0], key, len(args))), None)
+            like = next((old for old in replaced if moved_only(fn.static, old[0], key, len(args))), None)
             if like is None or (fn.default_mode and like[1] is None):
                 return None  # warm-up: kernels load and libraries set up outside the capture
             # The same call as a released recording's but for the static inputs made anew: nothing to warm up,
@@ -437,7 +388,7 @@ class Pool:
             if fn.last is rec:
                 fn.last = None
             # Short-lived ones in a row: a long-running server's occasional short request does not add up.
-            fn.short_lived = fn.short_lived + 1 if rec.replays < _SHORT_LIVED else 0
+            fn.short_lived = fn.short_lived + 1 if rec.replays < SHORT_LIVED else 0
             self.release([rec])
             released.append((key, fn.host_seconds.pop(key, None)))
             log.artifact(
