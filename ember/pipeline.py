@@ -190,6 +190,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.padding import pad_matmul_layouts
     from ember.schedule.scheduler import schedule
+    from ember.schedule.skinny import group_skinny_products
     from ember.schedule.split import split_reductions
 
     faults.at("schedule")
@@ -204,6 +205,8 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
     _check(graph, "cse")
     stage("cse")
+    grouped = group_skinny_products(graph, target)
+    log.artifact("schedule", f"{kind} grouped skinny products", lambda: "\n".join(grouped) or "none")
     padded = pad_matmul_layouts(graph, target, keep_outputs_dense=kind != "inference")
     log.artifact("schedule", f"{kind} padded layouts", lambda: "\n".join(padded) or "none")
     stage("pad")
@@ -327,6 +330,10 @@ def _finish(sched, backend: Backend, target: Target, kind: str, report: GraphRep
         from ember.backends.flex import build_flex_kernels
 
         build_flex_kernels(sched, target)  # FlexAttention's flash-attention kernels
+    if any(n.origin == "skinny_products" for n in sched.externs):
+        from ember.backends.skinny import build_skinny_kernels
+
+        build_skinny_kernels(sched, target)  # grouped products of few rows, one launch each
     progress.kernels_built(kind, kernels)
     stage("build")
     # Dynamo guards the strides of a forward graph's inputs; a backward graph's saved tensors

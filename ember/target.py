@@ -352,6 +352,29 @@ class LowerHeuristics:
 
 
 @dataclass(frozen=True)
+class SkinnyHeuristics:
+    """Matrix products of few rows that read one input (a decoding step's query, key and value projections; its
+    gate and up projections) as one launch over all their weights (schedule/skinny.py). Such a product only
+    streams its weight, and at a few megabytes a launch's fixed cost is most of its time: one launch of three
+    such products ran in about a third of cuBLAS's three on an H200."""
+
+    # Products of at most this many rows are grouped; 0: never (the C++ target's: its BLAS has no launch cost).
+    max_rows: int = 0
+    # Products in a group, at least; a lone product keeps cuBLAS, which reads a weight as fast.
+    min_group: int = 2
+    # The kernel's tile, written `XxRxW`: each program computes X columns of one product over the whole depth,
+    # R of it a step (rows padded to 16, tl.dot's least), with W warps and `stages` software-pipelining stages.
+    tile: Tile = Tile(32, 256, 4)
+    stages: int = 4
+    # Where the narrow tile would run more than `wide_programs_per_sm` programs per SM, wider ones with shorter
+    # steps: on an H200 a [1, 2048] row times two [2048, 8192] matrices took 18.3 us so, 23.6 with the narrow
+    # tile, whose 32 x 256 steps suit fewer columns (6.9 us for [2048, 3072] against 7.7 with 32 x 128).
+    wide_tile: Tile = Tile(64, 128, 4)
+    wide_stages: int = 3
+    wide_programs_per_sm: int = 2
+
+
+@dataclass(frozen=True)
 class GraphHeuristics:
     """Which CUDA graph recordings the default mode keeps (runtime/cudagraph_pool.py: _keep_or_drop)."""
 
@@ -374,6 +397,7 @@ class Heuristics:
     flex: FlexHeuristics = FlexHeuristics()
     realize: RealizeHeuristics = RealizeHeuristics()
     lower: LowerHeuristics = LowerHeuristics()
+    skinny: SkinnyHeuristics = SkinnyHeuristics()
     graphs: GraphHeuristics = GraphHeuristics()
 
     def tuned(self, text: str) -> Heuristics:

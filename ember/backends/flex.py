@@ -7,21 +7,18 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import functools
 
 import torch
 
 from ember import log
+from ember.backends.direct_launch import DirectLaunch, allocator, load_triton
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
 from ember.codegen.flex_triton_bwd import render_flex_triton_bwd
 from ember.ir.flex import FlexAttention, FlexAttentionBackward, FlexBackwardSpec, FlexSpec
-from ember.runtime import scratch
-from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.steps import ExternStep, Schedule
 from ember.target import Target
 
@@ -101,7 +98,7 @@ class FlexKernel:
             self.fn = _compile_cpp(source, target)
         else:
             self.source = render_flex_triton(spec, "flex_fwd", self.launch, target.interpreted)
-            self.fn = DirectLaunch(_load_triton(self.source, "ember_flex").flex_fwd, target.interpreted)
+            self.fn = DirectLaunch(_load_flex(self.source, "ember_flex").flex_fwd, target.interpreted)
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
@@ -111,7 +108,7 @@ class FlexKernel:
         buffers = rest[2:] if spec.has_full_blocks else rest
         B, H, M, _ = q.shape
         N = k.shape[2]
-        empty = _allocator(q.device)
+        empty = allocator(q.device)
         out = _like_query(q, spec.value_dim, empty)
         lse = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
         mx = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
@@ -179,7 +176,7 @@ class FlexBackwardKernel:
         self.launches = [FlexLaunch(t.xblock, t.rblock, t.warps, h.stages) for t in tiles]
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
-        module = _load_triton(self.source, "ember_flex_bwd")
+        module = _load_flex(self.source, "ember_flex_bwd")
         self.dq_fn, self.dkdv_fn, self.delta_fn = (
             DirectLaunch(fn, target.interpreted)
             for fn in (module.flex_bwd_dq, module.flex_bwd_dkdv, module.flex_bwd_delta)
@@ -188,7 +185,7 @@ class FlexBackwardKernel:
     def _delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
         """rowsum(dout * out) in the work dtype, [B, H, M] contiguous."""
         B, H, M, DV = out.shape
-        delta = _allocator(out.device)((B, H, M), (H * M, M, 1), self.spec.forward.work_dtype)
+        delta = allocator(out.device)((B, H, M), (H * M, M, 1), self.spec.forward.work_dtype)
         dv_pad = max(16, pow2(DV))
         rows = max(1, min(64, 4096 // dv_pad))
         grid = ((B * H * M + rows - 1) // rows,)
@@ -202,7 +199,7 @@ class FlexBackwardKernel:
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = block_mask[2:10]
         B, H, M, _ = q.shape
         N = k.shape[2]
-        empty = _allocator(q.device)
+        empty = allocator(q.device)
         dq, dk, dv = (_like_query(t, d, empty) for t, d in ((q, fwd.head_dim), (k, fwd.head_dim), (v, fwd.value_dim)))
         nones = (None,) * len(sbufs)
         if q.numel() == 0 or k.numel() == 0:
@@ -236,96 +233,6 @@ class FlexBackwardKernel:
             scalars = (*ints, *buf_ints, walk)
             self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch)
         return (dq, dk, dv, *nones)
-
-
-class DirectLaunch:
-    """A flex kernel launched through a compiled launcher. `kernel[grid]` binds and specializes every
-    argument in Python on each call (a flex kernel takes about a hundred: tensors, sizes, strides), which
-    made short sparse-mask steps host-bound. The first call with a given specialization goes through
-    `kernel[grid]` (which compiles); later calls with the same one launch the compiled binary, through
-    torch's static launcher where it takes the kernel (the C++ one Inductor uses), else Triton's own.
-    The key is what Triton specializes on: each tensor's 16-byte alignment, each integer's equality to
-    1, divisibility by 16 and 32-bit range (not its value: sizes that vary under dynamic shapes share a
-    binary), the constants, warps and stages, and the device. In Triton's interpreter every call is
-    `kernel[grid]` (it takes no warps or stages)."""
-
-    def __init__(self, fn, interpreted: bool):
-        from ember.backends.triton import current_stream
-
-        self.fn, self.interpreted, self.stream = fn, interpreted, current_stream
-        self.names = list(fn.arg_names)
-        self.compiled: dict[tuple, tuple] = {}  # Triton's specialization -> launcher
-        # The same launchers by the arguments' values: a step calls with the same sizes and strides
-        # each time, and one tuple lookup costs less than specializing a hundred integers.
-        self.by_value: dict[tuple, tuple] = {}
-
-    def __call__(self, grid: tuple, tensors: tuple, scalars: tuple, consts: dict, warps: int, stages: int) -> None:
-        """Launch over `grid` with the kernel's tensor parameters, then its other ones, in order."""
-        if self.interpreted:
-            self.fn[grid](*tensors, *scalars, **consts)
-            return
-        device = tensors[0].device.index or 0
-        ptrs = [t.data_ptr() for t in tensors]
-        aligned = tuple((p & 15) == 0 for p in ptrs)
-        # With the scalars' types: 1, True and 1.0 are one dict key, but Triton specializes them apart.
-        exact = (device, aligned, scalars, tuple(map(type, scalars)), tuple(consts.values()), warps, stages)
-        hit = self.by_value.get(exact)
-        if hit is None:
-            key = (device, aligned, tuple(map(_specialized, scalars)), exact[4], warps, stages)
-            hit = self.compiled.get(key)
-            if hit is not None and hit[0] != "jit":
-                if len(self.by_value) >= _BY_VALUE_LIMIT:
-                    self.by_value.clear()
-                self.by_value[exact] = hit
-        if hit is None or hit[0] == "jit":
-            on_device = torch.cuda.device(device) if tensors[0].is_cuda else contextlib.nullcontext()
-            with on_device:  # Triton compiles for, and launches on, the current device
-                compiled = self.fn[grid](*tensors, *scalars, **consts, num_warps=warps, num_stages=stages)
-            if hit is None:
-                self.compiled[key] = self._launcher(compiled, device, len(tensors), scalars, consts)
-            return
-        gx, gy, gz = (*grid, 1, 1)[:3]
-        stream = self.stream(device)
-        if hit[0] == "static":
-            _, st, codes, kept = hit
-            passed = (*ptrs, *[scalars[i] for i in kept], *([None] * st.scratch))
-            st.launch(st.function, gx, gy, gz, st.num_warps, st.shared, codes, passed, stream)
-        else:
-            _, run, function, meta, tail = hit
-            run(gx, gy, gz, stream, function, meta, None, None, None, *tensors, *scalars, *tail)
-
-    def _launcher(self, compiled, device: int, tensors: int, scalars: tuple, consts: dict) -> tuple:
-        """How to launch `compiled` again: torch's static launcher where it can (a few microseconds
-        for a hundred arguments), else Triton's own launcher, else ("jit",): `kernel[grid]` each call
-        (also where loading the binary into a launcher failed)."""
-        from ember.backends import static_launch
-        from ember.backends.triton import launch_handles
-
-        try:
-            st = static_launch.from_compiled(compiled, device)
-            if st is not None and all(code == "O" for code in st.params[:tensors]):
-                # The scalars Triton did not make constants (an integer equal to 1 is one), in order.
-                kept = [i for i, code in enumerate(st.params[tensors : tensors + len(scalars)]) if code]
-                codes = "".join(c for c in st.params if c) + "O" * st.scratch
-                return ("static", st, codes, kept)
-            handles = launch_handles(compiled)
-        except Exception as e:  # noqa: BLE001 - a launcher that cannot load the binary: kernel[grid] still can
-            log.summary(f"flex kernel: launched through kernel[grid] ({type(e).__name__}: {e})")
-            return ("jit",)
-        if handles is None:
-            return ("jit",)
-        tail = tuple(consts[name] for name in self.names[tensors + len(scalars) :])
-        return ("triton", *handles, tail)
-
-
-_BY_VALUE_LIMIT = 256  # distinct argument values remembered per kernel (dynamic sizes add one each)
-
-
-def _specialized(x):
-    """What Triton's specialization sees of a scalar argument."""
-    if isinstance(x, bool) or not isinstance(x, int):
-        return x if not isinstance(x, float) else float
-    return (x == 1, x % 16 == 0, -(2**31) <= x < 2**31)
 
 
 def launch_fitting(
@@ -370,13 +277,10 @@ def _like_query(q: torch.Tensor, dv: int, empty) -> torch.Tensor:
     return empty(shape, tuple(stride), q.dtype)
 
 
-@functools.lru_cache(maxsize=16)
-def _allocator(device: torch.device):
-    """The host program's `empty(size, stride, dtype)` for `device`: torch's C++ helper where it
-    can, which skips `torch.empty`'s Python argument parsing (codegen/host.py)."""
-    from ember.codegen.host import allocator
+def _load_flex(body: str, prefix: str):
+    from ember.codegen.flex_expr import TRITON_HELPERS
 
-    return allocator(device)
+    return load_triton(TRITON_HELPERS + body, prefix)
 
 
 def _compile_cpp(source: str, target: Target):
@@ -392,20 +296,7 @@ def _compile_cpp(source: str, target: Target):
     return fn
 
 
-def _load_triton(body: str, prefix: str):
-    from ember.codegen.flex_expr import TRITON_HELPERS
-    from ember.codegen.triton import PRELUDE as TRITON_PRELUDE
-    from ember.runtime.cache import triton_identity
-
-    source = TRITON_PRELUDE + TRITON_HELPERS + body
-    key = content_key("triton", source, toolchain=triton_identity())
-    cache = DiskCache()
-    entry = cache.get("triton", key) or cache.put("triton", key, {"kernels.py": source.encode()})
-    return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
-
-
 __all__ = [
-    "DirectLaunch",
     "FlexBackwardKernel",
     "FlexKernel",
     "build_flex_kernels",

@@ -13,6 +13,7 @@ from ember.target import (
     HorizontalHeuristics,
     PadHeuristics,
     RealizeHeuristics,
+    SkinnyHeuristics,
     SplitHeuristics,
     Target,
 )
@@ -84,6 +85,7 @@ def make_target(device) -> Target:
             pad=PadHeuristics(products=gpu),
             horizontal=_GPU_HORIZONTAL,
             realize=RealizeHeuristics(scalars_per_element=False),
+            skinny=SkinnyHeuristics(max_rows=16),
         ),
     )
     return target.tuned(config.get("heuristics"))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.backends.flex import DirectLaunch, forward_launch, launch_fitting, launch_for_mask, sparse_launch
+from ember.backends.direct_launch import DirectLaunch
+from ember.backends.flex import forward_launch, launch_fitting, launch_for_mask, sparse_launch
 from ember.codegen.flex_triton import FlexLaunch
 from ember.ir.flex import FlexSpec
 from ember.target import Target
@@ -134,15 +135,14 @@ def test_a_binary_no_launcher_can_load_keeps_launching_through_triton(monkeypatc
 def test_repeated_arguments_skip_specializing(monkeypatch):
     """A step's calls repeat their sizes and strides: after the first, the launcher is found by the
     arguments' values without specializing each integer again; new values specialize once."""
-    import ember.backends.flex as flex_backend
     import ember.backends.triton as triton_backend
-    from ember.backends import static_launch
+    from ember.backends import direct_launch, static_launch
 
     monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
     monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
     specialized = []
-    real = flex_backend._specialized
-    monkeypatch.setattr(flex_backend, "_specialized", lambda x: specialized.append(x) or real(x))
+    real = direct_launch._specialized
+    monkeypatch.setattr(direct_launch, "_specialized", lambda x: specialized.append(x) or real(x))
     jit = _Jit()
     fn = DirectLaunch(jit, False)
     x = torch.zeros(64)
