@@ -8,7 +8,8 @@ encoder's output by its key and value weights): several products of the same [ro
     mm(x, w_1), ..., mm(x, w_n)    become    y = mm(x, cat([w_1, ..., w_n], dim=1))
                                              y[:, 0:N_1], ..., y[:, N_1+...:N]
 
-(addmm's biases concatenated the same way). The freezing prologue concatenates the weights once; each
+(addmm's biases concatenated the same way, with zeros for the columns of an `mm` among them: Whisper's key
+projection has no bias where its query and value have one). The freezing prologue concatenates the weights once; each
 product's readers read its column slice of y where it lies (a view). One call of MKL's or oneDNN's
 product over the wider weight takes less time than the calls it replaces: on the 2-core AMD EPYC (Zen 4),
 a T5 encoder layer's three [128, 256] x [256, 256] products took 94-107 us each through either library, the
@@ -18,7 +19,7 @@ between oneDNN's packed kernel and ATen's like any other.
 
 Left apart: products whose result an output may alias (its strides would change), those a reader or a
 view's reader addresses in a way a column slice does not allow (a flattening `view`, `as_strided`), and
-products of one input more than SPAN nodes apart (runs). `mm` and `addmm` of one input are not mixed.
+products of one input more than SPAN nodes apart (runs).
 Memory: the concatenated weight, or its packed form, is a copy beside the model's own weights, as the
 packed weights are.
 """
@@ -47,7 +48,7 @@ def group_products(
     gm: fx.GraphModule, is_constant: Callable[[object], bool], fake_mode, hoist: Callable, aliased: set[fx.Node]
 ) -> int:
     """Rewrite (in place) each run of two or more packable products (prepack.packable_linear) of one input
-    and one kind (`mm`, or `addmm` with biases), each within `SPAN` nodes of the last, as one product and
+    (`mm`, or `addmm` with a bias), each within `SPAN` nodes of the last, as one product and
     column slices of it; returns how many products were grouped. `hoist(graph, before, operands)` moves
     constant computations that come later in the graph before `before` (freezing._hoist); `aliased`: the
     nodes whose result a graph output may alias (freezing._output_aliases), left apart."""
@@ -56,7 +57,7 @@ def group_products(
     for node in gm.graph.nodes:
         if packable_linear(node, is_constant) and node not in aliased:
             x = node.args[0] if node.target is aten.mm.default else node.args[1]
-            runs = groups.setdefault((*_input_key(x), node.target), [[]])
+            runs = groups.setdefault(_input_key(x), [[]])
             if runs[-1] and order[node] - order[runs[-1][-1]] > SPAN:
                 runs.append([])  # far from the last: a result held until its readers there would be held long
             runs[-1].append(node)
@@ -117,25 +118,39 @@ def _weight_rows(graph: fx.Graph, w: fx.Node, fake_mode) -> fx.Node:
     return node
 
 
+def _bias(graph: fx.Graph, product: fx.Node, fake_mode) -> fx.Node:
+    """The product's bias, or zeros of its width for an `mm` (a constant, which the freezing prologue makes once:
+    adding them changes no value)."""
+    if product.target is aten.addmm.default:
+        return product.args[0]
+    val = product.meta["val"]
+    zeros = graph.call_function(aten.zeros.default, ([val.shape[1]],), {"dtype": val.dtype, "device": val.device})
+    with fake_mode:
+        zeros.meta["val"] = torch.zeros(val.shape[1], dtype=val.dtype, device=val.device)
+    return zeros
+
+
 def _group(graph: fx.Graph, products: list[fx.Node], fake_mode, hoist: Callable) -> None:
     first = products[0]  # graph order: the first product's place is before every reader of the others
-    addmm = first.target is aten.addmm.default
-    x = first.args[1] if addmm else first.args[0]
+    x = first.args[1] if first.target is aten.addmm.default else first.args[0]
     weights = [p.args[-1] for p in products]
-    biases = [p.args[0] for p in products] if addmm else []
-    hoist(graph, first, weights + biases)
+    addmm = any(p.target is aten.addmm.default for p in products)
+    given = [p.args[0] for p in products if p.target is aten.addmm.default]
+    hoist(graph, first, weights + given)
     with graph.inserting_before(first):
         rows = graph.call_function(aten.cat.default, ([_weight_rows(graph, w, fake_mode) for w in weights], 0))
         weight = graph.call_function(aten.permute.default, (rows, [1, 0]))
+        biases = [_bias(graph, p, fake_mode) for p in products] if addmm else []
         bias = graph.call_function(aten.cat.default, (biases, 0)) if addmm else None
+        target = aten.addmm.default if addmm else aten.mm.default
         args = (bias, x, weight) if addmm else (x, weight)
-        product = graph.call_function(first.target, args)
+        product = graph.call_function(target, args)
     with fake_mode:
         rows.meta["val"] = torch.cat([r.meta["val"] for r in rows.args[0]], 0)
         weight.meta["val"] = rows.meta["val"].permute(1, 0)
         if bias is not None:
             bias.meta["val"] = torch.cat([b.meta["val"] for b in biases], 0)
-        product.meta["val"] = first.target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
+        product.meta["val"] = target(*fx.node.map_arg(args, lambda n: n.meta["val"]))
     product.meta["stack_trace"] = first.meta.get("stack_trace")
     start = 0
     for p in products:
