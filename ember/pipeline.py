@@ -189,6 +189,7 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     from ember.schedule.cost import kernel_cost
     from ember.schedule.memory import eager_peak as eager_peak_bytes
     from ember.schedule.padding import pad_matmul_layouts
+    from ember.schedule.product_bias import products_bias_as_add
     from ember.schedule.scheduler import schedule
     from ember.schedule.skinny import group_skinny_products
     from ember.schedule.split import split_reductions
@@ -205,6 +206,8 @@ def _schedule(gm: torch.fx.GraphModule, device: torch.device, kind: str, backend
     log.artifact("graph", f"{kind} common subexpressions", lambda: f"{merged} duplicate node(s) merged")
     _check(graph, "cse")
     stage("cse")
+    biases = products_bias_as_add(graph, target)
+    log.artifact("schedule", f"{kind} product biases as adds", lambda: "\n".join(biases) or "none")
     grouped = group_skinny_products(graph, target)
     log.artifact("schedule", f"{kind} grouped skinny products", lambda: "\n".join(grouped) or "none")
     padded = pad_matmul_layouts(graph, target, keep_outputs_dense=kind != "inference")

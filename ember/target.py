@@ -349,6 +349,10 @@ class LowerHeuristics:
     # over the weights concatenated (frontend/grouped_products.py). The C++ target's: MKL's and oneDNN's
     # products over a [K, 256] weight cost about what a [K, 768] one does per call on 2 cores.
     group_frozen_products: bool = False
+    # A float32 `addmm` whose bias is one value per column runs as `mm` and ember's add, which fuses into the
+    # product's readers (schedule/product_bias.py). The C++ target's: ATen's CPU addmm first copies the bias into
+    # every row of its output and then has the BLAS add the product to it, a write and a read of the output more.
+    product_bias_as_add: bool = False
 
 
 @dataclass(frozen=True)

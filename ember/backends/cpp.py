@@ -212,6 +212,7 @@ class CppBackend:
                     product_convolutions_min_channels=32,
                     product_convolutions_max_pixels=16,
                     group_frozen_products=True,
+                    product_bias_as_add=True,
                 ),
             ),
             packed_product_faster=_packed_product_faster,
