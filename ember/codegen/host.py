@@ -482,8 +482,10 @@ class HostWriter:
             return
         result = f"r{node.outputs[0].id}" if node.outputs else "_"
         self.lines.append(f"    {result} = {call}")
+        # A target whose results are fresh row-major tensors (grouped skinny products) promises their layout.
+        dense = target if getattr(target, "row_major_results", False) else None
         for pos, v in zip(node.attrs["output_positions"], node.outputs):
-            self._bind_extern_output(v, f"{result}[{pos}]", None)
+            self._bind_extern_output(v, f"{result}[{pos}]", dense)
         if node.outputs:
             self.lines.append(f"    del {result}")  # the tuple would keep every result alive
 

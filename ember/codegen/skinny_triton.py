@@ -6,7 +6,7 @@ product's matrix, accumulated in fp32, plus the bias, rounded once to the produc
 rounds its result. The launch's programs are the products' column blocks one after another; a program
 compares its id with each product's first block, as a combo kernel's do (codegen/triton_combo.py).
 
-Sizes are the spec's, written into the source; strides are arguments, so a transposed weight
+Sizes are the spec's, written into the source (at most MAX_ROWS rows: one row block); strides are arguments, so a transposed weight
 (K contiguous) and a row-major one are both read where they lie (Triton specializes a stride of 1).
 """
 
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ember.schedule.skinny import SkinnySpec
+from ember.schedule.skinny import MAX_ROWS, SkinnySpec
 
 KERNEL = "skinny_products"
-BLOCK_M = 16
+BLOCK_M = MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,10 @@ def first_blocks(spec: SkinnySpec, block_n: int) -> tuple[list[int], int]:
     return starts, total
 
 
-def _dot(spec: SkinnySpec, interpreted: bool) -> str:
+def _dot(interpreted: bool) -> str:
     if interpreted:
         # The interpreter's dot mishandles bf16; bf16/fp16 products are exact in fp32.
         return "tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc)"
-    if spec.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return 'tl.dot(xt, wt, acc, input_precision="ieee")'  # eager's fp32 matmul does not round to tf32
     return "tl.dot(xt, wt, acc)"
 
 
@@ -71,8 +69,9 @@ def render_skinny(spec: SkinnySpec, launch: SkinnyLaunch, interpreted: bool) -> 
     two (depth, column) and each bias's column stride."""
     block_n, block_k = tile(spec, launch)
     m, k = spec.rows, spec.depth
-    wide = any(n * k >= 2**31 - 1 for n in spec.columns) or m * k >= 2**31 - 1
-    cast = ".to(tl.int64)" if wide else ""
+    # Offsets in 64 bits: they follow the run-time strides, and a matrix that is a slice of a wider one
+    # (a few columns of a fused weight) reaches past 2**31 elements where its own n * k does not.
+    cast = ".to(tl.int64)"
     even_k = k % block_k == 0
     lines = [
         "@triton.jit",
@@ -98,7 +97,7 @@ def render_skinny(spec: SkinnySpec, launch: SkinnyLaunch, interpreted: bool) -> 
             "        wt = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0.0)",
         ]
     lines += [
-        f"        acc = {_dot(spec, interpreted)}",
+        f"        acc = {_dot(interpreted)}",
         f"        a_ptrs += {block_k} * sa_k",
         f"        w_ptrs += {block_k} * sw_k",
         "    if HAS_BIAS:",

@@ -15,8 +15,8 @@ stay where they are (no concatenated copy: under CUDA graphs they are static inp
 A product joins the group of the first product of its input only where its other operands (the weight,
 usually a transposed view of a graph input, and a bias) exist before that first product, or are views of
 values that do: the grouped call then takes the first product's place, those views moved before it.
-Products of other dtypes, with alpha or beta, a bias that is not one value per column, or symbolic
-sizes keep their own call.
+Products of other dtypes (float32 included), with alpha or beta, a bias that is not one value per column,
+or symbolic sizes keep their own call, and so do all products under `gemm=template`.
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ from dataclasses import dataclass
 import sympy
 import torch
 
+from ember import config
 from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import contiguous_strides
 from ember.target import Target
 
 aten = torch.ops.aten
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Half precision only: a float32 tile takes twice the shared memory (32 x 256 at 4 stages, 295 KB, past an
+# H200's 232 KB), and tl.dot's float32 precision would follow a TF32 setting read when the kernel is rendered.
+DTYPES = (torch.bfloat16, torch.float16)
 # Products per launch, at most: the kernel's source holds a branch per product.
 MAX_GROUP = 8
+# Rows a product may have: the kernel computes one block of 16 rows (tl.dot's least), whatever the setting.
+MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class SkinnyProducts:
     through ATen: a graph keeps eager's answer where no kernel was built."""
 
     fresh_result = True
+    row_major_results = True  # each product a fresh row-major tensor (codegen/host.py trusts the layout)
 
     def __init__(self, spec: SkinnySpec):
         self.spec = spec
@@ -106,7 +112,7 @@ def _product(node: Node, max_rows: int) -> _Product | None:
     if len(a.shape) != 2 or len(b.shape) != 2 or not all(sympy.sympify(s).is_Integer for s in sizes):
         return None
     m, k = (int(s) for s in a.shape)
-    if not 1 <= m <= max_rows or k < 1 or int(b.shape[1]) < 1:
+    if not 1 <= m <= min(max_rows, MAX_ROWS) or k < 1 or int(b.shape[1]) < 1:
         return None
     if out.dtype not in DTYPES or a.dtype != out.dtype or b.dtype != out.dtype:
         return None
@@ -125,7 +131,7 @@ def group_skinny_products(graph: Graph, target: Target) -> list[str]:
     """Replace each group of skinny products of one input by one SkinnyProducts call; returns a note
     per group."""
     h = target.heuristics.skinny
-    if h.max_rows <= 0:
+    if h.max_rows <= 0 or config.get("gemm") == "template":  # the user asked for the GEMM template
         return []
     by_input: dict[tuple, list[_Product]] = {}
     for node in graph.nodes:
@@ -208,4 +214,4 @@ def _replace(graph: Graph, group: list[_Product], hoisted: list[Node]) -> str:
     return f"{outs}: {spec.describe()} in one launch"
 
 
-__all__ = ["SkinnyProducts", "SkinnySpec", "group_skinny_products", "split_arguments"]
+__all__ = ["MAX_ROWS", "SkinnyProducts", "SkinnySpec", "group_skinny_products", "split_arguments"]

@@ -46,7 +46,7 @@ def _compile_report(fn, inputs, **options):
     return out, graph
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_products_of_one_input_run_as_one_launch(rows, dtype):
     inputs = _inputs(rows, dtype)
@@ -55,28 +55,43 @@ def test_products_of_one_input_run_as_one_launch(rows, dtype):
     assert graph.externs.count("skinny_products") == 2, f"{graph.externs}\n{line}"
     assert graph.externs.count("mm") == 1 and "addmm" not in graph.externs, f"{graph.externs}\n{line}"  # the lone down
     want = _projections(*inputs)
-    if dtype == torch.float32:
-        assert_close(out, want, rtol=1e-5, atol=1e-5, what="out", line=line)
-    else:  # each product rounds once, as eager's does: the same bf16 values, up to the fused kernels' rounding
-        ref = _projections(*[x.double() for x in inputs])
-        err, eager_err = (out.double() - ref).abs().max().item(), (want.double() - ref).abs().max().item()
-        assert err <= 2 * eager_err + 2**-8, f"ember {err} against eager's {eager_err}\n{line}"
+    # Each product rounds once, as eager's does: the same values, up to the fused kernels' rounding.
+    ref = _projections(*[x.double() for x in inputs])
+    err, eager_err = (out.double() - ref).abs().max().item(), (want.double() - ref).abs().max().item()
+    assert err <= 2 * eager_err + 2**-8, f"ember {err} against eager's {eager_err}\n{line}"
+
+
+def test_float32_more_rows_than_the_kernel_and_the_template_keep_their_own_calls():
+    """float32 products (the tile's shared memory, TF32), products past the kernel's 16 rows however the
+    setting reads, and every product under gemm=template keep their own calls."""
+    inputs = _inputs(1, torch.float32)
+    out, graph = _compile_report(_projections, inputs)
+    assert "skinny_products" not in graph.externs, graph.externs
+    assert_close(out, _projections(*inputs), rtol=1e-5, atol=1e-5, what="f32", line=repro(dtype="f32"))
+    inputs = _inputs(24, torch.bfloat16)
+    with config.override(heuristics="skinny.max_rows=32"):
+        out, graph = _compile_report(_projections, inputs)
+    assert "skinny_products" not in graph.externs, graph.externs
+    assert_close(out, _projections(*inputs), rtol=2e-2, atol=2e-2, what="24 rows", line=repro(rows=24))
+    inputs = _inputs(2, torch.bfloat16)
+    out, graph = _compile_report(_projections, inputs, gemm="template")
+    assert "skinny_products" not in graph.externs, graph.externs
 
 
 def test_larger_products_and_other_inputs_keep_their_own_calls():
     """17 rows is past the Target's bound; products of different inputs are not grouped."""
-    inputs = _inputs(17, torch.float32)
+    inputs = _inputs(17, torch.bfloat16)
     out, graph = _compile_report(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
-    assert_close(out, _projections(*inputs), rtol=1e-5, atol=1e-5, what="out", line=repro(rows=17))
+    assert_close(out, _projections(*inputs), rtol=2e-2, atol=2e-2, what="out", line=repro(rows=17))
 
     def two_inputs(x, y, w1, w2):
         return F.linear(x, w1) + F.linear(y, w2)
 
-    args = [torch.randn(2, 8), torch.randn(2, 8), torch.randn(16, 8), torch.randn(16, 8)]
+    args = [torch.randn(2, 8).half(), torch.randn(2, 8).half(), torch.randn(16, 8).half(), torch.randn(16, 8).half()]
     out, graph = _compile_report(two_inputs, args)
     assert "skinny_products" not in graph.externs, graph.externs
-    assert_close(out, two_inputs(*args), rtol=1e-5, atol=1e-5, what="two inputs", line=repro(case="two_inputs"))
+    assert_close(out, two_inputs(*args), rtol=1e-2, atol=1e-2, what="two inputs", line=repro(case="two_inputs"))
 
 
 def test_a_weight_computed_after_the_first_product_keeps_its_call():
@@ -88,26 +103,26 @@ def test_a_weight_computed_after_the_first_product_keeps_its_call():
         w = (w2 * a.sum()).t()  # needs the first product
         return a.sum(-1, keepdim=True) + x @ w + x @ w3.t()
 
-    args = [torch.randn(3, 16), torch.randn(8, 16), torch.randn(8, 16), torch.randn(8, 16)]
+    args = [(torch.randn(*s) / 4).half() for s in ((3, 16), (8, 16), (8, 16), (8, 16))]
     out, graph = _compile_report(computed_weight, args)
     assert graph.externs.count("skinny_products") == 1 and graph.externs.count("mm") == 1, graph.externs
-    assert_close(out, computed_weight(*args), rtol=1e-4, atol=1e-4, what="out", line=repro(case="computed_weight"))
+    assert_close(out, computed_weight(*args), rtol=1e-2, atol=1e-2, what="out", line=repro(case="computed_weight"))
 
 
 def test_the_setting_and_the_cpp_target_leave_products_alone():
-    inputs = _inputs(1, torch.float32)
+    inputs = _inputs(1, torch.bfloat16)
     want = _projections(*inputs)
     with config.override(heuristics="skinny.max_rows=0"):
         out, graph = _compile_report(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
-    assert_close(out, want, rtol=1e-5, atol=1e-5, what="off", line=repro(heuristics="skinny.max_rows=0"))
+    assert_close(out, want, rtol=2e-2, atol=2e-2, what="off", line=repro(heuristics="skinny.max_rows=0"))
     with reports() as report:
         out = ember_compile(_projections, "cpp")(*inputs)
     assert not any("skinny" in e for g in report.graphs for e in g.externs), report.graphs
-    assert_close(out, want, rtol=1e-5, atol=1e-5, what="cpp", line=repro(backend="cpp"))
+    assert_close(out, want, rtol=2e-2, atol=2e-2, what="cpp", line=repro(backend="cpp"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_the_kernel_at_edges(dtype):
     """Depth not a multiple of the step, columns not a multiple of the block, both bias shapes, and a
     row-major matrix beside transposed ones; bf16 results equal eager's (one rounding of an fp32 sum)."""
@@ -122,10 +137,9 @@ def test_the_kernel_at_edges(dtype):
     want = (torch.addmm(bias0, a, w0.t()), torch.addmm(bias1, a, w1.t()), a @ b2)
     for name, x, y in zip(("q", "k", "v"), got, want):
         assert x.shape == y.shape and x.is_contiguous(), (name, x.shape, x.stride())
-        tol = 1e-4 if dtype == torch.float32 else 0.0
         exact = a.double() @ (w0.t() if name == "q" else w1.t() if name == "k" else b2).double()
         err, eager_err = (x.double() - exact).abs().max().item(), (y.double() - exact).abs().max().item()
-        assert err <= eager_err * 1.5 + 0.02 + tol, f"{name}: {err} against eager's {eager_err}"
+        assert err <= eager_err * 1.5 + 0.02, f"{name}: {err} against eager's {eager_err}"
 
 
 def test_the_wide_tile_where_the_narrow_runs_many_programs():
@@ -155,7 +169,7 @@ def test_a_decoding_step_of_hf_llama():
         num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
     ids = torch.tensor([[5, 17, 3]])
 
     def step(ids):
@@ -168,4 +182,4 @@ def test_a_decoding_step_of_hf_llama():
     assert_no_fallback(report, repro(case="hf_llama_step"))
     externs = [e for g in report.graphs for e in g.externs]
     assert externs.count("skinny_products") == 2 * cfg.num_hidden_layers, externs
-    assert_close(got, want, rtol=1e-4, atol=1e-4, what="logits", line=repro(case="hf_llama_step"))
+    assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, what="logits", line=repro(case="hf_llama_step"))
