@@ -173,6 +173,15 @@ def assert_no_fallback(report: ExplainReport, line: str) -> None:
     assert not bad, f"ember fell back to eager: {bad}\n{line}"
 
 
+def compiled_graph(fn: Callable, inputs: Sequence, backend: str = "triton", **options: Any) -> tuple[Any, Any]:
+    """fn compiled by ember (strict) and called once: its output and the report of its one graph."""
+    with reports() as report:
+        out = ember_compile(fn, backend, **options)(*inputs)
+    assert_no_fallback(report, repro(options=options))
+    (graph,) = report.graphs
+    return out, graph
+
+
 def explain_strict(fn: Callable, *args, backend: str = "cpp", **options) -> ExplainReport:
     with ember.config.override(strict=True, backend=backend, **options):
         return ember.explain(fn, *args)

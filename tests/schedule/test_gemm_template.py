@@ -17,6 +17,7 @@ from tests.helpers import (
     assert_close,
     assert_no_fallback,
     assert_not_worse,
+    compiled_graph,
     ember_compile,
     forward_backward,
     fresh_inputs,
@@ -91,14 +92,6 @@ def test_template_matches_eager_forward_and_backward(name, fn, make, dtypes):
                                  what=f"{name} {dtype}", line=line, atol=2**-7)  # fmt: skip
 
 
-def _compile_report(fn, inputs, **options):
-    with reports() as report:
-        out = ember_compile(fn, "triton", **options)(*inputs)
-    assert_no_fallback(report, repro(options=options))
-    (graph,) = report.graphs
-    return out, graph
-
-
 def test_epilogue_fuses_into_the_template():
     """linear + bias + gelu: one template kernel that reads x, w and the bias and writes the result
     once. The ATen path runs the product as an extern and the epilogue as a second kernel that
@@ -106,7 +99,7 @@ def test_epilogue_fuses_into_the_template():
     m, k, n = 33, 24, 40
     x, w, b = _r(m, k), _r(n, k), _r(n)
     want = _linear_gelu(x, w, b)
-    out, graph = _compile_report(_linear_gelu, [x, w, b], gemm="template")
+    out, graph = compiled_graph(_linear_gelu, [x, w, b], gemm="template")
     line = repro(case="linear_bias_gelu", gemm="template")
     assert_close(out, want, rtol=1e-4, atol=1e-4, what="out", line=line)
     assert not graph.externs, f"{graph}\n{line}"
@@ -117,7 +110,7 @@ def test_epilogue_fuses_into_the_template():
     fused = [f for f in graph.fusion if f.accepted and "epilogue fused into the GEMM template" in f.reason]
     assert len(fused) == 1 and "tanh" in fused[0].reason, f"{graph}\n{line}"
 
-    out, aten = _compile_report(_linear_gelu, [x, w, b], gemm="aten")
+    out, aten = compiled_graph(_linear_gelu, [x, w, b], gemm="aten")
     assert_close(out, want, rtol=1e-5, atol=1e-5, what="out (aten)", line=line)
     assert aten.externs == ["addmm"] and len(aten.kernels) == 1, f"{aten}\n{line}"
     assert aten.bytes == 4 * 2 * m * n, f"{aten.bytes}\n{aten}\n{line}"  # the epilogue reads the product back
@@ -132,7 +125,7 @@ def test_refusals_are_explained():
         return (q @ k.t()).softmax(-1) @ v
 
     q, k, v = _r(16, 8), _r(24, 8), _r(24, 8)
-    out, graph = _compile_report(scores_softmax, [q, k, v], gemm="template", patterns=False)
+    out, graph = compiled_graph(scores_softmax, [q, k, v], gemm="template", patterns=False)
     line = repro(case="scores_softmax")
     assert_close(out, scores_softmax(q, k, v), rtol=1e-4, atol=1e-4, what="out", line=line)
     assert not graph.externs and len(graph.kernels) == 3, f"{graph}\n{line}"
@@ -142,6 +135,6 @@ def test_refusals_are_explained():
 
 def test_auto_means_aten_without_a_gpu():
     x, w = _r(16, 32), _r(32, 8)
-    _, graph = _compile_report(torch.mm, [x, w], gemm="auto")
+    _, graph = compiled_graph(torch.mm, [x, w], gemm="auto")
     assert graph.externs == ["mm"], str(graph)
     assert any("measures only on a GPU" in f.reason for f in graph.fusion), str(graph)

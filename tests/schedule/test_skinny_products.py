@@ -16,7 +16,7 @@ from ember.backends.skinny import SkinnyKernel, skinny_launch
 from ember.backends.triton import TritonBackend
 from ember.codegen.skinny_triton import SkinnyLaunch
 from ember.schedule.skinny import SkinnyProducts, SkinnySpec
-from tests.helpers import assert_close, assert_no_fallback, ember_compile, reports, repro
+from tests.helpers import assert_close, assert_no_fallback, compiled_graph, ember_compile, reports, repro
 
 TRITON = TritonBackend().target()  # the interpreter's
 
@@ -38,20 +38,12 @@ def _inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     return [r(rows, 40), r(48, 40), r(48), r(24, 40), r(24, 40), r(72, 24), r(72, 24), r(24, 72)]
 
 
-def _compile_report(fn, inputs, **options):
-    with reports() as report:
-        out = ember_compile(fn, "triton", **options)(*inputs)
-    assert_no_fallback(report, repro(options=options))
-    (graph,) = report.graphs
-    return out, graph
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_products_of_one_input_run_as_one_launch(rows, dtype):
     inputs = _inputs(rows, dtype)
     line = repro(rows=rows, dtype=dtype)
-    out, graph = _compile_report(_projections, inputs)
+    out, graph = compiled_graph(_projections, inputs)
     assert graph.externs.count("skinny_products") == 2, f"{graph.externs}\n{line}"
     assert graph.externs.count("mm") == 1 and "addmm" not in graph.externs, f"{graph.externs}\n{line}"  # the lone down
     want = _projections(*inputs)
@@ -65,23 +57,23 @@ def test_float32_more_rows_than_the_kernel_and_the_template_keep_their_own_calls
     """float32 products (the tile's shared memory, TF32), products past the kernel's 16 rows however the
     setting reads, and every product under gemm=template keep their own calls."""
     inputs = _inputs(1, torch.float32)
-    out, graph = _compile_report(_projections, inputs)
+    out, graph = compiled_graph(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
     assert_close(out, _projections(*inputs), rtol=1e-5, atol=1e-5, what="f32", line=repro(dtype="f32"))
     inputs = _inputs(24, torch.bfloat16)
     with config.override(heuristics="skinny.max_rows=32"):
-        out, graph = _compile_report(_projections, inputs)
+        out, graph = compiled_graph(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
     assert_close(out, _projections(*inputs), rtol=2e-2, atol=2e-2, what="24 rows", line=repro(rows=24))
     inputs = _inputs(2, torch.bfloat16)
-    out, graph = _compile_report(_projections, inputs, gemm="template")
+    out, graph = compiled_graph(_projections, inputs, gemm="template")
     assert "skinny_products" not in graph.externs, graph.externs
 
 
 def test_larger_products_and_other_inputs_keep_their_own_calls():
     """17 rows is past the Target's bound; products of different inputs are not grouped."""
     inputs = _inputs(17, torch.bfloat16)
-    out, graph = _compile_report(_projections, inputs)
+    out, graph = compiled_graph(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
     assert_close(out, _projections(*inputs), rtol=2e-2, atol=2e-2, what="out", line=repro(rows=17))
 
@@ -89,7 +81,7 @@ def test_larger_products_and_other_inputs_keep_their_own_calls():
         return F.linear(x, w1) + F.linear(y, w2)
 
     args = [torch.randn(2, 8).half(), torch.randn(2, 8).half(), torch.randn(16, 8).half(), torch.randn(16, 8).half()]
-    out, graph = _compile_report(two_inputs, args)
+    out, graph = compiled_graph(two_inputs, args)
     assert "skinny_products" not in graph.externs, graph.externs
     assert_close(out, two_inputs(*args), rtol=1e-2, atol=1e-2, what="two inputs", line=repro(case="two_inputs"))
 
@@ -104,7 +96,7 @@ def test_a_weight_computed_after_the_first_product_keeps_its_call():
         return a.sum(-1, keepdim=True) + x @ w + x @ w3.t()
 
     args = [(torch.randn(*s) / 4).half() for s in ((3, 16), (8, 16), (8, 16), (8, 16))]
-    out, graph = _compile_report(computed_weight, args)
+    out, graph = compiled_graph(computed_weight, args)
     assert graph.externs.count("skinny_products") == 1 and graph.externs.count("mm") == 1, graph.externs
     assert_close(out, computed_weight(*args), rtol=1e-2, atol=1e-2, what="out", line=repro(case="computed_weight"))
 
@@ -113,7 +105,7 @@ def test_the_setting_and_the_cpp_target_leave_products_alone():
     inputs = _inputs(1, torch.bfloat16)
     want = _projections(*inputs)
     with config.override(heuristics="skinny.max_rows=0"):
-        out, graph = _compile_report(_projections, inputs)
+        out, graph = compiled_graph(_projections, inputs)
     assert "skinny_products" not in graph.externs, graph.externs
     assert_close(out, want, rtol=2e-2, atol=2e-2, what="off", line=repro(heuristics="skinny.max_rows=0"))
     with reports() as report:
