@@ -7,6 +7,7 @@ binding, and `allocator` is the host program's `empty` for such kernels' results
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -108,6 +109,25 @@ def _specialized(x):
     return (x == 1, x % 16 == 0, -(2**31) <= x < 2**31)
 
 
+def launch_fitting(fn: DirectLaunch, grid, tensors: tuple, scalars: tuple, consts: dict, launch):
+    """Launch `fn` with `launch`'s warps and stages (a dataclass with both: a flex tile, a skinny products'
+    tile); returns the launch that ran. Where the kernel's shared memory does not fit the device at that
+    software-pipelining depth, it is compiled again with one stage fewer, down to none: the pipeliner stages
+    every load in the loop (a flex score_mod that gathers from a captured table per score stages a whole tile
+    of the table per stage; a GPU may have less shared memory than the one a Target's tile was chosen on)."""
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        try:
+            fn(grid, tensors, scalars, consts, launch.warps, launch.stages)
+            return launch
+        except OutOfResources as e:
+            if launch.stages <= 1:
+                raise
+            log.summary(f"{getattr(fn.fn, '__name__', 'kernel')}: {e}; compiled again with {launch.stages - 1} stages")
+            launch = dataclasses.replace(launch, stages=launch.stages - 1)
+
+
 @functools.lru_cache(maxsize=16)
 def allocator(device: torch.device):
     """The host program's `empty(size, stride, dtype)` for `device`: torch's C++ helper where it
@@ -130,4 +150,4 @@ def load_triton(body: str, prefix: str):
     return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
 
 
-__all__ = ["DirectLaunch", "allocator", "load_triton"]
+__all__ = ["DirectLaunch", "allocator", "launch_fitting", "load_triton"]

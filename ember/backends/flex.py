@@ -8,12 +8,11 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 
 import torch
 
 from ember import log
-from ember.backends.direct_launch import DirectLaunch, allocator, load_triton
+from ember.backends.direct_launch import DirectLaunch, allocator, launch_fitting, load_triton
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
@@ -235,26 +234,6 @@ class FlexBackwardKernel:
         return (dq, dk, dv, *nones)
 
 
-def launch_fitting(
-    fn: DirectLaunch, grid, tensors: tuple, scalars: tuple, consts: dict, launch: FlexLaunch
-) -> FlexLaunch:
-    """Launch `fn`; returns the launch that ran. Where the kernel's shared memory does not fit the
-    device at the Target's software-pipelining depth, it is compiled again with one stage fewer,
-    down to none: the pipeliner stages every load in the loop, and a score_mod that gathers from a
-    captured table per score (a relative-position bias) stages a whole tile of the table per stage."""
-    from triton.runtime.errors import OutOfResources
-
-    while True:
-        try:
-            fn(grid, tensors, scalars, consts, launch.warps, launch.stages)
-            return launch
-        except OutOfResources as e:
-            if launch.stages <= 1:
-                raise
-            log.summary(f"flex kernel: {e}; compiled again with {launch.stages - 1} pipeline stages")
-            launch = dataclasses.replace(launch, stages=launch.stages - 1)
-
-
 def _check_index_range(buffers) -> None:
     """The kernels index captured tensors in 32 bits (aten/lowerings/flex.py)."""
     for buf in buffers:
@@ -301,7 +280,6 @@ __all__ = [
     "FlexKernel",
     "build_flex_kernels",
     "forward_launch",
-    "launch_fitting",
     "launch_for_mask",
     "sparse_launch",
 ]

@@ -32,6 +32,7 @@ import sympy
 import torch
 
 from ember import config, log
+from ember.ir.sizes import pow2_ceil
 from ember.runtime.cache import DiskCache, content_key
 from ember.schedule.gemm import GemmChoice, GemmProblem, TileConfig
 from ember.target import Target
@@ -58,15 +59,11 @@ _memo: dict[str, dict] = {}
 _lock = threading.Lock()
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (max(x, 1) - 1).bit_length())
-
-
 def _clamp(c: TileConfig, p: GemmProblem) -> TileConfig:
     """The tile shrunk to the problem (tl.dot wants every block dim >= 16)."""
-    bm = min(c.block_m, max(16, _pow2_ceil(p.m)))
-    bn = min(c.block_n, max(16, _pow2_ceil(p.n)))
-    bk = min(c.block_k, max(16, _pow2_ceil(p.k)))
+    bm = min(c.block_m, max(16, pow2_ceil(p.m)))
+    bn = min(c.block_n, max(16, pow2_ceil(p.n)))
+    bk = min(c.block_k, max(16, pow2_ceil(p.k)))
     warps = c.num_warps if bm * bn >= 128 * 128 else min(c.num_warps, 4)
     return TileConfig(bm, bn, bk, c.group_m, c.num_stages, warps)
 
@@ -91,7 +88,7 @@ def candidates(p: GemmProblem, sms: int) -> list[TileConfig]:
 def fit_config(p: GemmProblem) -> TileConfig:
     """A tile by size alone, for runs that cannot measure (the CPU interpreter)."""
     return TileConfig(
-        min(64, max(16, _pow2_ceil(p.m))), min(64, max(16, _pow2_ceil(p.n))), min(32, max(16, _pow2_ceil(p.k))), 8, 1, 4
+        min(64, max(16, pow2_ceil(p.m))), min(64, max(16, pow2_ceil(p.n))), min(32, max(16, pow2_ceil(p.k))), 8, 1, 4
     )
 
 

@@ -7,13 +7,11 @@ of a model) share one kernel, compiled once.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
-from ember import log
-from ember.backends.direct_launch import DirectLaunch, allocator, load_triton
+from ember.backends.direct_launch import DirectLaunch, allocator, launch_fitting, load_triton
 from ember.codegen.skinny_triton import KERNEL, SkinnyLaunch, first_blocks, render_skinny, tile
 from ember.schedule.skinny import SkinnyProducts, SkinnySpec, split_arguments
 from ember.schedule.steps import ExternStep, Schedule
@@ -71,23 +69,8 @@ class SkinnyKernel:
         outs = [empty((spec.rows, n), (n, 1), spec.dtype) for n in spec.columns]
         tensors = (a, *matrices, *outs, *given)
         scalars = (*a.stride(), *[s for b in matrices for s in b.stride()], *[b.stride(-1) for b in given])
-        self._launch(tensors, scalars)
+        self.launch = launch_fitting(self.fn, (self.programs,), tensors, scalars, {}, self.launch)
         return tuple(outs)
-
-    def _launch(self, tensors: tuple, scalars: tuple) -> None:
-        """Launch; where the tile's pipelined loads do not fit the device's shared memory, compile again with
-        one stage fewer, down to one (a GPU with less shared memory than the Target's tile was chosen on)."""
-        from triton.runtime.errors import OutOfResources
-
-        while True:
-            try:
-                self.fn((self.programs,), tensors, scalars, {}, self.launch.warps, self.launch.stages)
-                return
-            except OutOfResources as e:
-                if self.launch.stages <= 1:
-                    raise
-                log.summary(f"skinny products kernel: {e}; compiled again with {self.launch.stages - 1} stages")
-                self.launch = dataclasses.replace(self.launch, stages=self.launch.stages - 1)
 
 
 __all__ = ["SkinnyKernel", "build_skinny_kernels", "skinny_kernel", "skinny_launch"]

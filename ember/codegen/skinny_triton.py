@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ember.codegen.triton_combo import block_starts, part_dispatch
+from ember.ir.sizes import pow2_ceil
 from ember.schedule.skinny import MAX_ROWS, SkinnySpec
 
 KERNEL = "skinny_products"
@@ -30,24 +32,16 @@ class SkinnyLaunch:
     stages: int
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (max(x, 1) - 1).bit_length())
-
-
 def tile(spec: SkinnySpec, launch: SkinnyLaunch) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_K) for the spec: the launch's, no larger than the products need."""
-    block_n = min(launch.block_n, max(16, _pow2_ceil(max(spec.columns))))
-    block_k = min(launch.block_k, max(16, _pow2_ceil(spec.depth)))
+    block_n = min(launch.block_n, max(16, pow2_ceil(max(spec.columns))))
+    block_k = min(launch.block_k, max(16, pow2_ceil(spec.depth)))
     return block_n, block_k
 
 
 def first_blocks(spec: SkinnySpec, block_n: int) -> tuple[list[int], int]:
     """Each product's first program, and the launch's programs."""
-    starts, total = [], 0
-    for n in spec.columns:
-        starts.append(total)
-        total += -(-n // block_n)
-    return starts, total
+    return block_starts(list(spec.columns), block_n)
 
 
 def _dot(interpreted: bool) -> str:
@@ -69,16 +63,15 @@ def render_skinny(spec: SkinnySpec, launch: SkinnyLaunch, interpreted: bool) -> 
     two (depth, column) and each bias's column stride."""
     block_n, block_k = tile(spec, launch)
     m, k = spec.rows, spec.depth
-    # Offsets in 64 bits: they follow the run-time strides, and a matrix that is a slice of a wider one
-    # (a few columns of a fused weight) reaches past 2**31 elements where its own n * k does not.
-    cast = ".to(tl.int64)"
     even_k = k % block_k == 0
     lines = [
         "@triton.jit",
         "def skinny_tile(a, w, o, bias, pid, sa_m, sa_k, sw_k, sw_n, sb_n, N: tl.constexpr, HAS_BIAS: tl.constexpr):",
-        f"    rm = tl.arange(0, {BLOCK_M}){cast}",
-        f"    rn = pid{cast} * {block_n} + tl.arange(0, {block_n})",
-        f"    rk = tl.arange(0, {block_k}){cast}",
+        # Offsets in 64 bits: they follow the run-time strides, and a matrix that is a slice of a wider one
+        # (a few columns of a fused weight) reaches past 2**31 elements where its own n * k does not.
+        f"    rm = tl.arange(0, {BLOCK_M}).to(tl.int64)",
+        f"    rn = pid.to(tl.int64) * {block_n} + tl.arange(0, {block_n})",
+        f"    rk = tl.arange(0, {block_k}).to(tl.int64)",
         "    rw = rn % N",  # columns past the edge read a valid column; their results are not stored
         "    a_ptrs = a + rm[:, None] * sa_m + rk[None, :] * sa_k",
         "    w_ptrs = w + rk[:, None] * sw_k + rw[None, :] * sw_n",
@@ -119,16 +112,9 @@ def render_skinny(spec: SkinnySpec, launch: SkinnyLaunch, interpreted: bool) -> 
         "    pid = tl.program_id(0)",
     ]
     starts, _ = first_blocks(spec, block_n)
-    for i, (n, has, start) in enumerate(zip(spec.columns, spec.biases, starts)):
-        test = (
-            "if True:"
-            if count == 1
-            else "else:"
-            if i == count - 1
-            else f"{'elif' if i else 'if'} pid < {starts[i + 1]}:"
-        )
+    for i, (n, has) in enumerate(zip(spec.columns, spec.biases)):
+        test, block = part_dispatch(i, starts)
         bias, sb = (f"bias{i}", f"sb{i}_n") if has else (f"w{i}", "0")
-        block = "pid" if start == 0 else f"pid - {start}"
         args = f"a, w{i}, o{i}, {bias}, {block}, sa_m, sa_k, sw{i}_k, sw{i}_n, {sb}, {n}, {has}"
         lines += [f"    {test}", f"        skinny_tile({args})"]
     return "\n".join(lines) + "\n"

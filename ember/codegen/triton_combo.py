@@ -28,7 +28,7 @@ from ember.codegen.render import Param, combo_params
 from ember.codegen.triton import TRITON_DTYPE, TritonRenderer, jit_decorator
 from ember.codegen.triton_launch import LaunchConfig, launch_config, pointwise_config
 from ember.ir.sizes import product
-from ember.schedule.kernel import TABLE_MAX_ELEMENTS, ComboKernel, Kernel, KLoad
+from ember.schedule.kernel import TABLE_MAX_ELEMENTS, ComboKernel, KLoad
 from ember.target import LaunchHeuristics, Target
 
 
@@ -79,29 +79,35 @@ def render_triton_combo(kernel: ComboKernel, target: Target) -> TritonComboSourc
     names = [f"{kernel.name}_p{n}" for n in range(len(kernel.parts))]
     sources = [r.render_part(name) for r, name in zip(renderers, names)]
     params = combo_params(kernel.reads, kernel.writes)
-    starts, blocks = _block_starts(kernel.parts, launch.xblock)
+    starts, blocks = block_starts([int(product(p.loop_sizes)) for p in kernel.parts], launch.xblock)
     lines = [
         jit_decorator(kernel.parts),
         f"def {kernel.name}({', '.join([p.name for p in params] + ['xnumel', 'XBLOCK: tl.constexpr'])}):",
     ]
     lines.append("    pid = tl.program_id(0)")
-    for n, (r, name, start) in enumerate(zip(renderers, names, starts)):
-        last = n == len(names) - 1
-        test = "if True:" if len(names) == 1 else "else:" if last else f"{'elif' if n else 'if'} pid < {starts[n + 1]}:"
-        block = "pid" if start == 0 else f"pid - {start}"
+    for n, (r, name) in enumerate(zip(renderers, names)):
+        test, block = part_dispatch(n, starts)
         call_args = ", ".join([p.name for p in r.params] + [block, "XBLOCK"])
         lines += [f"    {test}", f"        {name}({call_args})"]
     source = "\n\n\n".join(sources + ["\n".join(lines)])
     return TritonComboSource(kernel, source, params, launch, blocks)
 
 
-def _block_starts(parts: list[Kernel], xblock: int) -> tuple[list[int], int]:
-    """Each part's first block in the launch, and the launch's blocks."""
+def block_starts(sizes: list[int], block: int) -> tuple[list[int], int]:
+    """Each part's first block in a launch whose programs are the parts' blocks of `block` elements one
+    after another, and the launch's blocks."""
     starts, total = [], 0
-    for p in parts:
+    for size in sizes:
         starts.append(total)
-        total += -(-int(product(p.loop_sizes)) // xblock)
+        total += -(-size // block)
     return starts, total
+
+
+def part_dispatch(n: int, starts: list[int]) -> tuple[str, str]:
+    """The branch a program takes to part `n` (its test on the program id) and the part's own block number."""
+    last = n == len(starts) - 1
+    test = "if True:" if len(starts) == 1 else "else:" if last else f"{'elif' if n else 'if'} pid < {starts[n + 1]}:"
+    return test, "pid" if starts[n] == 0 else f"pid - {starts[n]}"
 
 
 @dataclass
@@ -204,7 +210,7 @@ def render_triton_table(kernel: ComboKernel, target: Target) -> TritonTableSourc
         if part.size_symbols() or len(body) != len(vector):
             raise NotImplementedError("a table combo kernel's parts have one body, of static sizes")
         part_buffers.append([place[p.value.id] for p in body])
-    starts, blocks = _block_starts(kernel.parts, xblock)
+    starts, blocks = block_starts(numels, xblock)
     if blocks > TABLE_MAX_ELEMENTS or max(numels) > TABLE_MAX_ELEMENTS:
         raise NotImplementedError("a table combo kernel's blocks and counts are int32s")
     return TritonTableSource(

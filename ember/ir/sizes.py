@@ -269,3 +269,8 @@ def affine_split(expr: Expr, var: sympy.Symbol) -> tuple[Expr, Expr] | None:
     if coeff.has(var) or rest.has(var) or sympy.expand(coeff * var + rest - expr) != 0:
         return None
     return coeff, rest
+
+
+def pow2_ceil(x: int) -> int:
+    """The least power of two at or above x (1 for x <= 1): Triton's block sizes."""
+    return 1 << max(0, (max(x, 1) - 1).bit_length())

@@ -33,7 +33,7 @@ import torch
 
 from ember.ir import dtypes
 from ember.ir.graph import Node, Value, layout_of
-from ember.ir.sizes import Expr, contiguous_strides, product
+from ember.ir.sizes import Expr, contiguous_strides, pow2_ceil, product
 from ember.ir.views import VIEW_KINDS, broadcast_index, simplify_index
 from ember.schedule.cost import KernelCost, size_hint
 from ember.schedule.kernel import Domain, Kernel, KIndex, KLoad, KNode, KStore, NotFusable, walk
@@ -72,7 +72,7 @@ class GemmProblem:
 
     def shape_class(self) -> tuple:
         """Sizes rounded up to powers of two: nearby shapes share one measurement."""
-        return tuple(_pow2_ceil(x) for x in (self.batch, self.m, self.n, self.k))
+        return tuple(pow2_ceil(x) for x in (self.batch, self.m, self.n, self.k))
 
     @property
     def flops(self) -> int:
@@ -118,10 +118,6 @@ class GemmOp:
         return len(self.out.shape) == 3
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (max(x, 1) - 1).bit_length())
-
-
 _TARGETS = {"mm.default": "mm", "addmm.default": "addmm", "bmm.default": "bmm"}
 
 
@@ -135,8 +131,9 @@ def gemm_kind(node: Node) -> str | None:
     return _TARGETS.get(f"{target.overloadpacket.__name__}.{target._overloadname}")
 
 
-def _operands(node: Node, kind: str) -> tuple | str:
-    """(bias, a, b, alpha, beta), or why the template cannot take this call."""
+def product_operands(node: Node, kind: str) -> tuple | str:
+    """(bias, a, b, alpha, beta) of an extern product of `kind` (gemm_kind), or why they are not a plain
+    product's: tensors of one float dtype, constant alpha and beta, a bias of at most two dims."""
     args, kwargs = node.attrs["args"], dict(node.attrs["kwargs"])
     if kind == "addmm":
         if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
@@ -157,6 +154,12 @@ def _operands(node: Node, kind: str) -> tuple | str:
     if bias is not None and (bias.dtype != out.dtype or len(bias.shape) > 2):
         return "a bias of another dtype or rank"
     return bias, a, b, float(alpha), float(beta)
+
+
+def per_column(bias: Value, out: Value) -> bool:
+    """Whether a product's bias holds one value per column of its 2-d output `out`: [N] or [1, N]."""
+    n = out.shape[-1]
+    return tuple(bias.shape) in ((n,), (sympy.Integer(1), n))
 
 
 def _layout(strides: tuple, inner_dims: tuple[int, int]) -> str:
@@ -191,7 +194,7 @@ def plan_gemms(
         what = f"{kind} -> %{node.out.name} {node.out.type_str}"
         if chooser is None:
             continue  # this code generator has no template: nothing to decide, nothing to report
-        parsed = _operands(node, kind)
+        parsed = product_operands(node, kind)
         if isinstance(parsed, str):
             notes.append((what, False, f"ATen: {parsed}"))
             continue

@@ -15,10 +15,10 @@ and a bias of one value per column ([N] or [1, N]).
 
 from __future__ import annotations
 
-import sympy
 import torch
 
 from ember.ir.graph import Graph, Node, Value
+from ember.schedule.gemm import gemm_kind, per_column, product_operands
 from ember.target import Target
 
 aten = torch.ops.aten
@@ -26,17 +26,12 @@ aten = torch.ops.aten
 
 def _bias_of(node: Node) -> tuple[Value, Value, Value] | None:
     """(bias, a, b) of an addmm this pass rewrites, else None."""
-    if node.op != "extern" or node.attrs["target"] is not aten.addmm.default or node.attrs["kwargs"]:
+    parsed = product_operands(node, "addmm") if gemm_kind(node) == "addmm" else None
+    if parsed is None or isinstance(parsed, str) or len(node.outputs) != 1:
         return None
-    args = node.attrs["args"]
-    if len(args) != 3 or not all(isinstance(x, Value) for x in args) or len(node.outputs) != 1:
-        return None
-    bias, a, b = args
+    bias, a, b, alpha, beta = parsed
     out = node.out
-    if not (out.dtype == a.dtype == b.dtype == bias.dtype == torch.float32) or len(out.shape) != 2:
-        return None
-    n = out.shape[1]
-    if tuple(bias.shape) not in ((n,), (sympy.Integer(1), n)):
+    if alpha != 1 or beta != 1 or out.dtype != torch.float32 or len(out.shape) != 2 or not per_column(bias, out):
         return None
     return bias, a, b
 

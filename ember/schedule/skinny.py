@@ -29,6 +29,7 @@ import torch
 from ember import config
 from ember.ir.graph import Graph, Node, Value
 from ember.ir.sizes import contiguous_strides
+from ember.schedule.gemm import gemm_kind, per_column, product_operands
 from ember.target import Target
 
 aten = torch.ops.aten
@@ -96,34 +97,23 @@ class _Product:
 
 def _product(node: Node, max_rows: int) -> _Product | None:
     """The call as a skinny product, or None where it is not one this pass takes."""
-    if node.op != "extern" or node.attrs["kwargs"] or len(node.outputs) != 1:
+    kind = gemm_kind(node)
+    parsed = product_operands(node, kind) if kind in ("mm", "addmm") else "not mm or addmm"
+    if isinstance(parsed, str) or len(node.outputs) != 1:
         return None
-    target, args = node.attrs["target"], node.attrs["args"]
-    if target is aten.mm.default and len(args) == 2:
-        bias, (a, b) = None, args
-    elif target is aten.addmm.default and len(args) == 3:
-        bias, a, b = args
-    else:
-        return None
-    if not all(isinstance(x, Value) for x in (a, b)) or not (bias is None or isinstance(bias, Value)):
+    bias, a, b, alpha, beta = parsed
+    if alpha != 1 or (bias is not None and beta != 1):
         return None
     out = node.out
-    sizes = (*a.shape, *b.shape)
-    if len(a.shape) != 2 or len(b.shape) != 2 or not all(sympy.sympify(s).is_Integer for s in sizes):
+    if not all(sympy.sympify(s).is_Integer for s in (*a.shape, *b.shape)):
         return None
     m, k = (int(s) for s in a.shape)
-    if not 1 <= m <= min(max_rows, MAX_ROWS) or k < 1 or int(b.shape[1]) < 1:
-        return None
-    if out.dtype not in DTYPES or a.dtype != out.dtype or b.dtype != out.dtype:
+    if not 1 <= m <= min(max_rows, MAX_ROWS) or k < 1 or int(b.shape[1]) < 1 or out.dtype not in DTYPES:
         return None
     if out.stride is not None and tuple(out.stride) != tuple(contiguous_strides(out.shape)):
         return None
-    if bias is not None:
-        if not all(sympy.sympify(s).is_Integer for s in bias.shape) or bias.dtype != out.dtype:
-            return None
-        n = int(b.shape[1])
-        if tuple(int(s) for s in bias.shape) not in ((n,), (1, n)):
-            return None  # a bias per element, or one broadcast whole
+    if bias is not None and not per_column(bias, out):
+        return None  # a bias per element, or one broadcast whole
     return _Product(node, a, b, bias)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.backends.direct_launch import DirectLaunch
-from ember.backends.flex import forward_launch, launch_fitting, launch_for_mask, sparse_launch
+from ember.backends.direct_launch import DirectLaunch, launch_fitting
+from ember.backends.flex import forward_launch, launch_for_mask, sparse_launch
 from ember.codegen.flex_triton import FlexLaunch
 from ember.ir.flex import FlexSpec
 from ember.target import Target
