@@ -7,7 +7,8 @@ what the key holds:
 - the ATen graph's code (its ops, their arguments and order), every node's shape, strides, dtype
   and device (the importer reads each one's, and fake implementations decide them: a
   convolution's output layout follows cuDNN's flags), and the bytes of every constant it captures
-  (16 MiB at most);
+  (16 MiB at most), a captured subgraph (FlexAttention's score and mask functions) described the
+  same way;
 - the graph's kind, and the target (ember/target.py: Target.key()): what the backend tells the
   passes (what its code generator renders, its SM count and heuristics);
 - ember's identity (runtime/cache.py: ember_identity): the settings that change generated code,
@@ -18,8 +19,8 @@ environment, not in the graph), nor are graphs compiled with `gemm=auto`/`templa
 is measured) or with the passes' own logs on (`EMBER_LOGS=graph,schedule`, `EMBER_DEBUG=3`), which
 the cached path would not print.
 
-The schedule is pickled; ATen operators, which do not pickle, are stored by name and looked up
-again. Unpickling runs code from the cache, as loading a cached binary does, so what is unpickled
+The schedule is pickled; ATen operators and higher-order operators, which do not pickle, are stored by name and
+looked up again. Unpickling runs code from the cache, as loading a cached binary does, so what is unpickled
 is exactly the bytes that DiskCache read once and checked (runtime/cache.py): from a root and
 folders that are this user's and writable by no one else, through no symbolic link, matching the
 entry's manifest. A copy that AOTAutograd's cache keeps lives in torch's folder, which ember does
@@ -108,30 +109,56 @@ def schedule_key(gm: torch.fx.GraphModule, kind: str, target: tuple) -> str | No
     schedule is made for (ember/target.py: Target.key())."""
     if not cacheable_settings():
         return None
-    metas, constants = [], []
     try:
-        for node in gm.graph.nodes:
-            # Every node's meta, not only the inputs': the importer reads each one's shape and strides
-            # (extern results, outputs), and a fake implementation (a convolution's output layout
-            # under cuDNN's flags, a custom op's) decides them.
-            metas.append(_meta(node.meta.get("val")))
-            if node.op == "get_attr":
-                digest = _constant_digest(getattr(gm, node.target, None))
-                if digest is None:
-                    return None
-                constants.append((node.target, digest))
+        described = _describe(gm)
     except _Symbolic:
         return None
-    if sum(size for _, (_, size, _) in constants) > MAX_CONSTANT_BYTES:
+    if described is None:
+        return None
+    code, metas, constants, size = described
+    if size > MAX_CONSTANT_BYTES:
         return None
     # Deterministic algorithms keep scatters with repeated indices as ATen's (schedule/indexed_store.py).
     deterministic = torch.are_deterministic_algorithms_enabled()
-    return content_key("schedule", gm.code, metas, constants, kind, deterministic, target=target, ember=True)
+    return content_key("schedule", code, metas, constants, kind, deterministic, target=target, ember=True)
+
+
+def _describe(gm: torch.fx.GraphModule) -> tuple | None:
+    """(code, every node's meta, the captured constants, their bytes) of `gm`, or None where a
+    captured value cannot be described. A captured graph (a higher-order op's subgraph:
+    FlexAttention's score and mask functions, a branch of `cond`) is described the same way, by its
+    own code, metas and constants. Raises _Symbolic where a size is symbolic."""
+    metas, constants, size = [], [], 0
+    for node in gm.graph.nodes:
+        # Every node's meta, not only the inputs': the importer reads each one's shape and strides
+        # (extern results, outputs), and a fake implementation (a convolution's output layout
+        # under cuDNN's flags, a custom op's) decides them.
+        metas.append(_meta(node.meta.get("val")))
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.fx.GraphModule):
+            inner = _describe(value)
+            if inner is None:
+                return None
+            constants.append((node.target, inner[:3]))
+            size += inner[3]
+            continue
+        digest = _constant_digest(value)
+        if digest is None:
+            return None
+        constants.append((node.target, digest))
+        size += digest[1]
+    return gm.code, metas, constants, size
 
 
 def _operator(namespace: str, name: str, overload: str | None):
     packet = getattr(getattr(torch.ops, namespace), name)
     return packet if overload is None else getattr(packet, overload)
+
+
+def _higher_order(name: str):
+    return getattr(torch.ops.higher_order, name)
 
 
 def _unevaluated(func, args: tuple):
@@ -155,6 +182,8 @@ class _SchedulePickler(pickle.Pickler):
         if isinstance(obj, torch._ops.OpOverloadPacket):
             namespace, name = obj._qualified_op_name.split("::", 1)
             return _operator, (namespace, name, None)
+        if isinstance(obj, torch._ops.HigherOrderOperator):  # flex_attention's, cond's: by name
+            return _higher_order, (obj.name(),)
         if isinstance(obj, _SYMPY_OPS) and obj.args:
             # Only where rebuilding gives this very expression (its class and arguments), checked
             # here; anything else is pickled as sympy does.

@@ -6,6 +6,7 @@ here (tests/frontend/test_aot_cache.py covers it)."""
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -153,3 +154,57 @@ def test_a_zero_dim_constant_is_hashed_and_a_checked_load_verifies(tmp_path):
     with ember.config.override(cache_dir=str(tmp_path)):
         assert _scheduled(fn, x)
         assert not _scheduled(fn, x, check=True)  # loaded, and the IR verifier ran on it
+
+
+def _with_subgraph(body: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A graph that captures `body` as an attribute, as a higher-order op's caller does."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.get_attr("body")
+    graph.output(x)
+    root = torch.nn.Module()
+    root.body = body
+    return torch.fx.GraphModule(root, graph)
+
+
+def _body(fn, *constants: torch.Tensor) -> torch.fx.GraphModule:
+    gm = torch.fx.symbolic_trace(fn)
+    for i, c in enumerate(constants):
+        gm.register_buffer(f"c{i}", c)
+        with gm.graph.inserting_before(next(iter(gm.graph.nodes)).next):
+            gm.graph.get_attr(f"c{i}")
+    gm.recompile()
+    return gm
+
+
+def test_a_captured_graph_is_keyed_by_its_code_and_constants():
+    key = lambda body: schedule_cache.schedule_key(_with_subgraph(body), "forward", ("target",))
+    table = torch.arange(4.0)
+    first = key(_body(lambda s: s * 2, table))
+    assert first is not None and first == key(_body(lambda s: s * 2, table.clone()))
+    assert key(_body(lambda s: s * 3, table)) != first  # other code
+    assert key(_body(lambda s: s * 2, table + 1)) != first  # other values captured inside
+    unknown = _body(lambda s: s * 2)
+    unknown.f = lambda: 0
+    with unknown.graph.inserting_before(next(iter(unknown.graph.nodes)).next), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (fx warns of an attribute that is no tensor or module)
+        unknown.graph.get_attr("f")
+    assert key(unknown) is None  # a captured value it cannot describe: not cached
+
+
+def test_a_flex_attention_schedule_is_cached_and_runs_as_eager(tmp_path):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
+    bias = torch.randn(64)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=block_mask, score_mod=lambda s, b, h, qi, ki: s + bias[ki])
+
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _scheduled(fn, q, k, v)
+        assert not _scheduled(fn, q, k, v)
+        torch._dynamo.reset()
+        with ember.config.override(strict=True, backend="cpp"):
+            torch.testing.assert_close(torch.compile(fn, backend="ember")(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-5)
