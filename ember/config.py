@@ -348,11 +348,9 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "sdpa_causal_flex",
             bool,
-            False,
+            True,
             "in CUDA (Triton) graphs that need gradients, causal SDPA without a mask runs as ember's FlexAttention "
-            "kernels over a causal BlockMask, faster than flash attention in training; off by default, since a graph "
-            "with a FlexAttention call keeps no cached schedule or AOTAutograd entry: every process compiles it again "
-            "(frontend/masked_attention.py)",
+            "kernels over a causal BlockMask, faster than flash attention in training (frontend/masked_attention.py)",
             codegen=True,
         ),
         Setting(

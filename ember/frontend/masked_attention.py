@@ -14,10 +14,9 @@ badly where cuDNN's is excluded (frontend/attention_backward.py says why):
   tokens, B16).
 
 Such a call becomes `flex_attention` (ember's own flash-attention kernel, forward and backward):
-masked calls by default (setting `sdpa_masked_flex`), causal ones where `sdpa_causal_flex` is on. The
-latter is off by default because a graph holding a FlexAttention call keeps no cached schedule and no
-AOTAutograd entry, so a warm start compiles it again: a causal language model's training step would
-trade its warm start for the faster attention.
+masked calls (setting `sdpa_masked_flex`) and causal ones (setting `sdpa_causal_flex`). The calls the
+rewrite adds are to this module's functions, which AOTAutograd's cache refuses unless they are marked
+(`_keyed`): marked, a warm start loads the graph as it loads any other.
 
 A masked call's BlockMask is computed from the mask's values at run time: a block of scores the
 mask removes entirely is skipped, one it keeps entirely is computed without reading the mask, and
@@ -103,12 +102,13 @@ def flex_for_sdpa(gm: fx.GraphModule, masked: bool = True, causal: bool = False)
             blocks = blocks_of.get(key)
             if blocks is None:  # graph order: the mask's (or the lengths') first SDPA call
                 made_blocks = (mask_blocks, (mask, q, k)) if mask is not None else (causal_blocks, (q, k))
-                blocks = blocks_of[key] = gm.graph.call_function(*made_blocks)
+                blocks = blocks_of[key] = _keyed(gm.graph.call_function(*made_blocks))
             if mask is not None:
                 new = gm.graph.call_function(masked_flex_attention, (q, k, v, mask, blocks, scale))
             else:
                 new = gm.graph.call_function(causal_flex_attention, (q, k, v, blocks, scale))
         new.meta.update(node.meta)
+        _keyed(new)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         if mask is not None:
@@ -121,6 +121,18 @@ def flex_for_sdpa(gm: fx.GraphModule, masked: bool = True, causal: bool = False)
         gm.graph.lint()
         gm.recompile()
     return made
+
+
+def _keyed(node: fx.Node) -> fx.Node:
+    """Mark a call to one of this module's functions as one AOTAutograd's cache may key: its check
+    refuses calls to Python functions it does not know, unless marked as wrapped with a hash of their
+    code. The hash is of ember's source; AOTAutograd's key holds ember's identity anyway, through the
+    tag frontend/aot_cache.py adds."""
+    from ember.runtime.cache import ember_source_digest
+
+    node.meta["is_wrapped"] = True
+    node.meta["user_cache_hash"] = ember_source_digest()
+    return node
 
 
 def _rewritable(node: fx.Node, masked: bool, causal: bool) -> bool:

@@ -129,11 +129,11 @@ def ember_identity() -> tuple:
     import torch
 
     settings = tuple(sorted(config.codegen_key().items()))
-    return settings, _ember_source(), platform.python_version(), torch.__version__, sympy.__version__
+    return settings, ember_source_digest(), platform.python_version(), torch.__version__, sympy.__version__
 
 
 @functools.cache
-def _ember_source() -> str:
+def ember_source_digest() -> str:
     """SHA-256 of every module of ember's, with its path: any change to ember's code is another key."""
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()

@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.runtime.cache import KINDS, MACHINE_KINDS, MANIFEST, DiskCache, _ember_source
+from ember.runtime.cache import KINDS, MACHINE_KINDS, MANIFEST, DiskCache, ember_source_digest
 from ember.runtime.safe_fs import open_folder, open_root
 
 MAGIC = b"EMBERCACHE1\n"
@@ -76,7 +76,7 @@ def identity() -> dict[str, str]:
     else:
         device = f"cpu {platform.machine()}"
     return {
-        "ember": _ember_source(),
+        "ember": ember_source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": triton_version,

@@ -50,6 +50,48 @@ def test_a_second_compile_loads_both_graphs_and_trains_as_eager(tmp_path):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
+def test_a_flex_attention_program_is_loaded_and_runs_as_eager(tmp_path):
+    """Dynamo's graph holds the flex_attention op and its score and mask functions as subgraphs:
+    AOTAutograd's cache keeps it, keyed by them."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=32)
+
+    def fn(q):
+        return flex_attention(q, k, v, block_mask=block_mask, score_mod=lambda s, b, h, qi, ki: s + (ki - qi) * 0.1)
+
+    with ember.config.override(cache_dir=str(tmp_path)):
+        assert _inference_hits(fn, q) == 0
+        assert _inference_hits(fn, q) == 1
+
+
+def test_causal_sdpa_rewritten_to_flex_is_loaded_and_trains_as_eager(tmp_path):
+    """In training, causal SDPA becomes calls of frontend/masked_attention.py's functions in Dynamo's
+    graph (Triton's code generator, here through its interpreter); marked for AOTAutograd's check, the
+    graph is kept, and a second compile loads both graphs."""
+    import torch.nn.functional as F
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(1, 2, 40, 16) for _ in range(3)]
+    ref_out, ref_grads = forward_backward(fn, [], fresh_inputs(inputs), grad_seed=1, train=True)
+    with ember.config.override(cache_dir=str(tmp_path), strict=True, backend="triton"):
+        for hits in (0, 1):
+            torch._dynamo.reset()
+            before = _hits()
+            with reports() as report:
+                out, grads = forward_backward(torch.compile(fn, backend="ember"), [], fresh_inputs(inputs), 1, True)
+            assert _hits() == before + hits
+            assert_no_fallback(report, "causal sdpa as flex")
+            assert "flex_attention_backward_kernel" in report.graphs[-1].host_source
+            torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-5)
+            for g, r in zip(grads, ref_grads, strict=True):
+                torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
 def _stored_then_loaded(tmp_path) -> None:
     """Two compiles of one model: the first stores its graphs in AOTAutograd's cache, the second loads them."""
     model = ConvBlocks().to(memory_format=torch.channels_last)
