@@ -231,10 +231,15 @@ class FlexHeuristics:
     rows x BLOCK_N keys a step x warps, each within the BlockMask's blocks. The GPU's by head size
     (Hopper: two warpgroups where the value tile is wide), the CPU's rows per task and keys per step."""
 
-    # Head size <= 64: one warpgroup over 128 x 128 scores (255 registers a thread, no spills), as
-    # Inductor's Hopper choice; <= 128: two warpgroups over the same tile (on an H200, plain causal
-    # attention at 4096 tokens: 0.42 ms and 0.69 ms; 8 warps at d64 took 0.54, 128 x 64 x 8 at d128 0.77).
-    small: Tile = Tile(128, 128, 4)
+    # Head size <= 64: one warpgroup over 64 query rows x 128 keys a step, two loads in flight, whatever the
+    # mask; <= 128: two warpgroups over 128 x 128 (the other forward tiles' `stages`). On an H200 (device time
+    # per call, d64): causal at 4096 tokens (B4 H16) 0.374 ms against 0.417 with 128 x 128 x 4 at 3 stages
+    # (Inductor's Hopper choice) and 0.454 with 64 x 128 at 3 stages; at 1024 (B16) 0.133 against 0.137 with
+    # 64 x 64 x 4 at 3 stages, and a 256-key sliding window 0.108 and 0.102 ms against 0.109 and 0.102 with it
+    # (the tile sparse masks took before). d128: 0.694 ms at 4096 tokens, 0.258 at 1024, where 128 x 64 x 8
+    # took 0.803 and 0.281.
+    small: Tile = Tile(64, 128, 4)
+    small_stages: int = 2
     medium: Tile = Tile(128, 128, 8)  # <= 128
     large: Tile = Tile(64, 32, 4)  # larger
     # A score or mask program that reads a captured tensor at positions varying with the query or key
@@ -242,26 +247,18 @@ class FlexHeuristics:
     # registers the small tile has none left for (255 a thread and spills; 21 ms against 5.1 with this
     # tile for T5's bias at 4096 tokens, d64, on an H200; document masking ran 1.10x Inductor with it).
     gathering: Tile = Tile(128, 64, 8)
-    # A sparse BlockMask (a sliding window): where its query blocks list at most `sparse_keys` keys a
-    # row on average, each program's loop is a few steps, too short to hide the loads of one large
-    # tile, and twice as many programs of a smaller tile (fewer registers, more of them resident) do
-    # better (head sizes up to 64; read from the mask on a kernel's first call). On an H100 at d64: a
-    # 256-key window over 1k-16k tokens (336-381 keys a row) 0.104-0.111 ms against 0.128-0.136 with the
-    # small tile; causal at 1k (576 keys) 0.141 against 0.147, at 4k (2,112) even, at 16k (8,256) 3% slower.
-    sparse: Tile = Tile(64, 64, 4)
-    sparse_keys: int = 1024
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)
     float32: Tile = Tile(32, 64, 4)  # float32 inputs (their tiles take twice the registers)
-    # The backward's kernels: dq's BLOCK_M rows x BLOCK_N keys a step, and dk/dv's BLOCK_M rows a step x
-    # BLOCK_N keys; for head sizes up to 64 (small), and up to 128 (Inductor's Hopper tiles); larger take
-    # backward_other. (d64 causal on an H200: 64 x 64 x 4 for both took 2.04 ms forward and backward
-    # against 2.32 with the d128 tiles.)
-    backward_small_dq: Tile = Tile(64, 64, 4)
-    backward_small_dkdv: Tile = Tile(64, 64, 4)
-    backward_dq: Tile = Tile(128, 64, 8)
-    backward_dkdv: Tile = Tile(64, 128, 8)
-    backward_other: Tile = Tile(64, 64, 4)
+    # The backward's kernels, whatever the head size: dq's BLOCK_M rows x BLOCK_N keys a step, and dk/dv's
+    # BLOCK_M rows a step x BLOCK_N keys, two loads in flight (`backward_stages`). On an H200 (device time per call, causal at 4096 tokens B4 H16 and at 1024 B16):
+    # d128 dq 0.761 and 0.267 ms, dk/dv 1.041 and 0.365, against 0.853 and 0.294, 1.186 and 0.404 with
+    # Inductor's Hopper tiles (128 x 64 x 8, 64 x 128 x 8) at 3 stages, and 1.247 and 1.563 ms at 4096 tokens
+    # with 64 x 64 x 4 at 3 stages; d64 dk/dv 0.658 ms at 4096 tokens against 0.697 at 3 stages. (A d64 dq of
+    # 64 x 128 x 4 took 0.413 ms against 0.450 on causal at 4096 tokens, but 0.129 against 0.114 on a
+    # 256-key sliding window.)
+    backward: Tile = Tile(64, 64, 4)
+    backward_stages: int = 2
     backward_float32: Tile = Tile(16, 16, 4)
 
 

@@ -50,32 +50,11 @@ def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
         tile = h.float32
     elif any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
         tile = h.gathering if spec.head_dim <= 128 else h.large
+    elif spec.head_dim <= 64:
+        return FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages)
     else:
-        tile = h.small if spec.head_dim <= 64 else h.medium if spec.head_dim <= 128 else h.large
+        tile = h.medium if spec.head_dim <= 128 else h.large
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
-
-
-def sparse_launch(spec: FlexSpec, target: Target) -> FlexLaunch | None:
-    """The launch for a sparse BlockMask (`heuristics.flex.sparse`), where it differs from the small
-    tile and the kernel is one it applies to (Triton's, half precision, head size up to 64, no gathers)."""
-    h = target.heuristics.flex
-    if target.name == "cpp" or spec.dtype == torch.float32 or spec.head_dim > 64 or h.sparse == h.small:
-        return None
-    if any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
-        return None  # the gathering tile (forward_launch)
-    return FlexLaunch(h.sparse.xblock, h.sparse.rblock, h.sparse.warps, h.stages)
-
-
-def launch_for_mask(
-    launch: FlexLaunch, sparse: FlexLaunch, kv_num, full_num, kv_block: int, keys: int
-) -> FlexLaunch | None:
-    """`sparse` where the BlockMask's query blocks list at most `keys` keys a row on average, else
-    `launch`. Reads the block counts back (one wait for the device, on a kernel's first call); None
-    inside a CUDA-graph capture, where it cannot: the caller keeps its launch and asks on a later call."""
-    if kv_num.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    listed = kv_num.sum() + (full_num.sum() if full_num is not None else 0)
-    return sparse if int(listed) * kv_block <= keys * max(1, kv_num.numel()) else launch
 
 
 class FlexKernel:
@@ -86,9 +65,6 @@ class FlexKernel:
     def __init__(self, spec: FlexSpec, target: Target, results: int):
         self.spec, self.results = spec, results
         self.launch = forward_launch(spec, target)
-        # The tile for a sparse mask, where the Target has one for this kernel: chosen on the first call.
-        self.sparse = sparse_launch(spec, target)
-        self.keys = target.heuristics.flex.sparse_keys
         self.__name__ = "flex_attention_kernel"  # the host program's name for it
         self.cpp = target.name == "cpp"
         if self.cpp:
@@ -128,11 +104,6 @@ class FlexKernel:
             params = (ctypes.c_int64 * (len(ints) + 2 + len(buf_ints)))(*ints, q_block, kv_block, *buf_ints)
             self.fn(ptrs, params)
         else:
-            if self.sparse is not None:
-                full_num = full[0] if full else None
-                chosen = launch_for_mask(self.launch, self.sparse, kv_num, full_num, kv_block, self.keys)
-                if chosen is not None:  # decided: not inside a capture, where the counts cannot be read
-                    self.launch, self.sparse = chosen, None
             block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
             grid = ((M + block_m - 1) // block_m, B * H)
             consts = {
@@ -164,15 +135,8 @@ class FlexBackwardKernel:
     def __init__(self, spec: FlexBackwardSpec, target: Target):
         self.spec = spec
         h = target.heuristics.flex
-        if spec.forward.dtype == torch.float32:
-            tiles = (h.backward_float32, h.backward_float32)
-        elif spec.forward.head_dim <= 64:
-            tiles = (h.backward_small_dq, h.backward_small_dkdv)
-        elif spec.forward.head_dim <= 128:
-            tiles = (h.backward_dq, h.backward_dkdv)
-        else:
-            tiles = (h.backward_other, h.backward_other)
-        self.launches = [FlexLaunch(t.xblock, t.rblock, t.warps, h.stages) for t in tiles]
+        tile = h.backward_float32 if spec.forward.dtype == torch.float32 else h.backward
+        self.launches = [FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.backward_stages)] * 2  # dq; dk and dv
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_flex(self.source, "ember_flex_bwd")
@@ -280,6 +244,4 @@ __all__ = [
     "FlexKernel",
     "build_flex_kernels",
     "forward_launch",
-    "launch_for_mask",
-    "sparse_launch",
 ]

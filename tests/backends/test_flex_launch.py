@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ember.backends.direct_launch import DirectLaunch, launch_fitting
-from ember.backends.flex import forward_launch, launch_for_mask, sparse_launch
+from ember.backends.flex import forward_launch
 from ember.codegen.flex_triton import FlexLaunch
 from ember.ir.flex import FlexSpec
 from ember.target import Target
@@ -158,27 +158,17 @@ def _spec(dtype: torch.dtype, head_dim: int) -> FlexSpec:
     return FlexSpec(dtype, torch.float32, head_dim, head_dim, head_dim**-0.5, None, None, (), 128, 128, True)
 
 
-def test_the_sparse_tile_is_for_half_precision_heads_up_to_64_on_the_gpu():
-    gpu, cpu = Target("triton"), Target("cpp")
-    tile = gpu.heuristics.flex.sparse
-    spec = _spec(torch.bfloat16, 64)
-    launch = forward_launch(spec, gpu)
-    assert sparse_launch(spec, gpu) == FlexLaunch(tile.xblock, tile.rblock, tile.warps, launch.stages)
-    for other, target in ((_spec(torch.float32, 64), gpu), (_spec(torch.bfloat16, 128), gpu), (spec, cpu)):
-        assert sparse_launch(other, target) is None, (other, target.name)
-
-
-def test_a_mask_listing_few_keys_a_row_takes_the_sparse_launch():
-    """A 256-key sliding window over 2048 tokens lists three 128-key blocks a query block (384 keys a
-    row); causal lists 8.5 on average (1,088 keys). Counted over partial and full blocks alike."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    dense, sparse = FlexLaunch(128, 128, 4, 3), FlexLaunch(64, 64, 4, 3)
-    keys = Target("triton").heuristics.flex.sparse_keys
-
-    def listed(rule):
-        mask = create_block_mask(rule, 1, 1, 2048, 2048, device="cpu")
-        return launch_for_mask(dense, sparse, mask.kv_num_blocks, mask.full_kv_num_blocks, 128, keys)
-
-    assert listed(lambda b, h, q, kv: (q >= kv) & (q - kv <= 256)) == sparse
-    assert listed(lambda b, h, q, kv: q >= kv) == dense
+def test_forward_tiles_by_head_size_and_precision():
+    """Half-precision heads up to 64 take the small tile at its own pipelining depth, whatever the mask;
+    wider heads and float32 take theirs at the forward's `stages`."""
+    gpu = Target("triton")
+    h = gpu.heuristics.flex
+    expected = {
+        (torch.bfloat16, 64): FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages),
+        (torch.float16, 32): FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages),
+        (torch.bfloat16, 128): FlexLaunch(h.medium.xblock, h.medium.rblock, h.medium.warps, h.stages),
+        (torch.bfloat16, 256): FlexLaunch(h.large.xblock, h.large.rblock, h.large.warps, h.stages),
+        (torch.float32, 64): FlexLaunch(h.float32.xblock, h.float32.rblock, h.float32.warps, h.stages),
+    }
+    for (dtype, head_dim), launch in expected.items():
+        assert forward_launch(_spec(dtype, head_dim), gpu) == launch, (dtype, head_dim)
