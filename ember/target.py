@@ -231,15 +231,18 @@ class FlexHeuristics:
     rows x BLOCK_N keys a step x warps, each within the BlockMask's blocks. The GPU's by head size
     (Hopper: two warpgroups where the value tile is wide), the CPU's rows per task and keys per step."""
 
-    # Head size <= 64: one warpgroup over 64 query rows x 128 keys a step, two loads in flight, whatever the
-    # mask; <= 128: two warpgroups over 128 x 128 (the other forward tiles' `stages`). On an H200 (device time
-    # per call, d64): causal at 4096 tokens (B4 H16) 0.374 ms against 0.417 with 128 x 128 x 4 at 3 stages
-    # (Inductor's Hopper choice) and 0.454 with 64 x 128 at 3 stages; at 1024 (B16) 0.133 against 0.137 with
-    # 64 x 64 x 4 at 3 stages, and a 256-key sliding window 0.108 and 0.102 ms against 0.109 and 0.102 with it
-    # (the tile sparse masks took before). d128: 0.694 ms at 4096 tokens, 0.258 at 1024, where 128 x 64 x 8
+    # Head size <= 64: one warpgroup over 128 x 128 scores (255 registers a thread, no spills), as Inductor's
+    # Hopper choice; with a mask_mod (causal, a sliding window, documents: blocks listed as partial, or not at
+    # all), 64 query rows x 128 keys a step, two loads in flight. <= 128: two warpgroups over 128 x 128, mask or
+    # not. On an H200 (device time per call, d64, B4 H16 at 4096 tokens, B16 at 1024): causal 0.374 ms at 4096
+    # against 0.417 with the unmasked tile, 0.454 with the masked one at 3 stages; at 1024 0.133 against 0.137
+    # with 64 x 64 x 4 at 3 stages, and a 256-key sliding window 0.108 and 0.102 ms either way. Without a
+    # mask_mod the larger tile is faster: ALiBi over every key 0.771 and 0.222 ms against 0.861 and 0.260, plain
+    # attention 0.720 against 0.783 ms at 4096. d128 causal: 0.694 ms at 4096, 0.258 at 1024, where 128 x 64 x 8
     # took 0.803 and 0.281.
-    small: Tile = Tile(64, 128, 4)
-    small_stages: int = 2
+    small: Tile = Tile(128, 128, 4)
+    masked: Tile = Tile(64, 128, 4)
+    masked_stages: int = 2
     medium: Tile = Tile(128, 128, 8)  # <= 128
     large: Tile = Tile(64, 32, 4)  # larger
     # A score or mask program that reads a captured tensor at positions varying with the query or key
@@ -250,15 +253,20 @@ class FlexHeuristics:
     stages: int = 3
     cpu: Tile = Tile(32, 128, 1)
     float32: Tile = Tile(32, 64, 4)  # float32 inputs (their tiles take twice the registers)
-    # The backward's kernels, whatever the head size: dq's BLOCK_M rows x BLOCK_N keys a step, and dk/dv's
-    # BLOCK_M rows a step x BLOCK_N keys, two loads in flight (`backward_stages`). On an H200 (device time per call, causal at 4096 tokens B4 H16 and at 1024 B16):
-    # d128 dq 0.761 and 0.267 ms, dk/dv 1.041 and 0.365, against 0.853 and 0.294, 1.186 and 0.404 with
-    # Inductor's Hopper tiles (128 x 64 x 8, 64 x 128 x 8) at 3 stages, and 1.247 and 1.563 ms at 4096 tokens
-    # with 64 x 64 x 4 at 3 stages; d64 dk/dv 0.658 ms at 4096 tokens against 0.697 at 3 stages. (A d64 dq of
-    # 64 x 128 x 4 took 0.413 ms against 0.450 on causal at 4096 tokens, but 0.129 against 0.114 on a
-    # 256-key sliding window.)
-    backward: Tile = Tile(64, 64, 4)
-    backward_stages: int = 2
+    # The backward's kernels: dq's BLOCK_M rows x BLOCK_N keys a step, and dk/dv's BLOCK_M rows a step x
+    # BLOCK_N keys. Without a mask_mod, by head size at `stages`: up to 64 (small), up to 128 (Inductor's
+    # Hopper tiles), larger (other). With one, `masked` at `masked_stages` for head sizes up to 128. On an H200,
+    # causal at 4096 tokens (B4 H16) and 1024 (B16): d128 dq 0.761 and 0.267 ms, dk/dv 1.041 and 0.365, against
+    # 0.853 and 0.294, 1.186 and 0.404 with the unmasked tiles, and 1.247 and 1.563 ms at 4096 with 64 x 64 x 4
+    # at 3 stages; d64 dk/dv 0.658 ms at 4096 against 0.697 at 3 stages. Without a mask_mod 3 stages do better
+    # (ALiBi over every key, d64, dq 0.718 against 0.797 ms at 4096, 0.205 against 0.236 at 1024). (A d64 dq of
+    # 64 x 128 x 4 took 0.413 ms against 0.450 on causal at 4096 tokens, but 0.129 against 0.114 on a 256-key
+    # sliding window.)
+    backward_small: Tile = Tile(64, 64, 4)
+    backward_dq: Tile = Tile(128, 64, 8)
+    backward_dkdv: Tile = Tile(64, 128, 8)
+    backward_other: Tile = Tile(64, 64, 4)
+    backward_masked: Tile = Tile(64, 64, 4)
     backward_float32: Tile = Tile(16, 16, 4)
 
 

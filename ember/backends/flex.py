@@ -50,11 +50,28 @@ def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
         tile = h.float32
     elif any(p is not None and p.gathers({1, 2}) for p in (spec.score, spec.mask)):
         tile = h.gathering if spec.head_dim <= 128 else h.large
-    elif spec.head_dim <= 64:
-        return FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages)
+    elif spec.head_dim <= 64 and spec.mask is not None:
+        return FlexLaunch(h.masked.xblock, h.masked.rblock, h.masked.warps, h.masked_stages)
     else:
-        tile = h.medium if spec.head_dim <= 128 else h.large
+        tile = h.small if spec.head_dim <= 64 else h.medium if spec.head_dim <= 128 else h.large
     return FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.stages)
+
+
+def backward_launches(spec: FlexSpec, target: Target) -> tuple[FlexLaunch, FlexLaunch]:
+    """The launches of the backward's dq kernel and its dk/dv kernel."""
+    h = target.heuristics.flex
+    if spec.dtype == torch.float32:
+        tiles, stages = (h.backward_float32,) * 2, h.stages
+    elif spec.mask is not None and spec.head_dim <= 128:
+        tiles, stages = (h.backward_masked,) * 2, h.masked_stages
+    elif spec.head_dim <= 64:
+        tiles, stages = (h.backward_small,) * 2, h.stages
+    elif spec.head_dim <= 128:
+        tiles, stages = (h.backward_dq, h.backward_dkdv), h.stages
+    else:
+        tiles, stages = (h.backward_other,) * 2, h.stages
+    dq, dkdv = (FlexLaunch(t.xblock, t.rblock, t.warps, stages) for t in tiles)
+    return dq, dkdv
 
 
 class FlexKernel:
@@ -134,9 +151,7 @@ class FlexBackwardKernel:
 
     def __init__(self, spec: FlexBackwardSpec, target: Target):
         self.spec = spec
-        h = target.heuristics.flex
-        tile = h.backward_float32 if spec.forward.dtype == torch.float32 else h.backward
-        self.launches = [FlexLaunch(tile.xblock, tile.rblock, tile.warps, h.backward_stages)] * 2  # dq; dk and dv
+        self.launches = list(backward_launches(spec.forward, target))
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_flex(self.source, "ember_flex_bwd")
@@ -243,5 +258,6 @@ __all__ = [
     "FlexBackwardKernel",
     "FlexKernel",
     "build_flex_kernels",
+    "backward_launches",
     "forward_launch",
 ]

@@ -158,17 +158,43 @@ def _spec(dtype: torch.dtype, head_dim: int) -> FlexSpec:
     return FlexSpec(dtype, torch.float32, head_dim, head_dim, head_dim**-0.5, None, None, (), 128, 128, True)
 
 
-def test_forward_tiles_by_head_size_and_precision():
-    """Half-precision heads up to 64 take the small tile at its own pipelining depth, whatever the mask;
-    wider heads and float32 take theirs at the forward's `stages`."""
+class _Mask:
+    """A mask program as the launch choice sees it: one that gathers nothing per query or key."""
+
+    def gathers(self, dims) -> bool:
+        return False
+
+
+def test_tiles_by_head_size_precision_and_mask():
+    """Half-precision heads up to 64 take the small tile, or with a mask_mod the masked one at its own
+    pipelining depth; the backward takes the masked tile for a mask_mod up to head size 128, else its
+    tiles by head size; float32 its own, forward and backward."""
+    from dataclasses import replace
+
+    from ember.backends.flex import backward_launches
+
     gpu = Target("triton")
     h = gpu.heuristics.flex
-    expected = {
-        (torch.bfloat16, 64): FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages),
-        (torch.float16, 32): FlexLaunch(h.small.xblock, h.small.rblock, h.small.warps, h.small_stages),
-        (torch.bfloat16, 128): FlexLaunch(h.medium.xblock, h.medium.rblock, h.medium.warps, h.stages),
-        (torch.bfloat16, 256): FlexLaunch(h.large.xblock, h.large.rblock, h.large.warps, h.stages),
-        (torch.float32, 64): FlexLaunch(h.float32.xblock, h.float32.rblock, h.float32.warps, h.stages),
+
+    def launch(tile, stages):
+        return FlexLaunch(tile.xblock, tile.rblock, tile.warps, stages)
+
+    cases = {
+        # (dtype, head size, mask_mod): (forward, dq, dk/dv)
+        (torch.bfloat16, 64, False): (launch(h.small, h.stages), *[launch(h.backward_small, h.stages)] * 2),
+        (torch.float16, 32, True): (
+            launch(h.masked, h.masked_stages),
+            *[launch(h.backward_masked, h.masked_stages)] * 2,
+        ),
+        (torch.bfloat16, 128, False): (
+            launch(h.medium, h.stages),
+            launch(h.backward_dq, h.stages),
+            launch(h.backward_dkdv, h.stages),
+        ),
+        (torch.bfloat16, 128, True): (launch(h.medium, h.stages), *[launch(h.backward_masked, h.masked_stages)] * 2),
+        (torch.bfloat16, 256, True): (launch(h.large, h.stages), *[launch(h.backward_other, h.stages)] * 2),
+        (torch.float32, 64, True): (launch(h.float32, h.stages), *[launch(h.backward_float32, h.stages)] * 2),
     }
-    for (dtype, head_dim), launch in expected.items():
-        assert forward_launch(_spec(dtype, head_dim), gpu) == launch, (dtype, head_dim)
+    for (dtype, head_dim, masked), launches in cases.items():
+        spec = replace(_spec(dtype, head_dim), mask=_Mask() if masked else None)
+        assert (forward_launch(spec, gpu), *backward_launches(spec, gpu)) == launches, (dtype, head_dim, masked)
