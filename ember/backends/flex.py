@@ -257,7 +257,7 @@ def _compile_cpp(source: str, target: Target):
 __all__ = [
     "FlexBackwardKernel",
     "FlexKernel",
-    "build_flex_kernels",
     "backward_launches",
+    "build_flex_kernels",
     "forward_launch",
 ]
