@@ -4,8 +4,8 @@ The step is the bench's (`measure.Step`: the forward, and the backward by autogr
 one of its workloads, compiled by ember (or `--compiler eager|inductor`), warmed up, then `--calls` steps
 profiled. Each step's wall time is split into:
 
-- GEMM/attention: products, convolutions and attention (cuBLAS/cuDNN/flash kernels; on the CPU the ATen
-  ops mm, addmm, bmm, convolution, scaled_dot_product_attention and their kin);
+- GEMM/attention: products, convolutions and attention (cuBLAS/cuDNN/flash kernels, ember's FlexAttention
+  ones; on the CPU the ATen ops mm, addmm, bmm, convolution, scaled_dot_product_attention and their kin);
 - fused kernels: every other kernel (ember's, Inductor's, eager's elementwise ones); on the CPU, where
   the profiler does not see generated C++ kernels, the rest of the time inside compiled regions and ATen ops;
 - memory copies: memcpy/memset (GPU), copy_/clone/contiguous (CPU);
@@ -35,7 +35,7 @@ from ember.tools.bench.overlap import intersection, merged
 CATEGORIES = ("GEMM/attention", "fused kernels", "memory copies", "communication", "launch overhead", "idle")
 
 _GEMM_GPU = re.compile(
-    r"gemm|cutlass|xmma|cublas|matmul|nvjet|flash|fmha|attention|sdpa|conv|cudnn|wgrad|dgrad", re.IGNORECASE
+    r"gemm|cutlass|xmma|cublas|matmul|nvjet|flash|fmha|attention|sdpa|conv|cudnn|wgrad|dgrad|^flex_", re.IGNORECASE
 )
 _GEMM_CPU = {
     "aten::mm",

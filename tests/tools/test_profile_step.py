@@ -47,7 +47,8 @@ def _event(name, start, end, cuda):
 
 def test_gpu_split_of_a_synthetic_trace():
     events = [
-        _event("sm90_xmma_gemm_bf16", 0, 40, True),
+        _event("sm90_xmma_gemm_bf16", 0, 30, True),
+        _event("flex_fwd", 30, 40, True),  # ember's FlexAttention kernel: attention
         _event("fk3", 45, 55, True),  # 5 µs gap before: the host was launching
         _event("Memcpy DtoD (Device -> Device)", 55, 60, True),
         _event("ncclDevKernel_AllReduce_Sum_f32", 60, 70, True),
