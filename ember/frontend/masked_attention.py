@@ -30,8 +30,8 @@ comes from the lengths alone (`causal_blocks`), its `mask_mod` `q_idx >= kv_idx`
 mask is aligned to the top left, as this one).
 
 Left as SDPA: a mask that needs a gradient (ember's FlexAttention backward has no gradient for a
-captured tensor), dropout, `is_causal` with a mask, head counts or head sizes known only at run time, and graphs that
-need no gradient (there cuDNN's forward takes the mask).
+captured tensor), dropout, `is_causal` with a mask, head counts or head sizes known only at run time, causal calls of
+head size above 128, and graphs that need no gradient (there cuDNN's forward takes the mask).
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ BLOCK = 128
 # turning a row removed entirely into zeros where SDPA averages it (its scores all equal). Scores
 # stay absorbed by it as by the lowest value, so every other row computes exactly as before.
 MASK_FLOOR = torch.finfo(torch.float32).min / 2
+# Causal calls are rewritten up to this head size, where ember's kernels were measured faster than flash
+# attention in training (64 and 128 on an H200); above it flash attention stays (a masked call has no such
+# kernel to keep: flash takes no mask).
+CAUSAL_MAX_HEAD_SIZE = 128
 
 
 def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule | None:
@@ -193,6 +197,8 @@ def _refusal(node: fx.Node) -> str | None:
         return "keys or values broadcast over the batch"
     if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or (q.shape[1] != k.shape[1] and not gqa):
         return "head counts or sizes that FlexAttention does not take"
+    if mask is None and max(q.shape[-1], v.shape[-1]) > CAUSAL_MAX_HEAD_SIZE:
+        return f"causal, head size above {CAUSAL_MAX_HEAD_SIZE}: flash attention's kernel is kept"
     return None if mask is None else _mask_refusal(example_value(mask), q, k)
 
 

@@ -194,6 +194,9 @@ def test_calls_left_to_sdpa():
     assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), q, causal=False)
     assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1), q)
     assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q), q)  # flash attention takes it
+    wide = torch.randn(1, 2, 32, 256)  # causal above the head size ember's kernels were measured at
+    assert not _rewritten(lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), wide)
+    assert _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), wide, bool_mask)
     assert not _rewritten(lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m), q, grad_mask)
     assert not _rewritten(
         lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m, dropout_p=0.1), q, bool_mask
