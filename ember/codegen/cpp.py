@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import sympy
 import torch
 
 from ember.codegen.cpp_columns import ColumnTiles
@@ -418,14 +419,12 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
             start, end = "0", print_index(s, "/")
             if pos == len(dims) - 1 and self._blocked:
                 block = f"{v.name}_block"
-                self.emit(f"for (int64_t {block} = 0; {block} < {end}; {block} += {self.h.cascade_block}) {{")
+                self.emit(f"for (int64_t {block} = 0; {block} < {end}; {block} += {self._cascade_block}) {{")
                 self.indent += 1
-                if s.is_Integer and int(s) % self.h.cascade_block == 0:  # a constant trip count: no remainder loop
-                    self.emit(f"const int64_t {block}_end = {block} + {self.h.cascade_block};")
+                if s.is_Integer and int(s) % self._cascade_block == 0:  # a constant trip count: no remainder loop
+                    self.emit(f"const int64_t {block}_end = {block} + {self._cascade_block};")
                 else:
-                    self.emit(
-                        f"const int64_t {block}_end = std::min<int64_t>({block} + {self.h.cascade_block}, {end});"
-                    )
+                    self.emit(f"const int64_t {block}_end = std::min<int64_t>({block} + {self._cascade_block}, {end});")
                 start, end = block, f"{block}_end"
             if pos == len(dims) - 1 and self._reduce_simd:
                 by_op: dict[str, list[str]] = {}
@@ -469,7 +468,7 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
         if self._open > 1:
             (v, _) = self._dims(reduce=True)[-1]
             self.emit(f"{self._fill} += {v.name}_block_end - {v.name}_block;")
-            self.emit(f"if ({self._fill} >= {self.h.cascade_block}) {{")
+            self.emit(f"if ({self._fill} >= {self._cascade_block}) {{")
             self.indent += 1
             for line in adds + [f"{self._fill} = 0;"]:
                 self.emit(line)
@@ -482,11 +481,43 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
         self.emit("}")
 
     def _cascaded(self, r: KReduce) -> bool:
-        """Whether r sums its row in blocks whose sums are added pairwise (cpp.cascade_block)."""
+        """Whether r sums its row in blocks whose sums are added pairwise (`_cascade_block` elements)."""
+        if self._long_row(r):
+            return True
+        if r.kind != "sum" or not r.dtype.is_floating_point or not self._strided_reduce():
+            return False
+        row = product(s for _, s in self._dims(reduce=True))
+        return not (row.is_Integer and int(row) <= self.h.strided_cascade_block)
+
+    def _long_row(self, r: KReduce) -> bool:
+        """Whether r is a floating sum over more than cpp.cascade_min_row elements (or a row known only at
+        run time): cascaded whatever its loads."""
         if r.kind != "sum" or not r.dtype.is_floating_point:
             return False  # integer sums are exact, max and min do not round
         row = product(s for _, s in self._dims(reduce=True))
         return not (row.is_Integer and int(row) <= self.h.cascade_min_row)
+
+    @property
+    def _cascade_block(self) -> int:
+        return self.h.strided_cascade_block if self._strided_reduce() else self.h.cascade_block
+
+    def _strided_reduce(self) -> bool:
+        """Whether a load along the innermost reduce loop steps by other than one element (or through a
+        gathered position): the compiler may keep such a loop scalar (GCC does on AVX2 CPUs), adding
+        the row's elements one after another rather than across vector lanes."""
+        if not hasattr(self, "_strided_memo"):
+            dims = self._dims(reduce=True)
+            v = dims[-1][0] if dims else None
+            self._strided_memo = False
+            for n in self.nodes if v is not None else ():
+                if isinstance(n, KLoad):
+                    expr = self.kernel.index(n.index)
+                    if v in expr.free_symbols and (n.rows or sympy.diff(expr, v) != 1):
+                        self._strided_memo = True
+                        break
+            # Column tiles sum a tile's columns across vector lanes, each over the rows (cpp_columns.py).
+            self._strided_memo = self._strided_memo and not self.column_tiled()
+        return self._strided_memo
 
     def _cascade_name(self, r: KReduce) -> str:
         return self._acc_names[id(r)].removesuffix("_block") + "_sums"

@@ -21,7 +21,7 @@ from ember.schedule.kernel import KConst, KConvert, KIndex, KLoad, KNode, KReduc
 
 class ColumnTiles:
     """Mixed into the C++ renderer (codegen/cpp.py: CppRenderer), whose emission, loop dims and
-    reduction hooks it uses: `_dims`, `direct_reduce`, `_cascaded`, `_zero`, `ctype` and `h` (its
+    reduction hooks it uses: `_dims`, `direct_reduce`, `_long_row`, `_zero`, `ctype` and `h` (its
     CppHeuristics)."""
 
     def column_tiled(self) -> bool:
@@ -40,7 +40,7 @@ class ColumnTiles:
             return False
         if any(r.kind != "sum" or not r.dtype.is_floating_point or r.online_max is not None for r in k.reduces):
             return False
-        if any(self.direct_reduce(r) or self._cascaded(r) or _costly_per_column(r.arg) for r in k.reduces):
+        if any(self.direct_reduce(r) or self._long_row(r) or _costly_per_column(r.arg) for r in k.reduces):
             return False
         if any(s.phase == 0 and not s.full for s in k.stores):
             return False

@@ -88,3 +88,16 @@ def test_a_long_row_of_tenths_sums_as_accurately_as_eager(backend, n):
     err, eager_err = abs(got.item() - want) / want, abs(x.sum().item() - want) / want
     bound = 4 * max(eager_err, 2**-24)
     assert err <= bound, f"relative error {err:.3g}, eager's {eager_err:.3g}\n{line}"
+
+
+def test_cpp_sums_rows_read_with_a_stride_in_short_blocks():
+    """A row whose loads step by more than one element (the columns of a [512, 3] input) may be
+    summed by a scalar loop: it is cut into blocks of cpp.strided_cascade_block elements, where a
+    contiguous row that long keeps its one loop."""
+    strided, _ = render_cpp(_kernel((512, 3), (0,)), CPP)
+    assert "ember_cascade<float>" in strided, strided
+    assert re.search(rf"\+= {BLOCKS.strided_cascade_block}\)", strided), strided
+    contiguous, _ = render_cpp(_kernel((3, 512), (1,)), CPP)
+    assert "ember_cascade" not in contiguous, contiguous
+    short, _ = render_cpp(_kernel((BLOCKS.strided_cascade_block, 3), (0,)), CPP)
+    assert "ember_cascade" not in short, short
