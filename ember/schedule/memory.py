@@ -39,6 +39,7 @@ from ember.ir.graph import Graph, Value, layout_of
 from ember.ir.sizes import Expr, product
 from ember.schedule import collectives
 from ember.schedule.cost import size_hint
+from ember.schedule.gemm import is_gemm_kernel
 from ember.schedule.kernel import Kernel, KLoad, kernel_parts, subtree, walk
 from ember.schedule.steps import AliasStep, ExternStep, KernelStep, Step, may_alias, step_inputs, step_outputs
 
@@ -368,12 +369,16 @@ class _Placer:
         return _same_footprint(u, v) and _same_footprint(self.holder[u], v)
 
     def _in_place_donor(self, kernel: Kernel, v: Value, pos: int, taken: set[Value]) -> Value | None:
-        """A buffer the kernel reads for the last time, element for element, that v can overwrite."""
+        """A buffer the kernel reads for the last time, element for element, that v can overwrite. Never a
+        GEMM template's operand: its tiles read whole rows of A and columns of B, which an epilogue that
+        also reads one of them element by element (`u + u @ w`) would overwrite under other tiles."""
         uses = self.uses
+        operands = {self.holder.get(x, x) for x in (kernel.gemm.a, kernel.gemm.b)} if is_gemm_kernel(kernel) else set()
         for u in kernel.reads:
             if (
                 u in self.holder and uses.last[u] == pos and uses.recyclable(u) and uses.reusable(u)
-                and u not in taken and self._room(u, v) and _elementwise_reader(kernel, u, v)
+                and u not in taken and self.holder[u] not in operands and self._room(u, v)
+                and _elementwise_reader(kernel, u, v)
             ):  # fmt: skip
                 return u
         return None
