@@ -357,10 +357,11 @@ SETTINGS: dict[str, Setting] = {
             "gemm",
             str,
             "aten",
-            "matrix products (mm, addmm, bmm): aten (cuBLAS/BLAS, the epilogue a following fused "
+            "GPU matrix products (mm, addmm, bmm): aten (cuBLAS, the epilogue a following fused "
             "kernel; the default: the template loses to cuBLAS on the H100, see docs/architecture.md), "
             "auto (measure ember's Triton GEMM template against ATen on the GPU once per shape class, "
-            "cached on disk), template",
+            "cached on disk), template. The C++ target's products take its own template within its "
+            "Target's bounds (heuristics cpp.gemm_template, cpp.gemm_max_k, cpp.gemm_max_a_bytes)",
             choices=("auto", "aten", "template"),
             codegen=True,
         ),

@@ -173,6 +173,13 @@ class CppHeuristics:
     # their one loop, where blocks would cost speed and the error stays small (decisions.md).
     cascade_block: int = 512
     cascade_min_row: int = 4096
+    # float32 matrix products of static sizes run as ember's GEMM template (codegen/gemm_cpp.py), their
+    # epilogue fused, where K is at most gemm_max_k (a thread's copy of a 16-column panel of B,
+    # K x 64 bytes, stays in its L2) and A takes at most gemm_max_a_bytes (each panel reads all of A's
+    # rows: A stays in the last-level cache). Elsewhere, and with gemm_template off, ATen's BLAS.
+    gemm_template: bool = True
+    gemm_max_k: int = 4096
+    gemm_max_a_bytes: int = 8 << 20
     # A row whose loads step by more than one element may be summed by a scalar loop (GCC keeps such
     # loops scalar on AVX2 CPUs): summed in blocks of this many elements from a row of more than this
     # many. A channel's variance over 512 rows of a channels-last tensor was 1.4e-5 off in one scalar loop

@@ -13,6 +13,7 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import platform
 import shutil
@@ -27,12 +28,14 @@ from ember import config, faults, stats
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.cpp_combo import render_cpp_combo
+from ember.codegen.gemm_cpp import GEMM_PRELUDE, TILE_COLUMNS, TILE_ROWS, render_cpp_gemm
 from ember.codegen.render import print_host_index
 from ember.runtime import scratch
 from ember.runtime.cache import DiskCache, content_key
+from ember.schedule.gemm import GemmChoice, GemmProblem, TileConfig, is_gemm_kernel
 from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
-from ember.target import Heuristics, LowerHeuristics, RealizeHeuristics, Target
+from ember.target import CppHeuristics, Heuristics, LowerHeuristics, RealizeHeuristics, Target
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
@@ -170,10 +173,46 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         shutil.rmtree(build, ignore_errors=True)
 
 
-def _packed_product_faster(rows: int, k: int, n: int, bias: bool) -> bool:
-    """The C++ target's answer (Target.packed_product_faster): measured on this CPU, once per shape."""
+# The template's register tile, recorded on each product it takes (GemmOp.config).
+TEMPLATE_TILE = TileConfig(TILE_ROWS, TILE_COLUMNS, 1, group_m=1, num_stages=1, num_warps=1)
+
+
+def template_refusal(h: CppHeuristics, m: int, k: int, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why a [m, k] x [k, n] product of static sizes is not the C++ GEMM template's (None: it is)."""
+    if not h.gemm_template:
+        return "cpp.gemm_template is off"
+    if dtype != torch.float32:
+        return f"{dtype} (the C++ template computes float32)"
+    if k > h.gemm_max_k:
+        return f"K {k} > cpp.gemm_max_k {h.gemm_max_k}"
+    if m * k * 4 > h.gemm_max_a_bytes:
+        return f"A of {m * k * 4} bytes > cpp.gemm_max_a_bytes {h.gemm_max_a_bytes}"
+    return None
+
+
+def choose_gemm(h: CppHeuristics, problem: GemmProblem, epilogue_bytes: int) -> GemmChoice:
+    """The C++ target's GemmChooser: the template for the 2-d float32 products of static sizes whose A
+    has K contiguous, within the Target's bounds (`template_refusal`); ATen's BLAS for the rest."""
+    if problem.batch != 1:
+        return GemmChoice(False, None, "ATen: a batched product (the C++ template renders 2-d ones)")
+    if not problem.static:
+        return GemmChoice(False, None, "ATen: sizes known only at run time")
+    if problem.a_layout != "row":
+        return GemmChoice(False, None, f"ATen: A's layout {problem.a_layout} (the template reads rows of A)")
+    refusal = template_refusal(h, problem.m, problem.k, problem.dtype)
+    if refusal:
+        return GemmChoice(False, None, f"ATen: {refusal}")
+    fused = f", {epilogue_bytes} bytes of epilogue round trip saved" if epilogue_bytes else ""
+    return GemmChoice(True, TEMPLATE_TILE, f"C++ GEMM template (tile {TILE_ROWS}x{TILE_COLUMNS}{fused})")
+
+
+def _packed_product_faster(h: CppHeuristics, rows: int, k: int, n: int, bias: bool) -> bool:
+    """The C++ target's answer (Target.packed_product_faster): never where ember's template takes the
+    product (it stays an `mm` for the scheduler); else measured on this CPU, once per shape."""
     from ember.backends import cpu_products
 
+    if template_refusal(h, rows, k) is None:
+        return False
     return cpu_products.packed_is_faster(rows, k, n, bias)
 
 
@@ -181,7 +220,6 @@ class CppBackend:
     """The Backend (backends/base.py) of the host CPU: C++ with OpenMP loops."""
 
     name = "cpp"
-    gemm_chooser = None  # matrix products are ATen's (its BLAS)
 
     def __init__(self):
         self.cxx = config.get("cxx")
@@ -215,8 +253,12 @@ class CppBackend:
                     product_bias_as_add=True,
                 ),
             ),
-            packed_product_faster=_packed_product_faster,
         ).tuned(config.get("heuristics"))
+        h = self._target.heuristics.cpp
+        self._target = dataclasses.replace(
+            self._target, packed_product_faster=functools.partial(_packed_product_faster, h)
+        )
+        self.gemm_chooser = functools.partial(choose_gemm, h)
 
     def target(self) -> Target:
         return self._target
@@ -227,9 +269,13 @@ class CppBackend:
         (required: without it every pointer would be declared __restrict__)."""
         declarations, self.link_flags = vector_math()
         parts = [PRELUDE, declarations]
+        if any(map(is_gemm_kernel, kernels)):
+            parts.append(GEMM_PRELUDE)
         self.params = {}
         for k in kernels:
-            if isinstance(k, ComboKernel):  # independent pointwise kernels in one call
+            if is_gemm_kernel(k):
+                src, params = render_cpp_gemm(k, self._target, memory.shared_buffers(k))
+            elif isinstance(k, ComboKernel):  # independent pointwise kernels in one call
                 src, params = render_cpp_combo(k, self._target, memory.shared_buffers)
             else:
                 src, params = render_cpp(k, self._target, memory.shared_buffers(k))

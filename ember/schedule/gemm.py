@@ -69,6 +69,7 @@ class GemmProblem:
     a_layout: str  # "row" (K contiguous), "col" (M contiguous: a transposed operand), "strided"
     b_layout: str  # "row" (N contiguous), "col" (K contiguous: a transposed operand), "strided"
     device: str  # torch.device string
+    static: bool = True  # every size and operand stride known when the graph is compiled
 
     def shape_class(self) -> tuple:
         """Sizes rounded up to powers of two: nearby shapes share one measurement."""
@@ -211,6 +212,7 @@ def plan_gemms(
         problem = GemmProblem(
             size_hint(batch), size_hint(m), size_hint(n), size_hint(k), out.dtype,
             _layout(a_str, (1, 2)), _layout(b_str, (1, 2)), str(device),
+            all(sympy.sympify(e).is_Integer for e in (batch, m, n, k, *a_str, *b_str)),
         )  # fmt: skip
         if min(problem.m, problem.n) == 0:
             notes.append((what, False, "ATen: an empty product"))

@@ -187,13 +187,17 @@ class MLP(nn.Module):
         return h, h @ self.down.weight
 
 
+# Products outside ember's C++ GEMM template (here: the template off) choose between oneDNN and ATen.
+NO_TEMPLATE = "cpp.gemm_template=0"
+
+
 def test_matrix_products_on_packed_weights_match_eager_and_see_a_written_weight(monkeypatch):
     """Where oneDNN's packed product measures faster (here: said to, whatever this machine measures)."""
     monkeypatch.setattr(cpu_products, "packed_is_faster", lambda rows, k, n, bias: True)
     torch._dynamo.reset()
     model = MLP().eval()
     x = torch.randn(2, 5, 16)
-    compiled = ember_compile(model, "cpp", freezing=True)
+    compiled = ember_compile(model, "cpp", freezing=True, heuristics=NO_TEMPLATE)
     with torch.no_grad(), reports() as report:
         for what, change in (("first call", lambda: None), ("weight written", lambda: model.up.weight.mul_(-1))):
             change()
@@ -216,7 +220,7 @@ def test_matrix_products_where_aten_measured_faster_stay_aten(monkeypatch):
     torch._dynamo.reset()
     model = MLP().eval()
     x = torch.randn(2, 5, 16)
-    compiled = ember_compile(model, "cpp", freezing=True)
+    compiled = ember_compile(model, "cpp", freezing=True, heuristics=NO_TEMPLATE)
     with torch.no_grad(), reports() as report:
         for a, e in zip(compiled(x), model(x)):
             assert_close(a, e, **TOL, what="outputs", line=repro(packed="up only"))
