@@ -193,8 +193,10 @@ def template_refusal(h: CppHeuristics, m: int, k: int, dtype: torch.dtype = torc
 def choose_gemm(h: CppHeuristics, problem: GemmProblem, epilogue_bytes: int) -> GemmChoice:
     """The C++ target's GemmChooser: the template for the 2-d float32 products of static sizes whose A
     has K contiguous, within the Target's bounds (`template_refusal`); ATen's BLAS for the rest."""
-    if problem.batch != 1:
+    if problem.batched or problem.batch != 1:
         return GemmChoice(False, None, "ATen: a batched product (the C++ template renders 2-d ones)")
+    if problem.k == 0:
+        return GemmChoice(False, None, "ATen: an empty sum (K = 0)")
     if not problem.static:
         return GemmChoice(False, None, "ATen: sizes known only at run time")
     if problem.a_layout != "row":

@@ -1,8 +1,9 @@
 """Render a GEMM template kernel (schedule/gemm.py) as C++: float32 products of static sizes on the CPU.
 
-The product is cut into panels of 16 output columns. A thread takes a panel (or a band of panels)
-over a band of rows: it copies the panel's K x 16 slice of B into a buffer of its own, in the order
-the inner loop reads it (16 floats a step of K, one cache line), then walks its rows six at a time.
+The product is cut into panels of 16 output columns. Each work item is one panel over a band of rows (all
+rows, unless there are fewer panels than threads): its thread copies the panel's K x 16 slice of B into a
+buffer of its own, in the order the inner loop reads it (16 floats a step of K, one cache line), then
+walks the band's rows six at a time.
 Six rows by 16 columns is the register tile: 12 accumulators of 8 floats, each step of K two
 loads of B, six broadcasts of A and 12 fused multiply-adds (AVX2's 16 vector registers; GCC's
 vector extensions, so any target compiles it). The tile's values go to a small array, and the
@@ -114,7 +115,8 @@ class CppGemmRenderer(CppRenderer):
             else:
                 args.append(f"int64_t {p.name}")
         emit = self.emit
-        emit(f'extern "C" void {k.name}({", ".join(args)}) {{')
+        attributes = "EMBER_NO_PRE " if any(map(self._picks, self.nodes)) else ""  # as CppRenderer.render says why
+        emit(f'extern "C" {attributes}void {k.name}({", ".join(args)}) {{')
         self.indent += 1
         emit(f"constexpr int64_t M = {m}, N = {n}, K = {kk};")
         emit(f"constexpr int64_t PANELS = (N + {TILE_COLUMNS - 1}) / {TILE_COLUMNS};")
@@ -131,6 +133,7 @@ class CppGemmRenderer(CppRenderer):
             emit(f"alignas(64) float panel[K * {TILE_COLUMNS}];")
         else:
             emit(f"float* panel = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * K * {TILE_COLUMNS}));")
+            emit("if (panel == nullptr) std::abort();  // no memory for 256 KB at most: stop rather than compute wrong")
         emit(f"alignas(64) float tile[{TILE_ROWS} * {TILE_COLUMNS}];")
         emit("#pragma omp for schedule(static)")
         emit("for (int64_t item = 0; item < PANELS * row_bands; item++) {")

@@ -3,7 +3,7 @@
 Every `mm`, `addmm` and `bmm` the importer left as an extern is looked at once, here:
 
 1. **Eligible?** Float inputs of one dtype (bf16, fp16, fp32), no other arguments than addmm's
-   `beta`/`alpha`, a code generator that has a template (Triton).
+   `beta`/`alpha`, a code generator that has a template (Triton; C++ for float32 2-d products).
 2. **Template or ATen?** The backend's `GemmChooser` answers for a `GemmProblem` (sizes, dtype,
    operand layouts, device): `gemm=aten|template` forces a side; `auto` measures on the GPU
    once per shape class and caches the timings on disk (backends/gemm_tuning.py). The bytes
@@ -70,6 +70,7 @@ class GemmProblem:
     b_layout: str  # "row" (N contiguous), "col" (K contiguous: a transposed operand), "strided"
     device: str  # torch.device string
     static: bool = True  # every size and operand stride known when the graph is compiled
+    batched: bool = False  # a bmm (even of batch 1)
 
     def shape_class(self) -> tuple:
         """Sizes rounded up to powers of two: nearby shapes share one measurement."""
@@ -212,7 +213,7 @@ def plan_gemms(
         problem = GemmProblem(
             size_hint(batch), size_hint(m), size_hint(n), size_hint(k), out.dtype,
             _layout(a_str, (1, 2)), _layout(b_str, (1, 2)), str(device),
-            all(sympy.sympify(e).is_Integer for e in (batch, m, n, k, *a_str, *b_str)),
+            all(sympy.sympify(e).is_Integer for e in (batch, m, n, k, *a_str, *b_str)), kind == "bmm",
         )  # fmt: skip
         if min(problem.m, problem.n) == 0:
             notes.append((what, False, "ATen: an empty product"))

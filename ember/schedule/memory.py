@@ -335,7 +335,7 @@ class _Placer:
         # A scatter-add's buffer is zeroed before the kernel runs (codegen/host.py): never memory it reads.
         added = bool(rows) and all(s.accumulate for s in rows)
         inp = None if added else self.uses.mutated_input(v, kernel, pos)
-        if inp is not None and inp not in others:
+        if inp is not None and inp not in others and self.holder.get(inp, inp) not in self._gemm_operands(kernel):
             self.plan.reuse[v] = inp
             self.plan.inplace.add(v)
             self.plan.mutations_in_place.add(inp)
@@ -368,12 +368,20 @@ class _Placer:
             return _fits(u, v)
         return _same_footprint(u, v) and _same_footprint(self.holder[u], v)
 
+    def _gemm_operands(self, kernel: Kernel) -> set[Value]:
+        """The memory of a GEMM template's operands, which no output of it may be written over (in place of a
+        dead operand, or as a mutated input's new value): its tiles read whole rows of A and columns of B,
+        which an epilogue that also reads one of them element by element (`u + u @ w`, `x.add_(x @ w)`)
+        would overwrite under other tiles."""
+        if not is_gemm_kernel(kernel):
+            return set()
+        return {self.holder.get(x, x) for x in (kernel.gemm.a, kernel.gemm.b)}
+
     def _in_place_donor(self, kernel: Kernel, v: Value, pos: int, taken: set[Value]) -> Value | None:
-        """A buffer the kernel reads for the last time, element for element, that v can overwrite. Never a
-        GEMM template's operand: its tiles read whole rows of A and columns of B, which an epilogue that
-        also reads one of them element by element (`u + u @ w`) would overwrite under other tiles."""
+        """A buffer the kernel reads for the last time, element for element, that v can overwrite (never a
+        GEMM template's operand: `_gemm_operands`)."""
         uses = self.uses
-        operands = {self.holder.get(x, x) for x in (kernel.gemm.a, kernel.gemm.b)} if is_gemm_kernel(kernel) else set()
+        operands = self._gemm_operands(kernel)
         for u in kernel.reads:
             if (
                 u in self.holder and uses.last[u] == pos and uses.recyclable(u) and uses.reusable(u)

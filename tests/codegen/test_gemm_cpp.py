@@ -40,13 +40,8 @@ def _linear_3d_residual(x, w, b, r):
     return F.linear(x, w, b) + r  # [B, T, C]: a 2-D product whose epilogue runs over a reshape
 
 
-def _reads_its_operand(u, w):
-    return u + u @ w  # the epilogue reads A element by element at A's last use: never written in place
-
-
-def _diamond(x, w):
-    a = torch.relu(x)
-    return a * 3 + a @ w
+def _a_view(big, w):
+    return big[3:40, 8:40] @ w
 
 
 def _r(*shape):
@@ -59,14 +54,13 @@ _GEN = torch.Generator().manual_seed(0)
 CASES = [
     ("mm_one_thread", torch.mm, lambda: [_r(33, 17), _r(17, 29)]),  # M*N*K below the threads' threshold
     ("mm_threads", torch.mm, lambda: [_r(70, 64), _r(64, 50)]),  # 12 row tiles, 4 panels (the last of 2 columns)
-    ("mm_few_columns", torch.mm, lambda: [_r(130, 96), _r(96, 5)]),  # one panel, rows cut between threads
+    ("mm_few_columns", torch.mm, lambda: [_r(130, 128), _r(128, 5)]),  # one panel: rows cut into bands
+    ("a_view_with_offset", _a_view, lambda: [_r(50, 48), _r(32, 24)]),  # A's rows 48 apart, from element 152
     ("linear_relu", _linear_relu, lambda: [_r(50, 40), _r(37, 40), _r(37)]),  # B transposed, bias by column
     ("linear_gelu", _linear_gelu, lambda: [_r(33, 24), _r(40, 24), _r(40)]),
     ("residual_scale", _residual_scale, lambda: [_r(20, 36), _r(36, 24), _r(20, 24)]),
     ("linear_3d_residual", _linear_3d_residual, lambda: [_r(2, 9, 24), _r(16, 24), _r(16), _r(2, 9, 16)]),
     ("long_k_heap_panel", torch.mm, lambda: [_r(13, 1100), _r(1100, 21)]),  # a 16 x 1100 panel: on the heap
-    ("reads_its_operand", _reads_its_operand, lambda: [_r(64, 64), _r(64, 64)]),
-    ("diamond", _diamond, lambda: [_r(48, 64), _r(64, 64)]),
 ]
 
 
@@ -165,3 +159,64 @@ def test_the_heuristic_off_and_dynamic_sizes_keep_blas():
             assert_close(compiled(x, w), x @ w, rtol=1e-5, atol=1e-5, what=f"{rows} rows", line=repro(dynamic=True))
     assert_no_fallback(report, repro(dynamic=True))
     assert any("sizes known only at run time" in f.reason for g in report.graphs for f in g.fusion), report.graphs
+
+
+def _reads_its_operand(x, w):
+    u = x * 2
+    return u + u @ w  # the epilogue reads A element by element at A's last use
+
+
+def _diamond(x, w):
+    a = torch.relu(x)
+    return a * 3 + a @ w
+
+
+def _updates_its_operand(x, w):
+    x.add_(x @ w)  # a mutated input, read as A
+
+
+def _updates_its_weight(x, w):
+    w.add_(x @ w)  # ... read as B (x square), in two row bands: one panel of 16 columns, 130 rows
+
+
+@pytest.mark.parametrize(
+    "fn,make",
+    [
+        (_reads_its_operand, lambda: [_r(64, 64), _r(64, 64)]),
+        (_diamond, lambda: [_r(48, 64), _r(64, 64)]),
+        (_updates_its_operand, lambda: [_r(64, 64), _r(64, 64)]),
+        (_updates_its_weight, lambda: [_r(130, 130), _r(130, 16)]),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
+def test_no_output_is_written_over_an_operand(fn, make):
+    """An epilogue that reads A (or B) element by element at its last use, or writes a mutated input that is
+    A or B, takes memory of its own: the template's other tiles still read the operand's rows and columns."""
+    base = make()
+    line = repro(fn=fn.__name__, inputs=base)
+    mine, theirs = [x.clone() for x in base], [x.clone() for x in base]
+    torch._dynamo.reset()
+    with torch.no_grad(), reports() as report:
+        got = ember_compile(fn, "cpp")(*mine)
+        want = fn(*theirs)
+    assert_no_fallback(report, line)
+    (graph,) = report.graphs
+    assert not graph.externs and " 0 in place" in graph.memory, f"{graph.memory}\n{graph.host_source}\n{line}"
+    for a, b in zip([got, *mine] if got is not None else mine, [want, *theirs] if want is not None else theirs):
+        assert_close(a, b, rtol=1e-4, atol=1e-4, what=fn.__name__, line=line)
+
+
+def test_nan_and_inf_propagate_and_a_batched_product_stays_aten():
+    x, w = _r(20, 32), _r(32, 24)
+    x[3, 5], w[7, 2] = float("nan"), float("inf")
+    with torch.no_grad():
+        out, graph = compiled_graph(torch.mm, [x, w], backend="cpp")
+    assert not graph.externs, str(graph)
+    assert torch.equal(out.isnan(), (x @ w).isnan()) and torch.equal(out.isinf(), (x @ w).isinf())
+    finite = (x @ w).isfinite()
+    assert_close(out[finite], (x @ w)[finite], rtol=1e-5, atol=1e-5, what="finite", line=repro(case="nan_inf"))
+    a, b = _r(1, 8, 16), _r(1, 16, 8)
+    with torch.no_grad():
+        out, graph = compiled_graph(torch.bmm, [a, b], backend="cpp")
+    assert graph.externs == ["bmm"] and "a batched product" in str(graph.fusion), str(graph)
+    assert_close(out, torch.bmm(a, b), rtol=1e-5, atol=1e-5, what="bmm", line=repro(case="bmm of batch 1"))
