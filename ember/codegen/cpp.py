@@ -554,9 +554,9 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
         value = f"({acc}_nan ? static_cast<{t}>(NAN) : {acc})" if _nan_flagged(r) else acc
         self.emit(f"{t} {name} = {value};")
 
-    def render(self) -> str:
-        self._acc_names: dict[int, str] = {}
-        k = self.kernel
+    def signature(self, result: str) -> str:
+        """The kernel's `extern "C"` declaration up to its opening brace: buffers as (const) pointers,
+        `__restrict__` unless another parameter shares their memory, sizes as int64_t."""
         args = []
         for p in self.params:
             if p.kind == "buffer":
@@ -565,12 +565,16 @@ class CppRenderer(WindowInteriors, ColumnTiles, Renderer):
                 args.append(f"{const}{CPP_DTYPE[p.value.dtype]}*{restrict} {p.name}")
             else:
                 args.append(f"int64_t {p.name}")
-        result = "int64_t" if self.checks_rows else "void"
         # Where a `where` picks on a condition its vector loop does not change (`ember_pick`), GCC's partial
         # redundancy elimination rewrites a NaN test after a ReLU (`ember_maximum`) as a select of booleans,
         # which its vectorizer does not take: the loop stays scalar (ResNet's stem max pool, 27x slower).
         attributes = "EMBER_NO_PRE " if any(map(self._picks, self.nodes)) else ""  # the prelude's macro
-        self.emit(f'extern "C" {attributes}{result} {k.name}({", ".join(args)}) {{')
+        return f'extern "C" {attributes}{result} {self.kernel.name}({", ".join(args)}) {{'
+
+    def render(self) -> str:
+        self._acc_names: dict[int, str] = {}
+        k = self.kernel
+        self.emit(self.signature("int64_t" if self.checks_rows else "void"))
         self.indent += 1
         if self.checks_rows:
             self.emit("int64_t ember_bad_row = 0;  // set where a row read from an index is out of range")

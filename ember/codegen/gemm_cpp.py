@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sympy
 
-from ember.codegen.cpp import CPP_DTYPE, CppRenderer
+from ember.codegen.cpp import CppRenderer
 from ember.schedule.gemm import GemmKernel
 from ember.schedule.kernel import KStore
 from ember.target import Target
@@ -106,17 +106,8 @@ class CppGemmRenderer(CppRenderer):
         _, sa_m, sa_k = (_int(s) for s in g.a_strides)
         _, sb_k, sb_n = (_int(s) for s in g.b_strides)
         a, b = self.buffer_name(g.a), self.buffer_name(g.b)
-        args = []
-        for p in self.params:
-            if p.kind == "buffer":
-                const = "" if p.written else "const "
-                restrict = "" if p.value in self.shared else " __restrict__"
-                args.append(f"{const}{CPP_DTYPE[p.value.dtype]}*{restrict} {p.name}")
-            else:
-                args.append(f"int64_t {p.name}")
         emit = self.emit
-        attributes = "EMBER_NO_PRE " if any(map(self._picks, self.nodes)) else ""  # as CppRenderer.render says why
-        emit(f'extern "C" {attributes}void {k.name}({", ".join(args)}) {{')
+        emit(self.signature("void"))
         self.indent += 1
         emit(f"constexpr int64_t M = {m}, N = {n}, K = {kk};")
         emit(f"constexpr int64_t PANELS = (N + {TILE_COLUMNS - 1}) / {TILE_COLUMNS};")
