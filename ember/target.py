@@ -173,6 +173,11 @@ class CppHeuristics:
     # their one loop, where blocks would cost speed and the error stays small (decisions.md).
     cascade_block: int = 512
     cascade_min_row: int = 4096
+    # A row whose loads step by more than one element may be summed by a scalar loop (GCC keeps such
+    # loops scalar on AVX2 CPUs): summed in blocks of this many elements from a row of more than this
+    # many. A channel's variance over 512 rows of a channels-last tensor was 1.4e-5 off in one scalar loop
+    # on an AVX2 EPYC, 1e-7 in blocks.
+    strided_cascade_block: int = 32
     # float32 matrix products of static sizes run as ember's GEMM template (codegen/gemm_cpp.py), their
     # epilogue fused, where K is at most gemm_max_k (a thread's copy of a 16-column panel of B,
     # K x 64 bytes, stays in its L2) and A takes at most gemm_max_a_bytes (each panel reads all of A's
@@ -180,11 +185,6 @@ class CppHeuristics:
     gemm_template: bool = True
     gemm_max_k: int = 4096
     gemm_max_a_bytes: int = 8 << 20
-    # A row whose loads step by more than one element may be summed by a scalar loop (GCC keeps such
-    # loops scalar on AVX2 CPUs): summed in blocks of this many elements from a row of more than this
-    # many. A channel's variance over 512 rows of a channels-last tensor was 1.4e-5 off in one scalar loop
-    # on an AVX2 EPYC, 1e-7 in blocks.
-    strided_cascade_block: int = 32
     # A sum over rows of columns contiguous in memory (a bias gradient: [tokens, features] summed over
     # the tokens) runs column_tile columns at a time: each row adds into their accumulators, a vector
     # loop along the columns, instead of one strided loop down each column (2.5 GB/s for BERT's

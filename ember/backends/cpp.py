@@ -13,7 +13,6 @@ from __future__ import annotations
 import _ctypes
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
 import platform
 import shutil
@@ -232,6 +231,16 @@ class CppBackend:
         # The default heuristics: C++ sums columns in loops of its own, neither in row kernels
         # (row_programs 0) nor in one-pass online softmax; a value many readers inline is stored once
         # (its recomputation does not vectorize: realize.py).
+        heuristics = Heuristics(
+            realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8, free_positions=True),
+            lower=LowerHeuristics(
+                depthwise_convolutions=True,
+                product_convolutions_min_channels=32,
+                product_convolutions_max_pixels=16,
+                group_frozen_products=True,
+                product_bias_as_add=True,
+            ),
+        ).tuned(config.get("heuristics"))
         self._target = Target(
             "cpp",
             "cpu",
@@ -245,22 +254,10 @@ class CppBackend:
             # took 30.1 ms with `omp atomic` adds and 14.0 ms with one thread's plain adds, against 12.7 ms
             # with ATen's scatter_add after the fused gather.
             atomic_adds=(),
-            heuristics=Heuristics(
-                realize=RealizeHeuristics(shared_readers=4, costly_min_flops=8, free_positions=True),
-                lower=LowerHeuristics(
-                    depthwise_convolutions=True,
-                    product_convolutions_min_channels=32,
-                    product_convolutions_max_pixels=16,
-                    group_frozen_products=True,
-                    product_bias_as_add=True,
-                ),
-            ),
-        ).tuned(config.get("heuristics"))
-        h = self._target.heuristics.cpp
-        self._target = dataclasses.replace(
-            self._target, packed_product_faster=functools.partial(_packed_product_faster, h)
+            heuristics=heuristics,
+            packed_product_faster=functools.partial(_packed_product_faster, heuristics.cpp),
         )
-        self.gemm_chooser = functools.partial(choose_gemm, h)
+        self.gemm_chooser = functools.partial(choose_gemm, heuristics.cpp)
 
     def target(self) -> Target:
         return self._target

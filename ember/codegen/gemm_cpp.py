@@ -28,7 +28,7 @@ from ember.schedule.gemm import GemmKernel
 from ember.schedule.kernel import KStore
 from ember.target import Target
 
-TILE_ROWS = 6
+TILE_ROWS = 6  # GEMM_PRELUDE's `ember_gemm_rows` takes 1 to 6 rows
 TILE_COLUMNS = 16
 # A thread's panel of B lives on its stack up to this size (K up to 1024), else on the heap, allocated
 # once a call: a larger array could overflow an OpenMP worker's stack.
@@ -111,11 +111,11 @@ class CppGemmRenderer(CppRenderer):
         self.indent += 1
         emit(f"constexpr int64_t M = {m}, N = {n}, K = {kk};")
         emit(f"constexpr int64_t PANELS = (N + {TILE_COLUMNS - 1}) / {TILE_COLUMNS};")
-        emit("constexpr int64_t ROW_TILES = (M + 5) / 6;")
+        emit(f"constexpr int64_t ROW_TILES = (M + {TILE_ROWS - 1}) / {TILE_ROWS};")
         emit("// Panels to threads first; rows cut into as many bands as it takes to give each thread work.")
-        emit("const int64_t threads = M * N * K < 65536 ? 1 : omp_get_max_threads();")
+        emit(f"const int64_t threads = M * N * K <= {self.h.parallel_threshold} ? 1 : omp_get_max_threads();")
         emit("const int64_t row_bands = PANELS >= threads ? 1 : std::min(ROW_TILES, (threads + PANELS - 1) / PANELS);")
-        emit("const int64_t band_rows = (ROW_TILES + row_bands - 1) / row_bands * 6;")
+        emit(f"const int64_t band_rows = (ROW_TILES + row_bands - 1) / row_bands * {TILE_ROWS};")
         emit("#pragma omp parallel num_threads(threads) if(threads > 1)")
         emit("{")
         self.indent += 1
@@ -141,9 +141,9 @@ class CppGemmRenderer(CppRenderer):
             emit(f"    for (int64_t j = 0; j < {TILE_COLUMNS}; j++)")
             emit(f"        panel[q * {TILE_COLUMNS} + j] = j < cols ? {b}[q * {sb_k} + (n0 + j) * {sb_n}] : 0.0f;")
         emit("const int64_t row_end = std::min<int64_t>(M, (band + 1) * band_rows);")
-        emit("for (int64_t m0 = band * band_rows; m0 < row_end; m0 += 6) {")
+        emit(f"for (int64_t m0 = band * band_rows; m0 < row_end; m0 += {TILE_ROWS}) {{")
         self.indent += 1
-        emit("const int rows = static_cast<int>(std::min<int64_t>(6, row_end - m0));")
+        emit(f"const int rows = static_cast<int>(std::min<int64_t>({TILE_ROWS}, row_end - m0));")
         emit(f"ember_gemm_rows(rows, {a} + m0 * {sa_m}, {sa_m}, {sa_k}, panel, K, tile);")
         dvars = [v.name for v in k.domain.vars()]
         emit("for (int r = 0; r < rows; r++) {")
@@ -165,10 +165,6 @@ class CppGemmRenderer(CppRenderer):
         self.indent -= 1
         emit("}")
         return "\n".join(self.lines)
-
-    def _vector_vars(self) -> set:
-        """The epilogue's vector loop walks the columns."""
-        return {self.kernel.domain.vars()[-1]}
 
 
 def render_cpp_gemm(kernel: GemmKernel, target: Target, shared: frozenset = frozenset()) -> tuple[str, list]:
