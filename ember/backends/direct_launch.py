@@ -46,32 +46,35 @@ class DirectLaunch:
         device = tensors[0].device.index or 0
         ptrs = [t.data_ptr() for t in tensors]
         aligned = tuple((p & 15) == 0 for p in ptrs)
-        # With the scalars' types: 1, True and 1.0 are one dict key, but Triton specializes them apart.
-        exact = (device, aligned, scalars, tuple(map(type, scalars)), tuple(consts.values()), warps, stages)
-        hit = self.by_value.get(exact)
-        if hit is None:
-            key = (device, aligned, tuple(map(_specialized, scalars)), exact[4], warps, stages)
-            hit = self.compiled.get(key)
-            if hit is not None and hit[0] != "jit":
-                if len(self.by_value) >= _BY_VALUE_LIMIT:
-                    self.by_value.clear()
-                self.by_value[exact] = hit
+        hit, key = self._find(device, aligned, scalars, consts, warps, stages)
         if hit is None or hit[0] == "jit":
             on_device = torch.cuda.device(device) if tensors[0].is_cuda else contextlib.nullcontext()
             with on_device:  # Triton compiles for, and launches on, the current device
                 compiled = self.fn[grid](*tensors, *scalars, **consts, num_warps=warps, num_stages=stages)
-            if hit is None:
+            if hit is None:  # the first call of this specialization compiled it: its launcher is kept
                 self.compiled[key] = self._launcher(compiled, device, len(tensors), scalars, consts)
             return
-        gx, gy, gz = (*grid, 1, 1)[:3]
-        stream = self.stream(device)
-        if hit[0] == "static":
-            _, st, codes, kept = hit
-            passed = (*ptrs, *[scalars[i] for i in kept], *([None] * st.scratch))
-            st.launch(st.function, gx, gy, gz, st.num_warps, st.shared, codes, passed, stream)
-        else:
-            _, run, function, meta, tail = hit
-            run(gx, gy, gz, stream, function, meta, None, None, None, *tensors, *scalars, *tail)
+        _launch(hit, grid, self.stream(device), ptrs, tensors, scalars)
+
+    def launcher(self, device: int, aligned: tuple, scalars: tuple, consts: dict, warps: int, stages: int):
+        """The launcher compiled for these arguments' specialization (see _launcher), or None before the first
+        call with it."""
+        return self._find(device, aligned, scalars, consts, warps, stages)[0]
+
+    def _find(self, device: int, aligned: tuple, scalars: tuple, consts: dict, warps: int, stages: int):
+        """(launcher or None, Triton's specialization key or None where the arguments' values found it)."""
+        # With the scalars' types: 1, True and 1.0 are one dict key, but Triton specializes them apart.
+        exact = (device, aligned, scalars, tuple(map(type, scalars)), tuple(consts.values()), warps, stages)
+        hit = self.by_value.get(exact)
+        if hit is not None:
+            return hit, None
+        key = (device, aligned, tuple(map(_specialized, scalars)), exact[4], warps, stages)
+        hit = self.compiled.get(key)
+        if hit is not None and hit[0] != "jit":
+            if len(self.by_value) >= _BY_VALUE_LIMIT:
+                self.by_value.clear()
+            self.by_value[exact] = hit
+        return hit, key
 
     def _launcher(self, compiled, device: int, tensors: int, scalars: tuple, consts: dict) -> tuple:
         """How to launch `compiled` again: torch's static launcher where it can (a few microseconds
@@ -100,6 +103,46 @@ class DirectLaunch:
 
 
 _BY_VALUE_LIMIT = 256  # distinct argument values remembered per kernel (dynamic sizes add one each)
+
+
+def _launch(hit: tuple, grid: tuple, stream: int, ptrs: list, tensors: tuple, scalars: tuple) -> None:
+    """Launch through a launcher of DirectLaunch._launcher ("static" or "triton")."""
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    if hit[0] == "static":
+        _, st, codes, kept = hit
+        passed = (*ptrs, *[scalars[i] for i in kept], *([None] * st.scratch))
+        st.launch(st.function, gx, gy, gz, st.num_warps, st.shared, codes, passed, stream)
+    else:
+        _, run, function, meta, tail = hit
+        run(gx, gy, gz, stream, function, meta, None, None, None, *tensors, *scalars, *tail)
+
+
+class BoundLaunch:
+    """A DirectLaunch with all but its tensors fixed: the grid, the other parameters, the constants and
+    the launch (warps and stages, as launch_fitting settles them). A host program calls a kernel with the
+    same sizes and strides at every step (a static graph), so a caller that keeps one per set of them
+    launches with the tensors' addresses alone: no key of a hundred integers built and hashed per call.
+    The launcher is kept per pointer alignment (Triton specializes on it)."""
+
+    def __init__(self, fn: DirectLaunch, grid: tuple, scalars: tuple, consts: dict, launch):
+        self.fn, self.grid, self.scalars, self.consts, self.launch = fn, grid, scalars, consts, launch
+        self.ready: dict[tuple, tuple] = {}  # pointer alignment -> ("static" | "triton", ...) launcher
+
+    def __call__(self, tensors: tuple) -> None:
+        fn = self.fn
+        if not fn.interpreted:
+            ptrs = [t.data_ptr() for t in tensors]
+            aligned = tuple((p & 15) == 0 for p in ptrs)
+            hit = self.ready.get(aligned)
+            if hit is not None:
+                _launch(hit, self.grid, fn.stream(tensors[0].device.index or 0), ptrs, tensors, self.scalars)
+                return
+        self.launch = launch_fitting(fn, self.grid, tensors, self.scalars, self.consts, self.launch)
+        if not fn.interpreted:
+            device = tensors[0].device.index or 0
+            hit = fn.launcher(device, aligned, self.scalars, self.consts, self.launch.warps, self.launch.stages)
+            if hit is not None and hit[0] != "jit":
+                self.ready[aligned] = hit
 
 
 def _specialized(x):
@@ -150,4 +193,4 @@ def load_triton(body: str, prefix: str):
     return scratch.import_private_copy(entry["kernels.py"], f"{prefix}_{key[:16]}")
 
 
-__all__ = ["DirectLaunch", "allocator", "launch_fitting", "load_triton"]
+__all__ = ["BoundLaunch", "DirectLaunch", "allocator", "launch_fitting", "load_triton"]

@@ -8,11 +8,13 @@ out, lse and max in the op's layouts, reads sizes and strides from its operands 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ember import log
-from ember.backends.direct_launch import DirectLaunch, allocator, launch_fitting, load_triton
+from ember.backends.direct_launch import BoundLaunch, DirectLaunch, allocator, load_triton
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
@@ -82,6 +84,7 @@ class FlexKernel:
     def __init__(self, spec: FlexSpec, target: Target, results: int):
         self.spec, self.results = spec, results
         self.launch = forward_launch(spec, target)
+        self.plans: dict[tuple, CallPlan] = {}  # by the operands' sizes, strides and dtypes
         self.__name__ = "flex_attention_kernel"  # the host program's name for it
         self.cpp = target.name == "cpp"
         if self.cpp:
@@ -94,53 +97,98 @@ class FlexKernel:
 
     def __call__(self, q, k, v, kv_num, kv_idx, *rest):
         spec = self.spec
-        q_block, kv_block = (spec.q_block, spec.kv_block) if spec.q_block else (int(rest[-2]), int(rest[-1]))
-        rest = rest if spec.q_block else rest[:-2]
-        full = rest[:2] if spec.has_full_blocks else ()
+        blocks, rest = (
+            ((spec.q_block, spec.kv_block), rest) if spec.q_block else ((int(rest[-2]), int(rest[-1])), rest[:-2])
+        )
+        operands = (q, k, v, kv_num, kv_idx, *rest)  # rest: the full blocks' count and index, then captured tensors
+        key = (blocks, q.device, *[(t.shape, t.stride(), t.dtype) for t in operands])
+        plan = self.plans.get(key) or _kept(self.plans, key, self._plan(blocks, operands))
+        empty = plan.empty
+        out = empty(*plan.out)
+        lse = empty(*plan.stats)
+        mx = empty(*plan.stats)
+        if plan.launch is not None:
+            plan.launch((q, k, v, out, lse, mx, kv_num, kv_idx, *rest))
+        return (out, lse, mx)[: self.results]
+
+    def _plan(self, blocks: tuple[int, int], operands: tuple) -> CallPlan:
+        """What a call with these operands' sizes and strides launches, worked out once: the results'
+        layouts, the kernel's integer parameters, grid and constants."""
+        spec = self.spec
+        q, k, v, kv_num, kv_idx, *rest = operands
+        q_block, kv_block = blocks
+        full = tuple(rest[:2]) if spec.has_full_blocks else ()
         buffers = rest[2:] if spec.has_full_blocks else rest
         B, H, M, _ = q.shape
         N = k.shape[2]
-        empty = allocator(q.device)
-        out = _like_query(q, spec.value_dim, empty)
-        lse = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
-        mx = empty((B, H, M), (H * M, M, 1), spec.work_dtype)
+        out_layout = (*_like_query(q, spec.value_dim), q.dtype)
+        stats = ((B, H, M), (H * M, M, 1), spec.work_dtype)
+        plan = CallPlan(allocator(q.device), out_layout, stats)
         if B == 0 or H == 0 or M == 0:
-            return (out, lse, mx)[: self.results]
+            return plan
         # A key/value batch of 1 serves every query batch (eager broadcasts it).
         kb_stride = 0 if k.shape[0] == 1 and B > 1 else k.stride(0)
         vb_stride = 0 if v.shape[0] == 1 and B > 1 else v.stride(0)
         full_num, full_idx = full if full else (kv_num, kv_idx)
         ints = [B, H, M, N, H // k.shape[1], kv_num.shape[0], kv_num.shape[1]]
-        ints += [*q.stride(), kb_stride, *k.stride()[1:], vb_stride, *v.stride()[1:], *out.stride()]
+        ints += [*q.stride(), kb_stride, *k.stride()[1:], vb_stride, *v.stride()[1:], *out_layout[1]]
         ints += [*kv_num.stride(), *kv_idx.stride(), *full_num.stride(), *full_idx.stride()]
         buf_ints = [x for buf in buffers for x in (*buf.shape, *buf.stride())]
         _check_index_range(buffers)
-        tensors = [q, k, v, out, lse, mx, kv_num, kv_idx, *full, *buffers]
         if self.cpp:
-            ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
             params = (ctypes.c_int64 * (len(ints) + 2 + len(buf_ints)))(*ints, q_block, kv_block, *buf_ints)
-            self.fn(ptrs, params)
-        else:
-            block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
-            grid = ((M + block_m - 1) // block_m, B * H)
-            consts = {
-                "QB": q_block,
-                "KB": kv_block,
-                "D": spec.head_dim,
-                "DV": spec.value_dim,
-                "D_PAD": d_pad,
-                "DV_PAD": dv_pad,
-            }
-            kv_steps = steps(kv_block, N, block_n)
-            consts.update(
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                EVEN_N=even(kv_block, N, block_n),
-                KV_NESTED=kv_steps >= CONTIGUOUS_STEPS,
-            )
-            scalars = (*ints, *buf_ints, kv_steps)
-            self.launch = launch_fitting(self.fn, grid, tuple(tensors), scalars, consts, self.launch)
-        return (out, lse, mx)[: self.results]
+            plan.launch = _CppCall(self.fn, params)
+            return plan
+        block_m, block_n, d_pad, dv_pad = block_sizes(spec, self.launch, q_block, kv_block)
+        grid = ((M + block_m - 1) // block_m, B * H)
+        kv_steps = steps(kv_block, N, block_n)
+        consts = {
+            "QB": q_block,
+            "KB": kv_block,
+            "D": spec.head_dim,
+            "DV": spec.value_dim,
+            "D_PAD": d_pad,
+            "DV_PAD": dv_pad,
+            "BLOCK_M": block_m,
+            "BLOCK_N": block_n,
+            "EVEN_N": even(kv_block, N, block_n),
+            "KV_NESTED": kv_steps >= CONTIGUOUS_STEPS,
+        }
+        plan.launch = BoundLaunch(self.fn, grid, (*ints, *buf_ints, kv_steps), consts, self.launch)
+        return plan
+
+
+# Call plans kept per kernel: a static graph's calls need one; sizes that vary add one per set of them.
+_PLANS_KEPT = 64
+
+
+def _kept(plans: dict, key: tuple, plan):
+    """`plan`, kept in `plans` under `key` (all of them dropped first where there are _PLANS_KEPT)."""
+    if len(plans) >= _PLANS_KEPT:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+@dataclass
+class CallPlan:
+    """A flex kernel call's work for one set of operand sizes and strides: `empty` and the (size, stride,
+    dtype) of the results it allocates, and the launch taking their tensors (None: nothing to compute)."""
+
+    empty: Callable
+    out: tuple
+    stats: tuple
+    launch: Callable | None = None
+
+
+class _CppCall:
+    """The C++ kernel called with its tensors' addresses and the integer parameters made once."""
+
+    def __init__(self, fn, params):
+        self.fn, self.params = fn, params
+
+    def __call__(self, tensors: tuple) -> None:
+        self.fn((ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors]), self.params)
 
 
 class FlexBackwardKernel:
@@ -152,6 +200,7 @@ class FlexBackwardKernel:
     def __init__(self, spec: FlexBackwardSpec, target: Target):
         self.spec = spec
         self.launches = list(backward_launches(spec.forward, target))
+        self.plans: dict[tuple, BackwardPlan] = {}  # by the operands' sizes, strides and dtypes
         self.__name__ = "flex_attention_backward_kernel"
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_flex(self.source, "ember_flex_bwd")
@@ -160,43 +209,57 @@ class FlexBackwardKernel:
             for fn in (module.flex_bwd_dq, module.flex_bwd_dkdv, module.flex_bwd_delta)
         )
 
-    def _delta(self, out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-        """rowsum(dout * out) in the work dtype, [B, H, M] contiguous."""
-        B, H, M, DV = out.shape
-        delta = allocator(out.device)((B, H, M), (H * M, M, 1), self.spec.forward.work_dtype)
-        dv_pad = max(16, pow2(DV))
-        rows = max(1, min(64, 4096 // dv_pad))
-        grid = ((B * H * M + rows - 1) // rows,)
-        tensors, scalars = (out, dout, delta), (B * H * M, H, M, *out.stride(), *dout.stride())
-        consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
-        self.delta_fn(grid, tensors, scalars, consts, 4, 1)
-        return delta
-
     def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
+        masks = block_mask[2:10]  # kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx
+        blocks = (int(block_mask[-3]), int(block_mask[-2]))
+        operands = (q, k, v, out, lse, dout, *masks, *sbufs, *mbufs)
+        key = (blocks, q.device, *[None if t is None else (t.shape, t.stride(), t.dtype) for t in operands])
+        plan = self.plans.get(key) or _kept(self.plans, key, self._plan(blocks, operands, len(masks)))
+        empty = plan.empty
+        dq, dk, dv = empty(*plan.dq), empty(*plan.dk), empty(*plan.dv)
+        nones = (None,) * len(sbufs)
+        if plan.dq_launch is None:  # no queries or no keys
+            return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
+        if plan.lse_converted:
+            lse = lse.to(self.spec.forward.work_dtype).contiguous()
+        delta = empty(*plan.delta)
+        plan.delta_launch((out, dout, delta))
+        kept = masks if self.spec.forward.has_full_blocks else (masks[0], masks[1], masks[4], masks[5])
+        tensors = (q, k, v, dout, lse, delta, dq, dk, dv, *kept, *sbufs, *mbufs)
+        plan.dq_launch(tensors)
+        plan.dkdv_launch(tensors)
+        return (dq, dk, dv, *nones)
+
+    def _plan(self, blocks: tuple[int, int], operands: tuple, masks: int) -> BackwardPlan:
+        """What a call with these operands' sizes and strides launches, worked out once: the gradients' and
+        delta's layouts, then the delta, dq and dk/dv kernels' parameters, grids and constants."""
         fwd = self.spec.forward
-        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = block_mask[2:10]
+        q, k, v, out, lse, dout = operands[:6]
+        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = operands[6 : 6 + masks]
+        buffers = operands[6 + masks :]
         B, H, M, _ = q.shape
         N = k.shape[2]
-        empty = allocator(q.device)
-        dq, dk, dv = (_like_query(t, d, empty) for t, d in ((q, fwd.head_dim), (k, fwd.head_dim), (v, fwd.value_dim)))
-        nones = (None,) * len(sbufs)
+        grads = [(*_like_query(t, d), t.dtype) for t, d in ((q, fwd.head_dim), (k, fwd.head_dim), (v, fwd.value_dim))]
+        delta = ((B, H, M), (H * M, M, 1), fwd.work_dtype)
+        plan = BackwardPlan(allocator(q.device), *grads, delta)
         if q.numel() == 0 or k.numel() == 0:
-            return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
-        lse = lse.to(fwd.work_dtype).contiguous()
-        delta = self._delta(out, dout)
+            return plan
+        plan.lse_converted = lse.dtype != fwd.work_dtype or not lse.is_contiguous()
+        plan.delta_launch = self._delta_launch(out, dout)
         if not fwd.has_full_blocks:
             full_num, full_idx, full_q_num, full_q_idx = kv_num, kv_idx, q_num, q_idx
         ints = [B, H, M, N, H // k.shape[1], kv_num.shape[0], kv_num.shape[1]]
-        for t in (q, k, v, dout, dq, dk, dv, kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx):
+        for t in (q, k, v, dout):
             ints += t.stride()
-        buffers = (*sbufs, *mbufs)
+        for _, stride, _ in grads:
+            ints += stride
+        for t in (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx):
+            ints += t.stride()
         buf_ints = [x for buf in buffers for x in (*buf.shape, *buf.stride())]
         _check_index_range(buffers)
-        blocks = (kv_num, kv_idx, *((full_num, full_idx) if fwd.has_full_blocks else ()))
-        blocks += (q_num, q_idx, *((full_q_num, full_q_idx) if fwd.has_full_blocks else ()))
-        tensors = [q, k, v, dout, lse, delta, dq, dk, dv, *blocks, *buffers]
-        q_block, kv_block = int(block_mask[-3]), int(block_mask[-2])
-        for i, (fn, launch) in enumerate(zip((self.dq_fn, self.dkdv_fn), self.launches)):
+        q_block, kv_block = blocks
+        launches = []
+        for fn, launch in zip((self.dq_fn, self.dkdv_fn), self.launches):
             block_m, block_n, d_pad, dv_pad = block_sizes(fwd, launch, q_block, kv_block)
             consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
             consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -208,9 +271,36 @@ class FlexBackwardKernel:
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
                 walk = steps(q_block, M, block_m)
                 consts.update(EVEN_M=even(q_block, M, block_m), Q_NESTED=walk >= CONTIGUOUS_STEPS)
-            scalars = (*ints, *buf_ints, walk)
-            self.launches[i] = launch_fitting(fn, grid, tuple(tensors), scalars, consts, launch)
-        return (dq, dk, dv, *nones)
+            launches.append(BoundLaunch(fn, grid, (*ints, *buf_ints, walk), consts, launch))
+        plan.dq_launch, plan.dkdv_launch = launches
+        return plan
+
+    def _delta_launch(self, out: torch.Tensor, dout: torch.Tensor) -> BoundLaunch:
+        """The kernel of rowsum(dout * out) in the work dtype, into a [B, H, M] contiguous delta."""
+        B, H, M, DV = out.shape
+        dv_pad = max(16, pow2(DV))
+        rows = max(1, min(64, 4096 // dv_pad))
+        grid = ((B * H * M + rows - 1) // rows,)
+        scalars = (B * H * M, H, M, *out.stride(), *dout.stride())
+        consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
+        return BoundLaunch(self.delta_fn, grid, scalars, consts, FlexLaunch(rows, dv_pad, 4, 1))
+
+
+@dataclass
+class BackwardPlan:
+    """A flex backward call's work for one set of operand sizes and strides: `empty` and the (size,
+    stride, dtype) of dq, dk, dv and delta; whether lse needs converting to the work dtype; the three
+    launches (None: no queries or no keys, nothing to compute)."""
+
+    empty: Callable
+    dq: tuple
+    dk: tuple
+    dv: tuple
+    delta: tuple
+    lse_converted: bool = False
+    delta_launch: BoundLaunch | None = None
+    dq_launch: BoundLaunch | None = None
+    dkdv_launch: BoundLaunch | None = None
 
 
 def _check_index_range(buffers) -> None:
@@ -222,8 +312,9 @@ def _check_index_range(buffers) -> None:
             )
 
 
-def _like_query(q: torch.Tensor, dv: int, empty) -> torch.Tensor:
-    """out in the dim order of q's strides (eager's `_permute_strides`), allocated by `empty`."""
+def _like_query(q: torch.Tensor, dv: int) -> tuple[tuple, tuple]:
+    """The size and stride of out: q's with a head size of `dv`, in the dim order of q's strides (eager's
+    `_permute_strides`)."""
     shape = (*q.shape[:3], dv)
     if q.is_contiguous() and min(q.shape[:3]) > 1:  # (a size-1 dim's place in the order is eager's tie-break)
         order = (0, 1, 2, 3)
@@ -232,7 +323,7 @@ def _like_query(q: torch.Tensor, dv: int, empty) -> torch.Tensor:
     stride, step = [0] * 4, 1
     for d in reversed(order):
         stride[d], step = step, step * shape[d]
-    return empty(shape, tuple(stride), q.dtype)
+    return shape, tuple(stride)
 
 
 def _load_flex(body: str, prefix: str):

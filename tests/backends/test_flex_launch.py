@@ -154,6 +154,36 @@ def test_repeated_arguments_skip_specializing(monkeypatch):
     assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct", "direct"]
 
 
+def test_a_bound_launch_repeats_with_addresses_alone(monkeypatch):
+    """A BoundLaunch (a flex kernel's call plan) compiles on its first call, then launches its kept
+    launcher with the tensors' addresses, without specializing its scalars again; a pointer of another
+    alignment takes the compiling path once more, and settles its own launcher."""
+    import ember.backends.triton as triton_backend
+    from ember.backends import direct_launch, static_launch
+    from ember.backends.direct_launch import BoundLaunch
+
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 3)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
+    specialized = []
+    real = direct_launch._specialized
+    monkeypatch.setattr(direct_launch, "_specialized", lambda x: specialized.append(x) or real(x))
+    jit = _Jit(fail_above_stages=2)
+    bound = BoundLaunch(DirectLaunch(jit, False), (2, 4), (10, 0.5), {"A": 1, "B": 2}, FlexLaunch(64, 64, 4, 3))
+    x, y = torch.zeros(64), torch.ones(64)
+    bound((x,))
+    assert bound.launch == FlexLaunch(64, 64, 4, 2)  # one stage fewer, kept for the next calls
+    calls = len(specialized)
+    bound((y,))
+    bound((x,))
+    assert len(specialized) == calls
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct"]
+    assert jit.log[1][1] == (2, 4, 1, 3, "cufunction", "meta", None, None, None, y, 10, 0.5, 1, 2)
+    bound((x[1:],))  # misaligned: Triton specializes it apart
+    bound((x[1:],))
+    assert [entry[0] for entry in jit.log][3:] == ["jit", "direct"]
+    assert [entry[5] for entry in jit.log if entry[0] == "jit"] == [2, 2]
+
+
 def _spec(dtype: torch.dtype, head_dim: int) -> FlexSpec:
     return FlexSpec(dtype, torch.float32, head_dim, head_dim, head_dim**-0.5, None, None, (), 128, 128, True)
 

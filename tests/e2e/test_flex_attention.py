@@ -283,7 +283,7 @@ def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel
     """The softmax scale is written into the kernel in double precision (a float argument would be
     rounded to fp32: 5e-8 off in fp64); sequence lengths under dynamic shapes without a BlockMask
     pass their step count as an argument, so they share one compiled kernel per loop form."""
-    import ember.backends.flex as flex_backend
+    from ember.backends import direct_launch
 
     q, k, v = (3 * torch.randn(1, 2, 32, 16, dtype=torch.float64) for _ in range(3))
     block_mask = create_block_mask(_causal, 1, 1, 32, 32, device="cpu", BLOCK_SIZE=16)
@@ -294,13 +294,13 @@ def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel
     assert err < 1e-12, err
 
     launched = []
-    launch_fitting = flex_backend.launch_fitting
+    launch_fitting = direct_launch.launch_fitting
 
     def record(fn, grid, tensors, scalars, consts, launch):
         launched.append(tuple(consts.items()))
         return launch_fitting(fn, grid, tensors, scalars, consts, launch)
 
-    monkeypatch.setattr(flex_backend, "launch_fitting", record)
+    monkeypatch.setattr(direct_launch, "launch_fitting", record)
     fn = lambda q, k, v: flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s + (i - j) * 0.1)
     compiled = ember_compile(fn, "triton", dynamic=True)
     with warnings.catch_warnings():
