@@ -310,3 +310,18 @@ def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel
             with ember.config.override(heuristics="flex.float32=16x16x4"):
                 assert_close(compiled(q, k, v), fn(q, k, v), rtol=1e-4, atol=1e-5, what="out", line=f"S={S}")
     assert len(set(launched)) == 1, launched
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.25])
+def test_flex_triton_any_softmax_scale_matches_eager(scale):
+    """The forward applies a positive scale's base-2 factor after the row maximum (it commutes with it);
+    a negative or zero scale keeps it per score, before the maximum and the mask (a zero factor times a
+    masked score's -inf would be NaN)."""
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    block_mask = create_block_mask(_causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
+    fn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+    line = repro(program="causal flex_attention", scale=scale, q="f32[1, 2, 64, 16]")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = ember_compile(fn, "triton")(q, k, v)
+    assert_close(got, fn(q, k, v), rtol=1e-4, atol=1e-5, what="out", line=line)
