@@ -102,13 +102,18 @@ class FlexKernel:
         )
         operands = (q, k, v, kv_num, kv_idx, *rest)  # rest: the full blocks' count and index, then captured tensors
         key = (blocks, q.device, *[(t.shape, t.stride(), t.dtype) for t in operands])
-        plan = self.plans.get(key) or _kept(self.plans, key, self._plan(blocks, operands))
+        plan = self.plans.get(key)
+        made = plan is None
+        if made:
+            plan = _kept(self.plans, key, self._plan(blocks, operands))
         empty = plan.empty
         out = empty(*plan.out)
         lse = empty(*plan.stats)
         mx = empty(*plan.stats)
         if plan.launch is not None:
             plan.launch((q, k, v, out, lse, mx, kv_num, kv_idx, *rest))
+            if made and isinstance(plan.launch, BoundLaunch):
+                self.launch = plan.launch.launch  # fewer stages where shared memory ran out: the next plans' start
         return (out, lse, mx)[: self.results]
 
     def _plan(self, blocks: tuple[int, int], operands: tuple) -> CallPlan:
@@ -214,7 +219,10 @@ class FlexBackwardKernel:
         blocks = (int(block_mask[-3]), int(block_mask[-2]))
         operands = (q, k, v, out, lse, dout, *masks, *sbufs, *mbufs)
         key = (blocks, q.device, *[None if t is None else (t.shape, t.stride(), t.dtype) for t in operands])
-        plan = self.plans.get(key) or _kept(self.plans, key, self._plan(blocks, operands, len(masks)))
+        plan = self.plans.get(key)
+        made = plan is None
+        if made:
+            plan = _kept(self.plans, key, self._plan(blocks, operands, len(masks)))
         empty = plan.empty
         dq, dk, dv = empty(*plan.dq), empty(*plan.dk), empty(*plan.dv)
         nones = (None,) * len(sbufs)
@@ -228,6 +236,8 @@ class FlexBackwardKernel:
         tensors = (q, k, v, dout, lse, delta, dq, dk, dv, *kept, *sbufs, *mbufs)
         plan.dq_launch(tensors)
         plan.dkdv_launch(tensors)
+        if made:  # fewer stages where shared memory ran out: the next plans' start
+            self.launches = [plan.dq_launch.launch, plan.dkdv_launch.launch]
         return (dq, dk, dv, *nones)
 
     def _plan(self, blocks: tuple[int, int], operands: tuple, masks: int) -> BackwardPlan:

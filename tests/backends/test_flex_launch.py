@@ -228,3 +228,34 @@ def test_tiles_by_head_size_precision_and_mask():
     for (dtype, head_dim, masked), launches in cases.items():
         spec = replace(_spec(dtype, head_dim), mask=_Mask() if masked else None)
         assert (forward_launch(spec, gpu), *backward_launches(spec, gpu)) == launches, (dtype, head_dim, masked)
+
+
+def test_a_new_call_plan_starts_from_the_stages_an_earlier_one_settled(monkeypatch):
+    """A flex kernel's plans are per operand layout (a new sequence length makes one); where shared memory
+    ran out at the Target's stages, the stages the first plan settled on are the next plan's start, so it
+    does not compile, fail and compile again."""
+    import ember.backends.triton as triton_backend
+    from ember.backends import static_launch
+    from ember.backends.flex import FlexKernel
+
+    monkeypatch.setattr(triton_backend, "current_stream", lambda device: 0)
+    monkeypatch.setattr(static_launch, "from_compiled", lambda compiled, device: None)
+    from ember.backends import direct_launch
+
+    retried = []
+    monkeypatch.setattr(direct_launch.log, "summary", lambda message: retried.append(int(message.split()[-2]) + 1))
+    jit = _Jit(fail_above_stages=1)
+    kernel = FlexKernel.__new__(FlexKernel)
+    kernel.spec, kernel.results, kernel.cpp, kernel.plans = _spec(torch.bfloat16, 64), 3, False, {}
+    kernel.launch, kernel.fn = FlexLaunch(64, 64, 4, 3), DirectLaunch(jit, False)
+    for length in (256, 384, 384):
+        q, k, v = (torch.zeros(1, 2, length, 64, dtype=torch.bfloat16) for _ in range(3))
+        blocks = (length + 127) // 128
+        counts, indices = (
+            torch.ones(1, 1, blocks, dtype=torch.int32),
+            torch.zeros(1, 1, blocks, blocks, dtype=torch.int32),
+        )
+        kernel(q, k, v, counts, indices, counts, indices)
+    assert [entry[0] for entry in jit.log] == ["jit", "direct", "direct"], jit.log  # both lengths one binary
+    assert retried == [3, 2], retried  # shared memory ran out at 3 and 2 stages on the first plan only
+    assert kernel.launch.stages == 1

@@ -312,11 +312,11 @@ def test_flex_triton_float64_keeps_double_precision_and_lengths_share_one_kernel
     assert len(set(launched)) == 1, launched
 
 
-@pytest.mark.parametrize("scale", [-0.3, 0.0, 0.25])
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 1e-46, 0.25])
 def test_flex_triton_any_softmax_scale_matches_eager(scale):
     """The forward applies a positive scale's base-2 factor after the row maximum (it commutes with it);
-    a negative or zero scale keeps it per score, before the maximum and the mask (a zero factor times a
-    masked score's -inf would be NaN)."""
+    a negative or zero scale, or one whose factor is no normal float32, keeps it per score, before the
+    maximum and the mask (a zero factor times a masked score's -inf would be NaN)."""
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     block_mask = create_block_mask(_causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
     fn = lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, scale=scale)
