@@ -128,10 +128,12 @@ class BoundLaunch:
         self.fn, self.grid, self.scalars, self.consts, self.launch = fn, grid, scalars, consts, launch
         self.ready: dict[tuple, tuple] = {}  # pointer alignment -> ("static" | "triton", ...) launcher
 
-    def __call__(self, tensors: tuple) -> None:
+    def __call__(self, tensors: tuple, ptrs: list[int] | None = None) -> None:
+        """Launch with `tensors` (their addresses `ptrs`, where a caller launching several kernels over the
+        same tensors has them already)."""
         fn = self.fn
         if not fn.interpreted:
-            ptrs = [t.data_ptr() for t in tensors]
+            ptrs = ptrs or [t.data_ptr() for t in tensors]
             aligned = tuple((p & 15) == 0 for p in ptrs)
             hit = self.ready.get(aligned)
             if hit is not None:

@@ -234,8 +234,9 @@ class FlexBackwardKernel:
         plan.delta_launch((out, dout, delta))
         kept = masks if self.spec.forward.has_full_blocks else (masks[0], masks[1], masks[4], masks[5])
         tensors = (q, k, v, dout, lse, delta, dq, dk, dv, *kept, *sbufs, *mbufs)
-        plan.dq_launch(tensors)
-        plan.dkdv_launch(tensors)
+        ptrs = [t.data_ptr() for t in tensors]  # both kernels take the same tensors
+        plan.dq_launch(tensors, ptrs)
+        plan.dkdv_launch(tensors, ptrs)
         if made:  # fewer stages where shared memory ran out: the next plans' start
             self.launches = [plan.dq_launch.launch, plan.dkdv_launch.launch]
         return (dq, dk, dv, *nones)
