@@ -474,6 +474,14 @@ SETTINGS: dict[str, Setting] = {
             "write (one page fault per 2 MiB, not per 4 KiB; only where the kernel's THP mode is madvise)",
         ),
         Setting(
+            "constant_fold",
+            bool,
+            True,
+            "values a graph computes from constants alone (FlexAttention's BlockMask built in the graph when "
+            "none is given) are computed once at compile time and read as constants (frontend/constant_fold.py)",
+            codegen=True,
+        ),
+        Setting(
             "conv_bias_epilogue",
             bool,
             True,

@@ -53,6 +53,8 @@ def _compiler(kind: str, options: dict[str, Any], cached: bool, fell_back: list[
                 _channels_last(gm, example_inputs)
             if config.get("conv_bias_epilogue"):
                 _conv_bias_epilogue(gm, example_inputs, kind)
+            if config.get("constant_fold") and not (kind == "backward" and fell_back):
+                _fold_constants(gm, kind)
             if kind == "backward" and fell_back:
                 # Compiled with the forward (for AOTAutograd's cache) after the forward fell back:
                 # Dynamo's graph runs in their place (_dynamo_graph_if_eager); this one never runs.
@@ -140,6 +142,23 @@ def _conv_bias_epilogue(gm: torch.fx.GraphModule, example_inputs, kind: str) -> 
         if config.get("strict"):
             raise
         log.warn(f"ember: convolution biases left to cuDNN in a graph: {type(e).__name__}: {e}")
+
+
+def _fold_constants(gm: torch.fx.GraphModule, kind: str) -> None:
+    """The graph's values that depend on no input, computed now (frontend/constant_fold.py). A failure
+    leaves the graph as it was."""
+    from ember.frontend.constant_fold import fold_constants
+    from ember.runtime.cudagraphs import copied_below
+
+    try:
+        folded = fold_constants(gm, copied_below(kind) if kind == "forward" else None)
+    except Exception as e:
+        if config.get("strict"):
+            raise
+        log.warn(f"ember: constants left computed in a {kind} graph: {type(e).__name__}: {e}")
+        return
+    if folded:
+        log.artifact("graph", f"{kind} graph", f"{folded} values computed from constants alone folded")
 
 
 def _frozen(gm: torch.fx.GraphModule, example_inputs):
