@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,6 +22,16 @@ from ember import config, log
 from ember.runtime.cudagraph_capture import CaptureScope, _capture
 from ember.runtime.cudagraph_keys import MOVED_KEYS, SHORT_LIVED, moved_only, moved_static, what_changed
 from ember.runtime.cudagraph_recording import Recording, tensor_meta, unowned_view
+
+# The default mode's recordings (Pool._keep_or_drop) are judged from steady calls: a call soon after a graph is
+# compiled runs its host program 2-3x slower than later ones (caches cold, the interpreter's code not yet
+# specialized), and so does a recording's first replay. The host program is timed over this many calls after its
+# warm-up, a recording's replays after its first (which is timed on the device) over this many; the least counts.
+HOST_TIMED_CALLS = 3
+REPLAYS_HOST_TIMED = 2
+# The calls a training step's default-mode graphs take to settle: the forward's warm-up, timed calls, recording
+# (its first replay) and timed replays, then the backward's, which waits for the forward to be recorded.
+SETTLING_CALLS = 2 * (1 + HOST_TIMED_CALLS + 1 + REPLAYS_HOST_TIMED)
 
 # PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
 OVERWRITTEN = (
@@ -57,6 +66,10 @@ class Recorder(Protocol):
     def time_device(self, run: Callable[[], Any]) -> tuple[Any, float]:
         """(run(), the seconds the device spends on the work it issues): waits for that work."""
 
+    def time_host(self, run: Callable[[], Any], what: str) -> tuple[Any, float]:
+        """(run(), the seconds the host spends in it); `what`: "host program" or "replay" (the pool's
+        bookkeeping of one, its copies and its launch)."""
+
     def stream(self) -> Any:
         """The stream work is issued on now (compared for equality only)."""
 
@@ -80,7 +93,8 @@ class GraphedCall(Protocol):
     default_mode: bool
     copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
     copy_bandwidth: float  # bytes/s of a large copy on the device (the Target's measured one; 0: unknown)
-    host_seconds: dict[tuple, float]  # key -> the host program's time on its second call
+    host_seconds: dict[tuple, float]  # key -> the least of the host program's times on calls of it
+    host_timed: dict[tuple, int]  # key -> how many calls of it were timed (HOST_TIMED_CALLS)
     recordings: dict
     seen: set
     last: Any
@@ -194,6 +208,10 @@ class Pool:
         # there has not yet read, so it runs its host program (whose memory the allocator orders across streams).
         self.stream: Any = None
         self.pending_backward = False  # a forward ran whose backward has not
+        # The default mode's: the last forward called ran its host program on its way to a recording (a warm-up
+        # or a timed call). Its saved tensors then lie at fresh addresses, which a backward's keys would take for
+        # saved tensors that move at every step (MOVED_KEYS): the backward waits for the forward to settle.
+        self.forward_settling = False
         # Outputs of earlier steps, with the message reading them will raise: invalidated at the next replay.
         self.stale: list[tuple[StorageWeakRef, str]] = []
         # Recordings of graphs that were dropped or disabled, released once no output they handed out is alive.
@@ -233,19 +251,34 @@ class Pool:
         key, rec = fn.find(args)
         if key is not None and rec is not None:
             rec.checked = self.changes  # found by its key: the last-call check may take it until the pool changes
+        settling = fn.default_mode and fn.kind == "forward"
         if rec is None:
-            if fn.default_mode and key in fn.seen and key not in fn.host_seconds:
-                return self._timed_plain(fn, key, args)
+            if fn.default_mode and fn.kind == "backward" and self.forward_settling:
+                return self._plain(fn, args)
+            if fn.default_mode and key in fn.seen and fn.host_timed.get(key, 0) < HOST_TIMED_CALLS:
+                return self._timed_plain(fn, key, args, settling)
             rec = self._recording_for(fn, key, args)
             if rec is None:
+                if settling:  # a warm-up, unless the graph was just disabled
+                    self.forward_settling = fn.disabled is None
                 return self._plain(fn, args)
         elif self._held_from(rec):
             fn.note_held()
             if not self.with_steps:
                 self._copy_held(rec)
             return self._plain(fn, args)
+        if settling:
+            self.forward_settling = False
         # Found as the last one replayed (no key): find() saw its table inputs where its tables point.
-        return self._replay(fn, rec, args, tables_current=key is None)
+        tables_current = key is None
+        if fn.default_mode and not rec.judged and rec.device_seconds is not None:
+            out, seconds = self.recorder.time_host(lambda: self._replay(fn, rec, args, tables_current), "replay")
+            rec.replay_host_seconds = min(rec.replay_host_seconds, seconds)
+            rec.replays_host_timed += 1
+            if rec.replays_host_timed >= REPLAYS_HOST_TIMED:
+                self._keep_or_drop(fn, rec)
+            return out
+        return self._replay(fn, rec, args, tables_current)
 
     def _maybe_begin_step(self) -> None:
         generation, marked = _generation()
@@ -271,7 +304,8 @@ class Pool:
         cost device time."""
         for r in self.recordings[rec.index :]:
             if r.kind == "backward" and r.handed_from == 0 and r.held():
-                r.handed_from, r.judged = None, False
+                r.handed_from = None
+                r.judge_again()
                 log.artifact(
                     "cudagraphs",
                     "backward graph",
@@ -290,40 +324,54 @@ class Pool:
         self._ran(fn)
         return out
 
-    def _timed_plain(self, fn: GraphedCall, key: tuple, args: list) -> list:
-        """The default mode's second call of a key: the host program, timed on the host. Its time is
-        what the recording the next call makes must beat (_keep_or_drop); the first call's would count
-        one-time work (modules loaded, libraries set up)."""
-        start = time.perf_counter()
-        out = self._plain(fn, args)
-        fn.host_seconds[key] = time.perf_counter() - start
+    def _timed_plain(self, fn: GraphedCall, key: tuple, args: list, settling: bool) -> list:
+        """A default-mode call of a key seen before, not yet recorded: the host program, timed on the host.
+        The least time of HOST_TIMED_CALLS such calls is what the recording made after them must beat
+        (_keep_or_drop); the first call's would count one-time work (modules loaded, libraries set up)."""
+        if settling:
+            self.forward_settling = True
+        out, seconds = self.recorder.time_host(lambda: self._plain(fn, args), "host program")
+        fn.host_seconds[key] = min(fn.host_seconds.get(key, seconds), seconds)
+        fn.host_timed[key] = fn.host_timed.get(key, 0) + 1
         return out
 
-    def _keep_or_drop(self, fn: GraphedCall, rec: Recording, replay_s: float, copies_s: float) -> None:
+    def _keep_or_drop(self, fn: GraphedCall, rec: Recording) -> None:
         """The default mode keeps a recording only where it pays. A call without it takes about the
-        larger of the host's time issuing its launches and the device's running them; with it, the
-        replay's device time plus the copies (inputs in, what the caller keeps out). Where the host's
-        time is the larger by more than the copies, the recording pays. Where the device's is (a
-        GPU-bound graph), it saves at most the gaps between launches, and the copies cost device time:
-        it is kept only while they take at most `copy_share` of the replay's time. A training step's
-        host time lies mostly outside its graphs (autograd, the optimizer), so a graph alone measures
-        GPU-bound there even where the step is not: that is what the share allows for."""
+        larger of the host's time running the host program and the device's running its launches; with
+        it, the larger of the host's time on the replay (the pool's bookkeeping, the copies issued, the
+        graph launched) and the device's on the replay plus the copies (inputs in, what the caller keeps
+        out). Where the host program is the slower by more than the replay and its copies, the recording
+        pays if its replay takes the host less time than the host program. Where the device is the slower
+        (a GPU-bound graph), it saves at most the gaps between launches, and the copies cost device time:
+        it is kept only while they take at most `copy_share` of the replay's time, whatever the host's
+        times (which, with the device behind, read its pace: both near the replay's device time). A
+        training step's host time lies mostly outside its graphs (autograd, the optimizer), so a graph
+        alone measures GPU-bound there even where the step is not: that is what the share allows for."""
         rec.judged = True
-        host_s = rec.host_seconds
-        pays = host_s > replay_s + copies_s or copies_s <= fn.copy_share * replay_s
+        # The copies' time from their bytes (read and written; inputs copied in and what the caller keeps
+        # copied out) at the device's measured copy bandwidth: timed with events, a few small copies would
+        # read as the host's time issuing them, the device idle meanwhile.
+        copied = rec.copied_bytes() + rec.copy_in_bytes
+        copies_s = 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
+        replay_s, host_s, replay_host_s = rec.device_seconds or 0.0, rec.host_seconds, rec.replay_host_seconds
+        host_bound = host_s > replay_s + copies_s
+        cheap_copies = copies_s <= fn.copy_share * replay_s
+        pays = (host_bound and replay_host_s < host_s) or cheap_copies
         said = (
             f"replay {replay_s * 1e3:.3f} ms and copies in and of what the caller keeps {copies_s * 1e3:.3f} ms on "
-            f"the device, the host program {host_s * 1e3:.3f} ms on the host"
+            f"the device; on the host, the host program {host_s * 1e3:.3f} ms, the replay {replay_host_s * 1e3:.3f} ms"
         )
         if pays:
             log.artifact("cudagraphs", f"{fn.kind} graph", f"recording {rec.index} kept: {said}")
             return
+        why = (
+            "the host is the slower, and the replay takes it no less time than the host program"
+            if host_bound
+            else f"the copies take more than {fn.copy_share:.0%} of the replay and the host is not the slower"
+        )
         # The graph runs its host program from here on, building no key per call; its recordings are released
         # once no tensor they handed out is held (the saved tensors of this very call, until its backward).
-        fn.disable(
-            f"recording {rec.index} dropped: {said} (the copies take more than {fn.copy_share:.0%} of the "
-            "replay and the host is not the slower)"
-        )
+        fn.disable(f"recording {rec.index} dropped: {said} ({why})")
 
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
         """None: this call runs the host program (a warm-up, or past the bound)."""
@@ -360,7 +408,7 @@ class Pool:
             # The same call as a released recording's but for the static inputs made anew: nothing to warm up,
             # and (the default mode's) the host program's time on the released key's call stands for this one's.
             if like[1] is not None:
-                fn.host_seconds[key] = like[1]
+                fn.host_seconds[key], fn.host_timed[key] = like[1], HOST_TIMED_CALLS
         try:
             rec = self._record(fn, args)
         except Exception as e:
@@ -390,6 +438,7 @@ class Pool:
             # Short-lived ones in a row: a long-running server's occasional short request does not add up.
             fn.short_lived = fn.short_lived + 1 if rec.replays < SHORT_LIVED else 0
             self.release([rec])
+            fn.host_timed.pop(key, None)
             released.append((key, fn.host_seconds.pop(key, None)))
             log.artifact(
                 "cudagraphs",
@@ -537,9 +586,8 @@ class Pool:
                 if not ref.expired():
                     self.recorder.invalidate(ref.cdata, message)
             self.stale = []
-        judge = fn.default_mode and not rec.judged  # the default mode's first replay: timed
-        if judge:
-            _, replay_s = self.recorder.time_device(lambda: self.recorder.replay(rec.graph))
+        if fn.default_mode and not rec.judged and rec.device_seconds is None:  # the first replay: timed on the device
+            _, rec.device_seconds = self.recorder.time_device(lambda: self.recorder.replay(rec.graph))
         else:
             self.recorder.replay(rec.graph)
         fn.last = rec
@@ -547,14 +595,7 @@ class Pool:
         for original, buffer in written_back:
             original.copy_(buffer)
         self._ran(fn)
-        out = rec.give(self.device, sources)
-        if judge:
-            # The copies' time from their bytes (read and written; inputs copied in and what the caller keeps
-            # copied out) at the device's measured copy bandwidth: timed with events, a few small copies would
-            # read as the host's time issuing them, the device idle meanwhile.
-            copied = rec.copied_bytes() + rec.copy_in_bytes
-            self._keep_or_drop(fn, rec, replay_s, 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0)
-        return out
+        return rec.give(self.device, sources)
 
 
 _pools: dict[tuple[int, str, bool], Pool] = {}

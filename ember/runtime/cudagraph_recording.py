@@ -70,9 +70,13 @@ class Recording:
     replays: int = 0
     copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
-    # The default mode's: the host program's time on a call of its key, and whether its first replay (since
-    # its copies last changed) was timed and the recording kept.
+    # The default mode's (Pool._keep_or_drop): the host program's time on calls of its key; since its copies
+    # last changed, its first replay's time on the device, the least host time of the replays after it and how
+    # many of them were timed; and whether it was judged (kept: dropped ones are released).
     host_seconds: float = 0.0
+    device_seconds: float | None = None
+    replay_host_seconds: float = float("inf")
+    replays_host_timed: int = 0
     judged: bool = False
     handed_from: int | None = 0  # as GraphedCall says; a default-mode backward's turns None (_copy_held)
     # The inputs of copy_in copied whole, by one foreach copy: an optimizer step reads a step counter per
@@ -81,6 +85,11 @@ class Recording:
 
     def __post_init__(self) -> None:
         self.copy_whole = [k for k, index in self.copy_in if index is None]
+
+    def judge_again(self) -> None:
+        """Time this recording's replays again and judge it anew (its copies changed)."""
+        self.judged, self.device_seconds = False, None
+        self.replay_host_seconds, self.replays_host_timed = float("inf"), 0
 
     def held(self) -> bool:
         return any(not ref.expired() for ref in self.live)

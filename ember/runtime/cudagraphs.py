@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,11 @@ class CudaRecorder:
         end.record()
         end.synchronize()
         return result, start.elapsed_time(end) / 1e3
+
+    def time_host(self, run: Callable[[], Any], what: str) -> tuple[Any, float]:
+        start = time.perf_counter()
+        result = run()
+        return result, time.perf_counter() - start
 
 
 _recorders: list[Recorder] = []
@@ -334,6 +340,7 @@ class Graphed:
         self.handed_from = copied_below if default_mode else 0
         self.copy_share, self.copy_bandwidth = copy_share, copy_bandwidth  # Pool._keep_or_drop
         self.host_seconds: dict[tuple, float] = {}
+        self.host_timed: dict[tuple, int] = {}
         self.mutated = tuple(mutated)
         self.pool = pool
         self.max_graphs = config.get("cudagraphs_max_graphs")

@@ -176,7 +176,7 @@ def verdict(split_ms: dict[str, float], step_ms: float, busy_ms: float | None, k
 
 def build_step(workload: str, mode: str = "train", compiler: str = "ember", scale: str | None = None):
     """The bench's step of `workload`, compiled by `compiler`, and its inputs and device: compiled and
-    warmed up by three calls."""
+    warmed up, past the calls over which the default mode records and judges its CUDA graphs."""
     from ember.tools.bench import measure
     from ember.tools.bench.compilers import compile_fn
     from ember.tools.bench.workloads import WORKLOADS
@@ -193,7 +193,9 @@ def build_step(workload: str, mode: str = "train", compiler: str = "ember", scal
     train = mode == "train"
     inputs = measure.prepare_inputs(built.inputs, train)
     step = measure.Step(compile_fn(built.fn, compiler), train, built.autocast, device)
-    for _ in range(3):  # compile, then warm
+    from ember.runtime.cudagraph_pool import SETTLING_CALLS
+
+    for _ in range(SETTLING_CALLS if device.type == "cuda" else 3):  # compile, then warm
         step(*inputs)
     return step, inputs, device
 

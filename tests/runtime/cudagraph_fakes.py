@@ -27,6 +27,9 @@ class FakeRecorder:
         self.replays = 0
         self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
         self.device_seconds: list[float] = []
+        # What the host would spend on a host program's call and on a replay (the pool's bookkeeping, the copies
+        # issued and a graph's launch): a host-bound graph by default, whose recordings pay.
+        self.host_seconds = {"host program": 1e-3, "replay": 1e-5}
         self.current_stream = "stream 0"  # what a test switches to call on another stream
 
     def new_pool(self):
@@ -59,6 +62,9 @@ class FakeRecorder:
     def time_device(self, run):
         # What the device would spend on a replay: `device_seconds`, taken in turn, else 0.
         return run(), (self.device_seconds.pop(0) if self.device_seconds else 0.0)
+
+    def time_host(self, run, what):
+        return run(), self.host_seconds[what]
 
 
 def mlp() -> torch.nn.Module:

@@ -21,7 +21,7 @@ def test_default_mode_records_inference_and_returns_fresh_outputs(recorder):
     model = mlp()
     compiled = ember_compile(model, "cpp", cudagraphs_default=True)
     line = repro(program="Linear(8,16)-relu-Linear(16,4)", x="f32[2, 8]", cudagraphs_default=True)
-    xs = torch.randn(6, 2, 8)
+    xs = torch.randn(8, 2, 8)
     with torch.no_grad():
         outs = [compiled(x) for x in xs]  # every output held: fresh tensors, none overwritten
         for i, (x, y) in enumerate(zip(xs, outs)):
@@ -68,12 +68,12 @@ def test_default_mode_records_training_steps_that_train_as_eager(recorder, patte
     model, reference = mlp(), mlp()
     reference.load_state_dict(model.state_dict())
     compiled = ember_compile(model, "cpp", cudagraphs_default=True)
-    line = repro(program="mlp, SGD", loop=pattern, steps=8, cudagraphs_default=True)
-    losses = _sgd_loop(model, 8, pattern, compiled)
-    expected = _sgd_loop(reference, 8, pattern)
+    line = repro(program="mlp, SGD", loop=pattern, steps=14, cudagraphs_default=True)
+    losses = _sgd_loop(model, 14, pattern, compiled)
+    expected = _sgd_loop(reference, 14, pattern)
     assert losses == pytest.approx(expected, rel=1e-4, abs=1e-6), line
     for (name, p), r in zip(model.named_parameters(), reference.parameters()):
-        assert_close(p, r, rtol=1e-4, atol=1e-5, what=f"{name} after 8 steps", line=line)
+        assert_close(p, r, rtol=1e-4, atol=1e-5, what=f"{name} after 14 steps", line=line)
     pool = cg.pool_for(recorder, CPU, with_steps=False)
     assert [r.kind for r in pool.recordings] == ["forward", "backward"] and recorder.replays >= 4, line
     assert not recorder.invalidated and not cg.pool_for(recorder, CPU).recordings, line
@@ -102,37 +102,41 @@ def test_default_mode_records_graphs_loaded_from_aotautograds_cache(recorder, tm
             torch._dynamo.reset()
             hits = counters["aot_autograd"]["autograd_cache_hit"]
             recorded, replays = len(recorder.recorded), recorder.replays
-            losses = _sgd_loop(model, 6, "set to none", ember_compile(model, "cpp", cudagraphs_default=True))
-            assert losses == pytest.approx(_sgd_loop(reference, 6, "set to none"), rel=1e-4, abs=1e-6), line
+            losses = _sgd_loop(model, 14, "set to none", ember_compile(model, "cpp", cudagraphs_default=True))
+            assert losses == pytest.approx(_sgd_loop(reference, 14, "set to none"), rel=1e-4, abs=1e-6), line
     assert counters["aot_autograd"]["autograd_cache_hit"] == hits + 1, line  # the second compile loaded both graphs
     assert len(recorder.recorded) == recorded + 2 and recorder.replays >= replays + 4, line  # and recorded both
     assert [r.kind for r in cg.pool_for(recorder, CPU, with_steps=False).recordings[-2:]] == ["forward", "backward"]
 
 
 @pytest.mark.parametrize(
-    ("replay_s", "bandwidth", "kept"),
+    ("replay_s", "bandwidth", "replay_host_s", "kept"),
     [
-        (1.0, 100.0, False),  # the device is the slower, the copies (x in, 2x out: 48 bytes at 100 B/s) 48%
-        (1.0, 1e12, True),  # the copies take a negligible share of the replay: kept
-        (1e-9, 2.4e9, True),  # copies 10x the replay, but the host program is the slower: kept
+        (1.0, 100.0, 1e-5, False),  # the device is the slower, the copies (x in, 2x out: 48 bytes at 100 B/s) 48%
+        (1.0, 1e12, 1e-5, True),  # the copies take a negligible share of the replay: kept
+        (1e-9, 2.4e9, 1e-5, True),  # copies 10x the replay, but the host program is the slower: kept
+        (1.0, 1e12, 2e-3, True),  # GPU-bound, copies negligible: kept, whatever the replay's time on the host
+        (1e-9, 2.4e9, 2e-3, False),  # the host the slower, but slower still with the replay: saves nothing
     ],
 )
-def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, bandwidth, kept):
-    """The first replay of a default-mode recording is timed on the device (the fake recorder says how
-    long), its copies reckoned from their bytes at the device's bandwidth, beside the host program's
-    time on the call before it. A recording that does not pay is dropped, and that graph runs its host
-    program from then on, recording nothing more."""
+def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, bandwidth, replay_host_s, kept):
+    """A default-mode key's host program is timed over three calls after its warm-up (the host's time 1 ms
+    a call here), then recorded; the recording's first replay is timed on the device (the fake recorder says
+    how long), its copies reckoned from their bytes at the device's bandwidth, and its next two replays on
+    the host. A recording that does not pay is dropped, and that graph runs its host program from then on,
+    recording nothing more."""
     pool = cg.Pool(recorder, CPU, with_steps=False)
     fn = cg.Graphed(
         fresh, "inference", (), (), pool, False, default_mode=True, copy_share=0.05, copy_bandwidth=bandwidth
     )
     recorder.device_seconds = [replay_s]
-    line = repro(program="x * 2, f32[3]", replay_s=replay_s, bandwidth=bandwidth)
-    outs = [fn([torch.full((3,), float(i))])[0] for i in range(8)]
-    assert [o.tolist() for o in outs] == [[2.0 * i] * 3 for i in range(8)], line  # fresh tensors, every one
-    assert len(recorder.recorded) == 1, line  # warm-up, timed host program, recorded on the third call
-    assert recorder.replays == (6 if kept else 1) and pool.recordings[0].judged, line
-    assert pool.recordings[0].released is not kept and fn.host_seconds, line
+    recorder.host_seconds["replay"] = replay_host_s
+    line = repro(program="x * 2, f32[3]", replay_s=replay_s, bandwidth=bandwidth, replay_host_s=replay_host_s)
+    outs = [fn([torch.full((3,), float(i))])[0] for i in range(10)]
+    assert [o.tolist() for o in outs] == [[2.0 * i] * 3 for i in range(10)], line  # fresh tensors, every one
+    assert len(recorder.recorded) == 1, line  # warm-up, three timed host programs, recorded on the fifth call
+    assert recorder.replays == (6 if kept else 3) and pool.recordings[0].judged, line
+    assert pool.recordings[0].released is not kept and fn.host_timed == {next(iter(fn.seen)): 3}, line
 
 
 def test_default_mode_takes_the_target_s_bandwidth_and_share(recorder):
@@ -198,8 +202,11 @@ def test_a_dropped_recording_is_released_once_what_it_handed_out_is_gone(recorde
     recorder.device_seconds = [1.0]  # a 1 s replay; its copy (4 bytes at 1 B/s) takes 8 s: dropped
     line = repro(program="x * 3, its sum", rule="dropped recording")
     x = torch.ones(3)
-    fn([x]), fn([x])  # warm-up, timed host program
-    loss, saved = fn([x])  # recorded, replayed, judged and dropped
+    for _ in range(4):  # warm-up, timed host programs
+        fn([x])
+    for _ in range(2):  # recorded and replayed (timed on the device), replayed (timed on the host)
+        fn([x])
+    loss, saved = fn([x])  # replayed, judged and dropped
     rec = pool.recordings[0]
     assert fn.disabled and rec in pool.dying and not rec.released, line
     assert loss.item() == 9.0 and saved.tolist() == [3.0] * 3, line
@@ -216,14 +223,17 @@ def test_a_backward_whose_gradient_is_held_copies_from_then_on_and_is_judged_aga
     recorder.device_seconds = [1.0, 1.0]
     line = repro(program="x * 2 as a backward", rule="held gradient")
     x = torch.ones(3)
-    fn([x]), fn([x])  # warm-up, timed host program
-    grad = fn([x])[0]  # recorded; handed out: only x copied in (12 bytes read and written at 480 B/s, 5%): kept
+    for _ in range(6):  # warm-up, timed host programs, recorded, replayed (timed on the device and the host)
+        fn([x])
+    grad = fn([x])[0]  # handed out: only x copied in (12 bytes read and written at 480 B/s, 5%): kept
     assert not fn.disabled and pool.recordings[0].handed_from == 0, line
     again = fn([x + 1])[0]  # `grad` is held: its own host program, and copies from then on
     assert grad.tolist() == [2.0] * 3 and again.tolist() == [4.0] * 3, line
     assert pool.recordings[0].handed_from is None and not pool.recordings[0].judged, line
     del grad, again
-    last = fn([x + 2])[0]  # replayed and judged again: x in and the gradient out, 10% of the replay: dropped
+    for _ in range(2):  # replayed, timed again on the device, then the host
+        fn([x + 2])
+    last = fn([x + 2])[0]  # judged again: x in and the gradient out, 10% of the replay: dropped
     assert last.tolist() == [6.0] * 3 and fn.disabled, line
 
 
@@ -236,7 +246,7 @@ def test_default_mode_copies_an_expanded_output(recorder):
     w = torch.randn(8, 8)
     line = repro(program="(relu(x @ w).softmax(-1) @ w).sum(0, keepdim=True).expand(4, 8)", x="f32[4, 8]")
     with torch.no_grad():
-        outs = [(compiled(x, w), x) for x in torch.randn(4, 4, 8)]
+        outs = [(compiled(x, w), x) for x in torch.randn(7, 4, 8)]
         for i, (y, x) in enumerate(outs):  # every output held: fresh tensors, none overwritten
             assert_close(y, f(x, w), rtol=1e-5, atol=1e-5, what=f"held output {i}", line=line)
             assert y.stride() == (0, 1), line
@@ -254,7 +264,7 @@ def test_a_backward_whose_saved_tensors_move_records_two_address_sets_at_most(re
     line = repro(program="x * 2 as a backward, x saved by an unrecorded forward", addresses=addresses)
     two = [torch.zeros(3), torch.zeros(3)]
     kept = []  # "fresh each call": every saved tensor held, so that each lies at a new address
-    for i in range(12):
+    for i in range(16):
         saved = two[i % 2] if addresses == "two in turn" else torch.zeros(3)
         saved.fill_(float(i))
         kept.append(saved)

@@ -122,8 +122,9 @@ def test_the_default_mode_keeps_the_recording_made_at_once_for_a_new_cache(recor
     )
     line = repro(program="x + cache", mode="default (cudagraphs_default)", static="cache, made anew per request")
     _requests(fn, lambda i: (None, torch.full((2,), float(i))), 4, 10, line)
-    # Request 0: warm-up, timed host call, record; later requests record at their first call, judged against the
-    # host time of the released key's call (a time of 0 would have dropped the recording and the graph's CUDA graphs).
+    # Request 0: warm-up, three timed host calls, record; later requests record at their first call, judged against
+    # the host time of the released key's calls (a time of 0 would have dropped the recording and the graph's CUDA
+    # graphs).
     assert fn.disabled is None and len(recorder.recorded) == 4, (fn.disabled, line)
     assert len(fn.host_seconds) == 1 and all(t > 0 for t in fn.host_seconds.values()), line
 
