@@ -397,7 +397,7 @@ class SkinnyHeuristics:
 
 @dataclass(frozen=True)
 class GraphHeuristics:
-    """Which CUDA graph recordings the default mode keeps (runtime/cudagraph_pool.py: _keep_or_drop)."""
+    """Which CUDA graph recordings the default mode keeps (runtime/cudagraph_judge.py)."""
 
     # Where the device is the slower, a recording saves at most the gaps between launches, and its copies of
     # what the caller keeps cost device time: it is kept while they take at most this percent of its replay

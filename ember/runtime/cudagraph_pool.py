@@ -20,18 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import config, log
 from ember.runtime.cudagraph_capture import CaptureScope, _capture
+from ember.runtime.cudagraph_judge import HOST_TIMED_CALLS, REPLAYS_HOST_TIMED, keep_or_drop
 from ember.runtime.cudagraph_keys import MOVED_KEYS, SHORT_LIVED, moved_only, moved_static, what_changed
 from ember.runtime.cudagraph_recording import Recording, tensor_meta, unowned_view
-
-# The default mode's recordings (Pool._keep_or_drop) are judged from steady calls: a call soon after a graph is
-# compiled runs its host program 2-3x slower than later ones (caches cold, the interpreter's code not yet
-# specialized), and so does a recording's first replay. The host program is timed over this many calls after its
-# warm-up, a recording's replays after its first (which is timed on the device) over this many; the least counts.
-HOST_TIMED_CALLS = 3
-REPLAYS_HOST_TIMED = 2
-# The calls a training step's default-mode graphs take to settle: the forward's warm-up, timed calls, recording
-# (its first replay) and timed replays, then the backward's, which waits for the forward to be recorded.
-SETTLING_CALLS = 2 * (1 + HOST_TIMED_CALLS + 1 + REPLAYS_HOST_TIMED)
 
 # PyTorch's own wording, so users meet the message its CUDA graph trees give for the same mistake.
 OVERWRITTEN = (
@@ -88,7 +79,7 @@ class GraphedCall(Protocol):
     # (the default mode's graphs: an inference graph copies every one, a training forward all but the
     # tensors its backward reads). 0: every one handed out; None: none. A recording starts from it.
     handed_from: int | None
-    # The default mode's: its recordings must pay for their copies (Pool._keep_or_drop), judged against
+    # The default mode's: its recordings must pay for their copies (cudagraph_judge.keep_or_drop), judged against
     # the host program's time on a call of the same key.
     default_mode: bool
     copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
@@ -276,7 +267,7 @@ class Pool:
             rec.replay_host_seconds = min(rec.replay_host_seconds, seconds)
             rec.replays_host_timed += 1
             if rec.replays_host_timed >= REPLAYS_HOST_TIMED:
-                self._keep_or_drop(fn, rec)
+                keep_or_drop(fn, rec)
             return out
         return self._replay(fn, rec, args, tables_current)
 
@@ -300,7 +291,7 @@ class Pool:
         them to None before the next step (`optimizer.zero_grad()`), nothing is copied. Where one is still
         held when a replay could write over it (gradients accumulated over micro-batches, or `zero_grad`
         called after the forward), that replay ran without its graph; the backward's replays copy its
-        gradients from then on, and its next replay is timed again (_keep_or_drop), since its copies now
+        gradients from then on, and its next replay is timed again (cudagraph_judge.keep_or_drop), since its copies now
         cost device time."""
         for r in self.recordings[rec.index :]:
             if r.kind == "backward" and r.handed_from == 0 and r.held():
@@ -327,51 +318,13 @@ class Pool:
     def _timed_plain(self, fn: GraphedCall, key: tuple, args: list, settling: bool) -> list:
         """A default-mode call of a key seen before, not yet recorded: the host program, timed on the host.
         The least time of HOST_TIMED_CALLS such calls is what the recording made after them must beat
-        (_keep_or_drop); the first call's would count one-time work (modules loaded, libraries set up)."""
+        (cudagraph_judge.keep_or_drop); the first call's would count one-time work (modules loaded, libraries set up)."""
         if settling:
             self.forward_settling = True
         out, seconds = self.recorder.time_host(lambda: self._plain(fn, args), "host program")
         fn.host_seconds[key] = min(fn.host_seconds.get(key, seconds), seconds)
         fn.host_timed[key] = fn.host_timed.get(key, 0) + 1
         return out
-
-    def _keep_or_drop(self, fn: GraphedCall, rec: Recording) -> None:
-        """The default mode keeps a recording only where it pays. A call without it takes about the
-        larger of the host's time running the host program and the device's running its launches; with
-        it, the larger of the host's time on the replay (the pool's bookkeeping, the copies issued, the
-        graph launched) and the device's on the replay plus the copies (inputs in, what the caller keeps
-        out). Where the host program is the slower by more than the replay and its copies, the recording
-        pays if its replay takes the host less time than the host program. Where the device is the slower
-        (a GPU-bound graph), it saves at most the gaps between launches, and the copies cost device time:
-        it is kept only while they take at most `copy_share` of the replay's time, whatever the host's
-        times (which, with the device behind, read its pace: both near the replay's device time). A
-        training step's host time lies mostly outside its graphs (autograd, the optimizer), so a graph
-        alone measures GPU-bound there even where the step is not: that is what the share allows for."""
-        rec.judged = True
-        # The copies' time from their bytes (read and written; inputs copied in and what the caller keeps
-        # copied out) at the device's measured copy bandwidth: timed with events, a few small copies would
-        # read as the host's time issuing them, the device idle meanwhile.
-        copied = rec.copied_bytes() + rec.copy_in_bytes
-        copies_s = 2 * copied / fn.copy_bandwidth if fn.copy_bandwidth else 0.0
-        replay_s, host_s, replay_host_s = rec.device_seconds or 0.0, rec.host_seconds, rec.replay_host_seconds
-        host_bound = host_s > replay_s + copies_s
-        cheap_copies = copies_s <= fn.copy_share * replay_s
-        pays = (host_bound and replay_host_s < host_s) or cheap_copies
-        said = (
-            f"replay {replay_s * 1e3:.3f} ms and copies in and of what the caller keeps {copies_s * 1e3:.3f} ms on "
-            f"the device; on the host, the host program {host_s * 1e3:.3f} ms, the replay {replay_host_s * 1e3:.3f} ms"
-        )
-        if pays:
-            log.artifact("cudagraphs", f"{fn.kind} graph", f"recording {rec.index} kept: {said}")
-            return
-        why = (
-            "the host is the slower, and the replay takes it no less time than the host program"
-            if host_bound
-            else f"the copies take more than {fn.copy_share:.0%} of the replay and the host is not the slower"
-        )
-        # The graph runs its host program from here on, building no key per call; its recordings are released
-        # once no tensor they handed out is held (the saved tensors of this very call, until its backward).
-        fn.disable(f"recording {rec.index} dropped: {said} ({why})")
 
     def _recording_for(self, fn: GraphedCall, key: tuple, args: list) -> Recording | None:
         """None: this call runs the host program (a warm-up, or past the bound)."""

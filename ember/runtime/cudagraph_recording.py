@@ -70,7 +70,7 @@ class Recording:
     replays: int = 0
     copy_in_bytes: int = 0  # what a replay copies in (copy_in's inputs, whole)
     checked: int = -1  # the pool's `changes` when a call's key last named this recording
-    # The default mode's (Pool._keep_or_drop): the host program's time on calls of its key; since its copies
+    # The default mode's (cudagraph_judge.keep_or_drop): the host program's time on calls of its key; since its copies
     # last changed, its first replay's time on the device, the least host time of the replays after it and how
     # many of them were timed; and whether it was judged (kept: dropped ones are released).
     host_seconds: float = 0.0

@@ -142,7 +142,7 @@ class CaptureFacts:
     copied_below: int | None = None
     kept_outputs: int = 0  # tensors among those copied
     # The default mode's: the share of a replay's device time its copies may take where the host is not the
-    # slower (the target's graphs.default_copy_percent; Pool._keep_or_drop).
+    # slower (the target's graphs.default_copy_percent; cudagraph_judge.keep_or_drop).
     copy_share: float = 0.0
     copy_bandwidth: float = 0.0  # the device's, bytes/s (the Target's measured one): what the copies take
 
@@ -338,7 +338,7 @@ class Graphed:
         # (CaptureFacts.copied_below) and log rather than warn.
         self.default_mode = default_mode
         self.handed_from = copied_below if default_mode else 0
-        self.copy_share, self.copy_bandwidth = copy_share, copy_bandwidth  # Pool._keep_or_drop
+        self.copy_share, self.copy_bandwidth = copy_share, copy_bandwidth  # cudagraph_judge.keep_or_drop
         self.host_seconds: dict[tuple, float] = {}
         self.host_timed: dict[tuple, int] = {}
         self.mutated = tuple(mutated)

@@ -193,7 +193,7 @@ def build_step(workload: str, mode: str = "train", compiler: str = "ember", scal
     train = mode == "train"
     inputs = measure.prepare_inputs(built.inputs, train)
     step = measure.Step(compile_fn(built.fn, compiler), train, built.autocast, device)
-    from ember.runtime.cudagraph_pool import SETTLING_CALLS
+    from ember.runtime.cudagraph_judge import SETTLING_CALLS
 
     for _ in range(SETTLING_CALLS if device.type == "cuda" else 3):  # compile, then warm
         step(*inputs)

@@ -334,7 +334,7 @@ class Timer:
     def _gpu_ms(self, fn: Callable[[], object]) -> float:
         if self._flush is None:
             self._flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device=self.device)
-        from ember.runtime.cudagraph_pool import SETTLING_CALLS
+        from ember.runtime.cudagraph_judge import SETTLING_CALLS
 
         fn()
         torch.cuda.synchronize()
