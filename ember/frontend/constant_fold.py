@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from ember.frontend.fx_nodes import ancestors
+
 # The bytes of folded results a graph may hold (FlexAttention's BlockMask lists at 16,384 tokens
 # take a few KiB).
 MAX_FOLDED_BYTES = 1 << 20
@@ -122,7 +124,7 @@ def _saves_work(node: fx.Node, constant: set[fx.Node]) -> bool:
         seen.add(n)
         if not _inlined(n):
             return True
-        todo += _nodes((n.args, n.kwargs))
+        todo += n.all_input_nodes
     readers = [user for user in node.users if user not in constant]
     return any(user.op == "output" or isinstance(user.target, torch._ops.HigherOrderOperator) for user in readers)
 
@@ -176,7 +178,7 @@ def _handed_out(gm: fx.GraphModule, constant: set[fx.Node], user_outputs: int | 
         reached.add(node)
         target = node.target
         if target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view):
-            todo += _nodes((node.args, node.kwargs))
+            todo += node.all_input_nodes
     return reached
 
 
@@ -194,13 +196,7 @@ def _evaluate(gm: fx.GraphModule, wanted: list[fx.Node]) -> dict[fx.Node, torch.
     """The values of `wanted`, computed on real tensors: each needed node run once, in graph order."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    needed: set[fx.Node] = set()
-    todo = list(wanted)
-    while todo:
-        node = todo.pop()
-        if node not in needed:
-            needed.add(node)
-            todo += _nodes((node.args, node.kwargs))
+    needed = ancestors(wanted)
     env: dict[fx.Node, Any] = {}
     with unset_fake_temporarily(), torch.no_grad():
         for node in gm.graph.nodes:

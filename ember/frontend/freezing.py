@@ -41,6 +41,7 @@ from torch import fx
 
 from ember import log
 from ember.frontend import prepack
+from ember.frontend.fx_nodes import ancestors
 from ember.frontend.grouped_products import group_products
 from ember.target import LowerHeuristics, Target
 
@@ -345,7 +346,7 @@ def _hoist(graph: fx.Graph, before: fx.Node, operands: list) -> None:
     """Move the computations of constant operands that come after `before` to just before it (they read
     frozen tensors only), so that the folded weight can be made where the op it replaces was."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    late = [n for n in _ancestors([a for a in operands if isinstance(a, fx.Node)]) if order[n] > order[before]]
+    late = [n for n in ancestors([a for a in operands if isinstance(a, fx.Node)]) if order[n] > order[before]]
     for n in sorted(late, key=order.__getitem__):
         before.prepend(n)
 
@@ -401,7 +402,7 @@ def split_constants(gm: fx.GraphModule, placeholders: list[fx.Node], frozen: set
     prologue_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = [p for p in placeholders if p in frozen]
-    needed = _ancestors(boundary)
+    needed = ancestors(boundary)
     inputs = [p for p in inputs if p in needed]
     for p in inputs:
         env[p] = prologue_graph.placeholder(p.name)
@@ -431,17 +432,6 @@ def split_constants(gm: fx.GraphModule, placeholders: list[fx.Node], frozen: set
     gm.recompile()
     frozen_idx = [placeholders.index(p) for p in inputs]
     return prologue, [b.meta["val"] for b in boundary], kept, frozen_idx
-
-
-def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    todo = list(nodes)
-    while todo:
-        node = todo.pop()
-        if node not in seen:
-            seen.add(node)
-            todo.extend(node.all_input_nodes)
-    return seen
 
 
 # ---------------------------------------------------------------------------------------------

@@ -123,6 +123,18 @@ ALIAS_METHODS = {
 }
 
 
+def ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    """`nodes` and every node they read, directly or not."""
+    seen: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return seen
+
+
 def aliases(node: Any) -> bool:
     """Whether `node`'s result may share its first argument's memory (an in-place write through one
     writes the other)."""
