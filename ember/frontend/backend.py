@@ -147,18 +147,31 @@ def _conv_bias_epilogue(gm: torch.fx.GraphModule, example_inputs, kind: str) -> 
 def _fold_constants(gm: torch.fx.GraphModule, kind: str) -> None:
     """The graph's values that depend on no input, computed now (frontend/constant_fold.py). A failure
     leaves the graph as it was."""
-    from ember.frontend.constant_fold import fold_constants
-    from ember.runtime.cudagraphs import copied_below
+    from ember.frontend.constant_fold import copy_saved_gradients, fold_constants
 
     try:
-        folded = fold_constants(gm, copied_below(kind) if kind == "forward" else None)
+        if kind == "backward":
+            copy_saved_gradients(gm)
+            return
+        folded = fold_constants(gm, _user_outputs() if kind == "forward" else None)
     except Exception as e:
         if config.get("strict"):
             raise
-        log.warn(f"ember: constants left computed in a {kind} graph: {type(e).__name__}: {e}")
+        what = "gradients that are saved tensors not copied" if kind == "backward" else "constants left computed"
+        log.warn(f"ember: {what} in a {kind} graph: {type(e).__name__}: {e}")
         return
     if folded:
         log.artifact("graph", f"{kind} graph", f"{folded} values computed from constants alone folded")
+
+
+def _user_outputs() -> int | None:
+    """How many of the forward being compiled's outputs come before the tensors it saves for its backward
+    (AOTAutograd's effect tokens, then its mutated inputs, user outputs, their bases and an RNG offset); None
+    where AOTAutograd does not say."""
+    context = torch._guards.TracingContext.try_get()
+    metadata = getattr(context, "fw_metadata", None)
+    count = getattr(metadata, "num_forward", None)
+    return count + len(getattr(metadata, "tokens", None) or ()) if isinstance(count, int) else None
 
 
 def _frozen(gm: torch.fx.GraphModule, example_inputs):

@@ -7,20 +7,25 @@ same few integers each time). Such values are computed here, on the graph's devi
 constants of the graph (FX `get_attr`; aten/importer.py reads them as constant externs), so the
 host program no longer computes them.
 
-What is folded: calls of ATen operators (and `getitem` of their tuples) whose arguments are all
-constants (literals, captured tensors, other folded values), with static sizes, no randomness, no
-write to an argument, no uninitialized memory (`empty`), and no data-dependent size, where folding
+What is folded: calls of ATen (and prims) operators, and `getitem` of their tuples, whose arguments
+are all constants (literals, captured tensors, other folded values), with static sizes, no randomness,
+no write to an argument, no uninitialized memory (`empty`), and no data-dependent size, where folding
 saves work: a value computed by more than what ember's kernels inline (factories, pointwise ops,
 views: a scalar, a causal mask stay inlined), or read where a tensor must exist (a graph output, a
-higher-order op). A graph with any in-place write but AOTAutograd's final copies into its inputs is
-left as it is. A constant
-result is never handed to the caller (an output the caller may keep and write, `.grad` included,
-or a view of one): the value stays computed there, so that a write to it cannot reach later calls.
-Results above `MAX_FOLDED_BYTES` in all stay computed too: a constant lives as long as the graph.
+higher-order op). A custom op is never run here (it may count calls, or be a collective). A graph
+with any in-place write but AOTAutograd's final copies into its inputs is left as it is.
+
+A constant must never reach the caller, who may keep it and write it, which would reach later calls.
+An output the caller gets (an inference graph's, a forward's user outputs) that is computed from
+constants alone stays computed, and so does every constant it is computed from. A forward's saved
+tensors may be constants, and a backward may return one as a gradient (a custom autograd.Function
+passing a saved tensor through): `copy_saved_gradients` makes such a gradient a copy. Results above
+`MAX_FOLDED_BYTES` in all stay computed too: a constant lives as long as the graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from typing import Any
 
@@ -39,6 +44,7 @@ _UNINITIALIZED = {
     torch.ops.aten.empty_like.default,
     torch.ops.aten.new_empty.default,
     torch.ops.aten.new_empty_strided.default,
+    torch.ops.aten.empty_permuted.default,
 }
 
 
@@ -50,7 +56,7 @@ def fold_constants(gm: fx.GraphModule, user_outputs: int | None = None) -> int:
         return 0
     constant: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        captured = node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor)
+        captured = node.op == "get_attr" and _real(getattr(gm, node.target, None))
         if captured or (node.op == "call_function" and _foldable(node, constant)):
             constant.add(node)
     constant -= _handed_out(gm, constant, user_outputs)
@@ -71,9 +77,10 @@ def fold_constants(gm: fx.GraphModule, user_outputs: int | None = None) -> int:
     if not frontier:
         return 0
     values = _evaluate(gm, frontier)
-    for k, node in enumerate(frontier):
-        name = f"_ember_folded_{k}"
+    names = [f"_ember_folded_{k}" for k in range(len(frontier))]
+    for name, node in zip(names, frontier):
         gm.register_buffer(name, values[node], persistent=False)
+    for name, node in zip(names, frontier):
         with gm.graph.inserting_before(node):
             replacement = gm.graph.get_attr(name)
         replacement.meta.update(node.meta)
@@ -145,6 +152,8 @@ def _foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
         return node.args[0] in constant
     if not isinstance(target, torch._ops.OpOverload) or target in _UNINITIALIZED:
         return False
+    if target.namespace not in ("aten", "prims"):  # a custom op may have effects (a counter, a collective)
+        return False
     tags = set(target.tags)
     if torch.Tag.nondeterministic_seeded in tags or torch.Tag.dynamic_output_shape in tags:
         return False
@@ -154,6 +163,13 @@ def _foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
     if any(isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) for a in arguments):
         return False
     return all(a in constant for a in arguments if isinstance(a, fx.Node))
+
+
+def _real(value: Any) -> bool:
+    """A tensor with memory behind it (not a fake or meta one, which a compile may capture)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and not value.is_meta
 
 
 def _static(val: Any) -> bool:
@@ -166,18 +182,17 @@ def _static(val: Any) -> bool:
 
 
 def _handed_out(gm: fx.GraphModule, constant: set[fx.Node], user_outputs: int | None) -> set[fx.Node]:
-    """The constants the caller could reach: an output before `user_outputs`, and what it views."""
+    """The constants the caller could reach: an output before `user_outputs` that is a constant, and every
+    constant it is computed from. Not only views: `_unsafe_view` and `unsafe_split` return views with no alias
+    annotation, and AOTAutograd writes a reshape of a non-contiguous tensor as `clone` then `_unsafe_view`."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     results = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     todo = _nodes(list(results if user_outputs is None else results[:user_outputs]))
     reached: set[fx.Node] = set()
     while todo:
         node = todo.pop()
-        if node in reached or node not in constant:
-            continue
-        reached.add(node)
-        target = node.target
-        if target is operator.getitem or (isinstance(target, torch._ops.OpOverload) and target.is_view):
+        if node not in reached and node in constant:
+            reached.add(node)
             todo += node.all_input_nodes
     return reached
 
@@ -210,4 +225,54 @@ def _evaluate(gm: fx.GraphModule, wanted: list[fx.Node]) -> dict[fx.Node, torch.
     return {node: env[node] for node in wanted}
 
 
-__all__ = ["MAX_FOLDED_BYTES", "fold_constants"]
+# Ops whose result may share its input's memory besides those with an alias annotation (`is_view`).
+_ALIASING = {
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+}
+_ALIASING_SPLITS = {
+    torch.ops.aten.unsafe_split.Tensor,
+    torch.ops.aten.unsafe_split_with_sizes.default,
+    torch.ops.aten.unsafe_chunk.default,
+}
+
+
+def copy_saved_gradients(gm: fx.GraphModule) -> int:
+    """A backward graph's gradients that are (views of) a saved tensor, as copies: a saved tensor may be a
+    forward's folded constant, which a gradient handed to the caller must not be. Returns how many."""
+    saved = {n for n in gm.graph.nodes if n.op == "placeholder" and "tangents" not in n.name}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    results = list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+    copied = 0
+    for k, result in enumerate(results):
+        if isinstance(result, fx.Node) and _base(result) in saved:
+            with gm.graph.inserting_before(output):
+                copy = gm.graph.call_function(torch.ops.aten.clone.default, (result,))
+            val = result.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
+                    copy.meta["val"] = torch.ops.aten.clone.default(val)
+            results[k] = copy
+            copied += 1
+    if copied:
+        output.args = (type(output.args[0])(results) if isinstance(output.args[0], (tuple, list)) else results[0],)
+        gm.recompile()
+    return copied
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose memory `node`'s result may share (itself, where it is computed anew)."""
+    while node.op == "call_function":
+        target = node.target
+        if target is operator.getitem and getattr(node.args[0], "target", None) in _ALIASING_SPLITS:
+            node = node.args[0].args[0]
+        elif target in _ALIASING or (isinstance(target, torch._ops.OpOverload) and target.is_view):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+__all__ = ["MAX_FOLDED_BYTES", "copy_saved_gradients", "fold_constants"]

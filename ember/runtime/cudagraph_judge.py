@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 # warm-up, a recording's replays after its first (which is timed on the device) over this many; the least counts.
 HOST_TIMED_CALLS = 3
 REPLAYS_HOST_TIMED = 2
-# The calls a training step's default-mode graphs take to settle: the forward's warm-up, timed calls, recording
-# (its first replay) and timed replays, then the backward's, which waits for the forward to be recorded.
-SETTLING_CALLS = 2 * (1 + HOST_TIMED_CALLS + 1 + REPLAYS_HOST_TIMED)
+# The calls a training step's default-mode graphs take to settle: the forward's warm-up and timed calls, then,
+# from the call that records the forward (the backward waits for it), the backward's warm-up, timed calls,
+# recording (its first replay) and timed replays (the forward's own timed replays overlap those).
+SETTLING_CALLS = (1 + HOST_TIMED_CALLS) + (1 + HOST_TIMED_CALLS + 1 + REPLAYS_HOST_TIMED)
 
 
 def keep_or_drop(fn: GraphedCall, rec: Recording) -> None:

@@ -517,7 +517,9 @@ def _default_mode_refusals(facts: CaptureFacts, report) -> list[str]:
     a backward) runs without the graph."""
     if facts.symbolic:
         return ["default mode: sizes vary from call to call"]
-    launches = len(report.kernels) + len(report.externs) if report is not None else 0
+    # (A folded constant is an extern that launches nothing: frontend/constant_fold.py.)
+    externs = [e for e in report.externs if not e.startswith("constant ")] if report is not None else []
+    launches = len(report.kernels) + len(externs) if report is not None else 0
     if launches <= facts.kept_outputs:
         return [f"default mode: {launches} launches, {facts.kept_outputs} outputs to copy"]
     return []

@@ -84,3 +84,78 @@ def test_a_training_forward_folds_the_constants_only_its_backward_reads():
     assert_close(out, expected, rtol=1e-6, atol=1e-6, what="output", line=line)
     assert_close(grad, torch.autograd.grad(expected.sum(), w)[0], rtol=1e-6, atol=1e-6, what="w's gradient", line=line)
     assert _folded(report), line
+
+
+def _sorted_mask() -> torch.Tensor:
+    return _index_table(4).to(torch.float32)
+
+
+def test_outputs_reached_through_unannotated_views_stay_computed():
+    """`_unsafe_view` (a reshape of a non-contiguous tensor, a 3-D product) and `unsafe_split` return views with
+    no alias annotation: the caller's write to such an output must not reach the next call."""
+    w = torch.randn(4, 5)
+    programs = {
+        "reshape of a non-contiguous constant": lambda x: (
+            x + 1,
+            torch.cat([_sorted_mask()] * 2).reshape(2, 4).t().reshape(-1),
+        ),
+        "3-D product of constants": lambda x: (x + 1, _sorted_mask().expand(2, 3, 4) @ w),
+        "unsafe_split": lambda x: (x + 1, torch.ops.aten.unsafe_split.Tensor(_sorted_mask(), 2)[0]),
+    }
+    for name, f in programs.items():
+        compiled = ember_compile(f, "cpp")
+        line = repro(program=name)
+        x = torch.ones(4)
+        _, kept = compiled(x)
+        kept.add_(1000)
+        _, again = compiled(x)
+        assert_close(
+            again, f(x)[1], rtol=1e-6, atol=1e-6, what=f"{name} after the caller wrote the last one", line=line
+        )
+
+
+class _StraightThrough(torch.autograd.Function):
+    """A gradient that is a tensor saved by the forward: here a table built from constants alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        mask = _sorted_mask()
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return mask
+
+
+def test_a_gradient_that_is_a_saved_constant_is_the_caller_s_own():
+    compiled = ember_compile(_StraightThrough.apply, "cpp")
+    line = repro(program="autograd.Function whose backward returns its saved sort-built table")
+    x = torch.randn(4, requires_grad=True)
+    (first,) = torch.autograd.grad(compiled(x).sum(), x)
+    first.add_(1000)
+    (again,) = torch.autograd.grad(compiled(x).sum(), x)
+    assert_close(again, _sorted_mask(), rtol=0, atol=0, what="gradient after the caller wrote the last one", line=line)
+
+
+def test_a_custom_op_is_never_run_at_compile_time():
+    calls = []
+
+    @torch.library.custom_op("ember_test::counted", mutates_args=())
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return x + len(calls)
+
+    @counted.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    def f(x):
+        return x + counted(torch.zeros(2))
+
+    compiled = ember_compile(f, "cpp")
+    x = torch.zeros(2)
+    before = len(calls)
+    got = [compiled(x) for _ in range(2)]
+    assert len(calls) == before + 2 and not torch.equal(got[0], got[1]), repro(program="x + counter op(zeros)")

@@ -28,7 +28,8 @@ class FakeRecorder:
         self.invalidated: dict[int, str] = {}  # StorageImpl pointer -> the message reading it raises
         self.device_seconds: list[float] = []
         # What the host would spend on a host program's call and on a replay (the pool's bookkeeping, the copies
-        # issued and a graph's launch): a host-bound graph by default, whose recordings pay.
+        # issued and a graph's launch), or a list of such times taken in turn (then the last one again): a
+        # host-bound graph by default, whose recordings pay.
         self.host_seconds = {"host program": 1e-3, "replay": 1e-5}
         self.current_stream = "stream 0"  # what a test switches to call on another stream
 
@@ -64,7 +65,10 @@ class FakeRecorder:
         return run(), (self.device_seconds.pop(0) if self.device_seconds else 0.0)
 
     def time_host(self, run, what):
-        return run(), self.host_seconds[what]
+        seconds = self.host_seconds[what]
+        if isinstance(seconds, list):
+            seconds = seconds.pop(0) if len(seconds) > 1 else seconds[0]
+        return run(), seconds
 
 
 def mlp() -> torch.nn.Module:

@@ -139,6 +139,45 @@ def test_default_mode_keeps_a_recording_only_where_it_pays(recorder, replay_s, b
     assert pool.recordings[0].released is not kept and fn.host_timed == {next(iter(fn.seen)): 3}, line
 
 
+@pytest.mark.parametrize(
+    ("host_program", "replay", "kept"),
+    [
+        ([4e-4, 2e-3, 2e-3], [5e-4, 5e-4], False),  # the least host program time (the first) is below the replay's
+        ([5e-4, 5e-4, 5e-4], [3e-4, 1e-3], True),  # the least replay time (the first) is below the host program's
+    ],
+)
+def test_default_mode_judges_from_the_least_of_the_timed_calls(recorder, host_program, replay, kept):
+    pool = cg.Pool(recorder, CPU, with_steps=False)
+    fn = cg.Graphed(fresh, "inference", (), (), pool, False, default_mode=True, copy_share=0.05, copy_bandwidth=1e9)
+    recorder.device_seconds = [1e-9]  # host-bound, the copies (48 ns) over 5% of the replay: the host times decide
+    recorder.host_seconds = {"host program": list(host_program), "replay": list(replay)}
+    line = repro(program="x * 2, f32[3]", host_program=host_program, replay=replay)
+    for i in range(8):
+        fn([torch.full((3,), float(i))])
+    rec = pool.recordings[0]
+    assert rec.judged and rec.released is not kept and (fn.disabled is None) is kept, line
+    assert rec.host_seconds == min(host_program) and rec.replay_host_seconds == min(replay), line
+
+
+def test_a_training_step_s_graphs_settle_within_the_settling_calls(recorder):
+    """The forward's warm-up and timed calls, then, from the call that records it, the backward's: both are judged
+    at step SETTLING_CALLS (`ember bench` and `ember profile` warm up that long), not before."""
+    from ember.runtime.cudagraph_judge import SETTLING_CALLS
+
+    model = mlp()
+    compiled = ember_compile(model, "cpp", cudagraphs_default=True)
+    pool = cg.pool_for(recorder, CPU, with_steps=False)
+    judged = {}
+    for step in range(1, SETTLING_CALLS + 3):
+        compiled(torch.randn(4, 8)).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        for rec in pool.recordings:
+            judged.setdefault(rec.kind, step if rec.judged else None)
+            if judged[rec.kind] is None and rec.judged:
+                judged[rec.kind] = step
+    assert judged == {"forward": 7, "backward": SETTLING_CALLS}, (judged, repro(program="mlp, SGD"))
+
+
 def test_default_mode_takes_the_target_s_bandwidth_and_share(recorder):
     from torch.fx.experimental.proxy_tensor import make_fx
 
