@@ -9,13 +9,10 @@ the host, then asks `keep_or_drop`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ember import log
-
-if TYPE_CHECKING:
-    from ember.runtime.cudagraph_pool import GraphedCall
-    from ember.runtime.cudagraph_recording import Recording
+from ember.runtime.cudagraph_recording import Recording
 
 # The default mode's recordings (keep_or_drop) are judged from steady calls: a call soon after a graph is
 # compiled runs its host program 2-3x slower than later ones (caches cold, the interpreter's code not yet
@@ -29,7 +26,17 @@ REPLAYS_HOST_TIMED = 2
 SETTLING_CALLS = (1 + HOST_TIMED_CALLS) + (1 + HOST_TIMED_CALLS + 1 + REPLAYS_HOST_TIMED)
 
 
-def keep_or_drop(fn: GraphedCall, rec: Recording) -> None:
+class JudgedCall(Protocol):
+    """What the judgment reads of a compiled graph under the default mode's CUDA graphs (cudagraphs.Graphed)."""
+
+    kind: str
+    copy_share: float  # the share of a replay's device time its copies may take whatever the host's time
+    copy_bandwidth: float  # bytes/s of a large copy on the device (0: unknown)
+
+    def disable(self, reason: str) -> None: ...
+
+
+def keep_or_drop(fn: JudgedCall, rec: Recording) -> None:
     """The default mode keeps a recording only where it pays. A call without it takes about the
     larger of the host's time running the host program and the device's running its launches; with
     it, the larger of the host's time on the replay (the pool's bookkeeping, the copies issued, the
