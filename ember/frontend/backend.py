@@ -148,12 +148,13 @@ def _fold_constants(gm: torch.fx.GraphModule, kind: str) -> None:
     """The graph's values that depend on no input, computed now (frontend/constant_fold.py). A failure
     leaves the graph as it was."""
     from ember.frontend.constant_fold import copy_saved_gradients, fold_constants
+    from ember.runtime.cudagraphs import copied_below
 
     try:
         if kind == "backward":
             copy_saved_gradients(gm)
             return
-        folded = fold_constants(gm, _user_outputs() if kind == "forward" else None)
+        folded = fold_constants(gm, copied_below(kind))  # a forward's user outputs; every one elsewhere
     except Exception as e:
         if config.get("strict"):
             raise
@@ -162,16 +163,6 @@ def _fold_constants(gm: torch.fx.GraphModule, kind: str) -> None:
         return
     if folded:
         log.artifact("graph", f"{kind} graph", f"{folded} values computed from constants alone folded")
-
-
-def _user_outputs() -> int | None:
-    """How many of the forward being compiled's outputs come before the tensors it saves for its backward
-    (AOTAutograd's effect tokens, then its mutated inputs, user outputs, their bases and an RNG offset); None
-    where AOTAutograd does not say."""
-    context = torch._guards.TracingContext.try_get()
-    metadata = getattr(context, "fw_metadata", None)
-    count = getattr(metadata, "num_forward", None)
-    return count + len(getattr(metadata, "tokens", None) or ()) if isinstance(count, int) else None
 
 
 def _frozen(gm: torch.fx.GraphModule, example_inputs):

@@ -293,8 +293,9 @@ def static_inputs(gm: torch.fx.GraphModule, kind: str) -> list[int]:
 
 def copied_below(kind: str) -> int | None:
     """CaptureFacts.copied_below for a graph of this kind: a training forward's outputs before the
-    tensors it saves for its backward (AOTAutograd's mutated inputs, user outputs, their bases and an
-    RNG offset; None where AOTAutograd does not say), 0 for a backward, None for an inference graph.
+    tensors it saves for its backward (AOTAutograd's effect tokens, then its mutated inputs, user outputs,
+    their bases and an RNG offset; None where AOTAutograd does not say), 0 for a backward, None for an
+    inference graph. (The constant fold keeps these outputs computed: frontend/constant_fold.py.)
     A wrong count costs speed, not a wrong answer: an output the caller keeps but counted as saved is
     handed out, tracked as every handed-out tensor is, and while held keeps the graph from replaying;
     a saved one counted as returned is copied."""
@@ -303,8 +304,9 @@ def copied_below(kind: str) -> int | None:
     if kind != "forward":
         return None
     context = torch._guards.TracingContext.try_get()
-    count = getattr(getattr(context, "fw_metadata", None), "num_forward", None)
-    return count if isinstance(count, int) else None
+    metadata = getattr(context, "fw_metadata", None)
+    count = getattr(metadata, "num_forward", None)
+    return count + len(getattr(metadata, "tokens", None) or ()) if isinstance(count, int) else None
 
 
 class Graphed:
