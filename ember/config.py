@@ -458,6 +458,13 @@ SETTINGS: dict[str, Setting] = {
             "the caller keeps; a recording is kept only where it pays (docs/cudagraphs.md, 'the default mode')",
         ),
         Setting(
+            "cudagraphs_expandable_pool",
+            bool,
+            True,
+            "capture CUDA graphs with the allocator's expandable segments on, so the graph pool grows as one "
+            "mapped range whose freed blocks merge (docs/cudagraphs.md, 'what the pool costs in memory')",
+        ),
+        Setting(
             "profile_ranges",
             bool,
             False,

@@ -5,11 +5,16 @@ and memory for them outside the graph pool.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from ember import log
 
 
 def table_span(rows: int) -> int:
@@ -68,3 +73,57 @@ def capture_scope() -> CaptureScope | None:
     """The scope of the capture a pool records on this thread now; None elsewhere (no capture,
     or a capture of the caller's own, whose replays nothing here sees)."""
     return getattr(_capture, "scope", None)
+
+
+EXPANDABLE = "expandable_segments:True"
+_USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # read at start-up, CUDA's first
+
+
+def _allocator_settings() -> tuple[Callable[[], str], Callable[[str], None]] | None:
+    """(get, set) of the CUDA caching allocator's settings string, where this torch can set it. torch 2.12
+    and later read the string back; earlier ones (set only) hold what the environment said at start-up."""
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+        torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
+    )
+    if put is None:
+        return None
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    if get is None:
+
+        def get() -> str:
+            return next((os.environ[k] for k in _USER_SETTINGS if os.environ.get(k)), "")
+
+    return get, put
+
+
+@contextlib.contextmanager
+def expandable_segments(wanted: bool) -> Iterator[bool]:
+    """The allocator's expandable segments on while a capture allocates from the graph pool (where `wanted`
+    and this torch can set them); yields whether they are on. Without them every request no free block of
+    the pool fits maps a new segment, and freed blocks of one segment never merge with another's: a pool
+    ends up holding more than the capture ever had live at once. With them the pool is one range that
+    grows by mapping pages, and freed neighbours merge. A user's own choice (already on) is left as it is.
+    The setting is the process's, so the user's string is set back as soon as the capture ends; it is set
+    whole each time, since torch before 2.12 resets the options a string leaves out."""
+    settings = _allocator_settings() if wanted else None
+    if settings is None:
+        yield False
+        return
+    get, put = settings
+    before = get()
+    if EXPANDABLE.lower() in before.replace(" ", "").lower():
+        yield True
+        return
+    if "cudamallocasync" in before.lower():  # CUDA's own allocator serves the pool: nothing to set
+        yield False
+        return
+    try:
+        put(f"{before},{EXPANDABLE}" if before else EXPANDABLE)
+    except RuntimeError as e:  # a torch that refuses the string: capture as before
+        log.artifact("cudagraphs", "memory pool", f"expandable segments refused ({e}): plain segments")
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        put(before or "expandable_segments:False")

@@ -50,6 +50,7 @@ import torch
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from ember import config, log
+from ember.runtime.cudagraph_capture import expandable_segments
 from ember.runtime.cudagraph_pool import (
     GRADIENT_OVERWRITTEN,
     OVERWRITTEN,
@@ -71,7 +72,10 @@ class CudaRecorder:
 
     def record(self, run: Callable[[], list], inputs: list, pool: Any) -> tuple[Any, list]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with (
+            expandable_segments(config.get("cudagraphs_expandable_pool")),
+            torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"),
+        ):
             outputs = run()
         return graph, outputs
 
