@@ -76,12 +76,13 @@ def capture_scope() -> CaptureScope | None:
 
 
 EXPANDABLE = "expandable_segments:True"
+PLAIN = "expandable_segments:False"
 _USER_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # read at start-up, CUDA's first
 
 
 def _allocator_settings() -> tuple[Callable[[], str], Callable[[str], None]] | None:
-    """(get, set) of the CUDA caching allocator's settings string, where this torch can set it. torch 2.12
-    and later read the string back; earlier ones (set only) hold what the environment said at start-up."""
+    """(get, set) of the CUDA caching allocator's settings string, where this torch can set it. torch 2.13
+    reads the string back; where torch cannot (2.11), what the environment said at start-up stands for it."""
     put = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
         torch._C, "_cuda_cudaCachingAllocator_set_allocator_settings", None
     )
@@ -104,7 +105,7 @@ def expandable_segments(wanted: bool) -> Iterator[bool]:
     ends up holding more than the capture ever had live at once. With them the pool is one range that
     grows by mapping pages, and freed neighbours merge. A user's own choice (already on) is left as it is.
     The setting is the process's, so the user's string is set back as soon as the capture ends; it is set
-    whole each time, since torch before 2.12 resets the options a string leaves out."""
+    whole each time, since torch's parser may reset the options a string leaves out."""
     settings = _allocator_settings() if wanted else None
     if settings is None:
         yield False
@@ -126,4 +127,4 @@ def expandable_segments(wanted: bool) -> Iterator[bool]:
     try:
         yield True
     finally:
-        put(before or "expandable_segments:False")
+        put(f"{before},{PLAIN}" if before else PLAIN)  # said outright: a string that leaves it out may keep it
