@@ -452,6 +452,28 @@ def _check_can_run(device) -> None:
             "backend=cpp (EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU "
             "interpreter (slow)"
         )
+    if interpreting():
+        _interpreter_options_as_compiled()
+
+
+def _interpreter_options_as_compiled() -> None:
+    """Triton's interpreter runs kernels with the options ember compiles them with (KERNEL_OPTIONS). It takes
+    no compile options of its own and checks every 32-bit integer add, subtract and multiply for overflow
+    (each recomputed in 64 bits, with an assert), which a kernel compiled for a GPU never does outside debug
+    mode: half of the interpreter's time in a FlexAttention backward. The interpreter's options are the
+    process's, so this holds for every kernel it runs from then on."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not dataclasses.is_dataclass(options):
+        return
+    names = {f.name for f in dataclasses.fields(options)}
+    wanted = {k: v for k, v in KERNEL_OPTIONS.items() if k in names and getattr(options, k) != v}
+    if wanted:
+        builder.options = dataclasses.replace(options, **wanted)
 
 
 def start_compile_workers(device: torch.device) -> None:
