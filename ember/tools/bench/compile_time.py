@@ -169,13 +169,54 @@ def _spawn(args: list[str], env: dict, timeout: float) -> dict:
 # Packages whose Python source the compilers import, compiled ahead (the workloads' own libraries load at
 # start-up and set-up, which the first step does not count).
 _PRECOMPILED = ("torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "ember")
+_COMPILE_IN_POOL_FROM = 500  # sources without bytecode
+
+
+def _package_folders() -> list[str]:
+    import importlib.util
+
+    folders = []
+    for name in _PRECOMPILED:
+        spec = importlib.util.find_spec(name)
+        folders += list(spec.submodule_search_locations or []) if spec else []
+    return folders
+
+
+def _seed_from_place(folder: str, prefix: str) -> int:
+    """Copy the bytecode Python keeps beside `folder`'s sources (as pip installs a package) into `prefix`'s
+    tree, where a file of its own is not there yet: compileall then finds it current (its header names the
+    source's time and size) and compiles only what has none. Returns how many sources have none."""
+    import importlib.util
+    import shutil
+
+    missing = 0
+    for root, _, files in os.walk(folder):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            source = os.path.join(root, f)
+            sys.pycache_prefix = None
+            beside = importlib.util.cache_from_source(source)
+            sys.pycache_prefix = prefix
+            target = importlib.util.cache_from_source(source)
+            if os.path.exists(target):
+                continue
+            if not os.path.exists(beside):
+                missing += 1
+                continue
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                os.link(beside, target)
+            except OSError:
+                shutil.copyfile(beside, target)
+    return missing
 
 
 def _bytecode_env(env: dict) -> dict:
     """`env` with Python's bytecode kept in a folder of ember's cache (PYTHONPYCACHEPREFIX), which holds
-    the bytecode of `_PRECOMPILED` compiled ahead: every child, cold or warm, imports compiled modules."""
+    the bytecode of `_PRECOMPILED` compiled ahead (what the packages keep beside their sources copied in
+    first): every child, cold or warm, imports compiled modules."""
     import compileall
-    import importlib.util
 
     from ember import config
 
@@ -184,12 +225,13 @@ def _bytecode_env(env: dict) -> dict:
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = prefix
     previous = sys.pycache_prefix
-    sys.pycache_prefix = prefix
     try:
-        for name in _PRECOMPILED:
-            spec = importlib.util.find_spec(name)
-            for folder in (spec.submodule_search_locations or []) if spec else []:
-                compileall.compile_dir(folder, quiet=2, workers=0)
+        for folder in _package_folders():
+            missing = _seed_from_place(folder, prefix)
+            sys.pycache_prefix = prefix
+            # A pool of processes where much is left to compile (a package without bytecode beside it);
+            # else one process, which checks the copied files faster than a pool starts.
+            compileall.compile_dir(folder, quiet=2, workers=0 if missing > _COMPILE_IN_POOL_FROM else 1)
     finally:
         sys.pycache_prefix = previous
     return env
