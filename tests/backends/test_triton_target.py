@@ -46,3 +46,19 @@ def test_without_cuda_the_target_is_the_driver_s(monkeypatch):
         triton.runtime, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=lambda: target))
     )
     assert gpu_arch() == ("hip", "gfx942", 64)
+
+
+def test_the_interpreter_runs_kernels_with_their_compile_options():
+    """Under Triton's interpreter a kernel runs as ember compiles it for a GPU (KERNEL_OPTIONS): no 32-bit
+    overflow check, so an int32 product that wraps in eager wraps in the kernel too, where the interpreter's
+    own default would stop it with an assert."""
+    from triton.runtime import interpreter
+
+    from ember.backends.compile_workers import KERNEL_OPTIONS
+    from tests.helpers import ember_compile
+
+    x = torch.tensor([2**30, -(2**31), 7, 3], dtype=torch.int32)
+    got = ember_compile(lambda i: i * 4 + i, "triton")(x)
+    torch.testing.assert_close(got, x * 4 + x)
+    options = interpreter.interpreter_builder.options
+    assert all(getattr(options, k) == v for k, v in KERNEL_OPTIONS.items()), options
