@@ -72,6 +72,8 @@ class TritonBackend:
 
     def __init__(self, device=None, timer: Timer | None = None):
         _check_can_run(device)
+        if interpreting():
+            _interpret_as_compiled()
         self.device = device
         self._target = make_target(device)
         # Tuning (setting `autotune`: launch configurations, and GEMM choices under gemm=auto) times
@@ -452,16 +454,15 @@ def _check_can_run(device) -> None:
             "backend=cpp (EMBER_BACKEND=cpp) for the CPU, or set TRITON_INTERPRET=1 for Triton's CPU "
             "interpreter (slow)"
         )
-    if interpreting():
-        _interpreter_options_as_compiled()
 
 
-def _interpreter_options_as_compiled() -> None:
+def _interpret_as_compiled() -> None:
     """Triton's interpreter runs kernels with the options ember compiles them with (KERNEL_OPTIONS). It takes
-    no compile options of its own and checks every 32-bit integer add, subtract and multiply for overflow
-    (each recomputed in 64 bits, with an assert), which a kernel compiled for a GPU never does outside debug
-    mode: half of the interpreter's time in a FlexAttention backward. The interpreter's options are the
-    process's, so this holds for every kernel it runs from then on."""
+    no compile options of its own and recomputes every 32-bit integer add, subtract and multiply in 64 bits
+    for an overflow check (asserted in debug mode only): half of the interpreter's time in a FlexAttention
+    backward, for a check ember's compiled kernels never make. The interpreter's options are the process's:
+    from the first graph ember builds for it on, every kernel it runs, the user's own too, runs without the
+    check."""
     import dataclasses
 
     from triton.runtime import interpreter

@@ -97,6 +97,37 @@ def _allocator_settings() -> tuple[Callable[[], str], Callable[[str], None]] | N
     return get, put
 
 
+def _others(settings: str) -> str:
+    """The settings string without its expandable-segments entries (the user's other options, as set)."""
+    kept = [o.strip() for o in settings.split(",") if o.strip()]
+    return ",".join(o for o in kept if not o.replace(" ", "").lower().startswith("expandable_segments:"))
+
+
+_toggle_lock = threading.Lock()
+_toggle = {"depth": 0, "restore": None}  # captures inside the toggle now; the string to set when the last ends
+
+
+def _turn_on(get: Callable[[], str], put: Callable[[str], None]) -> tuple[bool, bool]:
+    """(whether expandable segments are on for this capture, whether it holds the toggle), under the lock."""
+    if _toggle["depth"]:  # another thread's capture turned them on: share it
+        _toggle["depth"] += 1
+        return True, True
+    before = get()
+    if EXPANDABLE.lower() in before.replace(" ", "").lower():  # the user's own choice
+        return True, False
+    if "cudamallocasync" in before.lower():  # CUDA's own allocator serves the pool: nothing to set
+        return False, False
+    others = _others(before)
+    try:
+        put(f"{others},{EXPANDABLE}" if others else EXPANDABLE)
+    except RuntimeError as e:  # a torch that refuses the string: capture as before
+        log.artifact("cudagraphs", "memory pool", f"expandable segments refused ({e}): plain segments")
+        return False, False
+    # Said outright on the way back: a string that leaves the option out may keep it on.
+    _toggle["depth"], _toggle["restore"] = 1, f"{others},{PLAIN}" if others else PLAIN
+    return True, True
+
+
 @contextlib.contextmanager
 def expandable_segments(wanted: bool) -> Iterator[bool]:
     """The allocator's expandable segments on while a capture allocates from the graph pool (where `wanted`
@@ -104,27 +135,21 @@ def expandable_segments(wanted: bool) -> Iterator[bool]:
     the pool fits maps a new segment, and freed blocks of one segment never merge with another's: a pool
     ends up holding more than the capture ever had live at once. With them the pool is one range that
     grows by mapping pages, and freed neighbours merge. A user's own choice (already on) is left as it is.
-    The setting is the process's, so the user's string is set back as soon as the capture ends; it is set
-    whole each time, since torch's parser may reset the options a string leaves out."""
+    The setting is the process's (other threads allocate with it too meanwhile), so it is on from the first
+    of overlapping captures to the last, and the user's other options are set back with it off, whole:
+    torch's parser may reset the options a string leaves out."""
     settings = _allocator_settings() if wanted else None
     if settings is None:
         yield False
         return
     get, put = settings
-    before = get()
-    if EXPANDABLE.lower() in before.replace(" ", "").lower():
-        yield True
-        return
-    if "cudamallocasync" in before.lower():  # CUDA's own allocator serves the pool: nothing to set
-        yield False
-        return
+    with _toggle_lock:
+        on, holds = _turn_on(get, put)
     try:
-        put(f"{before},{EXPANDABLE}" if before else EXPANDABLE)
-    except RuntimeError as e:  # a torch that refuses the string: capture as before
-        log.artifact("cudagraphs", "memory pool", f"expandable segments refused ({e}): plain segments")
-        yield False
-        return
-    try:
-        yield True
+        yield on
     finally:
-        put(f"{before},{PLAIN}" if before else PLAIN)  # said outright: a string that leaves it out may keep it
+        if holds:
+            with _toggle_lock:
+                _toggle["depth"] -= 1
+                if not _toggle["depth"]:
+                    put(_toggle["restore"])

@@ -49,9 +49,9 @@ def test_without_cuda_the_target_is_the_driver_s(monkeypatch):
 
 
 def test_the_interpreter_runs_kernels_with_their_compile_options():
-    """Under Triton's interpreter a kernel runs as ember compiles it for a GPU (KERNEL_OPTIONS): no 32-bit
-    overflow check, so an int32 product that wraps in eager wraps in the kernel too, where the interpreter's
-    own default would stop it with an assert."""
+    """Under Triton's interpreter a kernel runs as ember compiles it for a GPU (KERNEL_OPTIONS): without the
+    interpreter's own 32-bit overflow check (its builder's options read back after a graph is built), and an
+    int32 product that wraps in eager wraps in the kernel too."""
     from triton.runtime import interpreter
 
     from ember.backends.compile_workers import KERNEL_OPTIONS

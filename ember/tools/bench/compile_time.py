@@ -182,11 +182,23 @@ def _package_folders() -> list[str]:
     return folders
 
 
-def _seed_from_place(folder: str, prefix: str) -> int:
-    """Copy the bytecode Python keeps beside `folder`'s sources (as pip installs a package) into `prefix`'s
-    tree, where a file of its own is not there yet: compileall then finds it current (its header names the
-    source's time and size) and compiles only what has none. Returns how many sources have none."""
+def _bytecode_path(source: str, prefix: str | None) -> str:
+    """Where Python keeps `source`'s bytecode: beside it (`__pycache__`), or under `prefix` at the source's
+    own absolute folder (PYTHONPYCACHEPREFIX)."""
     import importlib.util
+
+    folder, name = os.path.split(os.path.abspath(source))
+    cached = os.path.basename(importlib.util.cache_from_source(os.path.join(folder, name)))
+    if prefix is None:
+        return os.path.join(folder, "__pycache__", cached)
+    return os.path.join(prefix, os.path.splitdrive(folder)[1].lstrip(os.sep), cached)
+
+
+def _seed_from_place(folder: str, prefix: str, where: str | None) -> int:
+    """Copy the bytecode Python keeps for `folder`'s sources (beside them as pip installs a package, or under
+    the user's own prefix `where`) into `prefix`'s tree, where a file of its own is not there yet:
+    compileall then finds it current (its header names the source's time and size) and compiles only what
+    has none. Returns how many sources have none."""
     import shutil
 
     missing = 0
@@ -195,45 +207,40 @@ def _seed_from_place(folder: str, prefix: str) -> int:
             if not f.endswith(".py"):
                 continue
             source = os.path.join(root, f)
-            sys.pycache_prefix = None
-            beside = importlib.util.cache_from_source(source)
-            sys.pycache_prefix = prefix
-            target = importlib.util.cache_from_source(source)
+            kept, target = _bytecode_path(source, where), _bytecode_path(source, prefix)
             if os.path.exists(target):
                 continue
-            if not os.path.exists(beside):
+            if not os.path.exists(kept):
                 missing += 1
                 continue
             os.makedirs(os.path.dirname(target), exist_ok=True)
             try:
-                os.link(beside, target)
+                os.link(kept, target)
             except OSError:
-                shutil.copyfile(beside, target)
+                shutil.copyfile(kept, target)
     return missing
 
 
 def _bytecode_env(env: dict) -> dict:
     """`env` with Python's bytecode kept in a folder of ember's cache (PYTHONPYCACHEPREFIX), which holds
-    the bytecode of `_PRECOMPILED` compiled ahead (what the packages keep beside their sources copied in
-    first): every child, cold or warm, imports compiled modules."""
-    import compileall
-
+    the bytecode of `_PRECOMPILED` compiled ahead (what the packages keep already copied in first): every
+    child, cold or warm, imports compiled modules. compileall runs as a process of its own with the prefix
+    in its environment: from Python 3.12 its worker pool starts processes that do not see a prefix set in
+    this one, and would write beside the sources."""
     from ember import config
 
     prefix = os.path.join(config.get("cache_dir"), "bench-pycache")
     env = dict(env)
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     env["PYTHONPYCACHEPREFIX"] = prefix
-    previous = sys.pycache_prefix
-    try:
-        for folder in _package_folders():
-            missing = _seed_from_place(folder, prefix)
-            sys.pycache_prefix = prefix
-            # A pool of processes where much is left to compile (a package without bytecode beside it);
-            # else one process, which checks the copied files faster than a pool starts.
-            compileall.compile_dir(folder, quiet=2, workers=0 if missing > _COMPILE_IN_POOL_FROM else 1)
-    finally:
-        sys.pycache_prefix = previous
+    for folder in _package_folders():
+        missing = _seed_from_place(folder, prefix, sys.pycache_prefix)
+        # A pool of processes where much is left to compile (a package without bytecode kept); else one
+        # process, which checks the copied files faster than a pool starts.
+        jobs = "0" if missing > _COMPILE_IN_POOL_FROM else "1"
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "-j", jobs, folder], env=env, capture_output=True, check=False
+        )
     return env
 
 
