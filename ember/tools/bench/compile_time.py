@@ -31,8 +31,10 @@ caches, so the compile is cold):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -173,8 +175,6 @@ _COMPILE_IN_POOL_FROM = 500  # sources without bytecode
 
 
 def _package_folders() -> list[str]:
-    import importlib.util
-
     folders = []
     for name in _PRECOMPILED:
         spec = importlib.util.find_spec(name)
@@ -182,16 +182,12 @@ def _package_folders() -> list[str]:
     return folders
 
 
-def _bytecode_path(source: str, prefix: str | None) -> str:
-    """Where Python keeps `source`'s bytecode: beside it (`__pycache__`), or under `prefix` at the source's
-    own absolute folder (PYTHONPYCACHEPREFIX)."""
-    import importlib.util
-
-    folder, name = os.path.split(os.path.abspath(source))
-    cached = os.path.basename(importlib.util.cache_from_source(os.path.join(folder, name)))
+def _bytecode_dir(folder: str, prefix: str | None) -> str:
+    """Where Python keeps the bytecode of `folder`'s sources: beside them (`__pycache__`), or under `prefix`
+    at the folder's own absolute path (PYTHONPYCACHEPREFIX)."""
     if prefix is None:
-        return os.path.join(folder, "__pycache__", cached)
-    return os.path.join(prefix, os.path.splitdrive(folder)[1].lstrip(os.sep), cached)
+        return os.path.join(folder, "__pycache__")
+    return os.path.join(prefix, os.path.splitdrive(os.path.abspath(folder))[1].lstrip(os.sep))
 
 
 def _seed_from_place(folder: str, prefix: str, where: str | None) -> int:
@@ -199,21 +195,20 @@ def _seed_from_place(folder: str, prefix: str, where: str | None) -> int:
     the user's own prefix `where`) into `prefix`'s tree, where a file of its own is not there yet:
     compileall then finds it current (its header names the source's time and size) and compiles only what
     has none. Returns how many sources have none."""
-    import shutil
-
     missing = 0
     for root, _, files in os.walk(folder):
+        kept_dir, target_dir = _bytecode_dir(root, where), _bytecode_dir(root, prefix)
         for f in files:
             if not f.endswith(".py"):
                 continue
-            source = os.path.join(root, f)
-            kept, target = _bytecode_path(source, where), _bytecode_path(source, prefix)
+            cached = os.path.basename(importlib.util.cache_from_source(os.path.join(root, f)))
+            kept, target = os.path.join(kept_dir, cached), os.path.join(target_dir, cached)
             if os.path.exists(target):
                 continue
             if not os.path.exists(kept):
                 missing += 1
                 continue
-            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.makedirs(target_dir, exist_ok=True)
             try:
                 os.link(kept, target)
             except OSError:
