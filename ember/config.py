@@ -173,6 +173,13 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting("cxx", str, "g++", "C++ compiler for the cpp backend", codegen=True),
         Setting(
+            "cpp_precompiled_header",
+            bool,
+            True,
+            "build C++ kernels on a precompiled header of their standard headers, made once per compiler, "
+            "flags and CPU and kept in the disk cache (GCC only; the same libraries, built faster)",
+        ),
+        Setting(
             "persistent_reduction_max",
             int,
             16384,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ember import config, faults, stats
+from ember.backends import cpp_headers
 from ember.backends.device import device_limits
 from ember.codegen.cpp import PRELUDE, render_cpp
 from ember.codegen.cpp_combo import render_cpp_combo
@@ -36,6 +37,7 @@ from ember.schedule.kernel import ComboKernel, Kernel
 from ember.schedule.memory import MemoryPlan
 from ember.target import CppHeuristics, Heuristics, LowerHeuristics, RealizeHeuristics, Target
 
+PRELUDE_INCLUDES = cpp_headers.include_block(PRELUDE)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno", "-fno-trapping-math"]
 
 
@@ -56,12 +58,22 @@ class ToolchainError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=4)
-def toolchain_identity(cxx: str) -> str:
+def _version_text(cxx: str) -> str:
     try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise ToolchainError(f"C++ compiler {cxx!r} is not usable: {e}") from None
+
+
+def toolchain_identity(cxx: str) -> str:
+    out = _version_text(cxx)
     return out.splitlines()[0] if out else cxx
+
+
+def is_gcc(cxx: str) -> bool:
+    """Whether `cxx` is GCC (whatever its name: `c++` names it too), not clang posing as it."""
+    text = _version_text(cxx)
+    return "Free Software Foundation" in text and "clang" not in text.lower()
 
 
 # libm functions the C++ renderer calls, with their argument counts.
@@ -144,7 +156,8 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
     the compiler wrote, so that nothing can swap it between the check and the load. Built with
     -march=native: the library is made for this CPU, which the target's key holds."""
     cxx = cxx or config.get("cxx")
-    key = content_key("cpp", source, target=target.key(), toolchain=(toolchain_identity(cxx), FLAGS, link_flags))
+    identity = toolchain_identity(cxx)
+    key = content_key("cpp", source, target=target.key(), toolchain=(identity, FLAGS, link_flags))
     cache = DiskCache()
     hit = cache.get("cpp", key)
     if hit is not None:
@@ -154,7 +167,9 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         src = build / "graph.cpp"
         out = build / "graph.so"
         src.write_text(source)
-        cmd = [cxx, *FLAGS, str(src), "-o", str(out), *link_flags]
+        # The standard headers precompiled, once they are (cpp_headers.py): the same library, built faster.
+        header = cpp_headers.flags_for(cxx, FLAGS, PRELUDE_INCLUDES, source, target.key(), identity, is_gcc(cxx))
+        cmd = [cxx, *FLAGS, *header, str(src), "-o", str(out), *link_flags]
         stats.add("cpp_builds")
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)

@@ -83,11 +83,12 @@ MARKER_TEXT = (
 )
 # Every kind of entry ember writes, and the root's other files of ember's: what `clear` removes.
 KINDS = frozenset(
-    {"cpp", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device", "model"}
+    {"cpp", "pch", "triton", "schedule", "cubin", "launch", "kernel", "gemm", "tuning", "vouch", "device", "model"}
 )
-# Kinds that describe this machine (a CPU's measured bandwidth and product times): a cache file does not
-# carry them. A GPU model's measured bandwidth (kind "model") it does.
-MACHINE_KINDS = frozenset({"device"})
+# Kinds that describe this machine (a CPU's measured bandwidth and product times; g++'s precompiled
+# headers, which hold this machine's header files): a cache file does not carry them. A GPU model's
+# measured bandwidth (kind "model") it does.
+MACHINE_KINDS = frozenset({"device", "pch"})
 SECRETS = frozenset({"aot-key", "aot-id"})
 TMP = ".tmp-"
 TRASH = ".trash-"
