@@ -71,3 +71,12 @@ def test_bench_cli_accuracy_mode(tmp_path):
     table = (tmp_path / "accuracy.md").read_text()
     assert "softmax/inference" in table and "| pass |" in table, table
     assert (tmp_path / "results.jsonl").read_text().count('"type": "accuracy"') == 1
+
+
+def test_cases_left_when_the_budget_is_spent_are_recorded_as_not_run():
+    cases = select("softmax,pointwise3", "inference")
+    seen = []
+    records = accuracy.run(cases, ["ember"], "tiny", CPU, seen.append, deadline=0.0)  # long past
+    assert [r["case"] for r in records] == [c.key for c in cases] and seen == records
+    assert all(r["skipped"] == "not run: the run's time budget was spent" for r in records)
+    assert "not run" in accuracy.markdown(records, "")

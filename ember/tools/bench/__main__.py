@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         "--workloads",
         default="all",
         help="all (every group but zoo and cpu_models), micro, model, host, optim, flex, dynamic, zoo, cpu_models, "
-        "or names (comma-separated)",
+        "names, or workload/mode for one case (comma-separated)",
     )
     p.add_argument("--modes", default="inference,train", help="inference, train, or both")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
@@ -237,7 +237,8 @@ def _accuracy(cases, args, device, scale: str, out: str, argv: list[str]) -> int
         report.append_jsonl(jsonl, record)
         print(accuracy.one_line(record), flush=True)
 
-    records = accuracy.run(cases, settings.compilers, scale, device, emit)
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    records = accuracy.run(cases, settings.compilers, scale, device, emit, deadline)
     header = (
         f"float64-reference accuracy, {env['date']}, {env['device']}, torch {torch.__version__}, scale {scale}\n\n"
         f"Command: `ember bench {' '.join(argv)}`\n"

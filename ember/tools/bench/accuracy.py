@@ -163,10 +163,19 @@ def markdown(records: list[dict], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(cases: list[Case], compilers: list[str], scale: str, device: torch.device, emit=print) -> list[dict]:
+def run(
+    cases: list[Case], compilers: list[str], scale: str, device: torch.device, emit=print, deadline: float | None = None
+) -> list[dict]:
+    """Each case checked in turn; once `deadline` (a time.time()) has passed, the cases left are recorded as
+    not run, with the reason."""
     records = []
     for case in cases:
-        rec = run_case(case, compilers, scale, device)
+        if deadline is not None and time.time() > deadline:
+            w = case.workload
+            rec = {"type": "accuracy", "case": case.key, "workload": w.name, "mode": case.mode, "dtype": w.dtype}
+            rec["skipped"] = "not run: the run's time budget was spent"
+        else:
+            rec = run_case(case, compilers, scale, device)
         records.append(rec)
         emit(rec)
     return records
