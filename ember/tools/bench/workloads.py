@@ -491,12 +491,21 @@ def missing_requirement(w: Workload) -> str | None:
 
 
 def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
-    """The cases named by a comma-separated list ("all", group names "micro"/"model"/"zoo", or workload names).
-    "all" is every group but the zoo and the CPU models, which are asked for by name ("zoo", "cpu_models")."""
+    """The cases named by a comma-separated list ("all", group names "micro"/"model"/"zoo", workload names, or
+    "workload/mode" for one case whatever `modes` says). "all" is every group but the zoo and the CPU models,
+    which are asked for by name ("zoo", "cpu_models")."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     chosen: list[Workload] = []
+    one_mode: dict[str, str] = {}  # workload -> the one mode a "workload/mode" name asked for
     for n in wanted:
-        if n == "all":
+        if "/" in n:
+            name, mode = n.split("/", 1)
+            if name not in WORKLOADS or mode not in WORKLOADS[name].modes:
+                known = ", ".join(WORKLOADS[name].modes) if name in WORKLOADS else "none: no such workload"
+                raise ValueError(f"unknown case {n!r}; the modes of {name!r}: {known}")
+            one_mode[name] = mode
+            group = [WORKLOADS[name]]
+        elif n == "all":
             group = [w for w in WORKLOADS.values() if w.group not in ("zoo", "cpu_models")]
         elif n in GROUPS:
             group = [w for w in WORKLOADS.values() if w.group == n]
@@ -507,4 +516,9 @@ def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
         chosen += [w for w in group if w not in chosen]
     mode_set = {m.strip() for m in modes.split(",")}
     # A workload's own mode (an optimizer "step", a "decode" loop) is always selected.
-    return [Case(w, m) for w in chosen for m in w.modes if m in mode_set or m not in ("inference", "train")]
+    return [
+        Case(w, m)
+        for w in chosen
+        for m in w.modes
+        if (m == one_mode[w.name] if w.name in one_mode else m in mode_set or m not in ("inference", "train"))
+    ]
