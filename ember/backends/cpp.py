@@ -168,13 +168,15 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         out = build / "graph.so"
         src.write_text(source)
         # The standard headers precompiled, once they are (cpp_headers.py): the same library, built faster.
-        header = cpp_headers.flags_for(cxx, FLAGS, PRELUDE_INCLUDES, source, target.key(), identity, is_gcc(cxx))
-        cmd = [cxx, *FLAGS, *header, str(src), "-o", str(out), *link_flags]
+        header = cpp_headers.flags_for(cxx, FLAGS, PRELUDE_INCLUDES, source, target.arch, identity, is_gcc(cxx))
         stats.add("cpp_builds")
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise ToolchainError(f"{cxx} failed to run: {e}") from None
+        proc = _run_compiler(cxx, [*FLAGS, *header, str(src), "-o", str(out), *link_flags])
+        if header and (proc.returncode != 0 or "pch" in proc.stderr):
+            # The header failed or was refused (g++ says so under -Winvalid-pch): never again in this process,
+            # and a failed build is built once more without it.
+            cpp_headers.forget(header, proc.stderr)
+            if proc.returncode != 0:
+                proc = _run_compiler(cxx, [*FLAGS, str(src), "-o", str(out), *link_flags])
         if proc.returncode != 0:
             raise ToolchainError(f"{cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
         library = out.read_bytes() if out.exists() else b""
@@ -185,6 +187,13 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         return load_library(out)
     finally:
         shutil.rmtree(build, ignore_errors=True)
+
+
+def _run_compiler(cxx: str, args: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([cxx, *args], capture_output=True, text=True, timeout=600, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ToolchainError(f"{cxx} failed to run: {e}") from None
 
 
 # The template's register tile, recorded on each product it takes (GemmOp.config).

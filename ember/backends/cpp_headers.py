@@ -7,15 +7,19 @@ headers precompiled it took 0.20 s, and the library's machine code was the same.
 
 The precompiled header is built once per compiler, flags and CPU (g++ uses one only if it was made
 with the library's own options), by a thread that the first build of a process starts, so that no
-build waits for it: builds before it is ready parse the headers as before. It is kept in the disk cache
-(kind "pch", which a portable cache file leaves out), with the size and modification time of every
-header file it read: where one has changed since (a system update under the same compiler version) it
-is stale and is built again. A process uses a private copy (runtime/scratch.py), as for libraries.
+build waits for it: builds before it is ready parse the headers themselves. It is kept in the disk cache
+(kind "pch", which a portable cache file leaves out; about 19 MB with GCC 12), with the size and
+modification time of every header file it read: where one has changed since (a system update under the
+same compiler version) it is stale, and the header for the files as they are now is found or built under
+a key of their stamps. A process uses a private copy (runtime/scratch.py), as for libraries; a forked
+child starts without one.
 
 Only a source that begins with the prelude's own include lines is built with it (`-include` of a file
 with exactly those lines, in that order: the source's own includes then add nothing), and only by GCC,
 whose `.gch` files these are. A precompiled header changes how long a build takes, never what it
-makes: where g++ cannot use it, it says so (`-Winvalid-pch`) and parses the header's text beside it.
+makes: where g++ refuses it, it says so (`-Winvalid-pch`) and parses the header's text beside it; where
+it fails on it (a copy cut short or removed), the build runs again without it. Either way the process
+uses it no more (`forget`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,22 @@ _ready: dict[tuple, Path] = {}  # (cxx, flags, includes, target key) -> the head
 _started: set[tuple] = set()
 _running: set[subprocess.Popen] = set()  # header builds under way
 _threads: list[threading.Thread] = []
+# What an entry holds: the precompiled header, and the stamps of the header files it read (headers.json).
+FORMAT = "gch+stamps/1"
+
+
+def _reset_in_child() -> None:
+    """A forked child starts with no header: its parent's private copy goes with the parent, and the lock
+    may have been held by another thread at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _ready.clear()
+    _started.clear()
+    _running.clear()
+    _threads.clear()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def include_block(prelude: str) -> str:
@@ -55,34 +75,53 @@ def include_block(prelude: str) -> str:
 
 
 def flags_for(
-    cxx: str, flags: list[str], includes: str, source: str, target_key: object, identity: str, gcc: bool
+    cxx: str, flags: list[str], includes: str, source: str, arch: object, identity: str, gcc: bool
 ) -> list[str]:
-    """The extra g++ arguments that build `source` on the precompiled `includes`: none until the header
-    is ready (its build is started here, once), or where it does not apply (not GCC, a source that does
-    not begin with these includes, the setting off)."""
+    """The extra g++ arguments that build `source` on the precompiled `includes` for CPU `arch`: none until
+    the header is ready (its build is started here, once), or where it does not apply (not GCC, a source that
+    does not begin with these includes, the setting off)."""
     if not (config.get("cpp_precompiled_header") and includes and gcc):
         return []
     if not source.lstrip("\n").startswith(includes):
         return []
-    key = (cxx, tuple(flags), includes, target_key)
+    key = (cxx, tuple(flags), includes, arch)
     with _lock:
         header = _ready.get(key)
+        if header is not None and not (header.exists() and Path(f"{header}.gch").exists()):
+            # Its private copy is gone (a cleaner of the temporary folder): g++ would fail on a missing
+            # -include. Made or read again.
+            del _ready[key]
+            _started.discard(key)
+            header = None
         if header is None and key not in _started:
             _started.add(key)
-            # The disk cache the build's caller sees (settings are per thread).
-            cache = {"cache": config.get("cache"), "cache_dir": config.get("cache_dir")}
-            thread = threading.Thread(target=_make, args=(key, identity, cache), name="ember-cpp-header", daemon=True)
+            # The caller's settings (they are per thread): the disk cache it uses, its logs.
+            settings = config.snapshot()
+            thread = threading.Thread(
+                target=_make, args=(key, identity, settings), name="ember-cpp-header", daemon=True
+            )
             _threads.append(thread)
             thread.start()
     return [] if header is None else ["-include", str(header), "-Winvalid-pch"]
 
 
-def _make(key: tuple, identity: str, cache: dict) -> None:
-    cxx, flags, includes, target_key = key
+def forget(header_flags: list[str], why: str) -> None:
+    """The header those flags name is not used again in this process (g++ failed or refused it)."""
+    if "-include" not in header_flags:
+        return
+    header = Path(header_flags[header_flags.index("-include") + 1])
+    with _lock:
+        for key in [k for k, path in _ready.items() if path == header]:
+            del _ready[key]  # still in _started: not built again
+    log.artifact("cache", "precompiled C++ header dropped", f"{header}: {why.strip()[:500]}")
+
+
+def _make(key: tuple, identity: str, settings: dict) -> None:
+    cxx, flags, includes, arch = key
     try:
-        with config.override(**cache):
-            header = _load_or_build(cxx, list(flags), includes, target_key, identity)
-    except (OSError, ValueError, subprocess.SubprocessError) as e:  # never fatal: builds parse the headers
+        with config.override(**settings):
+            header = _load_or_build(cxx, list(flags), includes, arch, identity)
+    except Exception as e:  # noqa: BLE001 - never fatal: builds parse the headers instead
         log.artifact("cache", "no precompiled C++ header", f"{type(e).__name__}: {e}")
         return
     if header is not None:
@@ -90,25 +129,33 @@ def _make(key: tuple, identity: str, cache: dict) -> None:
             _ready[key] = header
 
 
-def _load_or_build(cxx: str, flags: list[str], includes: str, target_key: object, identity: str) -> Path | None:
+def _load_or_build(cxx: str, flags: list[str], includes: str, arch: object, identity: str) -> Path | None:
     compile_flags = [f for f in flags if f != "-shared"]  # a header is compiled, not linked
-    cache_key = content_key("pch", includes, target=target_key, toolchain=(identity, compile_flags))
+    made_by = (identity, compile_flags)
     cache = DiskCache()
+    cache_key = content_key("pch", FORMAT, includes, target=arch, toolchain=made_by)
     hit = cache.get("pch", cache_key)
-    if hit is not None and _unchanged(json.loads(hit["headers.json"])):
-        return _private(includes, hit["header.gch"])
+    if hit is not None:
+        stamps = json.loads(hit["headers.json"])
+        if _unchanged(stamps):
+            return _private(includes, hit["header.gch"])
+        # Stale: a header file changed since. The entry of the files as they are now, under a key of their
+        # stamps (the stale one stays: the cache keeps the entry written first).
+        cache_key = content_key("pch", FORMAT, includes, _now(stamps), target=arch, toolchain=made_by)
+        hit = cache.get("pch", cache_key)
+        if hit is not None and _unchanged(json.loads(hit["headers.json"])):
+            return _private(includes, hit["header.gch"])
     build = scratch.build_folder("pch")
     try:
-        header = build / HEADER_NAME
-        header.write_text(includes)
+        (build / HEADER_NAME).write_text(includes)
         out = build / (HEADER_NAME + ".gch")
-        deps = build / "deps.d"
-        cmd = [cxx, *compile_flags, "-x", "c++-header", str(header), "-o", str(out), "-MD", "-MF", str(deps)]
-        returncode, stderr = _run(cmd)
+        # Relative names, run in the build folder: the dependency list then names no temporary path.
+        cmd = [cxx, *compile_flags, "-x", "c++-header", HEADER_NAME, "-o", out.name, "-MD", "-MF", "deps.d"]
+        returncode, stderr = _run(cmd, build)
         if returncode != 0 or not out.exists():
             log.artifact("cache", "no precompiled C++ header", f"{cxx} exited {returncode}: {stderr.strip()[:500]}")
             return None
-        read = _stamps(_dependencies(deps.read_text(), header))
+        read = _stamps(_dependencies((build / "deps.d").read_text()))
         data = out.read_bytes()
         cache.put("pch", cache_key, {"header.gch": data, "headers.json": json.dumps(read).encode()})
         return _private(includes, data)
@@ -116,10 +163,10 @@ def _load_or_build(cxx: str, flags: list[str], includes: str, target_key: object
         shutil.rmtree(build, ignore_errors=True)
 
 
-def _run(cmd: list[str]) -> tuple[int, str]:
+def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
     """Run g++, which the process's exit stops: a daemon thread is abandoned at exit, its child would
     not be."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with _lock:
         _running.add(proc)
     try:
@@ -149,28 +196,33 @@ def _private(includes: str, gch: bytes) -> Path:
     return header
 
 
-def _dependencies(make_rule: str, header: Path) -> list[str]:
-    """The files a `-MD` rule names, the header itself left out."""
+def _dependencies(make_rule: str) -> list[str]:
+    """The files a `-MD` rule names, the header itself left out (named relative to the build folder)."""
     body = make_rule.replace("\\\n", " ").split(":", 1)[1]
-    return [p for p in body.split() if Path(p).name != HEADER_NAME or Path(p).parent != header.parent]
+    return [p for p in body.split() if p != HEADER_NAME]
 
 
 def _stamps(paths: list[str]) -> dict[str, list[int]]:
-    out = {}
-    for p in paths:
-        st = os.stat(p)
-        out[os.path.realpath(p)] = [st.st_size, st.st_mtime_ns]
-    return out
+    """Each file's size and modification time (of what a link names), by the name g++ read it by."""
+    return {p: [(st := os.stat(p)).st_size, st.st_mtime_ns] for p in paths}
 
 
 def _unchanged(stamps: dict[str, list[int]]) -> bool:
     """Whether every header file the precompiled header read is as it was when it was built."""
-    try:
-        return all([(st := os.stat(p)).st_size, st.st_mtime_ns] == list(stamp) for p, stamp in stamps.items()) and bool(
-            stamps
-        )
-    except OSError:
-        return False
+    return bool(stamps) and all(now == list(stamp) for now, stamp in zip(_now(stamps), stamps.values()))
+
+
+def _now(stamps: dict[str, list[int]]) -> list[list[int] | None]:
+    """The size and modification time of each file `stamps` names, as they are now (None: gone)."""
+    out = []
+    for path in stamps:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+            continue
+        out.append([st.st_size, st.st_mtime_ns])
+    return out
 
 
 def wait(timeout: float = 120.0) -> None:

@@ -344,10 +344,11 @@ def _load_flex(body: str, prefix: str):
 
 
 def _compile_cpp(source: str, target: Target):
-    from ember.backends.cpp import build_library, vector_math
+    from ember.backends.cpp import PRELUDE_INCLUDES, build_library, vector_math
 
     declarations, link = vector_math()  # libmvec's vector exp for the `omp simd` loops
-    source = source.replace("#include <cstring>\n", "#include <cstring>\n" + declarations, 1)
+    # After the prelude's include lines, so that the source still begins with them (backends/cpp_headers.py).
+    source = source.replace(PRELUDE_INCLUDES, PRELUDE_INCLUDES + declarations, 1)
     lib = build_library(source, target, link)
     fn = lib.flex_fwd
     fn.restype = None

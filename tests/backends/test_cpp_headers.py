@@ -3,6 +3,7 @@ the same libraries, used only once ready and only where they apply, never stale.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -79,6 +80,57 @@ def test_a_build_after_the_header_is_ready_takes_it_and_makes_the_same_library(t
     assert "-include" not in _library_builds(log)[-1]
     if shutil.which("objdump"):
         assert _disassembly(tmp_path / "b") == _disassembly(tmp_path / "c")
+
+
+def test_a_stale_header_is_built_anew_once_and_found_by_the_next_process(tmp_path, monkeypatch):
+    cxx, log = _logging_compiler(tmp_path)
+    settings = {"cxx": str(cxx), "cache_dir": str(tmp_path / "cache")}
+    _compile(_first, torch.randn(8, 8), **settings)
+    cpp_headers.wait()
+    (entry,) = (tmp_path / "cache" / "pch").glob("*/*")
+    stamps = json.loads((entry / "headers.json").read_text())
+    # A header file updated since the entry was made: its size, as the process sees it now, differs.
+    first = next(iter(stamps))
+    real_now, real_stamps = cpp_headers._now, cpp_headers._stamps
+
+    def updated(values: list, paths) -> list:
+        return [[v[0] + 1, v[1]] if p == first and v else v for p, v in zip(paths, values)]
+
+    monkeypatch.setattr(cpp_headers, "_now", lambda s: updated(real_now(s), list(s)))
+    monkeypatch.setattr(cpp_headers, "_stamps", lambda ps: dict(zip(ps, updated(list(real_stamps(ps).values()), ps))))
+    builds = []
+    for _ in range(2):  # two processes' lookups
+        monkeypatch.setattr(cpp_headers, "_ready", {})
+        with ember.config.override(**settings):
+            header = cpp_headers._load_or_build(str(cxx), ["-O3"], PRELUDE_INCLUDES, ("cpu",), "g++")
+        builds.append(sum("c++-header" in line for line in log.read_text().splitlines()))
+        assert header is not None and Path(f"{header}.gch").exists()
+    assert builds[1] == builds[0]  # the second lookup found the header the first one built
+
+
+def test_a_header_gone_or_failing_is_dropped_and_the_build_succeeds(tmp_path):
+    cxx, log = _logging_compiler(tmp_path)
+    x = torch.randn(16, 40)
+    settings = {"cxx": str(cxx), "cache": False}
+    _compile(_first, x, **settings)
+    cpp_headers.wait()
+    ((key, header),) = cpp_headers._ready.items()
+    # Its private copy removed (a cleaner of the temporary folder): not used, read again.
+    shutil.rmtree(header.parent)
+    _compile(_second, x, **settings)
+    assert "-include" not in _library_builds(log)[-1]
+    cpp_headers.wait()
+    header = cpp_headers._ready[key]
+    # A damaged copy (cut short: g++ fails; other damage: g++ warns under -Winvalid-pch and parses the
+    # headers): the build succeeds (built again without it where g++ failed), and it is not used again.
+    gch = Path(f"{header}.gch")
+    gch.write_bytes(gch.read_bytes()[:4096])
+    builds = len(_library_builds(log))
+    _compile(lambda t: torch.cos(t) * 5, x, **settings)
+    assert "-include" in _library_builds(log)[builds]
+    assert key not in cpp_headers._ready and key in cpp_headers._started
+    _compile(lambda t: torch.sin(t) * 7, x, **settings)
+    assert "-include" not in _library_builds(log)[-1]
 
 
 def test_a_header_that_cannot_be_built_leaves_builds_parsing_the_headers(tmp_path):

@@ -167,7 +167,12 @@ def test_selection_and_sizes():
         "softmax/inference",
         "gpt2_blocks/train",
     ]
-    with pytest.raises(ValueError, match="the modes of 'softmax': inference"):
+    assert [c.key for c in select("gpt2_blocks/train,gpt2_blocks/inference", "inference")] == [
+        "gpt2_blocks/inference",
+        "gpt2_blocks/train",
+    ]
+    assert len(select("gpt2_blocks,gpt2_blocks/train")) == 2  # the plain name keeps every mode
+    with pytest.raises(ValueError, match="softmax runs in inference"):
         select("softmax/train")
     assert WORKLOADS["softmax"].sizes["gpu"] == (8192, 8192)
     assert WORKLOADS["cross_entropy"].sizes["gpu"] == (8192, 50257)

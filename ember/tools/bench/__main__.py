@@ -254,6 +254,9 @@ def _accuracy(cases, args, device, scale: str, out: str, argv: list[str]) -> int
     print(f"results in {out}/ (results.jsonl, accuracy.md)")
     if bad:
         print(f"NOT PASSING: {', '.join(bad)}")
+    unchecked = [r["case"] for r in records if r.get("skipped")]
+    if unchecked:
+        print(f"NOT CHECKED ({len(unchecked)}): {', '.join(unchecked)}")
     return 1 if bad else 0
 
 

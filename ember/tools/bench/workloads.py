@@ -496,14 +496,16 @@ def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
     which are asked for by name ("zoo", "cpu_models")."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     chosen: list[Workload] = []
-    one_mode: dict[str, str] = {}  # workload -> the one mode a "workload/mode" name asked for
+    only: dict[str, set[str]] = {}  # workload -> the modes "workload/mode" names asked for, where no plain name did
+    whole: set[str] = set()  # workloads named plainly (alone or in a group): every selected mode
     for n in wanted:
         if "/" in n:
             name, mode = n.split("/", 1)
-            if name not in WORKLOADS or mode not in WORKLOADS[name].modes:
-                known = ", ".join(WORKLOADS[name].modes) if name in WORKLOADS else "none: no such workload"
-                raise ValueError(f"unknown case {n!r}; the modes of {name!r}: {known}")
-            one_mode[name] = mode
+            if name not in WORKLOADS:
+                raise ValueError(f"unknown workload {name!r} in {n!r}")
+            if mode not in WORKLOADS[name].modes:
+                raise ValueError(f"unknown case {n!r}: {name} runs in {', '.join(WORKLOADS[name].modes)}")
+            only.setdefault(name, set()).add(mode)
             group = [WORKLOADS[name]]
         elif n == "all":
             group = [w for w in WORKLOADS.values() if w.group not in ("zoo", "cpu_models")]
@@ -513,12 +515,17 @@ def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
             group = [WORKLOADS[n]]
         else:
             raise ValueError(f"unknown workload {n!r}; valid: all, {', '.join(GROUPS)}, {', '.join(WORKLOADS)}")
+        if "/" not in n:
+            whole.update(w.name for w in group)
         chosen += [w for w in group if w not in chosen]
     mode_set = {m.strip() for m in modes.split(",")}
-    # A workload's own mode (an optimizer "step", a "decode" loop) is always selected.
-    return [
-        Case(w, m)
-        for w in chosen
-        for m in w.modes
-        if (m == one_mode[w.name] if w.name in one_mode else m in mode_set or m not in ("inference", "train"))
-    ]
+
+    def selected(w: Workload, mode: str) -> bool:
+        if mode in only.get(w.name, ()):
+            return True
+        if w.name in only and w.name not in whole:  # named only as workload/mode
+            return False
+        # A workload's own mode (an optimizer "step", a "decode" loop) is always selected.
+        return mode in mode_set or mode not in ("inference", "train")
+
+    return [Case(w, m) for w in chosen for m in w.modes if selected(w, m)]
