@@ -171,9 +171,9 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         header = cpp_headers.flags_for(cxx, FLAGS, PRELUDE_INCLUDES, source, target.arch, identity, is_gcc(cxx))
         stats.add("cpp_builds")
         proc = _run_compiler(cxx, [*FLAGS, *header, str(src), "-o", str(out), *link_flags])
-        if header and (proc.returncode != 0 or "pch" in proc.stderr):
-            # The header failed or was refused (g++ says so under -Winvalid-pch): never again in this process,
-            # and a failed build is built once more without it.
+        if header and (proc.returncode != 0 or "Winvalid-pch" in proc.stderr):
+            # The header failed or was refused (g++'s warning names -Winvalid-pch): never again in this
+            # process, and a failed build is built once more without it.
             cpp_headers.forget(header, proc.stderr)
             if proc.returncode != 0:
                 proc = _run_compiler(cxx, [*FLAGS, str(src), "-o", str(out), *link_flags])
