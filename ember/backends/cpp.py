@@ -171,12 +171,15 @@ def build_library(source: str, target: Target, link_flags: list[str], cxx: str |
         header = cpp_headers.flags_for(cxx, FLAGS, PRELUDE_INCLUDES, source, target.arch, identity, is_gcc(cxx))
         stats.add("cpp_builds")
         proc = _run_compiler(cxx, [*FLAGS, *header, str(src), "-o", str(out), *link_flags])
-        if header and (proc.returncode != 0 or "Winvalid-pch" in proc.stderr):
-            # The header failed or was refused (g++'s warning names -Winvalid-pch): never again in this
-            # process, and a failed build is built once more without it.
-            cpp_headers.forget(header, proc.stderr)
-            if proc.returncode != 0:
-                proc = _run_compiler(cxx, [*FLAGS, str(src), "-o", str(out), *link_flags])
+        if header and proc.returncode != 0:
+            # Built once more without the header; where that succeeds, the header was what failed (a copy
+            # cut short or removed): it is not used again in this process.
+            retry = _run_compiler(cxx, [*FLAGS, str(src), "-o", str(out), *link_flags])
+            if retry.returncode == 0:
+                cpp_headers.forget(header, proc.stderr)
+            proc = retry
+        elif header and "[-Winvalid-pch]" in proc.stderr:
+            cpp_headers.forget(header, proc.stderr)  # refused: g++ parsed the headers instead
         if proc.returncode != 0:
             raise ToolchainError(f"{cxx} exited {proc.returncode}: {proc.stderr.strip()[:2000]}")
         library = out.read_bytes() if out.exists() else b""

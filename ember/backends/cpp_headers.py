@@ -45,8 +45,10 @@ _ready: dict[tuple, Path] = {}  # (cxx, flags, includes, target key) -> the head
 _started: set[tuple] = set()
 _running: set[subprocess.Popen] = set()  # header builds under way
 _threads: list[threading.Thread] = []
+_stopping = False  # the process is exiting: no header build runs on
 # What an entry holds: the precompiled header, and the stamps of the header files it read (headers.json).
 FORMAT = "gch+stamps/1"
+MAX_STALE = 4  # stale entries followed, at most; past them a header is built for this process alone
 
 
 def _reset_in_child() -> None:
@@ -106,7 +108,8 @@ def flags_for(
 
 
 def forget(header_flags: list[str], why: str) -> None:
-    """The header those flags name is not used again in this process (g++ failed or refused it)."""
+    """The header those flags name is not used again in this process (a build failed with it and succeeded
+    without it, or g++ refused it)."""
     if "-include" not in header_flags:
         return
     header = Path(header_flags[header_flags.index("-include") + 1])
@@ -134,17 +137,16 @@ def _load_or_build(cxx: str, flags: list[str], includes: str, arch: object, iden
     made_by = (identity, compile_flags)
     cache = DiskCache()
     cache_key = content_key("pch", FORMAT, includes, target=arch, toolchain=made_by)
-    hit = cache.get("pch", cache_key)
-    if hit is not None:
+    # A stale entry (a header file changed since) is followed by the entry of the files' present stamps,
+    # and so on: the cache keeps the entry written first, so a newer header lives under a key of its own.
+    for _ in range(MAX_STALE):
+        hit = cache.get("pch", cache_key)
+        if hit is None:
+            break
         stamps = json.loads(hit["headers.json"])
         if _unchanged(stamps):
             return _private(includes, hit["header.gch"])
-        # Stale: a header file changed since. The entry of the files as they are now, under a key of their
-        # stamps (the stale one stays: the cache keeps the entry written first).
         cache_key = content_key("pch", FORMAT, includes, _now(stamps), target=arch, toolchain=made_by)
-        hit = cache.get("pch", cache_key)
-        if hit is not None and _unchanged(json.loads(hit["headers.json"])):
-            return _private(includes, hit["header.gch"])
     build = scratch.build_folder("pch")
     try:
         (build / HEADER_NAME).write_text(includes)
@@ -169,6 +171,8 @@ def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with _lock:
         _running.add(proc)
+        if _stopping:  # started as the process exits
+            proc.kill()
     try:
         _, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
@@ -182,7 +186,9 @@ def _run(cmd: list[str], cwd: Path) -> tuple[int, str]:
 
 @atexit.register
 def _stop_running() -> None:
+    global _stopping
     with _lock:
+        _stopping = True
         for proc in _running:
             proc.kill()
 

@@ -14,7 +14,7 @@ import torch
 
 import ember
 from ember.backends import cpp_headers
-from ember.backends.cpp import PRELUDE_INCLUDES
+from ember.backends.cpp import PRELUDE_INCLUDES, toolchain_identity
 
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="needs g++")  # the C++ backend's own requirement
@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(GXX is None, reason="needs g++")  # the C++ back
 
 @pytest.fixture(autouse=True)
 def _fresh_headers(monkeypatch):
-    """Each test starts with no header made or started in this process."""
+    """Each test starts with no header made or started in this process (header builds that earlier tests
+    started have ended, so none writes into this test's tables)."""
+    cpp_headers.wait()
     monkeypatch.setattr(cpp_headers, "_ready", {})
     monkeypatch.setattr(cpp_headers, "_started", set())
     monkeypatch.setattr(cpp_headers, "_threads", [])
@@ -87,6 +89,8 @@ def test_a_stale_header_is_built_anew_once_and_found_by_the_next_process(tmp_pat
     settings = {"cxx": str(cxx), "cache_dir": str(tmp_path / "cache")}
     _compile(_first, torch.randn(8, 8), **settings)
     cpp_headers.wait()
+    (key,) = [k for k in cpp_headers._ready if k[0] == str(cxx)]  # (cxx, flags, includes, arch)
+    lookup = (str(cxx), list(key[1]), key[2], key[3], toolchain_identity(str(cxx)))
     (entry,) = (tmp_path / "cache" / "pch").glob("*/*")
     stamps = json.loads((entry / "headers.json").read_text())
     # A header file updated since the entry was made: its size, as the process sees it now, differs.
@@ -98,14 +102,14 @@ def test_a_stale_header_is_built_anew_once_and_found_by_the_next_process(tmp_pat
 
     monkeypatch.setattr(cpp_headers, "_now", lambda s: updated(real_now(s), list(s)))
     monkeypatch.setattr(cpp_headers, "_stamps", lambda ps: dict(zip(ps, updated(list(real_stamps(ps).values()), ps))))
-    builds = []
+    header_builds = [sum("c++-header" in line for line in log.read_text().splitlines())]
     for _ in range(2):  # two processes' lookups
-        monkeypatch.setattr(cpp_headers, "_ready", {})
         with ember.config.override(**settings):
-            header = cpp_headers._load_or_build(str(cxx), ["-O3"], PRELUDE_INCLUDES, ("cpu",), "g++")
-        builds.append(sum("c++-header" in line for line in log.read_text().splitlines()))
+            header = cpp_headers._load_or_build(*lookup)
+        header_builds.append(sum("c++-header" in line for line in log.read_text().splitlines()))
         assert header is not None and Path(f"{header}.gch").exists()
-    assert builds[1] == builds[0]  # the second lookup found the header the first one built
+    assert header_builds == [1, 2, 2]  # stale: built anew once; the next lookup found that one
+    assert len(list((tmp_path / "cache" / "pch").glob("*/*"))) == 2
 
 
 def test_a_header_gone_or_failing_is_dropped_and_the_build_succeeds(tmp_path):
@@ -114,7 +118,7 @@ def test_a_header_gone_or_failing_is_dropped_and_the_build_succeeds(tmp_path):
     settings = {"cxx": str(cxx), "cache": False}
     _compile(_first, x, **settings)
     cpp_headers.wait()
-    ((key, header),) = cpp_headers._ready.items()
+    ((key, header),) = [(k, h) for k, h in cpp_headers._ready.items() if k[0] == str(cxx)]
     # Its private copy removed (a cleaner of the temporary folder): not used, read again.
     shutil.rmtree(header.parent)
     _compile(_second, x, **settings)

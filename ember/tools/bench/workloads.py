@@ -492,8 +492,9 @@ def missing_requirement(w: Workload) -> str | None:
 
 def select(names: str = "all", modes: str = "inference,train") -> list[Case]:
     """The cases named by a comma-separated list ("all", group names "micro"/"model"/"zoo", workload names, or
-    "workload/mode" for one case whatever `modes` says). "all" is every group but the zoo and the CPU models,
-    which are asked for by name ("zoo", "cpu_models")."""
+    "workload/mode" for one case whatever `modes` says). Names add up: a workload named plainly (or in a group)
+    and as "workload/mode" runs in the selected modes and that one. "all" is every group but the zoo and the CPU
+    models, which are asked for by name ("zoo", "cpu_models")."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     chosen: list[Workload] = []
     only: dict[str, set[str]] = {}  # workload -> the modes "workload/mode" names asked for, where no plain name did
