@@ -41,7 +41,7 @@ HEADER_NAME = "ember_prelude.h"
 _INCLUDE = re.compile(r"#include <[^>\n]+>\n")
 
 _lock = threading.Lock()
-_ready: dict[tuple, Path] = {}  # (cxx, flags, includes, target key) -> the header's path, its .gch beside it
+_ready: dict[tuple, Path] = {}  # (cxx, flags, includes, CPU arch) -> the header's path, its .gch beside it
 _started: set[tuple] = set()
 _running: set[subprocess.Popen] = set()  # header builds under way
 _threads: list[threading.Thread] = []
@@ -208,27 +208,28 @@ def _dependencies(make_rule: str) -> list[str]:
     return [p for p in body.split() if p != HEADER_NAME]
 
 
-def _stamps(paths: list[str]) -> dict[str, list[int]]:
-    """Each file's size and modification time (of what a link names), by the name g++ read it by."""
-    return {p: [(st := os.stat(p)).st_size, st.st_mtime_ns] for p in paths}
+def _stat(path: str) -> list[int] | None:
+    """A file's size and modification time (of what a link names); None where it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _stamps(paths: list[str]) -> dict[str, list[int] | None]:
+    """Each file's stamp, by the name g++ read it by."""
+    return {p: _stat(p) for p in paths}
 
 
 def _unchanged(stamps: dict[str, list[int]]) -> bool:
     """Whether every header file the precompiled header read is as it was when it was built."""
-    return bool(stamps) and all(now == list(stamp) for now, stamp in zip(_now(stamps), stamps.values()))
+    return bool(stamps) and all(now is not None and now == stamp for now, stamp in zip(_now(stamps), stamps.values()))
 
 
 def _now(stamps: dict[str, list[int]]) -> list[list[int] | None]:
-    """The size and modification time of each file `stamps` names, as they are now (None: gone)."""
-    out = []
-    for path in stamps:
-        try:
-            st = os.stat(path)
-        except OSError:
-            out.append(None)
-            continue
-        out.append([st.st_size, st.st_mtime_ns])
-    return out
+    """The stamps of the files `stamps` names, as they are now."""
+    return [_stat(p) for p in stamps]
 
 
 def wait(timeout: float = 120.0) -> None:
