@@ -294,6 +294,14 @@ SETTINGS: dict[str, Setting] = {
             codegen=True,
         ),
         Setting(
+            "flex_atomic_dq",
+            bool,
+            True,
+            "FlexAttention's GPU backward for float32 inputs adds dq up atomically in its dk/dv kernel (five "
+            "products per step instead of seven); never under deterministic algorithms (codegen/flex_triton_bwd.py)",
+            codegen=True,
+        ),
+        Setting(
             "sdpa_causal_flex",
             bool,
             True,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ember import log
+from ember import config, log
 from ember.backends.direct_launch import BoundLaunch, DirectLaunch, allocator, load_triton
 from ember.codegen.cpp import PRELUDE
 from ember.codegen.flex_cpp import render_flex_cpp
@@ -42,6 +42,19 @@ def build_flex_kernels(sched: Schedule, target: Target) -> int:
             step.node.attrs["target"] = FlexBackwardKernel(fn.spec, target)
             built += 1
     return built
+
+
+def atomic_dq(spec: FlexSpec) -> bool:
+    """Whether the backward adds dq up atomically in its dk/dv kernel (codegen/flex_triton_bwd.py): for
+    float32 inputs, whose products run in full precision off the tensor cores, so that the two scores'
+    products the dq kernel would compute again are the cost (docs/decisions.md, "FlexAttention's float32
+    backward adds dq up atomically"); under the setting `flex_atomic_dq`, and not under deterministic
+    algorithms, whose dq must not depend on the order of adds."""
+    return (
+        spec.dtype == torch.float32
+        and config.get("flex_atomic_dq")
+        and not torch.are_deterministic_algorithms_enabled()
+    )
 
 
 def forward_launch(spec: FlexSpec, target: Target) -> FlexLaunch:
@@ -197,8 +210,9 @@ class _CppCall:
 
 
 class FlexBackwardKernel:
-    """A flex_attention_backward call's two Triton kernels (dq; dk and dv), called with the op's own
-    arguments; returns dq, dk, dv and None for each captured tensor (none needs a gradient)."""
+    """A flex_attention_backward call's Triton kernels (delta; dq; dk and dv, or dk, dv and an atomic dq
+    then its conversion: `atomic_dq`), called with the op's own arguments; returns dq, dk, dv and None for
+    each captured tensor (none needs a gradient)."""
 
     fresh_result = True
 
@@ -207,11 +221,12 @@ class FlexBackwardKernel:
         self.launches = list(backward_launches(spec.forward, target))
         self.plans: dict[tuple, BackwardPlan] = {}  # by the operands' sizes, strides and dtypes
         self.__name__ = "flex_attention_backward_kernel"
+        self.atomic_dq = atomic_dq(spec.forward)
         self.source = render_flex_triton_bwd(spec, target.interpreted)
         module = _load_flex(self.source, "ember_flex_bwd")
-        self.dq_fn, self.dkdv_fn, self.delta_fn = (
+        self.dq_fn, self.dkdv_fn, self.delta_fn, self.convert_fn = (
             DirectLaunch(fn, target.interpreted)
-            for fn in (module.flex_bwd_dq, module.flex_bwd_dkdv, module.flex_bwd_delta)
+            for fn in (module.flex_bwd_dq, module.flex_bwd_dkdv, module.flex_bwd_delta, module.flex_bwd_dq_convert)
         )
 
     def __call__(self, q, k, v, out, lse, dout, _dlse, _fw, _joint, block_mask, _scale, _options, sbufs, mbufs):
@@ -226,19 +241,25 @@ class FlexBackwardKernel:
         empty = plan.empty
         dq, dk, dv = empty(*plan.dq), empty(*plan.dk), empty(*plan.dv)
         nones = (None,) * len(sbufs)
-        if plan.dq_launch is None:  # no queries or no keys
+        if plan.dkdv_launch is None:  # no queries or no keys
             return (dq.zero_(), dk.zero_(), dv.zero_(), *nones)
         if plan.lse_converted:
             lse = lse.to(self.spec.forward.work_dtype).contiguous()
         delta = empty(*plan.delta)
-        plan.delta_launch((out, dout, delta))
         kept = masks if self.spec.forward.has_full_blocks else (masks[0], masks[1], masks[4], masks[5])
-        tensors = (q, k, v, dout, lse, delta, dq, dk, dv, *kept, *sbufs, *mbufs)
-        ptrs = [t.data_ptr() for t in tensors]  # both kernels take the same tensors
-        plan.dq_launch(tensors, ptrs)
-        plan.dkdv_launch(tensors, ptrs)
+        if plan.dq_launch is None:  # dq added up atomically by the dk/dv kernel, then converted
+            dqa = empty(*plan.dq_accumulator)
+            plan.delta_launch((out, dout, delta, dqa))
+            plan.dkdv_launch((q, k, v, dout, lse, delta, dqa, dk, dv, *kept, *sbufs, *mbufs))
+            plan.convert_launch((dqa, dq))
+        else:
+            plan.delta_launch((out, dout, delta, delta))  # (no accumulator to zero)
+            tensors = (q, k, v, dout, lse, delta, dq, dk, dv, *kept, *sbufs, *mbufs)
+            ptrs = [t.data_ptr() for t in tensors]  # both kernels take the same tensors
+            plan.dq_launch(tensors, ptrs)
+            plan.dkdv_launch(tensors, ptrs)
         if made:  # fewer stages where shared memory ran out: the next plans' start
-            self.launches = [plan.dq_launch.launch, plan.dkdv_launch.launch]
+            self.launches = [plan.dq_launch.launch if plan.dq_launch else self.launches[0], plan.dkdv_launch.launch]
         return (dq, dk, dv, *nones)
 
     def _plan(self, blocks: tuple[int, int], operands: tuple, masks: int) -> BackwardPlan:
@@ -256,7 +277,12 @@ class FlexBackwardKernel:
         if q.numel() == 0 or k.numel() == 0:
             return plan
         plan.lse_converted = lse.dtype != fwd.work_dtype or not lse.is_contiguous()
-        plan.delta_launch = self._delta_launch(out, dout)
+        if self.atomic_dq:  # GQ's place holds the accumulator, [B, H, M, D] contiguous in the work dtype
+            accumulator = (B, H, M, fwd.head_dim)
+            plan.dq_accumulator = (accumulator, _contiguous_strides(accumulator), fwd.work_dtype)
+            grads[0] = (grads[0][0], plan.dq_accumulator[1], grads[0][2])
+            plan.convert_launch = self._convert_launch(q.shape, plan.dq[1])
+        plan.delta_launch = self._delta_launch(out, dout, zero_dq=self.atomic_dq)
         if not fwd.has_full_blocks:
             full_num, full_idx, full_q_num, full_q_idx = kv_num, kv_idx, q_num, q_idx
         ints = [B, H, M, N, H // k.shape[1], kv_num.shape[0], kv_num.shape[1]]
@@ -271,6 +297,9 @@ class FlexBackwardKernel:
         q_block, kv_block = blocks
         launches = []
         for fn, launch in zip((self.dq_fn, self.dkdv_fn), self.launches):
+            if fn is self.dq_fn and self.atomic_dq:
+                launches.append(None)
+                continue
             block_m, block_n, d_pad, dv_pad = block_sizes(fwd, launch, q_block, kv_block)
             consts = {"QB": q_block, "KB": kv_block, "D": fwd.head_dim, "DV": fwd.value_dim}
             consts.update(D_PAD=d_pad, DV_PAD=dv_pad, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -282,26 +311,38 @@ class FlexBackwardKernel:
                 grid = ((N + block_n - 1) // block_n, B * k.shape[1])
                 walk = steps(q_block, M, block_m)
                 consts.update(EVEN_M=even(q_block, M, block_m), Q_NESTED=walk >= CONTIGUOUS_STEPS)
+                consts.update(ATOMIC_DQ=self.atomic_dq, EVEN_KEYS=N % block_n == 0)
             launches.append(BoundLaunch(fn, grid, (*ints, *buf_ints, walk), consts, launch))
         plan.dq_launch, plan.dkdv_launch = launches
         return plan
 
-    def _delta_launch(self, out: torch.Tensor, dout: torch.Tensor) -> BoundLaunch:
-        """The kernel of rowsum(dout * out) in the work dtype, into a [B, H, M] contiguous delta."""
+    def _delta_launch(self, out: torch.Tensor, dout: torch.Tensor, zero_dq: bool) -> BoundLaunch:
+        """The kernel of rowsum(dout * out) in the work dtype, into a [B, H, M] contiguous delta; with
+        `zero_dq`, it also zeroes the atomic dq's accumulator over the same rows."""
         B, H, M, DV = out.shape
-        dv_pad = max(16, pow2(DV))
-        rows = max(1, min(64, 4096 // dv_pad))
+        D = self.spec.forward.head_dim
+        dv_pad, d_pad = max(16, pow2(DV)), max(16, pow2(D))
+        rows = max(1, min(64, 4096 // max(dv_pad, d_pad)))
         grid = ((B * H * M + rows - 1) // rows,)
         scalars = (B * H * M, H, M, *out.stride(), *dout.stride())
-        consts = {"DV": DV, "DV_PAD": dv_pad, "BLOCK_R": rows}
+        consts = {"DV": DV, "DV_PAD": dv_pad, "D": D, "D_PAD": d_pad, "BLOCK_R": rows, "ZERO_DQ": zero_dq}
         return BoundLaunch(self.delta_fn, grid, scalars, consts, FlexLaunch(rows, dv_pad, 4, 1))
+
+    def _convert_launch(self, shape: torch.Size, dq_stride: tuple) -> BoundLaunch:
+        """The kernel writing the atomic dq's accumulator, scaled and cast, into dq's layout."""
+        B, H, M, D = shape
+        d_pad = max(16, pow2(D))
+        rows = max(1, min(64, 4096 // d_pad))
+        grid = ((B * H * M + rows - 1) // rows,)
+        consts = {"D": D, "D_PAD": d_pad, "BLOCK_R": rows}
+        return BoundLaunch(self.convert_fn, grid, (B * H * M, H, M, *dq_stride), consts, FlexLaunch(rows, d_pad, 4, 1))
 
 
 @dataclass
 class BackwardPlan:
     """A flex backward call's work for one set of operand sizes and strides: `empty` and the (size,
-    stride, dtype) of dq, dk, dv and delta; whether lse needs converting to the work dtype; the three
-    launches (None: no queries or no keys, nothing to compute)."""
+    stride, dtype) of dq, dk, dv and delta; whether lse needs converting to the work dtype; the
+    launches (dkdv_launch None: no queries or no keys, nothing to compute)."""
 
     empty: Callable
     dq: tuple
@@ -309,9 +350,11 @@ class BackwardPlan:
     dv: tuple
     delta: tuple
     lse_converted: bool = False
+    dq_accumulator: tuple | None = None  # the atomic dq's (size, stride, dtype)
     delta_launch: BoundLaunch | None = None
-    dq_launch: BoundLaunch | None = None
+    dq_launch: BoundLaunch | None = None  # None with dkdv_launch set: dq is added up atomically
     dkdv_launch: BoundLaunch | None = None
+    convert_launch: BoundLaunch | None = None
 
 
 def _check_index_range(buffers) -> None:
@@ -321,6 +364,14 @@ def _check_index_range(buffers) -> None:
             raise RuntimeError(
                 f"flex_attention: a captured tensor of shape {tuple(buf.shape)} is too large to index in 32 bits"
             )
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= n
+    return tuple(reversed(stride))
 
 
 def _like_query(q: torch.Tensor, dv: int) -> tuple[tuple, tuple]:

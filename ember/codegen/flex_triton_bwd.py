@@ -1,4 +1,4 @@
-"""FlexAttention's backward as two Triton kernels (ir/flex.py: FlexBackwardSpec), FlashAttention-2's:
+"""FlexAttention's backward as Triton kernels (ir/flex.py: FlexBackwardSpec), FlashAttention-2's:
 
 - `flex_bwd_dq`: a program holds BLOCK_M query rows and walks the key blocks the BlockMask lists for
   them (as the forward does); per step it recomputes the scores, p = exp2(s * log2e - lse), then
@@ -9,6 +9,13 @@
   for its key block: dv += p^T dO, dk += ds^T q, with the scores computed transposed (k q^T).
 delta = rowsum(dO * out) is computed before, by `flex_bwd_delta` (one read of both, in the work dtype). Masked elements (mask_mod, outside the listed
 blocks, past the sequence) have p = 0 and a zero gradient.
+
+With the constant ATOMIC_DQ, `flex_bwd_dkdv` computes dq as well, FlashAttention-3's way: each of its steps
+adds ds^T's transpose times k into a zeroed accumulator in the work dtype, in GQ's place, with atomic adds
+(five products per step instead of seven: the scores and dp are computed once), and
+`flex_bwd_dq_convert` scales and casts the accumulator into dq; `flex_bwd_delta` zeroes it with
+ZERO_DQ. The adds come in any order, so dq is not bitwise reproducible from run to run
+(backends/flex.py: `atomic_dq` says where this way is taken).
 
 Parameters: Q, K, V, DO, LSE, DELTA, GQ, GK, GV (dq, dk, dv), the BlockMask's kv and q tensors (full ones where
 listed apart), each captured tensor, then the integers of `PARAMS`, then each captured tensor's
@@ -138,6 +145,12 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
             ),
             f"dv += tl.dot(p.to(do.dtype), do{precision})",
             f"dk += tl.dot(gs.to(q.dtype), q{precision})",
+            "if ATOMIC_DQ:",
+            "    if not EVEN_KEYS:  # dq sums over the keys: the program's own keys past the sequence add nothing",
+            "        gs = tl.where(kmask[:, None], gs, 0.0)",
+            f"    dqp = tl.dot(tl.trans(gs.to(k.dtype)), k{precision})",
+            "    tl.atomic_add(GQ + b * sab + h * sah + offs_m[:, None] * sam + offs_d[None, :] * sad, dqp,",
+            '                  mask=qmask[:, None] & (offs_d[None, :] < D), sem="relaxed")',
         ]
         return lines
 
@@ -209,13 +222,13 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr"
     )
     dq_constexprs = f"kv_steps, {constexprs}, EVEN_N: tl.constexpr, KV_NESTED: tl.constexpr"
-    dkdv_constexprs = f"q_steps, {constexprs}, EVEN_M: tl.constexpr, Q_NESTED: tl.constexpr"
+    dkdv_constexprs = f"q_steps, {constexprs}, EVEN_M: tl.constexpr, Q_NESTED: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_KEYS: tl.constexpr"
     dq_full = kv_walk("FULL_NUM", "FULL_IDX", "sf", "sj", False) if full else ""
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
     source = f"""
 @triton.jit
-def flex_bwd_delta(O, DO, DELTA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, sdd, DV: tl.constexpr,
-        DV_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+def flex_bwd_delta(O, DO, DELTA, DQA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, sdd, DV: tl.constexpr,
+        DV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ZERO_DQ: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < ROWS
     b = rows // (H * M)
@@ -226,6 +239,25 @@ def flex_bwd_delta(O, DO, DELTA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, 
     o = tl.load(O + (b * sob + h * soh + m * som)[:, None] + offs_v[None, :] * sod, mask=inside, other=0.0)
     do = tl.load(DO + (b * sdb + h * sdh + m * sdm)[:, None] + offs_v[None, :] * sdd, mask=inside, other=0.0)
     tl.store(DELTA + rows, tl.sum(o.to({wt}) * do.to({wt}), 1), mask=rmask)
+    if ZERO_DQ:  # the accumulator of the atomic dq, [B, H, M, D] contiguous
+        offs_d = tl.arange(0, D_PAD)
+        tl.store(DQA + rows[:, None] * D + offs_d[None, :], tl.zeros([BLOCK_R, D_PAD], DQA.dtype.element_ty),
+                 mask=rmask[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def flex_bwd_dq_convert(DQA, GQ, ROWS, H, M, sab, sah, sam, sad, D: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < ROWS
+    b = rows // (H * M)
+    h = (rows // M) % H
+    m = rows % M
+    offs_d = tl.arange(0, D_PAD)
+    inside = rmask[:, None] & (offs_d[None, :] < D)
+    dq = tl.load(DQA + rows[:, None] * D + offs_d[None, :], mask=inside, other=0.0)
+    tl.store(GQ + (b * sab + h * sah + m * sam)[:, None] + offs_d[None, :] * sad,
+             (dq * {fwd.scale!r}).to(GQ.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -114,15 +114,28 @@ def _softcap(s, b, h, q, kv):
     return 5 * torch.tanh(s / 5)
 
 
-@pytest.mark.parametrize("name", ["t5", "softcap_document", "t5_no_block_mask"])
-def test_flex_attention_backward_triton_interpreted(name):
-    """ember's backward kernels (dq; dk and dv), the gradient through score_mod inlined from the joint
-    graph, GQA, against PyTorch's reference backward. Eager flex_attention refuses a backward on CPU
-    tensors before any kernel runs; its reference implementation computes one, so that guard is lifted
-    here, for this test only."""
+@pytest.mark.parametrize("name", ["t5", "softcap_document", "softcap_document_two_kernels", "t5_no_block_mask"])
+def test_flex_attention_backward_triton_interpreted(name, monkeypatch):
+    """ember's backward kernels (float32: dk, dv and dq added up atomically; with the setting off, dq
+    in a kernel of its own), the gradient through score_mod inlined from the joint graph, GQA, against
+    PyTorch's reference backward. Eager flex_attention refuses a backward on CPU tensors before any
+    kernel runs; its reference implementation computes one, so that guard is lifted here, for this
+    test only."""
     from unittest import mock
 
     import torch.nn.attention.flex_attention as flex_module
+
+    import ember.backends.flex as flex_backend
+
+    ways = []
+    init = flex_backend.FlexBackwardKernel.__init__
+
+    def record(self, *args):
+        init(self, *args)
+        ways.append(self.atomic_dq)
+
+    monkeypatch.setattr(flex_backend.FlexBackwardKernel, "__init__", record)
+    atomic = not name.endswith("_two_kernels")
 
     B, H, S, D = 1, 2, 80, 16
     tiles = ""
@@ -149,7 +162,7 @@ def test_flex_attention_backward_triton_interpreted(name):
         out = fn(q, k, v)
         grad = torch.randn_like(out)
         want = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
-        with reports() as report, ember.config.override(heuristics=tiles):
+        with reports() as report, ember.config.override(heuristics=tiles, flex_atomic_dq=atomic):
             out = ember_compile(fn, "triton")(q, k, v)
             got = [out.detach(), *torch.autograd.grad(out, (q, k, v), grad)]
     assert_no_fallback(report, line)
@@ -159,8 +172,28 @@ def test_flex_attention_backward_triton_interpreted(name):
         forward = next(g for g in report.graphs if g.kind == "forward")
         computed = [e for e in forward.externs if not e.startswith("constant ")]
         assert not forward.kernels and computed == ["flex_attention"], (forward.kernels, computed, line)
+    assert ways == [atomic], (ways, line)
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a, b, rtol=1e-4, atol=1e-5, what=what, line=line)
+
+
+def test_flex_backward_adds_dq_atomically_for_float32_only_and_never_under_deterministic_algorithms():
+    from ember.backends.flex import atomic_dq
+    from ember.ir.flex import FlexSpec
+
+    def spec(dtype):
+        return FlexSpec(dtype, torch.float32, 64, 64, 0.125, None, None, (), 128, 128, False)
+
+    assert atomic_dq(spec(torch.float32))
+    assert not atomic_dq(spec(torch.bfloat16)) and not atomic_dq(spec(torch.float16))
+    with ember.config.override(flex_atomic_dq=False):
+        assert not atomic_dq(spec(torch.float32))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not atomic_dq(spec(torch.float32))
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def test_flex_attention_function_ember_cannot_map_runs_as_pytorch_op():
