@@ -523,6 +523,12 @@ def snapshot() -> dict[str, Any]:
     return {name: get(name) for name in SETTINGS}
 
 
+def changed() -> dict[str, Any]:
+    """The settings whose current value is not their default (an override or the environment), with it:
+    what a measurement's record says it ran under."""
+    return {name: value for name, value in snapshot().items() if value != SETTINGS[name].default}
+
+
 def codegen_key() -> dict[str, Any]:
     """The settings marked `codegen`, with their values: the one list of settings that enter cache
     keys (runtime/cache.py: ember_identity)."""

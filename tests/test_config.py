@@ -289,3 +289,11 @@ def test_fuse_off_gives_one_kernel_per_realized_value():
     assert_close(out, fn(x), rtol=1e-5, atol=1e-6, what="unfused softmax", line="repro: softmax fuse=False")
     assert len(fused.kernels) == 1
     assert len(unfused.kernels) > 1, str(unfused)
+
+
+def test_changed_lists_the_settings_not_at_their_defaults(monkeypatch):
+    monkeypatch.setenv("EMBER_FLEX_ATOMIC_DQ", "0")
+    with config.override(strict=True):
+        changed = config.changed()
+    assert changed["flex_atomic_dq"] is False and changed["strict"] is True
+    assert "cache" not in changed and "sdpa_causal_flex" not in changed

@@ -10,8 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ember
 from ember.frontend.masked_attention import BLOCK, causal_blocks, flex_for_sdpa, mask_blocks
 from tests.helpers import assert_close, assert_no_fallback, dynamo_graph, ember_compile, reports, repro
+
+
+@pytest.fixture(autouse=True)
+def interpreter_tiles():
+    """Triton's interpreter pays per operation, not per element: the float32 kernels run here over 64 x 64
+    tiles, a sixteenth of the programs and steps the GPU's 16 x 16 take (the tiles are the kernels'
+    parameters; tests/e2e/test_flex_attention.py runs the GPU's, and the block-by-block walk)."""
+    with ember.config.override(heuristics="flex.float32=64x64x4,flex.backward_float32=64x64x4"):
+        yield
 
 
 def _mask(kind: str, shape: tuple[int, ...], length: int, keys: int) -> torch.Tensor:
@@ -209,6 +219,26 @@ def test_calls_left_to_sdpa():
         return first + F.scaled_dot_product_attention(q, q, q, attn_mask=m)
 
     assert not _rewritten(written_between, q, bool_mask)
+
+
+def test_float32_causal_on_cuda_keeps_sdpa():
+    """A float32 causal call on CUDA keeps SDPA's memory-efficient kernel; a bfloat16 one is rewritten (the
+    graph traced on the CPU, its example values then made CUDA's, as Dynamo records them there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def on_cuda(dtype):
+        gm, _ = dynamo_graph(
+            lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True), torch.randn(1, 2, 32, 16)
+        )
+        with FakeTensorMode():
+            for node in gm.graph.nodes:
+                value = node.meta.get("example_value")
+                if isinstance(value, torch.Tensor):
+                    node.meta["example_value"] = torch.empty(value.shape, dtype=dtype, device="cuda")
+        return flex_for_sdpa(gm, causal=True)
+
+    assert not on_cuda(torch.float32)
+    assert on_cuda(torch.bfloat16) and on_cuda(torch.float16)
 
 
 def test_inference_graphs_and_the_setting_keep_sdpa():

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+import ember
 from ember.tools.bench import measure, report
 from ember.tools.bench.__main__ import main as bench_main
 from ember.tools.bench.workloads import WORKLOADS, select
@@ -102,6 +103,7 @@ def _flops(workload: str, mode: str) -> float:
 def test_ceilings_and_compile_times(records):
     env = next(r for r in records if r["type"] == "run")
     assert env["torch"] == torch.__version__ and env["compilers"] == COMPILERS
+    assert env["settings"] == ember.config.changed()  # (the tests' own cache folder among them)
     ceilings = next(r for r in records if r["type"] == "ceilings")
     assert ceilings["bandwidth_Bps"] > 0 and all(v > 0 for v in ceilings["flops"].values())
     compiles = [r for r in records if r["type"] == "compile"]

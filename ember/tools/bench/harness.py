@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._dynamo
 
+from ember import config
 from ember.tools import timing_noise
 from ember.tools.bench import compile_time, float64_rule, host_cost, measure, memory
 from ember.tools.bench.compilers import PEERS, compile_fn
@@ -67,6 +68,7 @@ def environment(settings: Settings) -> dict:
         "scale": settings.scale,
         "compilers": settings.compilers,
         "cache": measure.cache_bytes(dev),
+        "settings": config.changed(),  # ember's settings that are not their defaults (EMBER_* variables)
         # other processes on a small CPU machine change CPU times: the load says whether there were any
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
