@@ -13,7 +13,6 @@ from ember.backends.cpp import CppBackend
 from ember.codegen.triton import render_triton
 from ember.codegen.triton_launch import launch_config
 from ember.schedule.split import split_reductions
-from ember.target import SplitHeuristics
 from tests.schedule.test_fusion import TRITON, G
 
 BF16 = torch.bfloat16
@@ -146,12 +145,16 @@ def test_short_column_softmax_stays_looped():
     # held whole that does not render. One row past the split's min_reduce (an odd length, as
     # 20001) takes the same path today: the max and the sum of exp each split in two stages, the
     # first with a masked tail, each stage a short column. Compared with eager through the Triton
-    # interpreter, which reduces a max element by element in Python: 4097 rows, not 20001.
-    from tests.helpers import assert_close, ember_compile
+    # interpreter, which reduces a max element by element in Python: with the split taken from 1024
+    # elements on, in chunks of 64 at least (the Target's heuristics), 1025 rows, not 20001.
+    import ember
+    from tests.helpers import assert_close, ember_compile, reports
 
-    rows = SplitHeuristics().min_reduce + 1
-    x = torch.randn(rows, 8)
-    got = ember_compile(lambda t: torch.softmax(t, 0), "triton")(x)
+    rows = 1025
+    with reports() as report, ember.config.override(heuristics="split.min_reduce=1024,split.min_chunk=64"):
+        got = ember_compile(lambda t: torch.softmax(t, 0), "triton")(x := torch.randn(rows, 8))
+    domains = [(k.ops, k.domain) for k in report.graphs[0].kernels]
+    assert (["amax"], "[16, r65, 8]") in domains and (["amax"], "[r16, 8]") in domains, domains
     assert_close(
         got,
         torch.softmax(x, 0),
