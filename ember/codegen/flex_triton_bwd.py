@@ -227,13 +227,16 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
     source = f"""
 @triton.jit
+def flex_bwd_rows(ROWS, H, M, BLOCK_R: tl.constexpr):
+    # The program's BLOCK_R rows of a [B, H, M] walk: their flat index, bound, batch, head and position.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    return rows, rows < ROWS, rows // (H * M), (rows // M) % H, rows % M
+
+
+@triton.jit
 def flex_bwd_delta(O, DO, DELTA, DQA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, sdm, sdd, DV: tl.constexpr,
         DV_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, ZERO_DQ: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < ROWS
-    b = rows // (H * M)
-    h = (rows // M) % H
-    m = rows % M
+    rows, rmask, b, h, m = flex_bwd_rows(ROWS, H, M, BLOCK_R)
     offs_v = tl.arange(0, DV_PAD)
     inside = rmask[:, None] & (offs_v[None, :] < DV)
     o = tl.load(O + (b * sob + h * soh + m * som)[:, None] + offs_v[None, :] * sod, mask=inside, other=0.0)
@@ -248,11 +251,7 @@ def flex_bwd_delta(O, DO, DELTA, DQA, ROWS, H, M, sob, soh, som, sod, sdb, sdh, 
 @triton.jit
 def flex_bwd_dq_convert(DQA, GQ, ROWS, H, M, sab, sah, sam, sad, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_R: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < ROWS
-    b = rows // (H * M)
-    h = (rows // M) % H
-    m = rows % M
+    rows, rmask, b, h, m = flex_bwd_rows(ROWS, H, M, BLOCK_R)
     offs_d = tl.arange(0, D_PAD)
     inside = rmask[:, None] & (offs_d[None, :] < D)
     dq = tl.load(DQA + rows[:, None] * D + offs_d[None, :], mask=inside, other=0.0)

@@ -99,19 +99,11 @@ def ember_reduce_min(x, axis: tl.constexpr):
 
 
 @triton.jit
-def ember_reduce_max_interpreted(x, axis: tl.constexpr):
-    # Only for Triton's CPU interpreter, which runs a custom combine function (ember_maximum) in Python
-    # element by element: NumPy's max of the block, NaN where the block holds one (as ember_maximum gives).
-    m = tl.max(x, axis, keep_dims=True)
-    if x.dtype.is_floating():
-        m = tl.where(tl.max((x != x).to(tl.int8), axis, keep_dims=True) != 0, _EMBER_NAN, m)
-    return m
-
-
-@triton.jit
-def ember_reduce_min_interpreted(x, axis: tl.constexpr):
-    # As ember_reduce_max_interpreted, for ember_minimum.
-    m = tl.min(x, axis, keep_dims=True)
+def ember_reduce_extreme_interpreted(x, axis: tl.constexpr, maximum: tl.constexpr):
+    # Only for Triton's CPU interpreter, which runs a custom combine function (ember_maximum, ember_minimum)
+    # in Python element by element: NumPy's max or min of the block, NaN where the block holds one (as the
+    # combine functions give).
+    m = tl.max(x, axis, keep_dims=True) if maximum else tl.min(x, axis, keep_dims=True)
     if x.dtype.is_floating():
         m = tl.where(tl.max((x != x).to(tl.int8), axis, keep_dims=True) != 0, _EMBER_NAN, m)
     return m
@@ -377,21 +369,19 @@ class TritonRenderer(Renderer):
             # Lanes rescaled to the row's max; a row of nothing but -inf gives nan, as eager's
             # exp(x - max) does.
             m = self.accs[id(r.online_max)]
-            self.emit(f"{name} = ember_reduce_sum({acc} * tl.exp({m} - {self._reduce_fn('max')}({m}, 1)), 1)")
+            self.emit(f"{name} = ember_reduce_sum({acc} * tl.exp({m} - {self._reduced('max', m, 1)}), 1)")
             return
         if self.single_element:
             self.emit(f"{name} = {acc}")
             return
-        self.emit(f"{name} = {self._reduce_fn(r.kind)}({acc}, 1)")
+        self.emit(f"{name} = {self._reduced(r.kind, acc, 1)}")
 
-    def _reduce_fn(self, kind: str) -> str:
-        """The prelude's reduction of a block along an axis; under Triton's interpreter, max and min
-        through NumPy's (the interpreter runs a custom combine function per element, in Python)."""
-        return (
-            f"ember_reduce_{kind}_interpreted"
-            if self.interpreted and kind in ("max", "min")
-            else f"ember_reduce_{kind}"
-        )
+    def _reduced(self, kind: str, block: str, axis: int) -> str:
+        """The prelude's reduction of `block` along `axis`; under Triton's interpreter, max and min through
+        NumPy's (the interpreter runs a custom combine function per element, in Python)."""
+        if self.interpreted and kind in ("max", "min"):
+            return f"ember_reduce_extreme_interpreted({block}, {axis}, {kind == 'max'})"
+        return f"ember_reduce_{kind}({block}, {axis})"
 
     # -- whole kernel ------------------------------------------------------------------------
     def _emit_loop_vars(self, reduce: bool) -> None:
@@ -480,7 +470,7 @@ class TritonRenderer(Renderer):
         self.indent -= 1
         for acc, c in zip(accs, k.column_partials):
             total = self.fresh("colsum")
-            self.emit(f"{total} = {self._reduce_fn(c.kind)}({acc}, 0)")
+            self.emit(f"{total} = {self._reduced(c.kind, acc, 0)}")
             ptr = self.buffer_name(c.buffer)
             offset = f"chunk * {print_index(c.chunk_stride, '//')} + {self.index_of(c.column)}"
             self.emit(f"tl.store({ptr} + {offset}, {total}.to({TRITON_DTYPE[c.buffer.dtype]}), rmask)")

@@ -1,5 +1,5 @@
 """Under Triton's interpreter, ember's max and min reductions run through NumPy (codegen/triton.py:
-`ember_reduce_max_interpreted`, `_min_`), since the interpreter calls a custom combine function per
+`ember_reduce_extreme_interpreted`), since the interpreter calls a custom combine function per
 element, in Python. Both forms run here side by side over the same blocks: NaN anywhere in a row gives
 NaN, as the compiled form's NaN-propagating combine (`ember_maximum`) and eager's amax do; infinities and
 integers keep their values and dtypes. (Narrow floats reduce in float32: docs/decisions.md.)"""
@@ -20,10 +20,9 @@ def both(X, A, B, C: tl.constexpr, MAX: tl.constexpr):
     x = tl.load(X + rows * C + tl.arange(0, C)[None, :])
     if MAX:
         a = ember_reduce_max(x, 1)
-        b = ember_reduce_max_interpreted(x, 1)
     else:
         a = ember_reduce_min(x, 1)
-        b = ember_reduce_min_interpreted(x, 1)
+    b = ember_reduce_extreme_interpreted(x, 1, MAX)
     tl.store(A + rows, a)
     tl.store(B + rows, b)
 """
