@@ -305,8 +305,9 @@ SETTINGS: dict[str, Setting] = {
             "sdpa_causal_flex",
             bool,
             True,
-            "in CUDA (Triton) graphs that need gradients, causal SDPA without a mask runs as ember's FlexAttention "
-            "kernels over a causal BlockMask, faster than flash attention in training (frontend/masked_attention.py)",
+            "in CUDA (Triton) graphs that need gradients, causal SDPA without a mask in 16-bit dtypes runs as ember's "
+            "FlexAttention kernels over a causal BlockMask, faster than flash attention in training "
+            "(frontend/masked_attention.py)",
             codegen=True,
         ),
         Setting(

@@ -74,7 +74,8 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         (a masked step with a mask_mod) or where `bound` does (the other operand's rows past the
         sequence, unless the constant `even` says there are none): a full block inside the sequence
         selects nothing. `body` computes ds from p. The program's own rows past the sequence are not
-        bounded: they are never stored, and each row's result reads only that row."""
+        bounded: they are never stored, and each row's result reads only that row (the atomic dq, a sum over
+        the dk/dv program's own keys, bounds them itself: EVEN_KEYS)."""
         if masked and mask_result is not None:
             keep = [
                 *mask_lines,
@@ -222,7 +223,10 @@ def render_flex_triton_bwd(spec: FlexBackwardSpec, interpreted: bool) -> str:
         "DV_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr"
     )
     dq_constexprs = f"kv_steps, {constexprs}, EVEN_N: tl.constexpr, KV_NESTED: tl.constexpr"
-    dkdv_constexprs = f"q_steps, {constexprs}, EVEN_M: tl.constexpr, Q_NESTED: tl.constexpr, ATOMIC_DQ: tl.constexpr, EVEN_KEYS: tl.constexpr"
+    dkdv_constexprs = (
+        f"q_steps, {constexprs}, EVEN_M: tl.constexpr, Q_NESTED: tl.constexpr, ATOMIC_DQ: tl.constexpr, "
+        "EVEN_KEYS: tl.constexpr"
+    )
     dq_full = kv_walk("FULL_NUM", "FULL_IDX", "sf", "sj", False) if full else ""
     kv_full = q_walk("FULL_Q_NUM", "FULL_Q_IDX", "sz", "sw", False) if full else ""
     source = f"""

@@ -102,11 +102,15 @@ def ember_reduce_min(x, axis: tl.constexpr):
 def ember_reduce_extreme_interpreted(x, axis: tl.constexpr, maximum: tl.constexpr):
     # Only for Triton's CPU interpreter, which runs a custom combine function (ember_maximum, ember_minimum)
     # in Python element by element: NumPy's max or min of the block, NaN where the block holds one (as the
-    # combine functions give).
-    m = tl.max(x, axis, keep_dims=True) if maximum else tl.min(x, axis, keep_dims=True)
+    # combine functions give; NaN is set aside first, NumPy warning of slices of nothing but NaN), in x's
+    # dtype (tl.max and tl.min widen types narrower than 32 bits, which the combine functions keep).
+    y = x
+    if x.dtype.is_floating():
+        y = tl.where(x != x, -_EMBER_INF if maximum else _EMBER_INF, x)
+    m = tl.max(y, axis, keep_dims=True) if maximum else tl.min(y, axis, keep_dims=True)
     if x.dtype.is_floating():
         m = tl.where(tl.max((x != x).to(tl.int8), axis, keep_dims=True) != 0, _EMBER_NAN, m)
-    return m
+    return m.to(x.dtype)
 
 
 @triton.jit

@@ -31,7 +31,8 @@ mask is aligned to the top left, as this one).
 
 Left as SDPA: a mask that needs a gradient (ember's FlexAttention backward has no gradient for a
 captured tensor), dropout, `is_causal` with a mask, head counts or head sizes known only at run time, causal calls of
-head size above 128, and graphs that need no gradient (there cuDNN's forward takes the mask).
+head size above 128, float32 causal calls on CUDA (SDPA's memory-efficient kernel is the faster there), and graphs
+that need no gradient (there cuDNN's forward takes the mask).
 """
 
 from __future__ import annotations
@@ -56,10 +57,6 @@ MASK_FLOOR = torch.finfo(torch.float32).min / 2
 # attention in training (64 and 128 on an H200); above it flash attention stays (a masked call has no such
 # kernel to keep: flash takes no mask).
 CAUSAL_MAX_HEAD_SIZE = 128
-# float32 causal calls on CUDA keep SDPA's memory-efficient kernel: ember's float32 flex kernels compute their
-# products in full precision off the tensor cores, and a config-built Llama's float32 training step (H200)
-# took 305.6 ms with them against 255.4 with SDPA's kernel. (Elsewhere, Triton's interpreter among them, the
-# rewrite stands: nothing faster to keep.)
 
 
 def masked_attention_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule | None:
@@ -203,6 +200,11 @@ def _refusal(node: fx.Node) -> str | None:
         return "head counts or sizes that FlexAttention does not take"
     if mask is None and max(q.shape[-1], v.shape[-1]) > CAUSAL_MAX_HEAD_SIZE:
         return f"causal, head size above {CAUSAL_MAX_HEAD_SIZE}: flash attention's kernel is kept"
+    # float32 causal calls on CUDA keep SDPA's memory-efficient kernel: ember's float32 flex kernels compute their
+    # products in full precision off the tensor cores, and a config-built Llama's float32 training step (H200)
+    # took 305.6 ms with them against 255.4 with SDPA's kernel (docs/decisions.md). Elsewhere, Triton's
+    # interpreter among them, the rewrite stands: nothing faster to keep. (Masked float32 calls were not
+    # measured against SDPA's kernel, which reads the mask at every score: they are rewritten.)
     if mask is None and q.dtype == torch.float32 and q.device.type == "cuda":
         return "causal in float32 on CUDA: the memory-efficient kernel is kept"
     return None if mask is None else _mask_refusal(example_value(mask), q, k)

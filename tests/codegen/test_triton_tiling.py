@@ -144,9 +144,9 @@ def test_short_column_softmax_stays_looped():
     # scheduler had folded its max and sum of exp into one online pass for a looped kernel, and
     # held whole that does not render. One row past the split's min_reduce (an odd length, as
     # 20001) takes the same path today: the max and the sum of exp each split in two stages, the
-    # first with a masked tail, each stage a short column. Compared with eager through the Triton
-    # interpreter, which reduces a max element by element in Python: with the split taken from 1024
-    # elements on, in chunks of 64 at least (the Target's heuristics), 1025 rows, not 20001.
+    # first with a masked tail, each stage a short column. With the split taken from 1024 elements on,
+    # in chunks of 64 at least (the Target's heuristics), the same path from 1025 rows, not 20001:
+    # compared with eager through the Triton interpreter, whose cost grows with the rows.
     import ember
     from tests.helpers import assert_close, ember_compile, reports
 

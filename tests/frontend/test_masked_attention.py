@@ -18,8 +18,9 @@ from tests.helpers import assert_close, assert_no_fallback, dynamo_graph, ember_
 @pytest.fixture(autouse=True)
 def interpreter_tiles():
     """Triton's interpreter pays per operation, not per element: the float32 kernels run here over 64 x 64
-    tiles, a sixteenth of the programs and steps the GPU's 16 x 16 take (the tiles are the kernels'
-    parameters; tests/e2e/test_flex_attention.py runs the GPU's, and the block-by-block walk)."""
+    tiles, far fewer programs and steps than the GPU's (16 x 16 in the backward, 32 x 64 in the forward; the
+    tiles are the kernels' parameters: tests/e2e/test_flex_attention.py runs the GPU's, and the
+    block-by-block walk)."""
     with ember.config.override(heuristics="flex.float32=64x64x4,flex.backward_float32=64x64x4"):
         yield
 
