@@ -20,6 +20,7 @@ from ember.codegen.flex_cpp import render_flex_cpp
 from ember.codegen.flex_triton import CONTIGUOUS_STEPS, FlexLaunch, block_sizes, even, pow2, render_flex_triton, steps
 from ember.codegen.flex_triton_bwd import render_flex_triton_bwd
 from ember.ir.flex import FlexAttention, FlexAttentionBackward, FlexBackwardSpec, FlexSpec
+from ember.ir.sizes import contiguous_strides
 from ember.schedule.steps import ExternStep, Schedule
 from ember.target import Target
 
@@ -279,7 +280,8 @@ class FlexBackwardKernel:
         plan.lse_converted = lse.dtype != fwd.work_dtype or not lse.is_contiguous()
         if self.atomic_dq:  # GQ's place holds the accumulator, [B, H, M, D] contiguous in the work dtype
             accumulator = (B, H, M, fwd.head_dim)
-            plan.dq_accumulator = (accumulator, _contiguous_strides(accumulator), fwd.work_dtype)
+            strides = tuple(int(st) for st in contiguous_strides(accumulator))
+            plan.dq_accumulator = (accumulator, strides, fwd.work_dtype)
             grads[0] = (grads[0][0], plan.dq_accumulator[1], grads[0][2])
             plan.convert_launch = self._convert_launch(q.shape, plan.dq[1])
         plan.delta_launch = self._delta_launch(out, dout, zero_dq=self.atomic_dq)
@@ -322,20 +324,25 @@ class FlexBackwardKernel:
         B, H, M, DV = out.shape
         D = self.spec.forward.head_dim
         dv_pad, d_pad = max(16, pow2(DV)), max(16, pow2(D))
-        rows = max(1, min(64, 4096 // max(dv_pad, d_pad)))
-        grid = ((B * H * M + rows - 1) // rows,)
-        scalars = (B * H * M, H, M, *out.stride(), *dout.stride())
-        consts = {"DV": DV, "DV_PAD": dv_pad, "D": D, "D_PAD": d_pad, "BLOCK_R": rows, "ZERO_DQ": zero_dq}
-        return BoundLaunch(self.delta_fn, grid, scalars, consts, FlexLaunch(rows, dv_pad, 4, 1))
+        scalars = (*out.stride(), *dout.stride())
+        consts = {"DV": DV, "DV_PAD": dv_pad, "D": D, "D_PAD": d_pad, "ZERO_DQ": zero_dq}
+        return _row_launch(self.delta_fn, (B, H, M), max(dv_pad, d_pad), scalars, consts)
 
     def _convert_launch(self, shape: torch.Size, dq_stride: tuple) -> BoundLaunch:
         """The kernel writing the atomic dq's accumulator, scaled and cast, into dq's layout."""
         B, H, M, D = shape
         d_pad = max(16, pow2(D))
-        rows = max(1, min(64, 4096 // d_pad))
-        grid = ((B * H * M + rows - 1) // rows,)
-        consts = {"D": D, "D_PAD": d_pad, "BLOCK_R": rows}
-        return BoundLaunch(self.convert_fn, grid, (B * H * M, H, M, *dq_stride), consts, FlexLaunch(rows, d_pad, 4, 1))
+        return _row_launch(self.convert_fn, (B, H, M), d_pad, dq_stride, {"D": D, "D_PAD": d_pad})
+
+
+def _row_launch(fn: DirectLaunch, bhm: tuple, width: int, scalars: tuple, consts: dict) -> BoundLaunch:
+    """A launch of one of the backward's row kernels (flex_bwd_rows): BLOCK_R rows of the [B, H, M] walk a
+    program, each `width` (a power of two) wide, up to 4,096 elements a program."""
+    B, H, M = bhm
+    rows = max(1, min(64, 4096 // width))
+    grid = ((B * H * M + rows - 1) // rows,)
+    launch = FlexLaunch(rows, width, 4, 1)
+    return BoundLaunch(fn, grid, (B * H * M, H, M, *scalars), {**consts, "BLOCK_R": rows}, launch)
 
 
 @dataclass
@@ -364,14 +371,6 @@ def _check_index_range(buffers) -> None:
             raise RuntimeError(
                 f"flex_attention: a captured tensor of shape {tuple(buf.shape)} is too large to index in 32 bits"
             )
-
-
-def _contiguous_strides(shape: tuple) -> tuple:
-    stride, step = [], 1
-    for n in reversed(shape):
-        stride.append(step)
-        step *= n
-    return tuple(reversed(stride))
 
 
 def _like_query(q: torch.Tensor, dv: int) -> tuple[tuple, tuple]:
